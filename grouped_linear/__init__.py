@@ -1,0 +1,24 @@
+"""Grouped linear layers for Mixture-of-Experts models, in PyTorch and Triton.
+
+>>> import grouped_linear as gl
+>>> layer = gl.GroupedLinear(num_gemms=4, in_features=64, out_features=32)
+"""
+
+from .modules import GroupedLinear, GroupedMLP
+from .ops import GroupSplits, grouped_linear
+from .ops.padding import pad_groups, unpad_groups
+from .ops.permutation import permute, unpermute
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "GroupedLinear",
+    "GroupedMLP",
+    "GroupSplits",
+    "grouped_linear",
+    "pad_groups",
+    "unpad_groups",
+    "permute",
+    "unpermute",
+    "__version__",
+]

@@ -1,0 +1,1 @@
+"""Compute kernels and their plain-PyTorch references: tensors in, tensors out."""

@@ -1,0 +1,301 @@
+"""``GroupedLinear``: one linear layer per expert, run as one grouped GEMM."""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import nn
+
+from ..ops.grouped_linear import BACKEND_CHOICES, apply_grouped_linear
+from ..ops.weight_grad import WeightGradSink, check_main_grad
+
+__all__ = ["GroupedLinear"]
+
+_PARALLEL_DEFAULTS = {"parallel_mode": None, "tp_size": 1, "tp_group": None, "reduce_output": True}
+
+
+def _check_positive_int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {value!r} of type {type(value).__name__}")
+    if value < 1:
+        raise ValueError(f"{name} must be >= 1, got {value}")
+    return value
+
+
+class GroupedLinear(nn.Module):
+    r"""``G`` linear layers applied to ``G`` consecutive row groups of one input.
+
+    ``y[rows of group i] = x[rows of group i] @ W_i^T + b_i``
+
+    Args:
+        num_gemms: ``G``, the number of groups (experts).
+        in_features: size of each input row.
+        out_features: size of each output row.
+        bias: learn a bias per group.
+        return_bias: return ``(y, bias)`` with the bias not added (the
+            ``(G, out)`` parameter, the list of per-expert biases, or ``None``).
+        single_grouped_weight: one ``weight`` parameter ``(G, out, in)``; if
+            ``False``, ``weight0`` ... ``weight{G-1}`` of shape ``(out, in)``.
+        single_grouped_bias: one ``bias`` ``(G, out)``; else ``bias0`` ... ``(out,)``.
+        params_dtype: parameter dtype (default: ``torch.get_default_dtype()``).
+        device: parameter device; ``"meta"`` defers initialisation
+            (``to_empty`` then ``reset_parameters``).
+        init_method: called once per expert on its ``(out, in)`` weight;
+            default is ``nn.Linear``'s initialisation (fan-in = ``in_features``).
+        delay_wgrad_compute: backward computes only the input gradient;
+            :meth:`backward_dw` computes the weight and bias gradients.
+        fuse_wgrad_accumulation: add weight gradients into ``param.main_grad``
+            (allocated by the caller) instead of ``.grad``.
+        backend: ``"auto"``, ``"grouped"`` (torch's grouped GEMM) or ``"loop"``.
+        recipe: ``None`` (compute in the input dtype).
+
+    Shape:
+        - Input: ``(M, in_features)`` or a list of ``G`` tensors ``(m_i, in_features)``;
+          ``m_splits``: ``G`` ints or an integer tensor ``(G,)`` on any device.
+        - Output: ``(M, out_features)``.
+    """
+
+    def __init__(
+        self,
+        num_gemms: int,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        *,
+        return_bias: bool = False,
+        single_grouped_weight: bool = True,
+        single_grouped_bias: bool = True,
+        params_dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+        init_method: Callable[[torch.Tensor], object] | None = None,
+        delay_wgrad_compute: bool = False,
+        fuse_wgrad_accumulation: bool = False,
+        backend: str = "auto",
+        recipe: object | None = None,
+        parallel_mode: str | None = None,
+        tp_size: int = 1,
+        tp_group: object | None = None,
+        reduce_output: bool = True,
+    ) -> None:
+        super().__init__()
+        self.num_gemms = _check_positive_int("num_gemms", num_gemms)
+        self.in_features = _check_positive_int("in_features", in_features)
+        self.out_features = _check_positive_int("out_features", out_features)
+        if not isinstance(backend, str) or backend not in BACKEND_CHOICES:
+            raise ValueError(f"backend={backend!r} is not one of {BACKEND_CHOICES}")
+        if backend == "triton":
+            raise ValueError(
+                "backend='triton' is not available in this version; use 'auto', 'grouped' or 'loop'"
+            )
+        if recipe is not None:
+            raise ValueError(
+                f"recipe={recipe!r} is not supported: only recipe=None (no FP8) is available"
+            )
+        given = {"parallel_mode": parallel_mode, "tp_size": tp_size, "tp_group": tp_group,
+                 "reduce_output": reduce_output}
+        for name, value in given.items():
+            if value != _PARALLEL_DEFAULTS[name]:
+                raise ValueError(
+                    f"{name}={value!r} is not supported: tensor parallelism is not available "
+                    f"in this version (leave it at {_PARALLEL_DEFAULTS[name]!r})"
+                )
+        if init_method is not None and not callable(init_method):
+            raise TypeError(f"init_method must be callable, got {init_method!r}")
+        self.use_bias = bool(bias)
+        self.return_bias = return_bias
+        self.single_grouped_weight = single_grouped_weight
+        self.single_grouped_bias = single_grouped_bias
+        self.init_method = init_method
+        self.delay_wgrad_compute = delay_wgrad_compute
+        self.fuse_wgrad_accumulation = fuse_wgrad_accumulation
+        self.backend = backend
+        self.recipe = recipe
+        self._pending_wgrads: deque = deque()
+
+        factory = {"device": device, "dtype": params_dtype or torch.get_default_dtype()}
+        G, N, K = self.num_gemms, self.out_features, self.in_features
+        if single_grouped_weight:
+            self.weight = nn.Parameter(torch.empty(G, N, K, **factory))
+        else:
+            for i in range(G):
+                self.register_parameter(f"weight{i}", nn.Parameter(torch.empty(N, K, **factory)))
+        if self.use_bias and single_grouped_bias:
+            self.bias = nn.Parameter(torch.empty(G, N, **factory))
+        elif self.use_bias:
+            self.register_parameter("bias", None)
+            for i in range(G):
+                self.register_parameter(f"bias{i}", nn.Parameter(torch.empty(N, **factory)))
+        else:
+            self.register_parameter("bias", None)
+        self.reset_parameters()
+
+    # ------------------------------------------------------------------ parameters
+    def weight_list(self) -> list[torch.Tensor]:
+        """The ``G`` per-expert ``(out, in)`` weights (views in the single layout)."""
+        if self.single_grouped_weight:
+            return list(self.weight.unbind(0))
+        return [getattr(self, f"weight{i}") for i in range(self.num_gemms)]
+
+    def bias_list(self) -> list[torch.Tensor] | None:
+        """The ``G`` per-expert ``(out,)`` biases, or ``None`` without bias."""
+        if not self.use_bias:
+            return None
+        if self.single_grouped_bias:
+            return list(self.bias.unbind(0))
+        return [getattr(self, f"bias{i}") for i in range(self.num_gemms)]
+
+    def _weight_params(self) -> tuple[list[nn.Parameter], list[str]]:
+        if self.single_grouped_weight:
+            return [self.weight], ["weight"]
+        names = [f"weight{i}" for i in range(self.num_gemms)]
+        return [getattr(self, n) for n in names], names
+
+    def _bias_params(self) -> list[nn.Parameter] | None:
+        if not self.use_bias:
+            return None
+        if self.single_grouped_bias:
+            return [self.bias]
+        return [getattr(self, f"bias{i}") for i in range(self.num_gemms)]
+
+    def grouped_weight(self) -> torch.Tensor:
+        """The weight as one ``(G, out, in)`` tensor (stacked in the per-expert layout)."""
+        if self.single_grouped_weight:
+            return self.weight
+        return torch.stack(self.weight_list())
+
+    def grouped_bias(self) -> torch.Tensor | None:
+        """The bias as one ``(G, out)`` tensor, or ``None``."""
+        if not self.use_bias:
+            return None
+        if self.single_grouped_bias:
+            return self.bias
+        return torch.stack(self.bias_list())
+
+    def reset_parameters(self) -> None:
+        """Initialise each expert as ``nn.Linear`` would (or with ``init_method``).
+
+        Weights first, expert by expert, then biases: both layouts draw the
+        same numbers from the same seed.
+        """
+        bound = 1.0 / math.sqrt(self.in_features)
+        with torch.no_grad():
+            for weight in self.weight_list():
+                if self.init_method is not None:
+                    self.init_method(weight)
+                else:
+                    nn.init.kaiming_uniform_(weight, a=math.sqrt(5))
+            for bias in self.bias_list() or []:
+                nn.init.uniform_(bias, -bound, bound)
+
+    # ------------------------------------------------------------------ forward
+    def forward(
+        self,
+        x: torch.Tensor | Sequence[torch.Tensor],
+        m_splits: Sequence[int] | torch.Tensor | None = None,
+        *,
+        is_first_microbatch: bool | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, object]:
+        """Apply each group's linear map; see the class docstring for shapes.
+
+        ``is_first_microbatch`` only matters for quantized recipes (weight
+        cache); high-precision compute ignores it.
+        """
+        if is_first_microbatch not in (None, True, False):
+            raise TypeError(f"is_first_microbatch must be None or a bool, got {is_first_microbatch!r}")
+        weights, names = self._weight_params()
+        needs_grad = torch.is_grad_enabled() and any(w.requires_grad for w in weights)
+        if self.fuse_wgrad_accumulation and needs_grad:
+            check_main_grad(weights, names)
+        sink = None
+        if needs_grad and (self.delay_wgrad_compute or self.fuse_wgrad_accumulation):
+            sink = WeightGradSink(
+                weights, self._bias_params(), names,
+                delay=self.delay_wgrad_compute,
+                fuse_main_grad=self.fuse_wgrad_accumulation,
+                queue=self._pending_wgrads,
+            )
+        bias = None if self.return_bias else self.grouped_bias()
+        out = apply_grouped_linear(
+            x, self.grouped_weight(), bias, m_splits, backend=self.backend, sink=sink
+        )
+        if not self.return_bias:
+            return out
+        if not self.use_bias:
+            return out, None
+        return out, (self.bias if self.single_grouped_bias else self.bias_list())
+
+    def backward_dw(self) -> None:
+        """Compute the weight and bias gradients of every pending backward, oldest first.
+
+        Only does work with ``delay_wgrad_compute=True``; gradients accumulate
+        into ``.grad`` (or ``main_grad`` with ``fuse_wgrad_accumulation``).
+        """
+        WeightGradSink.flush(self._pending_wgrads)
+
+    # ------------------------------------------------------------------ state dict
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):
+        G = self.num_gemms
+        _remap_layout(state_dict, prefix, "weight", G, self.single_grouped_weight)
+        if self.use_bias:
+            _remap_layout(state_dict, prefix, "bias", G, self.single_grouped_bias)
+        for name, param in self._parameters.items():
+            key = prefix + name
+            if param is not None and key in state_dict:
+                value = state_dict[key]
+                if not isinstance(value, torch.Tensor) or value.shape != param.shape:
+                    shape = tuple(value.shape) if isinstance(value, torch.Tensor) else value
+                    raise ValueError(
+                        f"state dict entry {key!r} has shape {shape}, expected {tuple(param.shape)}"
+                    )
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                      unexpected_keys, error_msgs)
+
+    def extra_repr(self) -> str:
+        parts = [
+            f"num_gemms={self.num_gemms}",
+            f"in_features={self.in_features}",
+            f"out_features={self.out_features}",
+            f"bias={self.use_bias}",
+        ]
+        if not self.single_grouped_weight:
+            parts.append("single_grouped_weight=False")
+        if self.use_bias and not self.single_grouped_bias:
+            parts.append("single_grouped_bias=False")
+        if self.backend != "auto":
+            parts.append(f"backend={self.backend!r}")
+        if self.return_bias:
+            parts.append("return_bias=True")
+        if self.delay_wgrad_compute:
+            parts.append("delay_wgrad_compute=True")
+        if self.fuse_wgrad_accumulation:
+            parts.append("fuse_wgrad_accumulation=True")
+        return ", ".join(parts)
+
+
+def _remap_layout(state_dict: dict, prefix: str, name: str, num_groups: int, single: bool) -> None:
+    """Rewrite ``name{i}`` keys into one stacked ``name`` key, or the reverse, in place."""
+    single_key = prefix + name
+    expert_keys = [f"{prefix}{name}{i}" for i in range(num_groups)]
+    if single and single_key not in state_dict and all(k in state_dict for k in expert_keys):
+        pieces = [state_dict[k] for k in expert_keys]
+        shapes = {tuple(p.shape) for p in pieces}
+        if len(shapes) != 1:
+            raise ValueError(f"state dict entries {expert_keys[0]!r}.. have mixed shapes {shapes}")
+        state_dict[single_key] = torch.stack(pieces)
+        for key in expert_keys:
+            del state_dict[key]
+    elif not single and single_key in state_dict and not any(k in state_dict for k in expert_keys):
+        stacked = state_dict[single_key]
+        if not isinstance(stacked, torch.Tensor) or stacked.dim() < 1 or stacked.shape[0] != num_groups:
+            shape = tuple(stacked.shape) if isinstance(stacked, torch.Tensor) else stacked
+            raise ValueError(
+                f"state dict entry {single_key!r} has shape {shape}: expected {num_groups} experts "
+                "along dimension 0"
+            )
+        for key, piece in zip(expert_keys, stacked.unbind(0)):
+            state_dict[key] = piece
+        del state_dict[single_key]

@@ -1,0 +1,104 @@
+"""``GroupedMLP``: the expert feed-forward block, fc1 -> activation -> fc2."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..ops.grouped_linear import join_inputs
+from ..ops.splits import GroupSplits, normalize_splits
+from .grouped_linear import GroupedLinear
+
+__all__ = ["GroupedMLP", "ACTIVATIONS", "GATED_ACTIVATIONS"]
+
+
+def _swiglu(h: torch.Tensor) -> torch.Tensor:
+    gate, up = h.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def _geglu(h: torch.Tensor) -> torch.Tensor:
+    gate, up = h.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
+ACTIVATIONS = {
+    "swiglu": _swiglu,
+    "geglu": _geglu,
+    "gelu": lambda h: F.gelu(h, approximate="tanh"),
+    "relu": F.relu,
+    "silu": F.silu,
+}
+GATED_ACTIVATIONS = ("swiglu", "geglu")
+
+
+class GroupedMLP(nn.Module):
+    r"""Per-expert MLP: ``fc2(act(fc1(x)))`` with ``G`` experts.
+
+    For gated activations (``swiglu``, ``geglu``) ``fc1`` has
+    ``2 * ffn_hidden_size`` outputs, the gate half first:
+    ``act(h) = f(h[:, :F]) * h[:, F:]`` with ``f`` = SiLU or tanh-GELU.
+
+    Args:
+        num_experts: ``G``.
+        hidden_size: model width ``H`` (fc1 input, fc2 output).
+        ffn_hidden_size: expert width ``F``.
+        activation: one of ``swiglu``, ``geglu``, ``gelu`` (tanh), ``relu``, ``silu``.
+        **grouped_linear_kwargs: passed to both ``fc1`` and ``fc2``
+            (``bias``, ``params_dtype``, ``device``, ``backend``, ...).
+
+    Shape:
+        - Input: ``(M, H)`` or a list of ``G`` tensors ``(m_i, H)``; ``m_splits`` as
+          for :class:`GroupedLinear`.
+        - Output: ``(M, H)``.
+    """
+
+    def __init__(
+        self,
+        num_experts: int,
+        hidden_size: int,
+        ffn_hidden_size: int,
+        activation: str = "swiglu",
+        **grouped_linear_kwargs,
+    ) -> None:
+        super().__init__()
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"activation={activation!r} is not one of {tuple(ACTIVATIONS)}")
+        if grouped_linear_kwargs.get("return_bias", False):
+            raise ValueError("return_bias=True is not supported by GroupedMLP")
+        self.num_experts = num_experts
+        self.hidden_size = hidden_size
+        self.ffn_hidden_size = ffn_hidden_size
+        self.activation = activation
+        fc1_out = ffn_hidden_size * (2 if activation in GATED_ACTIVATIONS else 1)
+        self.fc1 = GroupedLinear(num_experts, hidden_size, fc1_out, **grouped_linear_kwargs)
+        self.fc2 = GroupedLinear(num_experts, ffn_hidden_size, hidden_size, **grouped_linear_kwargs)
+
+    def forward(
+        self,
+        x: torch.Tensor | Sequence[torch.Tensor],
+        m_splits: Sequence[int] | torch.Tensor | GroupSplits | None = None,
+        *,
+        is_first_microbatch: bool | None = None,
+    ) -> torch.Tensor:
+        x, m_splits = join_inputs(x, m_splits, self.hidden_size)
+        splits = normalize_splits(
+            m_splits, num_groups=self.num_experts, num_rows=x.shape[0], device=x.device
+        )
+        h = self.fc1(x, splits, is_first_microbatch=is_first_microbatch)
+        h = ACTIVATIONS[self.activation](h)
+        return self.fc2(h, splits, is_first_microbatch=is_first_microbatch)
+
+    def backward_dw(self) -> None:
+        """Run the delayed weight-gradient work of both layers (``delay_wgrad_compute``)."""
+        self.fc2.backward_dw()
+        self.fc1.backward_dw()
+
+    def extra_repr(self) -> str:
+        return (
+            f"num_experts={self.num_experts}, hidden_size={self.hidden_size}, "
+            f"ffn_hidden_size={self.ffn_hidden_size}, activation={self.activation!r}"
+        )

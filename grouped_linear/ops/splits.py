@@ -1,0 +1,171 @@
+"""One normalised form of the user's ``m_splits``, built once per call.
+
+Every op receives a :class:`GroupSplits`: the group count, the row count, the
+cumulative row offsets on the compute device (what the GEMM kernels index
+with) and, when the sizes are known on the host, the sizes themselves (what
+the per-group loop and exact-size allocations use).
+"""
+
+from __future__ import annotations
+
+import operator
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["GroupSplits", "normalize_splits", "debug_checks_enabled"]
+
+_INTEGER_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
+
+
+def debug_checks_enabled() -> bool:
+    """Whether ``GROUPED_LINEAR_DEBUG=1`` asks for checks that need a host sync."""
+    return os.environ.get("GROUPED_LINEAR_DEBUG", "0") not in ("", "0")
+
+
+@dataclass(frozen=True)
+class GroupSplits:
+    """Row partition of an ``(M, features)`` tensor into ``G`` consecutive groups.
+
+    Attributes:
+        num_groups: ``G``.
+        num_rows: ``M``, the rows of the tensor being split.
+        offsets: ``(G,)`` int32 tensor of cumulative group ends on the compute
+            device, non-decreasing and clamped to ``[0, M]``.
+        host_sizes: the group sizes as Python ints when they are known on the
+            host (then they sum to ``M``), else ``None`` (device splits, which
+            may sum to less than ``M``: rows past the sum belong to no group).
+    """
+
+    num_groups: int
+    num_rows: int
+    offsets: torch.Tensor
+    host_sizes: tuple[int, ...] | None
+
+    @property
+    def on_host(self) -> bool:
+        return self.host_sizes is not None
+
+    @property
+    def may_have_tail(self) -> bool:
+        """True when some rows may belong to no group (device splits)."""
+        return self.host_sizes is None
+
+    def sizes_list(self) -> list[int]:
+        """Group sizes as Python ints (synchronizes for device splits)."""
+        if self.host_sizes is not None:
+            return list(self.host_sizes)
+        ends = self.offsets.tolist()
+        return [end - start for start, end in zip([0] + ends[:-1], ends)]
+
+    def host_offsets(self) -> torch.Tensor:
+        """``(G,)`` int64 CPU tensor of group ends (synchronizes for device splits)."""
+        if self.host_sizes is not None:
+            return torch.tensor(self.host_sizes, dtype=torch.int64).cumsum(0)
+        return self.offsets.to("cpu", torch.int64)
+
+    def starts(self) -> torch.Tensor:
+        """``(G,)`` group starts on the compute device."""
+        return torch.cat([self.offsets.new_zeros(1), self.offsets[:-1]])
+
+
+def _check_host_sizes(sizes: list[int], num_rows: int | None, name: str) -> None:
+    for i, size in enumerate(sizes):
+        if size < 0:
+            raise ValueError(f"{name}[{i}] is {size}: group sizes must be non-negative")
+    if num_rows is not None and sum(sizes) != num_rows:
+        raise ValueError(
+            f"{name} sums to {sum(sizes)} but the input has {num_rows} rows "
+            f"(host splits must sum to the row count)"
+        )
+
+
+def _host_sizes_from_sequence(m_splits: Sequence, name: str) -> list[int]:
+    sizes = []
+    for i, value in enumerate(m_splits):
+        if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_floating_point():
+            value = value.item()
+        try:
+            if isinstance(value, bool):
+                raise TypeError
+            sizes.append(operator.index(value))
+        except TypeError:
+            raise TypeError(
+                f"{name}[{i}] is {value!r} of type {type(value).__name__}: splits must be integers"
+            ) from None
+    return sizes
+
+
+def normalize_splits(
+    m_splits: Sequence[int] | torch.Tensor | GroupSplits,
+    *,
+    num_groups: int,
+    num_rows: int,
+    device: torch.device,
+    name: str = "m_splits",
+) -> GroupSplits:
+    """Validate ``m_splits`` and build the :class:`GroupSplits` every op uses.
+
+    Args:
+        m_splits: a sequence of ``G`` Python ints, a 1-D integer tensor of
+            shape ``(G,)`` on any device, or an already normalised
+            :class:`GroupSplits` (checked against ``num_groups``/``num_rows``).
+        num_groups: expected ``G``.
+        num_rows: ``M``, the input's row count.
+        device: the compute device (where ``offsets`` is placed).
+
+    Host splits (sequences and CPU tensors) are checked in full. Device splits
+    are only clamped (never read back) unless ``GROUPED_LINEAR_DEBUG=1``.
+    """
+    if isinstance(m_splits, GroupSplits):
+        if m_splits.num_groups != num_groups or m_splits.num_rows != num_rows:
+            raise ValueError(
+                f"{name} describes {m_splits.num_groups} groups over {m_splits.num_rows} rows, "
+                f"expected {num_groups} groups over {num_rows} rows"
+            )
+        if m_splits.offsets.device != device:
+            raise ValueError(f"{name} is on {m_splits.offsets.device} but the input is on {device}")
+        return m_splits
+    if isinstance(m_splits, torch.Tensor):
+        if m_splits.dtype not in _INTEGER_DTYPES:
+            raise TypeError(f"{name} has dtype {m_splits.dtype}: splits must be an integer tensor")
+        if m_splits.dim() != 1:
+            raise ValueError(f"{name} has shape {tuple(m_splits.shape)}: expected a 1-D tensor")
+        if m_splits.numel() != num_groups:
+            raise ValueError(
+                f"{name} has length {m_splits.numel()} but num_gemms is {num_groups}"
+            )
+        if m_splits.device.type == "cpu":
+            sizes = [int(v) for v in m_splits.tolist()]
+        else:
+            if device.type == "cpu":
+                raise ValueError(
+                    f"{name} is on {m_splits.device} but the input is on {device}: "
+                    "device splits must live on the input's device"
+                )
+            if m_splits.device != device:
+                raise ValueError(f"{name} is on {m_splits.device} but the input is on {device}")
+            if debug_checks_enabled():
+                _check_host_sizes([int(v) for v in m_splits.tolist()], None, name)
+                if int(m_splits.sum()) > num_rows:
+                    raise ValueError(
+                        f"{name} sums to {int(m_splits.sum())}, more than the {num_rows} input rows"
+                    )
+            offsets = torch.cumsum(m_splits.to(torch.int64), 0).clamp_(0, num_rows)
+            offsets = torch.cummax(offsets, 0).values.to(torch.int32)
+            return GroupSplits(num_groups, num_rows, offsets, None)
+    elif isinstance(m_splits, (list, tuple)):
+        if len(m_splits) != num_groups:
+            raise ValueError(f"{name} has length {len(m_splits)} but num_gemms is {num_groups}")
+        sizes = _host_sizes_from_sequence(m_splits, name)
+    else:
+        raise TypeError(
+            f"{name} is {type(m_splits).__name__}: expected a list of ints or an integer tensor"
+        )
+    _check_host_sizes(sizes, num_rows, name)
+    offsets = torch.tensor(sizes, dtype=torch.int64).cumsum(0).to(torch.int32)
+    if device.type != "cpu":
+        offsets = offsets.to(device, non_blocking=True)
+    return GroupSplits(num_groups, num_rows, offsets, tuple(sizes))

@@ -1,0 +1,157 @@
+"""CUDA paths of the grouped linear layer (run by ``make test-gpu``)."""
+
+import contextlib
+
+import pytest
+import torch
+
+import grouped_linear as gl
+from tests.reference import reference_grads, rel_err
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+SIZES = [300, 0, 1, 517, 64, 0, 129, 1000]  # unaligned, empty groups
+K, N = 256, 384
+
+
+@contextlib.contextmanager
+def no_host_sync():
+    """Any host synchronization inside raises."""
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+
+
+def _inputs(dtype, rows, bias=True):
+    G = len(SIZES)
+    x = torch.randn(rows, K, device="cuda", dtype=dtype, requires_grad=True)
+    w = (torch.randn(G, N, K, device="cuda", dtype=dtype) / K ** 0.5).requires_grad_()
+    b = torch.randn(G, N, device="cuda", dtype=dtype, requires_grad=True) if bias else None
+    return x, w, b
+
+
+@pytest.mark.parametrize("backend", ["auto", "grouped"])
+@pytest.mark.parametrize("tail", [0, 37])
+def test_bf16_device_splits_no_sync_and_correct(backend, tail):
+    """bf16 forward+backward with CUDA splits: no host sync, zero tail rows, <1e-2 error."""
+    rows = sum(SIZES) + tail
+    x, w, b = _inputs(torch.bfloat16, rows)
+    splits = torch.tensor(SIZES, device="cuda")
+    grad_out = torch.randn(rows, N, device="cuda", dtype=torch.bfloat16)
+    grad_out[sum(SIZES):] = 1.0
+    x.grad = None
+    with no_host_sync():
+        y = gl.grouped_linear(x, w, b, splits, backend=backend)
+        y.backward(grad_out)
+    ref = reference_grads(x, w, b, SIZES, grad_out)
+    for name, got, want in zip(("y", "dx", "dW", "db"), (y, x.grad, w.grad, b.grad), ref):
+        assert rel_err(got, want) < 1e-2, (name, rel_err(got, want))
+    assert torch.all(y[sum(SIZES):] == 0) and torch.all(x.grad[sum(SIZES):] == 0)
+    for g in (1, 5):
+        assert torch.all(w.grad[g] == 0) and torch.all(b.grad[g] == 0)
+
+
+def test_module_and_mlp_no_sync_with_device_splits():
+    layer = gl.GroupedLinear(len(SIZES), K, N, params_dtype=torch.bfloat16, device="cuda")
+    mlp = gl.GroupedMLP(len(SIZES), K, 128, params_dtype=torch.bfloat16, device="cuda")
+    splits = torch.tensor(SIZES, device="cuda", dtype=torch.int32)
+    x = torch.randn(sum(SIZES), K, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    with no_host_sync():
+        layer(x, splits).sum().backward()
+        mlp(x, splits).sum().backward()
+    ref = reference_grads(x, layer.weight, layer.bias, SIZES, torch.ones(sum(SIZES), N))
+    assert rel_err(layer.weight.grad, ref[2]) < 1e-2
+    assert all(torch.isfinite(p.grad).all() for p in mlp.parameters())
+
+
+def test_autocast_bf16_with_fp32_master_weights_no_sync():
+    layer = gl.GroupedLinear(len(SIZES), K, N, device="cuda")
+    splits = torch.tensor(SIZES, device="cuda")
+    x = torch.randn(sum(SIZES), K, device="cuda")
+    with no_host_sync(), torch.autocast("cuda", dtype=torch.bfloat16):
+        y = layer(x, splits)
+        y.float().sum().backward()
+    assert y.dtype == torch.bfloat16 and layer.weight.grad.dtype == torch.float32
+    ref = reference_grads(x, layer.weight, layer.bias, SIZES, torch.ones(sum(SIZES), N))
+    assert rel_err(y, ref[0]) < 1e-2 and rel_err(layer.weight.grad, ref[2]) < 1e-2
+
+
+@pytest.mark.parametrize("backend", ["auto", "loop"])
+@pytest.mark.parametrize("split_kind", ["list", "cuda"])
+def test_fp32_tf32_off_matches_to_1e5(backend, split_kind):
+    x, w, b = _inputs(torch.float32, sum(SIZES))
+    splits = SIZES if split_kind == "list" else torch.tensor(SIZES, device="cuda")
+    y = gl.grouped_linear(x, w, b, splits, backend=backend)
+    grad_out = torch.randn_like(y)
+    y.backward(grad_out)
+    ref = reference_grads(x, w, b, SIZES, grad_out)
+    for got, want in zip((y, x.grad, w.grad, b.grad), ref):
+        assert rel_err(got, want) < 1e-5
+
+
+def test_per_expert_layout_delay_and_main_grad_on_cuda():
+    G = len(SIZES)
+    layer = gl.GroupedLinear(G, K, N, params_dtype=torch.bfloat16, device="cuda",
+                             single_grouped_weight=False, delay_wgrad_compute=True,
+                             fuse_wgrad_accumulation=True)
+    for i in range(G):
+        p = getattr(layer, f"weight{i}")
+        p.main_grad = torch.zeros(N, K, device="cuda", dtype=torch.float32)
+    x = torch.randn(sum(SIZES), K, device="cuda", dtype=torch.bfloat16)
+    grad_out = torch.randn(sum(SIZES), N, device="cuda", dtype=torch.bfloat16)
+    layer(x, torch.tensor(SIZES, device="cuda")).backward(grad_out)
+    assert layer.weight0.main_grad.abs().sum() == 0
+    layer.backward_dw()
+    ref = reference_grads(x, layer.grouped_weight(), layer.grouped_bias(), SIZES, grad_out)
+    main = torch.stack([getattr(layer, f"weight{i}").main_grad for i in range(G)])
+    assert rel_err(main, ref[2]) < 1e-2
+    assert layer.weight0.grad is None
+
+
+def test_deterministic_on_cuda():
+    x, w, b = _inputs(torch.bfloat16, sum(SIZES))
+    splits = torch.tensor(SIZES, device="cuda")
+    grad_out = torch.randn(sum(SIZES), N, device="cuda", dtype=torch.bfloat16)
+    runs = []
+    for _ in range(3):
+        for t in (x, w, b):
+            t.grad = None
+        y = gl.grouped_linear(x, w, b, splits)
+        y.backward(grad_out)
+        runs.append([t.clone() for t in (y, x.grad, w.grad, b.grad)])
+    for other in runs[1:]:
+        for a, c in zip(runs[0], other):
+            assert torch.equal(a, c)
+
+
+def test_bad_device_splits_never_read_out_of_bounds():
+    """Splits summing past M, or negative, are clamped on the device: finite, no crash."""
+    x, w, b = _inputs(torch.bfloat16, 100)
+    for bad in ([90, 0, 50, 7, 0, 0, 3, 400], [-5, 200, 0, 0, 0, 0, 0, 0]):
+        y = gl.grouped_linear(x, w, b, torch.tensor(bad, device="cuda"))
+        y.sum().backward()
+        torch.cuda.synchronize()
+        assert torch.isfinite(y).all() and torch.isfinite(x.grad).all()
+
+
+def test_debug_mode_validates_device_splits(monkeypatch):
+    monkeypatch.setenv("GROUPED_LINEAR_DEBUG", "1")
+    x, w, b = _inputs(torch.bfloat16, 10)
+    with pytest.raises(ValueError, match=r"m_splits\[0\] is -1"):
+        gl.grouped_linear(x, w, b, torch.tensor([-1, 11, 0, 0, 0, 0, 0, 0], device="cuda"))
+    with pytest.raises(ValueError, match=r"m_splits sums to 12, more than the 10 input rows"):
+        gl.grouped_linear(x, w, b, torch.tensor([12, 0, 0, 0, 0, 0, 0, 0], device="cuda"))
+
+
+def test_list_input_on_cuda():
+    pieces = [torch.randn(s, K, device="cuda", dtype=torch.bfloat16) for s in SIZES]
+    _, w, b = _inputs(torch.bfloat16, 1)
+    y = gl.grouped_linear(pieces, w, b, None)
+    ref = reference_grads(torch.cat(pieces), w, b, SIZES, torch.ones(sum(SIZES), N))
+    assert rel_err(y, ref[0]) < 1e-2

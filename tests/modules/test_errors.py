@@ -1,0 +1,104 @@
+"""Every bad input gets a ValueError/TypeError that names the argument and the value."""
+
+import pytest
+import torch
+
+import grouped_linear as gl
+
+G, K, N = 3, 8, 4
+
+
+@pytest.mark.parametrize(
+    "args, kwargs, error, pattern",
+    [
+        ((0, K, N), {}, ValueError, r"num_gemms must be >= 1, got 0"),
+        ((G, -2, N), {}, ValueError, r"in_features must be >= 1, got -2"),
+        ((G, K, 0), {}, ValueError, r"out_features must be >= 1, got 0"),
+        ((2.5, K, N), {}, TypeError, r"num_gemms must be an int, got 2.5"),
+        ((G, K, N), {"backend": "cublas"}, ValueError, r"backend='cublas'"),
+        ((G, K, N), {"backend": "triton"}, ValueError, r"backend='triton'"),
+        ((G, K, N), {"recipe": "fp8"}, ValueError, r"recipe='fp8'"),
+        ((G, K, N), {"parallel_mode": "column"}, ValueError, r"parallel_mode='column'"),
+        ((G, K, N), {"tp_size": 2}, ValueError, r"tp_size=2"),
+        ((G, K, N), {"init_method": 3}, TypeError, r"init_method must be callable, got 3"),
+    ],
+)
+def test_constructor_errors(args, kwargs, error, pattern):
+    with pytest.raises(error, match=pattern):
+        gl.GroupedLinear(*args, **kwargs)
+
+
+@pytest.fixture
+def layer():
+    return gl.GroupedLinear(G, K, N)
+
+
+@pytest.mark.parametrize(
+    "x_shape, m_splits, error, pattern",
+    [
+        ((6, K), [2, 4], ValueError, r"m_splits has length 2 but num_gemms is 3"),
+        ((6, K), torch.tensor([2, 4]), ValueError, r"m_splits has length 2 but num_gemms is 3"),
+        ((6, K), [2, -1, 5], ValueError, r"m_splits\[1\] is -1"),
+        ((6, K), torch.tensor([2, -1, 5]), ValueError, r"m_splits\[1\] is -1"),
+        ((6, K), [2, 2, 3], ValueError, r"m_splits sums to 7 but the input has 6 rows"),
+        ((6, K), torch.tensor([1, 1, 1]), ValueError, r"m_splits sums to 3 but the input has 6"),
+        ((6, K), [2, 2.0, 2], TypeError, r"m_splits\[1\] is 2.0 of type float"),
+        ((6, K), [2, True, 3], TypeError, r"m_splits\[1\] is True"),
+        ((6, K), torch.tensor([2.0, 2.0, 2.0]), TypeError, r"m_splits has dtype torch.float32"),
+        ((6, K), torch.tensor([[2, 2, 2]]), ValueError, r"m_splits has shape \(1, 3\)"),
+        ((6, K), "2,2,2", TypeError, r"m_splits is str"),
+        ((6, K), None, ValueError, r"m_splits is required"),
+        ((6, K + 1), [2, 2, 2], ValueError, r"x has 9 features \(shape \(6, 9\)\), expected 8"),
+        ((6, K, 1), [2, 2, 2], ValueError, r"x has shape \(6, 8, 1\)"),
+    ],
+)
+def test_forward_errors(layer, x_shape, m_splits, error, pattern):
+    with pytest.raises(error, match=pattern):
+        layer(torch.randn(*x_shape), m_splits)
+
+
+def test_dtype_and_device_mismatch(layer):
+    with pytest.raises(TypeError, match=r"weight has dtype torch.float32 but x has dtype "
+                                        r"torch.float64"):
+        layer(torch.randn(6, K, dtype=torch.float64), [2, 2, 2])
+    with pytest.raises(TypeError, match=r"x must be a torch.Tensor, got ndarray"):
+        import numpy as np
+
+        layer(np.zeros((6, K)), [2, 2, 2])
+    with pytest.raises(ValueError, match=r"weight is on meta but x is on cpu"):
+        gl.GroupedLinear(G, K, N, device="meta")(torch.randn(6, K), [2, 2, 2])
+
+
+def test_list_input_errors(layer):
+    with pytest.raises(ValueError, match=r"x\[1\] has shape \(2, 5\), expected \(rows, 8\)"):
+        layer([torch.randn(2, K), torch.randn(2, 5), torch.randn(1, K)])
+    with pytest.raises(TypeError, match=r"x\[2\] is torch.float64 on cpu but x\[0\] is "
+                                        r"torch.float32"):
+        layer([torch.randn(2, K), torch.randn(2, K), torch.randn(1, K, dtype=torch.float64)])
+    with pytest.raises(ValueError, match=r"m_splits=\[1, 2, 2\] disagrees .* \[2, 2, 1\]"):
+        layer([torch.randn(2, K), torch.randn(2, K), torch.randn(1, K)], [1, 2, 2])
+    with pytest.raises(ValueError, match=r"m_splits has length 2 but num_gemms is 3"):
+        layer([torch.randn(2, K), torch.randn(2, K)])
+
+
+def test_functional_errors():
+    x, w = torch.randn(6, K), torch.randn(G, N, K)
+    with pytest.raises(ValueError, match=r"weight has shape \(4, 8\): expected \(G, out, in\)"):
+        gl.grouped_linear(x, w[0], None, [2, 2, 2])
+    with pytest.raises(ValueError, match=r"bias has shape \(3,\), expected \(3, 4\)"):
+        gl.grouped_linear(x, w, torch.randn(G), [2, 2, 2])
+    with pytest.raises(ValueError, match=r"backend='fast'"):
+        gl.grouped_linear(x, w, None, [2, 2, 2], backend="fast")
+    with pytest.raises(ValueError, match=r"recipe='fp8'"):
+        gl.grouped_linear(x, w, None, [2, 2, 2], recipe="fp8")
+    with pytest.raises(ValueError, match=r"backend='grouped' does not support dtype torch.float64"):
+        gl.grouped_linear(x.double(), w.double(), None, [2, 2, 2], backend="grouped")
+    with pytest.raises(TypeError, match=r"x has dtype torch.int64"):
+        gl.grouped_linear(x.long(), w.long(), None, [2, 2, 2])
+
+
+def test_mlp_errors():
+    with pytest.raises(ValueError, match=r"activation='tanh'"):
+        gl.GroupedMLP(2, 8, 16, activation="tanh")
+    with pytest.raises(ValueError, match=r"return_bias=True"):
+        gl.GroupedMLP(2, 8, 16, return_bias=True)

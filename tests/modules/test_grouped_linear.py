@@ -1,0 +1,221 @@
+"""GroupedLinear: layouts, initialisation, state dicts, gradient routing (CPU)."""
+
+import pytest
+import torch
+
+import grouped_linear as gl
+from tests.reference import reference_grads, rel_err
+
+SIZES = [6, 0, 11, 3]
+G, K, N = 4, 12, 10
+
+
+def _layer(**kwargs):
+    torch.manual_seed(1234)
+    return gl.GroupedLinear(G, K, N, params_dtype=torch.float64, **kwargs)
+
+
+def _weight_grad(layer):
+    if layer.single_grouped_weight:
+        return layer.weight.grad
+    return torch.stack([getattr(layer, f"weight{i}").grad for i in range(layer.num_gemms)])
+
+
+def _bias_grad(layer):
+    if layer.single_grouped_bias:
+        return layer.bias.grad
+    return torch.stack([getattr(layer, f"bias{i}").grad for i in range(layer.num_gemms)])
+
+
+def _grouped(layer):
+    return layer.grouped_weight().detach(), layer.grouped_bias().detach()
+
+
+@pytest.mark.parametrize("single_weight", [True, False])
+@pytest.mark.parametrize("single_bias", [True, False])
+def test_layouts_match_reference(single_weight, single_bias):
+    layer = _layer(single_grouped_weight=single_weight, single_grouped_bias=single_bias)
+    x = torch.randn(sum(SIZES), K, dtype=torch.float64, requires_grad=True)
+    y = layer(x, SIZES)
+    grad_out = torch.randn_like(y)
+    y.backward(grad_out)
+    w, b = _grouped(layer)
+    ref = reference_grads(x, w, b, SIZES, grad_out)
+    assert rel_err(y, ref[0]) < 1e-12 and rel_err(x.grad, ref[1]) < 1e-12
+    weights = [layer.weight] if single_weight else [getattr(layer, f"weight{i}") for i in range(G)]
+    grad_w = weights[0].grad if single_weight else torch.stack([p.grad for p in weights])
+    assert rel_err(grad_w, ref[2]) < 1e-12
+    grad_b = layer.bias.grad if single_bias else torch.stack([getattr(layer, f"bias{i}").grad
+                                                              for i in range(G)])
+    assert rel_err(grad_b, ref[3]) < 1e-12
+
+
+def test_parameter_names_and_shapes():
+    single = _layer()
+    assert {n: tuple(p.shape) for n, p in single.named_parameters()} == {
+        "weight": (G, N, K), "bias": (G, N)}
+    split = _layer(single_grouped_weight=False, single_grouped_bias=False)
+    names = dict(split.named_parameters())
+    assert set(names) == {f"weight{i}" for i in range(G)} | {f"bias{i}" for i in range(G)}
+    assert all(tuple(names[f"weight{i}"].shape) == (N, K) for i in range(G))
+    assert _layer(bias=False).bias is None
+
+
+def test_same_weights_from_same_seed_in_both_layouts():
+    a, b = _layer(), _layer(single_grouped_weight=False, single_grouped_bias=False)
+    assert torch.equal(_grouped(a)[0], _grouped(b)[0])
+    assert torch.equal(_grouped(a)[1], _grouped(b)[1])
+
+
+def test_default_init_follows_nn_linear_per_expert():
+    torch.manual_seed(0)
+    layer = gl.GroupedLinear(3, 64, 32)
+    bound = 1 / 64 ** 0.5
+    assert layer.weight.abs().max() <= bound and layer.bias.abs().max() <= bound
+    assert layer.weight.std() > 0.5 * bound / 3 ** 0.5
+    for i in range(1, 3):  # every expert drawn independently
+        assert not torch.equal(layer.weight[0], layer.weight[i])
+
+
+def test_init_method_called_per_expert():
+    shapes = []
+
+    def init(w):
+        shapes.append(tuple(w.shape))
+        with torch.no_grad():
+            w.fill_(len(shapes))
+
+    for single in (True, False):
+        shapes.clear()
+        layer = gl.GroupedLinear(3, 5, 7, single_grouped_weight=single, init_method=init)
+        assert shapes == [(7, 5)] * 3
+        w = layer.grouped_weight()
+        assert [float(w[i, 0, 0].detach()) for i in range(3)] == [1.0, 2.0, 3.0]
+
+
+def test_meta_device_deferred_init():
+    torch.manual_seed(7)
+    eager = gl.GroupedLinear(G, K, N)
+    meta = gl.GroupedLinear(G, K, N, device="meta")
+    assert meta.weight.is_meta
+    meta.to_empty(device="cpu")
+    torch.manual_seed(7)
+    meta.reset_parameters()
+    assert torch.equal(meta.weight, eager.weight) and torch.equal(meta.bias, eager.bias)
+
+
+@pytest.mark.parametrize("src_single", [True, False])
+def test_state_dict_cross_load(src_single):
+    src = _layer(single_grouped_weight=src_single, single_grouped_bias=src_single)
+    dst = gl.GroupedLinear(G, K, N, params_dtype=torch.float64,
+                           single_grouped_weight=not src_single,
+                           single_grouped_bias=not src_single)
+    result = dst.load_state_dict(src.state_dict())
+    assert not result.missing_keys and not result.unexpected_keys
+    x = torch.randn(sum(SIZES), K, dtype=torch.float64)
+    assert torch.equal(src(x, SIZES), dst(x, SIZES))
+
+
+def test_state_dict_cross_load_nested_prefix():
+    src = torch.nn.Sequential(_layer(single_grouped_weight=False, single_grouped_bias=False))
+    dst = torch.nn.Sequential(gl.GroupedLinear(G, K, N, params_dtype=torch.float64))
+    dst.load_state_dict(src.state_dict())
+    assert torch.equal(dst[0].weight, src[0].grouped_weight())
+
+
+def test_state_dict_wrong_shape_names_key():
+    layer = _layer()
+    state = layer.state_dict()
+    state["weight"] = torch.zeros(G, N + 1, K, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"'weight'.*\(4, 11, 12\)"):
+        layer.load_state_dict(state)
+    split = _layer(single_grouped_weight=False)
+    bad = split.state_dict()
+    bad["weight2"] = torch.zeros(N, K + 3, dtype=torch.float64)
+    with pytest.raises(ValueError, match="'weight2'"):
+        split.load_state_dict(bad)
+    with pytest.raises(ValueError, match="'weight'"):
+        split.load_state_dict({"weight": torch.zeros(G + 1, N, K), "bias": torch.zeros(G, N)})
+
+
+def test_return_bias():
+    single = _layer(return_bias=True)
+    x = torch.randn(sum(SIZES), K, dtype=torch.float64)
+    y, bias = single(x, SIZES)
+    assert bias is single.bias
+    w, b = _grouped(single)
+    ref = reference_grads(x, w, None, SIZES, torch.zeros(sum(SIZES), N))[0]
+    assert rel_err(y, ref) < 1e-12
+    split = _layer(return_bias=True, single_grouped_bias=False)
+    _, biases = split(x, SIZES)
+    assert isinstance(biases, list) and len(biases) == G and biases[2] is split.bias2
+    _, none = _layer(return_bias=True, bias=False)(x, SIZES)
+    assert none is None
+
+
+@pytest.mark.parametrize("single", [True, False])
+def test_delayed_wgrad_accumulates_in_order(single):
+    layer = _layer(delay_wgrad_compute=True, single_grouped_weight=single,
+                   single_grouped_bias=single)
+    w, b = _grouped(layer)
+    xs = [torch.randn(sum(SIZES), K, dtype=torch.float64, requires_grad=True) for _ in range(2)]
+    grads = [torch.randn(sum(SIZES), N, dtype=torch.float64) for _ in range(2)]
+    for x, g in zip(xs, grads):
+        layer(x, SIZES).backward(g)
+    params = list(layer.parameters())
+    assert all(p.grad is None for p in params)
+    refs = [reference_grads(x, w, b, SIZES, g) for x, g in zip(xs, grads)]
+    for x, ref in zip(xs, refs):
+        assert rel_err(x.grad, ref[1]) < 1e-12
+    layer.backward_dw()
+    assert rel_err(_weight_grad(layer), refs[0][2] + refs[1][2]) < 1e-12
+    assert rel_err(_bias_grad(layer), refs[0][3] + refs[1][3]) < 1e-12
+    layer.backward_dw()  # nothing pending: no change
+    assert rel_err(_weight_grad(layer), refs[0][2] + refs[1][2]) < 1e-12
+
+
+@pytest.mark.parametrize("single", [True, False])
+@pytest.mark.parametrize("delay", [False, True])
+def test_fused_main_grad_accumulation(single, delay):
+    layer = _layer(fuse_wgrad_accumulation=True, delay_wgrad_compute=delay,
+                   single_grouped_weight=single)
+    weights = [layer.weight] if single else [getattr(layer, f"weight{i}") for i in range(G)]
+    for p in weights:
+        p.main_grad = torch.full_like(p, 0.5)
+    w, b = _grouped(layer)
+    x = torch.randn(sum(SIZES), K, dtype=torch.float64, requires_grad=True)
+    g = torch.randn(sum(SIZES), N, dtype=torch.float64)
+    layer(x, SIZES).backward(g)
+    layer.backward_dw()
+    ref = reference_grads(x, w, b, SIZES, g)
+    main = weights[0].main_grad if single else torch.stack([p.main_grad for p in weights])
+    assert rel_err(main - 0.5, ref[2]) < 1e-12
+    assert all(p.grad is None and p.grad_added_to_main_grad for p in weights)
+    assert rel_err(layer.bias.grad, ref[3]) < 1e-12
+
+
+def test_fused_main_grad_missing_is_an_error():
+    layer = _layer(fuse_wgrad_accumulation=True)
+    x = torch.randn(sum(SIZES), K, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"weight\.main_grad"):
+        layer(x, SIZES)
+    split = _layer(fuse_wgrad_accumulation=True, single_grouped_weight=False)
+    for i in range(G - 1):
+        getattr(split, f"weight{i}").main_grad = torch.zeros(N, K, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"weight3\.main_grad"):
+        split(x, SIZES)
+    with torch.no_grad():  # inference needs no main_grad
+        assert split(x, SIZES).shape == (sum(SIZES), N)
+
+
+def test_is_first_microbatch_accepted_and_ignored():
+    layer = _layer()
+    x = torch.randn(sum(SIZES), K, dtype=torch.float64)
+    outs = [layer(x, SIZES, is_first_microbatch=flag) for flag in (None, True, False)]
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+
+
+def test_extra_repr():
+    text = repr(gl.GroupedLinear(3, 16, 8, bias=False, backend="loop"))
+    assert "num_gemms=3" in text and "in_features=16" in text and "out_features=8" in text
+    assert "bias=False" in text and "backend='loop'" in text

@@ -1,0 +1,156 @@
+"""The functional grouped linear op against a float64 per-group reference (CPU)."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import grouped_linear as gl
+from tests.reference import reference_grads, rel_err
+
+TOL = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 1e-2}
+
+SPLIT_CASES = {
+    "random_with_zeros": [5, 0, 17, 3, 0, 9],
+    "single_nonempty": [0, 0, 23, 0, 0, 0],
+    "unaligned": [7, 13, 1, 29, 11, 3],
+    "first_and_last_empty": [0, 12, 9, 4, 8, 0],
+}
+
+
+def _run(x, weight, bias, m_splits, backend, sizes):
+    x = x.detach().requires_grad_()
+    weight = weight.detach().requires_grad_()
+    bias = bias.detach().requires_grad_() if bias is not None else None
+    y = gl.grouped_linear(x, weight, bias, m_splits, backend=backend)
+    grad_out = torch.randn_like(y)
+    y.backward(grad_out)
+    ref = reference_grads(x, weight, bias, sizes, grad_out)
+    got = (y, x.grad, weight.grad, bias.grad if bias is not None else None)
+    return got, ref
+
+
+@pytest.mark.parametrize("case", sorted(SPLIT_CASES))
+@pytest.mark.parametrize(
+    "dtype, backend",
+    [(dtype, backend) for dtype in (torch.float64, torch.float32, torch.bfloat16)
+     for backend in ("loop", "grouped", "auto")
+     if not (backend == "grouped" and dtype == torch.float64)],  # no float64 grouped GEMM
+)
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_matches_float64_reference(case, dtype, backend, with_bias):
+    sizes = SPLIT_CASES[case]
+    G, K, N = len(sizes), 24, 40
+    x = torch.randn(sum(sizes), K, dtype=dtype)
+    weight = torch.randn(G, N, K, dtype=dtype)
+    bias = torch.randn(G, N, dtype=dtype) if with_bias else None
+    got, ref = _run(x, weight, bias, sizes, backend, sizes)
+    for name, g, r in zip(("y", "dx", "dW", "db"), got, ref):
+        if r is None:
+            assert g is None
+            continue
+        assert g.dtype == dtype and g.shape == r.shape, name
+        assert rel_err(g, r) < TOL[dtype], (name, rel_err(g, r))
+    empty = [g for g, s in enumerate(sizes) if s == 0]
+    assert torch.all(got[2][empty] == 0)
+    if with_bias:
+        assert torch.all(got[3][empty] == 0)
+
+
+@pytest.mark.parametrize("kind", ["list", "tuple", "cpu_tensor_int64", "cpu_tensor_int32"])
+def test_split_kinds(kind):
+    sizes = [4, 0, 9, 2]
+    splits = {
+        "list": sizes,
+        "tuple": tuple(sizes),
+        "cpu_tensor_int64": torch.tensor(sizes),
+        "cpu_tensor_int32": torch.tensor(sizes, dtype=torch.int32),
+    }[kind]
+    x, w, b = torch.randn(15, 8), torch.randn(4, 6, 8), torch.randn(4, 6)
+    got, ref = _run(x, w, b, splits, "auto", sizes)
+    for g, r in zip(got, ref):
+        assert rel_err(g, r) < 1e-5
+
+
+def test_list_input_matches_tensor_input():
+    sizes = [3, 0, 5]
+    pieces = [torch.randn(s, 8, dtype=torch.float64, requires_grad=True) for s in sizes]
+    w = torch.randn(3, 4, 8, dtype=torch.float64, requires_grad=True)
+    y = gl.grouped_linear(pieces, w, None, None)
+    y_given = gl.grouped_linear(pieces, w, None, sizes)
+    y.backward(torch.ones_like(y))
+    x = torch.cat([p.detach() for p in pieces])
+    ref = reference_grads(x, w, None, sizes, torch.ones_like(y))
+    assert rel_err(y, ref[0]) < 1e-12 and torch.equal(y, y_given)
+    assert rel_err(torch.cat([p.grad for p in pieces]), ref[1]) < 1e-12
+    assert rel_err(w.grad, ref[2]) < 1e-12
+
+
+def test_gradcheck_float64():
+    sizes = [2, 0, 3, 1]
+    x = torch.randn(6, 5, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(4, 3, 5, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(4, 3, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda x, w, b: gl.grouped_linear(x, w, b, sizes), (x, w, b))
+
+
+def test_zero_stride_grad_output():
+    """``y.sum().backward()`` sends a gradient with zero strides."""
+    sizes = [3, 0, 6]
+    for backend in ("loop", "grouped"):
+        x = torch.randn(9, 8, requires_grad=True)
+        w = torch.randn(3, 4, 8, requires_grad=True)
+        b = torch.randn(3, 4, requires_grad=True)
+        gl.grouped_linear(x, w, b, sizes, backend=backend).sum().backward()
+        ref = reference_grads(x, w, b, sizes, torch.ones(9, 4))
+        for g, r in zip((x.grad, w.grad, b.grad), ref[1:]):
+            assert rel_err(g, r) < 1e-5, backend
+
+
+def test_deterministic():
+    sizes = [31, 0, 17, 50]
+    x, w, b = torch.randn(98, 32), torch.randn(4, 16, 32), torch.randn(4, 16)
+    grad_out = torch.randn(98, 16)
+    results = []
+    for _ in range(2):
+        xs, ws, bs = (t.clone().requires_grad_() for t in (x, w, b))
+        y = gl.grouped_linear(xs, ws, bs, sizes)
+        y.backward(grad_out)
+        results.append((y, xs.grad, ws.grad, bs.grad))
+    for a, c in zip(*results):
+        assert torch.equal(a, c)
+
+
+def test_autocast_computes_in_autocast_dtype():
+    sizes = [5, 3]
+    x = torch.randn(8, 16, requires_grad=True)
+    w = torch.randn(2, 8, 16, requires_grad=True)
+    b = torch.randn(2, 8, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = gl.grouped_linear(x, w, b, sizes)
+    assert y.dtype == torch.bfloat16
+    y.float().backward(torch.ones(8, 8))
+    assert w.grad.dtype == torch.float32 and x.grad.dtype == torch.float32
+    ref = reference_grads(x, w, b, sizes, torch.ones(8, 8))
+    assert rel_err(y, ref[0]) < 1e-2
+    assert rel_err(w.grad, ref[2]) < 1e-2
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    sizes=st.lists(st.integers(0, 9), min_size=1, max_size=7),
+    with_bias=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_property_random_splits(sizes, with_bias, seed):
+    gen = torch.Generator().manual_seed(seed)
+    G, K, N = len(sizes), 6, 5
+    x = torch.randn(sum(sizes), K, dtype=torch.float64, generator=gen)
+    w = torch.randn(G, N, K, dtype=torch.float64, generator=gen)
+    b = torch.randn(G, N, dtype=torch.float64, generator=gen) if with_bias else None
+    got, ref = _run(x, w, b, sizes, "auto", sizes)
+    for g, r in zip(got, ref):
+        if r is None:
+            assert g is None
+        else:
+            assert rel_err(g, r) < 1e-12

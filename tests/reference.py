@@ -1,0 +1,46 @@
+"""Independent float64 references the tests compare against."""
+
+from __future__ import annotations
+
+import torch
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """``||out - ref|| / ||ref||`` in float64 (0 when both are zero)."""
+    out, ref = out.detach().double().cpu(), ref.detach().double().cpu()
+    denom = ref.norm()
+    if denom == 0:
+        return float((out - ref).norm())
+    return float((out - ref).norm() / denom)
+
+
+def grouped_linear_ref(x, weight, bias, sizes):
+    """Per-group ``x_g @ W_g^T + b_g`` in float64 with autograd; rows past ``sum(sizes)`` are 0."""
+    outs, start = [], 0
+    for g, size in enumerate(sizes):
+        y = x[start:start + size] @ weight[g].t()
+        if bias is not None:
+            y = y + bias[g]
+        outs.append(y)
+        start += size
+    tail = x.shape[0] - start
+    outs.append(x.new_zeros(tail, weight.shape[1]))
+    return torch.cat(outs)
+
+
+def reference_grads(x, weight, bias, sizes, grad_out):
+    """Float64 ``(y, dx, dW, db)`` of :func:`grouped_linear_ref` for ``grad_out``."""
+    x64 = x.detach().double().cpu().requires_grad_()
+    w64 = weight.detach().double().cpu().requires_grad_()
+    b64 = bias.detach().double().cpu().requires_grad_() if bias is not None else None
+    y = grouped_linear_ref(x64, w64, b64, sizes)
+    y.backward(grad_out.detach().double().cpu())
+    return y.detach(), x64.grad, w64.grad, (b64.grad if b64 is not None else None)
+
+
+def random_sizes(generator: torch.Generator, num_groups: int, max_size: int) -> list[int]:
+    """Random group sizes in ``[0, max_size]``, some forced to zero."""
+    sizes = torch.randint(0, max_size + 1, (num_groups,), generator=generator).tolist()
+    if num_groups > 2:
+        sizes[1] = 0
+    return sizes
