@@ -1,0 +1,31 @@
+"""Normalisation of m_splits into GroupSplits."""
+
+import pytest
+import torch
+
+from grouped_linear.ops.splits import GroupSplits, normalize_splits
+
+
+@pytest.mark.parametrize("splits", [[3, 0, 4], (3, 0, 4), torch.tensor([3, 0, 4]),
+                                    torch.tensor([3, 0, 4], dtype=torch.int16)])
+def test_host_kinds(splits):
+    s = normalize_splits(splits, num_groups=3, num_rows=7, device=torch.device("cpu"))
+    assert s.host_sizes == (3, 0, 4) and s.on_host and not s.may_have_tail
+    assert s.offsets.dtype == torch.int32 and s.offsets.tolist() == [3, 3, 7]
+    assert s.sizes_list() == [3, 0, 4] and s.host_offsets().tolist() == [3, 3, 7]
+    assert s.starts().tolist() == [0, 3, 3]
+
+
+def test_numpy_ints_are_ints():
+    np = pytest.importorskip("numpy")
+    s = normalize_splits([np.int64(2), np.int32(5)], num_groups=2, num_rows=7,
+                         device=torch.device("cpu"))
+    assert s.host_sizes == (2, 5)
+
+
+def test_normalised_splits_pass_through_and_are_checked():
+    s = normalize_splits([1, 2], num_groups=2, num_rows=3, device=torch.device("cpu"))
+    assert normalize_splits(s, num_groups=2, num_rows=3, device=torch.device("cpu")) is s
+    with pytest.raises(ValueError, match="describes 2 groups over 3 rows, expected 2 groups over 4"):
+        normalize_splits(s, num_groups=2, num_rows=4, device=torch.device("cpu"))
+    assert isinstance(s, GroupSplits)
