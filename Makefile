@@ -20,7 +20,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check grouped_linear tests
 
 test: lint
-	TRITON_INTERPRET=1 $(PY) -m pytest -q -p no:cacheprovider
+	TRITON_INTERPRET=1 $(PY) -m pytest -q -p no:cacheprovider -m "not gpu"
 
 # On a CUDA machine whose python3 already has torch and triton (no venv, no installs).
 test-gpu:

@@ -1,0 +1,324 @@
+"""Pad every group of rows to a multiple of an alignment, and the inverse.
+
+Both directions are pure row gathers: for every destination row a source row is
+computed on the device (``torch.searchsorted`` over the groups' cumulative
+offsets), rows without a source are zero. The backward of a gather in one
+direction is the gather in the other direction, so forward and backward are
+deterministic (no scatter-add) and, with CUDA split tensors, free of host
+synchronization.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Sequence
+
+import torch
+
+from grouped_linear.ops.splits import debug_checks_enabled, normalize_splits
+
+__all__ = ["pad_groups", "unpad_groups"]
+
+
+# ---------------------------------------------------------------------------
+# helpers shared with permutation.py
+# ---------------------------------------------------------------------------
+
+
+def _check_positive_int(value: object, name: str) -> int:
+    """``value`` as an int >= 1, else TypeError/ValueError naming ``name``."""
+    if isinstance(value, bool):
+        raise TypeError(f"{name} is {value!r}: expected an int >= 1")
+    try:
+        result = operator.index(value)
+    except TypeError:
+        raise TypeError(
+            f"{name} is {value!r} of type {type(value).__name__}: expected an int >= 1"
+        ) from None
+    if result < 1:
+        raise ValueError(f"{name} is {result}: must be >= 1")
+    return result
+
+
+def _gather_rows(src: torch.Tensor, index: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """``out[r] = src[index[r]]`` where ``valid[r]``, else a zero row.
+
+    ``index`` may hold anything (negative, past the end) where ``valid`` is
+    false: it is clamped before the gather, so no access is out of bounds.
+    """
+    rows = index.shape[0]
+    if src.shape[0] == 0 or rows == 0:
+        return src.new_zeros((rows, *src.shape[1:]))
+    out = src.index_select(0, index.clamp(0, src.shape[0] - 1))
+    return out.masked_fill_(~valid.view(-1, *([1] * (src.dim() - 1))), 0)
+
+
+def _starts(ends: torch.Tensor) -> torch.Tensor:
+    return torch.cat([ends.new_zeros(1), ends[:-1]])
+
+
+def _map_rows(
+    q_ends: torch.Tensor, o_ends: torch.Tensor, num_q_rows: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pair the rows of two layouts of the same groups.
+
+    ``q_ends`` and ``o_ends`` are ``(G,)`` int64 non-decreasing cumulative group
+    ends of a "query" and an "other" layout. The ``i``-th row of group ``g`` in
+    one layout pairs with the ``i``-th row of group ``g`` in the other when
+    ``i < min(len_q(g), len_o(g))``. Returns ``(index, valid)``, both of shape
+    ``(num_q_rows,)``: for every query row its row in the other layout, and
+    whether it has one (rows past ``q_ends[-1]`` never do). Valid indices are
+    below ``o_ends[-1]``.
+    """
+    num_groups = q_ends.shape[0]
+    rows = torch.arange(num_q_rows, device=q_ends.device, dtype=torch.int64)
+    q_starts, o_starts = _starts(q_ends), _starts(o_ends)
+    group = torch.searchsorted(q_ends, rows, right=True)
+    clamped = group.clamp(max=num_groups - 1)
+    local = rows - q_starts.index_select(0, clamped)
+    limit = torch.minimum(q_ends - q_starts, o_ends - o_starts)
+    valid = (group < num_groups) & (local < limit.index_select(0, clamped))
+    index = o_starts.index_select(0, clamped) + local
+    return index, valid
+
+
+class _GatherRows(torch.autograd.Function):
+    """A row gather whose backward is the gather by the inverse pairing."""
+
+    @staticmethod
+    def forward(ctx, src, index, valid, back_index, back_valid):  # type: ignore[override]
+        ctx.save_for_backward(back_index, back_valid)
+        return _gather_rows(src, index, valid)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        back_index, back_valid = ctx.saved_tensors
+        return _gather_rows(grad, back_index, back_valid), None, None, None, None
+
+
+# ---------------------------------------------------------------------------
+# argument handling
+# ---------------------------------------------------------------------------
+
+
+def _num_groups(m_splits: object, name: str) -> int:
+    if isinstance(m_splits, torch.Tensor):
+        count = m_splits.numel()
+    elif isinstance(m_splits, (list, tuple)):
+        count = len(m_splits)
+    else:
+        raise TypeError(
+            f"{name} is {type(m_splits).__name__}: expected a list of ints or an integer tensor"
+        )
+    if count == 0:
+        raise ValueError(f"{name} is empty: expected at least one group")
+    return count
+
+
+def _check_matrix(x: object, name: str) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} is {type(x).__name__}: expected a torch.Tensor")
+    if x.dim() != 2:
+        raise ValueError(f"{name} has shape {tuple(x.shape)}: expected a 2-D tensor")
+    return x
+
+
+def _host_total(m_splits: Sequence[int] | torch.Tensor) -> int | None:
+    """Sum of host splits, or None when malformed (``normalize_splits`` reports how)."""
+    try:
+        if isinstance(m_splits, torch.Tensor):
+            if m_splits.dim() != 1 or m_splits.is_floating_point() or m_splits.is_complex():
+                return None
+            if m_splits.dtype == torch.bool:
+                return None
+            return int(m_splits.sum())
+        if any(isinstance(v, bool) for v in m_splits):
+            return None
+        return sum(operator.index(v) for v in m_splits)
+    except (TypeError, RuntimeError):
+        return None
+
+
+def _is_host(m_splits: object) -> bool:
+    return not (isinstance(m_splits, torch.Tensor) and m_splits.device.type != "cpu")
+
+
+def _join_groups(
+    x: Sequence[torch.Tensor], m_splits: Sequence[int] | torch.Tensor | None
+) -> tuple[torch.Tensor, Sequence[int] | torch.Tensor, list[int]]:
+    """Concatenate a list of per-group tensors and derive or check ``m_splits``."""
+    if len(x) == 0:
+        raise ValueError("x is an empty list: expected one 2-D tensor per group")
+    for i, part in enumerate(x):
+        _check_matrix(part, f"x[{i}]")
+        if part.shape[1] != x[0].shape[1]:
+            raise ValueError(f"x[{i}] has {part.shape[1]} columns but x[0] has {x[0].shape[1]}")
+        if part.dtype != x[0].dtype or part.device != x[0].device:
+            raise ValueError(
+                f"x[{i}] is {part.dtype} on {part.device} but x[0] is {x[0].dtype} on {x[0].device}"
+            )
+    sizes = [part.shape[0] for part in x]
+    if m_splits is None:
+        m_splits = sizes
+    elif _num_groups(m_splits, "m_splits") != len(x):
+        raise ValueError(
+            f"m_splits has length {_num_groups(m_splits, 'm_splits')} but x is a list of "
+            f"{len(x)} tensors"
+        )
+    return torch.cat(list(x)), m_splits, sizes
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+# ---------------------------------------------------------------------------
+# public ops
+# ---------------------------------------------------------------------------
+
+
+def pad_groups(
+    x: torch.Tensor | Sequence[torch.Tensor],
+    m_splits: Sequence[int] | torch.Tensor | None = None,
+    multiple: int = 16,
+) -> tuple[torch.Tensor, list[int] | torch.Tensor]:
+    """Round every group of rows up to a multiple of ``multiple`` rows.
+
+    Args:
+        x: ``(M, H)`` tensor whose rows are split into ``G`` consecutive groups
+            by ``m_splits``, or a list/tuple of ``G`` tensors ``(m_i, H)``
+            (then ``m_splits`` may be omitted; if given it must agree).
+        m_splits: ``G`` Python ints, or a 1-D integer tensor ``(G,)``.
+        multiple: the alignment (an int >= 1).
+
+    Returns:
+        ``(xp, padded_splits)``. ``padded_splits[i]`` is ``m_i`` rounded up to a
+        multiple of ``multiple`` (empty groups stay empty): a list of ints for a
+        sequence ``m_splits``, an int64 tensor on ``m_splits``' device for a
+        tensor. ``xp`` is ``(P, H)``: group ``i``'s rows followed by its zero
+        padding rows, group after group. For host splits (sequence or CPU
+        tensor, summing to ``M``) ``P = sum(padded_splits)``. For CUDA split
+        tensors nothing synchronizes with the host: ``P = M + G*(multiple-1)``
+        (an upper bound), every row past the data is zero, rows of ``x`` past
+        ``sum(m_splits)`` are dropped, and ``padded_splits`` is computed from
+        the offsets clamped to ``[0, M]``.
+
+    Differentiable in ``x``; forward and backward are deterministic gathers.
+    """
+    multiple = _check_positive_int(multiple, "multiple")
+    list_sizes: list[int] | None = None
+    if isinstance(x, (list, tuple)):
+        x, m_splits, list_sizes = _join_groups(x, m_splits)
+    else:
+        x = _check_matrix(x, "x")
+        if m_splits is None:
+            raise ValueError("m_splits is None: it is required when x is a single tensor")
+    num_groups = _num_groups(m_splits, "m_splits")
+    num_rows = x.shape[0]
+    splits = normalize_splits(m_splits, num_groups=num_groups, num_rows=num_rows, device=x.device)
+    if list_sizes is not None:
+        given = splits.host_sizes
+        if given is None and debug_checks_enabled():
+            given = tuple(splits.sizes_list())
+        if given is not None and list(given) != list_sizes:
+            i = next(i for i, (a, b) in enumerate(zip(given, list_sizes, strict=True)) if a != b)
+            raise ValueError(f"m_splits[{i}] is {given[i]} but x[{i}] has {list_sizes[i]} rows")
+
+    in_ends = splits.offsets.to(torch.int64)
+    padded: list[int] | torch.Tensor
+    if splits.host_sizes is not None:
+        padded = [_round_up(size, multiple) for size in splits.host_sizes]
+        out_rows = sum(padded)
+        out_ends = torch.tensor(padded, dtype=torch.int64).cumsum(0)
+        out_ends = out_ends.to(x.device, non_blocking=True)
+        if isinstance(m_splits, torch.Tensor):
+            padded = torch.tensor(padded, dtype=torch.int64, device=m_splits.device)
+    else:
+        sizes = in_ends - _starts(in_ends)
+        padded = (sizes + (multiple - 1)) // multiple * multiple
+        out_ends = padded.cumsum(0)
+        out_rows = num_rows + num_groups * (multiple - 1)
+
+    index, valid = _map_rows(out_ends, in_ends, out_rows)
+    back_index, back_valid = _map_rows(in_ends, out_ends, num_rows)
+    xp = _GatherRows.apply(x, index, valid, back_index, back_valid)
+    return xp, padded
+
+
+def unpad_groups(
+    yp: torch.Tensor,
+    m_splits: Sequence[int] | torch.Tensor,
+    padded_splits: Sequence[int] | torch.Tensor,
+    num_rows: int | None = None,
+) -> torch.Tensor:
+    """Drop the padding rows that :func:`pad_groups` added (its differentiable inverse).
+
+    Args:
+        yp: ``(P, H)`` tensor in the padded layout: ``G`` consecutive groups of
+            ``padded_splits[i]`` rows each, the first ``m_splits[i]`` of which
+            hold data.
+        m_splits: the unpadded group sizes, ``G`` ints or a ``(G,)`` integer tensor.
+        padded_splits: the padded group sizes, same kinds accepted. Host padded
+            splits must sum to ``P`` and be at least ``m_splits``.
+        num_rows: the output row count. Host ``m_splits`` must then sum to it.
+            With CUDA ``m_splits`` giving it keeps the op free of host
+            synchronization; without it the sum is read back (a sync).
+
+    Returns:
+        ``(N, H)`` with ``N = num_rows`` or ``sum(m_splits)``: group ``i``'s first
+        ``m_splits[i]`` rows of ``yp``, group after group; rows past the data
+        (CUDA splits summing to less than ``N``) are zero. With CUDA splits the
+        offsets are clamped to ``[0, N]`` and ``[0, P]``, so bad values never
+        index out of bounds.
+
+    Differentiable in ``yp`` (the padding rows get zero gradient).
+    """
+    yp = _check_matrix(yp, "yp")
+    num_groups = _num_groups(m_splits, "m_splits")
+    if _num_groups(padded_splits, "padded_splits") != num_groups:
+        raise ValueError(
+            f"padded_splits has length {_num_groups(padded_splits, 'padded_splits')} "
+            f"but m_splits has length {num_groups}"
+        )
+    if num_rows is not None:
+        if isinstance(num_rows, bool):
+            raise TypeError(f"num_rows is {num_rows!r}: expected an int >= 0")
+        try:
+            num_rows = operator.index(num_rows)
+        except TypeError:
+            raise TypeError(
+                f"num_rows is {num_rows!r} of type {type(num_rows).__name__}: expected an int"
+            ) from None
+        if num_rows < 0:
+            raise ValueError(f"num_rows is {num_rows}: must be >= 0")
+    if _is_host(m_splits):
+        total = _host_total(m_splits)
+        if total is None:  # malformed: let normalize_splits name the offending entry
+            normalize_splits(m_splits, num_groups=num_groups, num_rows=0, device=yp.device)
+            raise TypeError(f"m_splits is {m_splits!r}: expected integer splits")
+        if num_rows is not None and num_rows != total:
+            raise ValueError(f"num_rows is {num_rows} but m_splits sums to {total}")
+        num_rows = total
+    elif num_rows is None:
+        num_rows = int(m_splits.to(torch.int64).clamp(min=0).sum())  # host sync, documented
+
+    splits = normalize_splits(m_splits, num_groups=num_groups, num_rows=num_rows, device=yp.device)
+    padded = normalize_splits(
+        padded_splits,
+        num_groups=num_groups,
+        num_rows=yp.shape[0],
+        device=yp.device,
+        name="padded_splits",
+    )
+    if splits.host_sizes is not None and padded.host_sizes is not None:
+        for i, (size, pad) in enumerate(zip(splits.host_sizes, padded.host_sizes, strict=True)):
+            if pad < size:
+                raise ValueError(
+                    f"padded_splits[{i}] is {pad}, smaller than m_splits[{i}] = {size}"
+                )
+
+    m_ends = splits.offsets.to(torch.int64)
+    p_ends = padded.offsets.to(torch.int64)
+    index, valid = _map_rows(m_ends, p_ends, num_rows)
+    back_index, back_valid = _map_rows(p_ends, m_ends, yp.shape[0])
+    return _GatherRows.apply(yp, index, valid, back_index, back_valid)

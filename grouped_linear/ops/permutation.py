@@ -1,0 +1,264 @@
+"""Token permutation for Mixture-of-Experts routing, and the weighted combine back.
+
+``permute`` groups the routed copies of the tokens by expert (the layout
+:class:`~grouped_linear.GroupedLinear` consumes); ``unpermute`` sums each
+token's expert outputs back into token order. The routing (a stable sort of
+the slot keys, cumulative counts through ``torch.searchsorted``) runs on the
+tensors' device without host synchronization for CUDA inputs; data moves by
+gathers, or by a copy into unique destinations, so forward and backward are
+deterministic.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from grouped_linear.ops.padding import _check_matrix, _check_positive_int, _gather_rows
+from grouped_linear.ops.splits import debug_checks_enabled
+
+__all__ = ["permute", "unpermute"]
+
+_INTEGER_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
+
+
+def _compute_dtype(y_dtype: torch.dtype, probs_dtype: torch.dtype | None) -> torch.dtype:
+    """float32 for half inputs, else the input dtype; widened to the probs' dtype."""
+    dtype = torch.float32 if y_dtype in (torch.float16, torch.bfloat16) else y_dtype
+    if probs_dtype is not None:
+        dtype = torch.promote_types(dtype, probs_dtype)
+    return dtype
+
+
+def _combine(y: torch.Tensor, row_map: torch.Tensor, probs: torch.Tensor | None) -> torch.Tensor:
+    """``out[t] = sum_j probs[t, j] * y[row_map[t, j]]`` over slots with a row in ``y``."""
+    tokens, k = row_map.shape
+    flat = row_map.reshape(-1)
+    valid = (flat >= 0) & (flat < y.shape[0])
+    rows = _gather_rows(y, flat.clamp(min=0), valid).view(tokens, k, *y.shape[1:])
+    acc = _compute_dtype(y.dtype, None if probs is None else probs.dtype)
+    if probs is not None:
+        weights = probs.to(acc).masked_fill(~valid.view(tokens, k), 0)
+        rows = rows.to(acc) * weights.unsqueeze(-1)
+    if k == 1:
+        return rows[:, 0].to(y.dtype)
+    return rows.sum(dim=1, dtype=acc).to(y.dtype)
+
+
+class _PermuteRows(torch.autograd.Function):
+    """Gather token rows into the expert-grouped layout; backward sums them back."""
+
+    @staticmethod
+    def forward(ctx, x, token, valid, row_map):  # type: ignore[override]
+        ctx.save_for_backward(row_map)
+        return _gather_rows(x, token, valid)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        (row_map,) = ctx.saved_tensors
+        return _combine(grad, row_map, None), None, None, None
+
+
+class _Unpermute(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y, row_map, probs):  # type: ignore[override]
+        ctx.save_for_backward(y, row_map, probs)
+        return _combine(y, row_map, probs)
+
+    @staticmethod
+    def backward(ctx, grad_out):  # type: ignore[override]
+        y, row_map, probs = ctx.saved_tensors
+        tokens, k = row_map.shape
+        num_rows, features = y.shape
+        flat = row_map.reshape(-1)
+        valid = (flat >= 0) & (flat < num_rows)
+        acc = _compute_dtype(y.dtype, None if probs is None else probs.dtype)
+        grad_y = grad_probs = None
+        if ctx.needs_input_grad[0]:
+            # Slot (t, j) sends probs[t, j] * grad_out[t] to row row_map[t, j]. Valid rows
+            # are distinct, so this copy has unique destinations; dropped slots all go to
+            # an extra row that is cut off.
+            contrib = grad_out.unsqueeze(1).expand(tokens, k, features)
+            if probs is not None:
+                weights = probs.to(acc).masked_fill(~valid.view(tokens, k), 0)
+                contrib = (contrib.to(acc) * weights.unsqueeze(-1)).to(y.dtype)
+            dest = torch.where(valid, flat, num_rows)
+            grad_y = y.new_zeros(num_rows + 1, features)
+            grad_y.index_copy_(0, dest, contrib.reshape(tokens * k, features))
+            grad_y = grad_y[:num_rows]
+        if probs is not None and ctx.needs_input_grad[2]:
+            rows = _gather_rows(y, flat.clamp(min=0), valid).view(tokens, k, features)
+            dots = (rows.to(acc) * grad_out.reshape(tokens, 1, features).to(acc)).sum(-1)
+            grad_probs = dots.masked_fill_(~valid.view(tokens, k), 0).to(probs.dtype)
+        return grad_y, None, grad_probs
+
+
+def _check_integer_matrix(t: object, name: str) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} is {type(t).__name__}: expected an integer torch.Tensor")
+    if t.dtype not in _INTEGER_DTYPES:
+        raise TypeError(f"{name} has dtype {t.dtype}: expected an integer tensor")
+    if t.dim() != 2:
+        raise ValueError(f"{name} has shape {tuple(t.shape)}: expected a 2-D tensor (T, k)")
+    return t
+
+
+def _first_bad(bad: torch.Tensor, values: torch.Tensor, name: str, allowed: str) -> None:
+    """Raise ValueError naming the first ``(t, j)`` where ``bad`` is set (host sync)."""
+    if bool(bad.any()):
+        t, j = (int(v) for v in bad.nonzero()[0])
+        raise ValueError(f"{name}[{t}, {j}] is {int(values[t, j])}: {allowed}")
+
+
+def permute(
+    x: torch.Tensor,
+    topk_indices: torch.Tensor,
+    num_experts: int,
+    multiple: int = 1,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Group the routed copies of the tokens by expert.
+
+    Args:
+        x: ``(T, H)`` token rows.
+        topk_indices: ``(T, k)`` integer tensor on ``x``'s device: the expert of
+            slot ``(t, j)``, or ``-1`` to drop that slot. On CPU any other value
+            outside ``[0, num_experts)`` is a ValueError; on CUDA such slots are
+            dropped (checked only with ``GROUPED_LINEAR_DEBUG=1``, which syncs).
+        num_experts: ``E >= 1``.
+        multiple: every expert's group is padded with zero rows to a multiple
+            of this (an int >= 1).
+
+    Returns:
+        ``(x_perm, m_splits, row_map)``:
+
+        - ``x_perm`` ``(N, H)``: the rows of the routed slots, expert by expert
+          in expert order, slots in ascending order ``t*k + j`` within an
+          expert, each group followed by its zero padding rows. On CPU
+          ``N = sum(m_splits)``; on CUDA nothing synchronizes and ``N`` is the
+          upper bound ``T*k + E*(multiple-1)``, rows past the data being zero.
+        - ``m_splits`` ``(E,)`` int64 on ``x``'s device: the padded group sizes.
+        - ``row_map`` ``(T, k)`` int64: the row of ``x_perm`` holding slot
+          ``(t, j)``, or ``-1`` for a dropped slot.
+
+    Differentiable in ``x``: ``grad_x[t] = sum_j grad_x_perm[row_map[t, j]]``
+    (a gather, summed in float32 for half dtypes).
+    """
+    x = _check_matrix(x, "x")
+    topk_indices = _check_integer_matrix(topk_indices, "topk_indices")
+    if topk_indices.device != x.device:
+        raise ValueError(f"topk_indices is on {topk_indices.device} but x is on {x.device}")
+    if topk_indices.shape[0] != x.shape[0]:
+        raise ValueError(
+            f"topk_indices has {topk_indices.shape[0]} rows but x has {x.shape[0]} "
+            "(expected one row of expert indices per token)"
+        )
+    num_experts = _check_positive_int(num_experts, "num_experts")
+    multiple = _check_positive_int(multiple, "multiple")
+    on_host = x.device.type == "cpu"
+    if on_host or debug_checks_enabled():
+        _first_bad(
+            (topk_indices < -1) | (topk_indices >= num_experts),
+            topk_indices,
+            "topk_indices",
+            f"expert indices must be in [-1, {num_experts - 1}] (num_experts={num_experts})",
+        )
+
+    tokens, k = topk_indices.shape
+    slots = tokens * k
+    device = x.device
+    with torch.no_grad():
+        flat = topk_indices.reshape(-1).to(torch.int64)
+        key = torch.where((flat >= 0) & (flat < num_experts), flat, num_experts)
+        sorted_key, order = torch.sort(key, stable=True)
+        experts = torch.arange(num_experts, device=device, dtype=torch.int64)
+        ends = torch.searchsorted(sorted_key, experts, right=True)
+        starts = torch.cat([ends.new_zeros(1), ends[:-1]])
+        counts = ends - starts
+        m_splits = (counts + (multiple - 1)) // multiple * multiple
+        p_ends = m_splits.cumsum(0)
+        p_starts = p_ends - m_splits
+
+        # row_map: slot at sorted position p goes to p_starts[e] + (p - starts[e]).
+        position = torch.arange(slots, device=device, dtype=torch.int64)
+        expert = sorted_key.clamp(max=num_experts - 1)
+        dest = p_starts.index_select(0, expert) + position - starts.index_select(0, expert)
+        dest = torch.where(sorted_key < num_experts, dest, -1)
+        row_map = torch.empty_like(dest).scatter_(0, order, dest).view(tokens, k)
+
+        # Source token of every x_perm row (a gather, so the forward is deterministic).
+        num_rows = int(p_ends[-1]) if on_host else slots + num_experts * (multiple - 1)
+        rows = torch.arange(num_rows, device=device, dtype=torch.int64)
+        group = torch.searchsorted(p_ends, rows, right=True)
+        clamped = group.clamp(max=num_experts - 1)
+        local = rows - p_starts.index_select(0, clamped)
+        valid = (group < num_experts) & (local < counts.index_select(0, clamped))
+        if slots > 0:
+            sorted_pos = (starts.index_select(0, clamped) + local).clamp(0, slots - 1)
+            token = order.index_select(0, sorted_pos) // k
+        else:
+            token = torch.zeros_like(rows)
+
+    x_perm = _PermuteRows.apply(x, token, valid, row_map)
+    return x_perm, m_splits, row_map
+
+
+def unpermute(
+    y_perm: torch.Tensor,
+    row_map: torch.Tensor,
+    probs: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Combine the expert outputs back into token order.
+
+    Args:
+        y_perm: ``(N, H)`` rows in the layout :func:`permute` produced.
+        row_map: ``(T, k)`` integer tensor from :func:`permute`: the row of
+            ``y_perm`` of slot ``(t, j)``, ``-1`` for a dropped slot. Its
+            non-negative entries must be distinct (checked on CPU). On CPU
+            entries outside ``[-1, N)`` are a ValueError; on CUDA they count as
+            dropped.
+        probs: optional ``(T, k)`` floating weights (e.g. the router's top-k
+            probabilities); ``None`` means a plain sum.
+
+    Returns:
+        ``(T, H)`` in ``y_perm``'s dtype:
+        ``out[t] = sum_j probs[t, j] * y_perm[row_map[t, j]]`` over the
+        non-dropped slots. Products and the k-way sum are computed in float32
+        for float16/bfloat16 ``y_perm`` (else in its dtype), widened to
+        ``probs``' dtype when that is wider, and rounded once to ``y_perm``'s
+        dtype. ``probs`` may have a different dtype from ``y_perm``; its
+        gradient comes back in ``probs``' dtype.
+
+    Differentiable in ``y_perm`` and ``probs``; the backward is deterministic
+    (a copy into unique rows, and per-slot dot products), and dropped slots
+    get zero gradient.
+    """
+    y_perm = _check_matrix(y_perm, "y_perm")
+    row_map = _check_integer_matrix(row_map, "row_map")
+    if row_map.device != y_perm.device:
+        raise ValueError(f"row_map is on {row_map.device} but y_perm is on {y_perm.device}")
+    if probs is not None:
+        if not isinstance(probs, torch.Tensor):
+            raise TypeError(f"probs is {type(probs).__name__}: expected a torch.Tensor or None")
+        if not probs.is_floating_point():
+            raise TypeError(f"probs has dtype {probs.dtype}: expected a floating-point tensor")
+        if probs.shape != row_map.shape:
+            raise ValueError(
+                f"probs has shape {tuple(probs.shape)} but row_map has shape "
+                f"{tuple(row_map.shape)}: expected one weight per slot"
+            )
+        if probs.device != y_perm.device:
+            raise ValueError(f"probs is on {probs.device} but y_perm is on {y_perm.device}")
+    num_rows = y_perm.shape[0]
+    if y_perm.device.type == "cpu" or debug_checks_enabled():
+        _first_bad(
+            (row_map < -1) | (row_map >= num_rows),
+            row_map,
+            "row_map",
+            f"entries must be -1 (dropped) or a row of y_perm in [0, {num_rows})",
+        )
+        used = row_map[row_map >= 0]
+        if used.numel() != torch.unique(used).numel():
+            raise ValueError(
+                "row_map has repeated non-negative entries: each row of y_perm may be "
+                "held by at most one slot (as permute produces)"
+            )
+    return _Unpermute.apply(y_perm, row_map.to(torch.int64), probs)
