@@ -1,5 +1,12 @@
-import pytest
+import os
+
 import torch
+
+# Without a GPU, Triton kernels run under Triton's CPU interpreter (set before any import of triton).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
 
 
 @pytest.fixture(autouse=True)

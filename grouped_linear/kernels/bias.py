@@ -1,26 +1,136 @@
 """Per-group bias: the forward epilogue and the gradient's segment reduction.
 
-Plain PyTorch, free of host syncs: rows find their group on the device with a
-binary search over the ``(G,)`` cumulative ``offsets``.
+Each job has a Triton kernel (one pass over the tensor) and a plain-PyTorch
+reference beside it; the public functions pick the kernel where Triton can run
+(CUDA, or CPU under ``TRITON_INTERPRET=1``) and the reference elsewhere. Both
+are free of host syncs: rows find their group on the device from the ``(G,)``
+cumulative ``offsets``.
 """
-
-from __future__ import annotations
 
 import torch
 
-__all__ = ["row_groups", "bias_epilogue_", "bias_grad", "zero_tail_"]
+from ._triton import tl, triton, use_triton
+
+__all__ = [
+    "row_groups",
+    "bias_epilogue_",
+    "bias_epilogue_reference_",
+    "bias_grad",
+    "bias_grad_reference",
+    "zero_tail_",
+    "zero_tail_reference_",
+]
 
 
+# --------------------------------------------------------------------------- references
 def row_groups(offsets: torch.Tensor, num_rows: int) -> torch.Tensor:
     """``(M,)`` group of every row; ``G`` for rows past ``offsets[-1]``."""
     rows = torch.arange(num_rows, device=offsets.device, dtype=offsets.dtype)
     return torch.searchsorted(offsets, rows, right=True)
 
 
-def zero_tail_(out: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """Zero, in place, the rows of ``out`` past ``offsets[-1]``."""
+def zero_tail_reference_(out: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     groups = row_groups(offsets, out.shape[0])
     return out.masked_fill_((groups == offsets.shape[0]).unsqueeze(1), 0)
+
+
+def bias_epilogue_reference_(out, bias, offsets, zero_tail):
+    if bias is None:
+        return zero_tail_reference_(out, offsets) if zero_tail else out
+    groups = row_groups(offsets, out.shape[0])
+    padded_bias = torch.cat([bias.to(out.dtype), bias.new_zeros(1, bias.shape[1], dtype=out.dtype)])
+    if zero_tail:
+        out.masked_fill_((groups == offsets.shape[0]).unsqueeze(1), 0)
+    return out.add_(padded_bias.index_select(0, groups))
+
+
+def bias_grad_reference(grad_out, offsets, dtype):
+    acc_dtype = torch.float64 if grad_out.dtype == torch.float64 else torch.float32
+    bounds = torch.cat([offsets.new_zeros(1), offsets]).to(torch.int64)
+    sums = torch.segment_reduce(
+        grad_out.to(acc_dtype).contiguous(), "sum", offsets=bounds, axis=0, unsafe=True
+    )
+    return sums.to(dtype)
+
+
+# --------------------------------------------------------------------------- Triton kernels
+@triton.jit
+def _row_group(offsets_ptr, rows, G, BLOCK_G: tl.constexpr):
+    """Group of each row: how many group ends are <= the row (``G`` past the last end)."""
+    count = tl.zeros_like(rows)
+    for g0 in range(0, G, BLOCK_G):
+        gs = g0 + tl.arange(0, BLOCK_G)
+        ends = tl.load(offsets_ptr + gs, mask=gs < G, other=2147483647)
+        count += tl.sum((ends[None, :] <= rows[:, None]).to(tl.int32), axis=1)
+    return count
+
+
+@triton.jit
+def _bias_epilogue_kernel(out_ptr, bias_ptr, offsets_ptr, M, N, G, stride_out, stride_bias,
+                          ZERO_TAIL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                          BLOCK_G: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (rows < M)[:, None] & (cols < N)[None, :]
+    groups = _row_group(offsets_ptr, rows, G, BLOCK_G)
+    in_group = groups < G
+    bias = tl.load(bias_ptr + groups.to(tl.int64)[:, None] * stride_bias + cols[None, :],
+                   mask=mask & in_group[:, None], other=0.0)
+    ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_out + cols[None, :]
+    value = tl.load(ptrs, mask=mask).to(tl.float32) + bias.to(tl.float32)
+    if ZERO_TAIL:
+        value = tl.where(in_group[:, None], value, 0.0)
+    tl.store(ptrs, value.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _zero_tail_kernel(out_ptr, offsets_ptr, M, N, G, stride_out,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    row0 = tl.program_id(0) * BLOCK_M
+    end = tl.load(offsets_ptr + G - 1)
+    if row0 + BLOCK_M > end:  # only row blocks that reach the tail write anything
+        rows = row0 + tl.arange(0, BLOCK_M)
+        row_mask = (rows < M) & (rows >= end)
+        zeros = tl.zeros([BLOCK_M, BLOCK_N], dtype=out_ptr.dtype.element_ty)
+        for n0 in range(0, N, BLOCK_N):
+            cols = n0 + tl.arange(0, BLOCK_N)
+            ptrs = out_ptr + rows.to(tl.int64)[:, None] * stride_out + cols[None, :]
+            tl.store(ptrs, zeros, mask=row_mask[:, None] & (cols < N)[None, :])
+
+
+@triton.jit
+def _bias_grad_kernel(grad_ptr, offsets_ptr, out_ptr, N, stride_grad,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    group = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < N
+    end = tl.load(offsets_ptr + group)
+    start = tl.load(offsets_ptr + group - 1, mask=group > 0, other=0)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for m0 in range(start, end, BLOCK_M):
+        rows = m0 + tl.arange(0, BLOCK_M)
+        ptrs = grad_ptr + rows.to(tl.int64)[:, None] * stride_grad + cols[None, :]
+        acc += tl.load(ptrs, mask=(rows < end)[:, None] & col_mask[None, :], other=0.0).to(tl.float32)
+    tl.store(out_ptr + group.to(tl.int64) * N + cols, tl.sum(acc, axis=0), mask=col_mask)
+
+
+def _block_g(num_groups: int) -> int:
+    return min(64, triton.next_power_of_2(num_groups))
+
+
+# --------------------------------------------------------------------------- public
+def zero_tail_(out: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """Zero, in place, the rows of ``out`` ``(M, N)`` past ``offsets[-1]``."""
+    M, N = out.shape
+    if M == 0 or N == 0:
+        return out
+    if not use_triton(out) or out.stride(1) != 1:
+        return zero_tail_reference_(out, offsets)
+    block_m = 32
+    _zero_tail_kernel[(triton.cdiv(M, block_m),)](
+        out, offsets, M, N, offsets.shape[0], out.stride(0), BLOCK_M=block_m, BLOCK_N=128
+    )
+    return out
 
 
 def bias_epilogue_(
@@ -32,26 +142,41 @@ def bias_epilogue_(
     """In place on ``out`` ``(M, N)``: add ``bias[g]`` ``(G, N)`` to the rows of group ``g``.
 
     With ``zero_tail``, rows past ``offsets[-1]`` (which the GEMM may have left
-    unspecified) become zero and get no bias.
+    unspecified) become zero and get no bias. One read and one write of ``out``.
     """
     if bias is None:
         return zero_tail_(out, offsets) if zero_tail else out
-    groups = row_groups(offsets, out.shape[0])
-    padded_bias = torch.cat([bias.to(out.dtype), bias.new_zeros(1, bias.shape[1], dtype=out.dtype)])
-    if zero_tail:
-        out.masked_fill_((groups == offsets.shape[0]).unsqueeze(1), 0)
-    return out.add_(padded_bias.index_select(0, groups))
+    M, N = out.shape
+    if M == 0:
+        return out
+    if (not use_triton(out) or out.dtype == torch.float64 or out.stride(1) != 1
+            or bias.stride(1) != 1):
+        return bias_epilogue_reference_(out, bias, offsets, zero_tail)
+    G = offsets.shape[0]
+    block_m, block_n = 32, 128
+    grid = (triton.cdiv(M, block_m), triton.cdiv(N, block_n))
+    _bias_epilogue_kernel[grid](
+        out, bias, offsets, M, N, G, out.stride(0), bias.stride(0),
+        ZERO_TAIL=zero_tail, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_G=_block_g(G),
+    )
+    return out
 
 
 def bias_grad(grad_out: torch.Tensor, offsets: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``(M, N) -> (G, N)``: sum of ``grad_out`` over each group's rows, in ``dtype``.
 
-    Accumulates in float32 (float64 for float64 input); deterministic; empty
-    groups give zeros; rows past ``offsets[-1]`` are ignored.
+    Accumulates in float32 (float64 for float64 input); deterministic (a fixed
+    order per group, no atomics); empty groups give zeros; rows past
+    ``offsets[-1]`` are ignored. One read of ``grad_out``.
     """
-    acc_dtype = torch.float64 if grad_out.dtype == torch.float64 else torch.float32
-    bounds = torch.cat([offsets.new_zeros(1), offsets]).to(torch.int64)
-    sums = torch.segment_reduce(
-        grad_out.to(acc_dtype).contiguous(), "sum", offsets=bounds, axis=0, unsafe=True
+    if (not use_triton(grad_out) or grad_out.dtype == torch.float64 or grad_out.stride(1) != 1
+            or grad_out.shape[0] == 0):
+        return bias_grad_reference(grad_out, offsets, dtype)
+    M, N = grad_out.shape
+    G = offsets.shape[0]
+    out = torch.empty(G, N, device=grad_out.device, dtype=torch.float32)
+    block_n = 128
+    _bias_grad_kernel[(G, triton.cdiv(N, block_n))](
+        grad_out, offsets, out, N, grad_out.stride(0), BLOCK_M=64, BLOCK_N=block_n
     )
-    return sums.to(dtype)
+    return out.to(dtype)

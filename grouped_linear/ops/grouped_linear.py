@@ -23,8 +23,9 @@ BACKEND_CHOICES = ("auto", "grouped", "loop", "triton")
 
 
 # --------------------------------------------------------------------------- custom ops
-@torch.library.custom_op("grouped_linear::forward", mutates_args=())
-def _forward_op(
+# Each compute step is a plain function, registered as a torch.library custom op for
+# torch.compile; eager calls go straight to the function (no dispatcher round trip).
+def _forward_impl(
     x: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
@@ -37,13 +38,7 @@ def _forward_op(
     return bias_kernels.bias_epilogue_(out, bias, offsets, zero_tail)
 
 
-@_forward_op.register_fake
-def _(x, weight, bias, offsets, host_offsets, backend, zero_tail):
-    return x.new_empty(x.shape[0], weight.shape[1])
-
-
-@torch.library.custom_op("grouped_linear::dgrad", mutates_args=())
-def _dgrad_op(
+def _dgrad_impl(
     grad_out: torch.Tensor,
     weight: torch.Tensor,
     offsets: torch.Tensor,
@@ -55,13 +50,7 @@ def _dgrad_op(
     return bias_kernels.zero_tail_(grad_x, offsets) if zero_tail else grad_x
 
 
-@_dgrad_op.register_fake
-def _(grad_out, weight, offsets, host_offsets, backend, zero_tail):
-    return grad_out.new_empty(grad_out.shape[0], weight.shape[2])
-
-
-@torch.library.custom_op("grouped_linear::wgrad", mutates_args=())
-def _wgrad_op(
+def _wgrad_impl(
     grad_out: torch.Tensor,
     x: torch.Tensor,
     offsets: torch.Tensor,
@@ -71,19 +60,39 @@ def _wgrad_op(
     return grouped_gemm.wgrad(grad_out, x, offsets, host_offsets, backend)
 
 
+def _bias_grad_impl(grad_out: torch.Tensor, offsets: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return bias_kernels.bias_grad(grad_out, offsets, dtype)
+
+
+_forward_op = torch.library.custom_op("grouped_linear::forward", _forward_impl, mutates_args=())
+_dgrad_op = torch.library.custom_op("grouped_linear::dgrad", _dgrad_impl, mutates_args=())
+_wgrad_op = torch.library.custom_op("grouped_linear::wgrad", _wgrad_impl, mutates_args=())
+_bias_grad_op = torch.library.custom_op("grouped_linear::bias_grad", _bias_grad_impl, mutates_args=())
+
+
+@_forward_op.register_fake
+def _(x, weight, bias, offsets, host_offsets, backend, zero_tail):
+    return x.new_empty(x.shape[0], weight.shape[1])
+
+
+@_dgrad_op.register_fake
+def _(grad_out, weight, offsets, host_offsets, backend, zero_tail):
+    return grad_out.new_empty(grad_out.shape[0], weight.shape[2])
+
+
 @_wgrad_op.register_fake
 def _(grad_out, x, offsets, host_offsets, backend):
     return x.new_empty(offsets.shape[0], grad_out.shape[1], x.shape[1])
 
 
-@torch.library.custom_op("grouped_linear::bias_grad", mutates_args=())
-def _bias_grad_op(grad_out: torch.Tensor, offsets: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return bias_kernels.bias_grad(grad_out, offsets, dtype)
-
-
 @_bias_grad_op.register_fake
 def _(grad_out, offsets, dtype):
     return grad_out.new_empty(offsets.shape[0], grad_out.shape[1], dtype=dtype)
+
+
+def _step(op, impl):
+    """The custom op while torch.compile traces, the plain function in eager mode."""
+    return op if torch.compiler.is_compiling() else impl
 
 
 # --------------------------------------------------------------------------- autograd
@@ -99,7 +108,9 @@ class GroupedLinearFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, offsets, host_offsets, config: _CallConfig):
-        out = _forward_op(x, weight, bias, offsets, host_offsets, config.backend, config.zero_tail)
+        out = _step(_forward_op, _forward_impl)(
+            x, weight, bias, offsets, host_offsets, config.backend, config.zero_tail
+        )
         ctx.save_for_backward(x, weight, offsets, host_offsets)
         ctx.config = config
         ctx.bias_dtype = bias.dtype if bias is not None else None
@@ -113,14 +124,19 @@ class GroupedLinearFunction(torch.autograd.Function):
         grad_out = grad_out.contiguous()
         grad_x = None
         if ctx.needs_input_grad[0]:
-            grad_x = _dgrad_op(grad_out, weight, offsets, host_offsets, config.backend, config.zero_tail)
+            grad_x = _step(_dgrad_op, _dgrad_impl)(
+                grad_out, weight, offsets, host_offsets, config.backend, config.zero_tail
+            )
         need_w = ctx.needs_input_grad[1]
         need_b = ctx.bias_dtype is not None and ctx.needs_input_grad[2]
         bias_dtype = ctx.bias_dtype
 
         def weight_and_bias_grads():
-            grad_w = _wgrad_op(grad_out, x, offsets, host_offsets, config.backend) if need_w else None
-            grad_b = _bias_grad_op(grad_out, offsets, bias_dtype) if need_b else None
+            grad_w = grad_b = None
+            if need_w:
+                grad_w = _step(_wgrad_op, _wgrad_impl)(grad_out, x, offsets, host_offsets, config.backend)
+            if need_b:
+                grad_b = _step(_bias_grad_op, _bias_grad_impl)(grad_out, offsets, bias_dtype)
             return grad_w, grad_b
 
         sink = config.sink

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..kernels.offsets import group_offsets
+
 __all__ = ["GroupSplits", "normalize_splits", "debug_checks_enabled"]
 
 _INTEGER_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
@@ -153,9 +155,7 @@ def normalize_splits(
                     raise ValueError(
                         f"{name} sums to {int(m_splits.sum())}, more than the {num_rows} input rows"
                     )
-            offsets = torch.cumsum(m_splits.to(torch.int64), 0).clamp_(0, num_rows)
-            offsets = torch.cummax(offsets, 0).values.to(torch.int32)
-            return GroupSplits(num_groups, num_rows, offsets, None)
+            return GroupSplits(num_groups, num_rows, group_offsets(m_splits, num_rows), None)
     elif isinstance(m_splits, (list, tuple)):
         if len(m_splits) != num_groups:
             raise ValueError(f"{name} has length {len(m_splits)} but num_gemms is {num_groups}")
