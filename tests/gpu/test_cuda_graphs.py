@@ -1,0 +1,84 @@
+"""A whole forward+backward step captured in a CUDA graph, replayed with new split values."""
+
+import pytest
+import torch
+
+import grouped_linear as gl
+from tests.reference import reference_grads, rel_err
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+G, K, N, M = 6, 128, 256, 900
+NEW_SPLITS = [[150] * 6, [0, 899, 0, 0, 1, 0], [13, 0, 401, 7, 0, 300], [0] * 6]
+
+
+def _capture(step):
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    return graph, out
+
+
+def test_grouped_linear_step_in_cuda_graph():
+    layer = gl.GroupedLinear(G, K, N, params_dtype=torch.bfloat16, device="cuda")
+    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    grad_out = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
+    splits = torch.tensor([M // G] * G, device="cuda")
+
+    def step():
+        layer.zero_grad(set_to_none=True)
+        x.grad = None
+        y = layer(x, splits)
+        y.backward(grad_out)
+        return y
+
+    graph, y = _capture(step)
+    for sizes in NEW_SPLITS:
+        splits.copy_(torch.tensor(sizes))
+        with torch.no_grad():
+            x.copy_(torch.randn_like(x))
+            grad_out.copy_(torch.randn_like(grad_out))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref = reference_grads(x, layer.weight, layer.bias, sizes, grad_out)
+        got = (y, x.grad, layer.weight.grad, layer.bias.grad)
+        for name, a, b in zip(("y", "dx", "dW", "db"), got, ref):
+            assert rel_err(a, b) < 1e-2, (sizes, name, rel_err(a, b))
+
+
+def test_grouped_mlp_step_in_cuda_graph():
+    mlp = gl.GroupedMLP(G, K, 64, params_dtype=torch.bfloat16, device="cuda")
+    eager = gl.GroupedMLP(G, K, 64, params_dtype=torch.bfloat16, device="cuda")
+    eager.load_state_dict(mlp.state_dict())
+    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    splits = torch.tensor([M // G] * G, device="cuda")
+
+    def step():
+        mlp.zero_grad(set_to_none=True)
+        x.grad = None
+        y = mlp(x, splits)
+        y.float().square().sum().backward()
+        return y
+
+    graph, y = _capture(step)
+    for sizes in NEW_SPLITS:
+        splits.copy_(torch.tensor(sizes))
+        graph.replay()
+        torch.cuda.synchronize()
+        eager.zero_grad(set_to_none=True)
+        x_ref = x.detach().clone().requires_grad_()
+        y_ref = eager(x_ref, torch.tensor(sizes, device="cuda"))
+        y_ref.float().square().sum().backward()
+        assert torch.equal(y, y_ref), sizes
+        assert torch.equal(x.grad, x_ref.grad), sizes
+        for a, b in zip(mlp.parameters(), eager.parameters()):
+            assert torch.equal(a.grad, b.grad), sizes
