@@ -203,6 +203,28 @@ class GroupedLinear(nn.Module):
         ``is_first_microbatch`` only matters for quantized recipes (weight
         cache); high-precision compute ignores it.
         """
+        add_bias = not self.return_bias
+        out = self._grouped_forward(x, m_splits, is_first_microbatch, add_bias=add_bias)
+        if not self.return_bias:
+            return out
+        if not self.use_bias:
+            return out, None
+        return out, (self.bias if self.single_grouped_bias else self.bias_list())
+
+    def forward_unbiased(
+        self,
+        x: torch.Tensor | Sequence[torch.Tensor],
+        m_splits: Sequence[int] | torch.Tensor | None = None,
+        *,
+        is_first_microbatch: bool | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(y without bias, (G, out) bias or None)``, for callers that fold the bias
+        into their next kernel (``GroupedMLP``'s activation). The bias gradient then
+        comes from that caller's backward, not from ``backward_dw``."""
+        out = self._grouped_forward(x, m_splits, is_first_microbatch, add_bias=False)
+        return out, self.grouped_bias()
+
+    def _grouped_forward(self, x, m_splits, is_first_microbatch, *, add_bias: bool) -> torch.Tensor:
         if is_first_microbatch not in (None, True, False):
             raise TypeError(f"is_first_microbatch must be None or a bool, got {is_first_microbatch!r}")
         weights, names = self._weight_params()
@@ -217,15 +239,10 @@ class GroupedLinear(nn.Module):
                 fuse_main_grad=self.fuse_wgrad_accumulation,
                 queue=self._pending_wgrads,
             )
-        bias = None if self.return_bias else self.grouped_bias()
-        out = apply_grouped_linear(
+        bias = self.grouped_bias() if add_bias else None
+        return apply_grouped_linear(
             x, self.grouped_weight(), bias, m_splits, backend=self.backend, sink=sink
         )
-        if not self.return_bias:
-            return out
-        if not self.use_bias:
-            return out, None
-        return out, (self.bias if self.single_grouped_bias else self.bias_list())
 
     def backward_dw(self) -> None:
         """Compute the weight and bias gradients of every pending backward, oldest first.

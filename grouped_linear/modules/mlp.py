@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..ops.activation import bias_activation
 from ..ops.grouped_linear import join_inputs
 from ..ops.splits import GroupSplits, normalize_splits
 from .grouped_linear import GroupedLinear
@@ -88,8 +89,13 @@ class GroupedMLP(nn.Module):
         splits = normalize_splits(
             m_splits, num_groups=self.num_experts, num_rows=x.shape[0], device=x.device
         )
-        h = self.fc1(x, splits, is_first_microbatch=is_first_microbatch)
-        h = ACTIVATIONS[self.activation](h)
+        if self.fc1.delay_wgrad_compute:
+            # The bias gradient must wait for backward_dw: keep fc1's own bias path.
+            h = self.fc1(x, splits, is_first_microbatch=is_first_microbatch)
+            h = ACTIVATIONS[self.activation](h)
+        else:
+            h, fc1_bias = self.fc1.forward_unbiased(x, splits, is_first_microbatch=is_first_microbatch)
+            h = bias_activation(h, fc1_bias, splits.offsets, self.activation, splits.may_have_tail)
         return self.fc2(h, splits, is_first_microbatch=is_first_microbatch)
 
     def backward_dw(self) -> None:
