@@ -1,0 +1,366 @@
+"""``python -m grouped_linear bench``: this library against the baselines, side by side.
+
+Columns, measured in one process on the same random inputs per shape:
+
+* ``dense``: one ``torch.matmul`` ``(M, K) @ (K, N)`` of the same FLOPs (the ceiling);
+* ``loop``: a separate weight tensor per expert and one ``torch.matmul`` per group
+  (the legacy per-expert path);
+* ``torch``: ``torch.nn.functional.grouped_mm`` on a ``(G, N, K)`` weight (CUDA only);
+* ``grouped_linear``: :class:`grouped_linear.GroupedLinear` (with its bias) called
+  with the splits as a device int64 tensor.
+
+Figures are TFLOP/s from median times, forward (``2*M*K*N`` FLOPs) and
+forward+backward (3x that). On CPU the packaged shapes are scaled down.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import platform
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from importlib import resources
+
+import torch
+import torch.nn.functional as F
+
+import grouped_linear as gl
+
+from .demo import resolve_device
+from .timing import format_table, median_seconds, peak_memory_bytes, progress
+
+__all__ = ["COLUMNS", "Shape", "load_shapes", "scale_for_cpu", "run_bench", "render_table"]
+
+COLUMNS = ("dense", "loop", "torch", "grouped_linear")
+CPU_SPLIT_DIVISOR = 64
+CPU_FEATURE_DIVISOR = 8
+_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One benchmark problem: rows per group, ``K`` = in_features, ``N`` = out_features."""
+
+    name: str
+    splits: tuple[int, ...]
+    K: int
+    N: int
+    note: str = ""
+
+    @property
+    def G(self) -> int:
+        return len(self.splits)
+
+    @property
+    def M(self) -> int:
+        return sum(self.splits)
+
+    @property
+    def flops(self) -> int:
+        """Forward FLOPs, ``2 * M * K * N``."""
+        return 2 * self.M * self.K * self.N
+
+
+def load_shapes() -> dict[str, Shape]:
+    """The shapes packaged in ``grouped_linear/cli/shapes.json``, by name."""
+    text = resources.files("grouped_linear.cli").joinpath("shapes.json").read_text()
+    raw = json.loads(text)
+    return {
+        name: Shape(name, tuple(int(s) for s in entry["splits"]), int(entry["K"]),
+                    int(entry["N"]), entry.get("note", ""))
+        for name, entry in raw.items()
+        if not name.startswith("_")
+    }
+
+
+def scale_for_cpu(shape: Shape) -> Shape:
+    """A smaller problem of the same kind: group sizes ``// 64``, ``K`` and ``N`` ``// 8``.
+
+    Empty groups stay empty and non-empty groups keep at least one row, so the
+    zeros and the unaligned sizes of the original survive.
+    """
+    splits = tuple(0 if s == 0 else max(1, s // CPU_SPLIT_DIVISOR) for s in shape.splits)
+    return Shape(shape.name, splits, max(1, shape.K // CPU_FEATURE_DIVISOR),
+                 max(1, shape.N // CPU_FEATURE_DIVISOR), shape.note)
+
+
+# --------------------------------------------------------------------------- one case
+@dataclass
+class _Case:
+    """What a column needs to be timed: forward, forward+backward, grads to reset."""
+
+    forward: Callable[[], object]
+    forward_backward: Callable[[], object]
+    leaves: list[torch.Tensor] = field(default_factory=list)
+
+
+def _randn(*size: int, device: torch.device, dtype: torch.dtype, scale: float = 1.0,
+           requires_grad: bool = False) -> torch.Tensor:
+    t = torch.randn(*size, device=device, dtype=torch.float32).mul_(scale).to(dtype)
+    return t.requires_grad_(requires_grad)
+
+
+def _build_case(column: str, shape: Shape, device: torch.device, dtype: torch.dtype,
+                grad_out: torch.Tensor) -> _Case:
+    M, K, N, G = shape.M, shape.K, shape.N, shape.G
+    w_scale = K ** -0.5
+    x = _randn(M, K, device=device, dtype=dtype, requires_grad=True)
+
+    if column == "dense":
+        w = _randn(K, N, device=device, dtype=dtype, scale=w_scale, requires_grad=True)
+
+        def fwd():
+            return torch.matmul(x, w)
+
+        leaves = [x, w]
+    elif column == "loop":
+        weights = [_randn(N, K, device=device, dtype=dtype, scale=w_scale, requires_grad=True)
+                   for _ in range(G)]
+        sizes = list(shape.splits)
+
+        def fwd():
+            pieces = x.split(sizes)
+            return torch.cat([torch.matmul(p, w.t()) for p, w in zip(pieces, weights)])
+
+        leaves = [x, *weights]
+    elif column == "torch":
+        w = _randn(G, N, K, device=device, dtype=dtype, scale=w_scale, requires_grad=True)
+        offs = torch.tensor(shape.splits, dtype=torch.int64).cumsum(0).to(device, torch.int32)
+
+        def fwd():
+            return F.grouped_mm(x, w.transpose(-2, -1), offs=offs)
+
+        leaves = [x, w]
+    elif column == "grouped_linear":
+        layer = gl.GroupedLinear(G, K, N, bias=True, params_dtype=dtype, device=device)
+        with torch.no_grad():
+            layer.weight.copy_(_randn(G, N, K, device=device, dtype=dtype, scale=w_scale))
+            layer.bias.copy_(_randn(G, N, device=device, dtype=dtype, scale=0.1))
+        splits = torch.tensor(shape.splits, dtype=torch.int64, device=device)
+
+        def fwd():
+            return layer(x, splits)
+
+        leaves = [x, *layer.parameters()]
+    else:
+        raise ValueError(f"column={column!r} is not one of {COLUMNS}")
+
+    def fwd_bwd():
+        fwd().backward(grad_out)
+
+    return _Case(fwd, fwd_bwd, leaves)
+
+
+def _tflops(flops: float, seconds: float) -> float:
+    return flops / seconds / 1e12 if seconds > 0 else float("nan")
+
+
+def _measure(column: str, shape: Shape, device: torch.device, dtype: torch.dtype,
+             grad_out: torch.Tensor, reps: int) -> dict:
+    case = _build_case(column, shape, device, dtype, grad_out)
+    fwd_s = median_seconds(case.forward, device, grad_to_none=case.leaves, reps=reps)
+    fb_s = median_seconds(case.forward_backward, device, grad_to_none=case.leaves, reps=reps)
+    peak = peak_memory_bytes(case.forward_backward, device, grad_to_none=case.leaves)
+    return {
+        "fwd_ms": fwd_s * 1e3,
+        "fwd_bwd_ms": fb_s * 1e3,
+        "fwd_tflops": _tflops(shape.flops, fwd_s),
+        "fwd_bwd_tflops": _tflops(3 * shape.flops, fb_s),
+        "peak_mem_bytes": peak,
+    }
+
+
+def _ratio(a: dict | None, b: dict | None, key: str) -> float | None:
+    if not a or not b or not b.get(key):
+        return None
+    return a[key] / b[key]
+
+
+# --------------------------------------------------------------------------- driver
+def _run_cases(selected: list[Shape], columns: list[str], dev: torch.device,
+               torch_dtype: torch.dtype, reps: int, quiet: bool) -> list[dict]:
+    """Measure every column on every shape, with a progress bar."""
+    results = []
+    bar = progress(len(selected) * len(columns), desc="bench", disable=quiet)
+    for shape in selected:
+        torch.manual_seed(0)
+        grad_out = _randn(shape.M, shape.N, device=dev, dtype=torch_dtype)
+        entry = {"shape": shape.name, "G": shape.G, "M": shape.M, "K": shape.K, "N": shape.N,
+                 "splits": list(shape.splits), "note": shape.note, "fwd_flops": shape.flops,
+                 "columns": {}}
+        for column in columns:
+            bar.set_description(f"bench {shape.name}: {column}")
+            entry["columns"][column] = _measure(column, shape, dev, torch_dtype, grad_out, reps)
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
+            bar.update(1)
+        cols = entry["columns"]
+        entry["ratios"] = {
+            f"gl/{base}": {key: _ratio(cols["grouped_linear"], cols.get(base), key)
+                           for key in ("fwd_tflops", "fwd_bwd_tflops")}
+            for base in ("torch", "loop")
+        }
+        results.append(entry)
+        del grad_out
+    bar.close()
+    return results
+
+
+def run_bench(
+    shapes: Sequence[str] | dict[str, Shape] | None = None,
+    device: str | torch.device = "auto",
+    dtype: str | None = None,
+    json_path: str | None = None,
+    plot_path: str | None = None,
+    reps: int = 5,
+    quiet: bool = False,
+    scale: bool | None = None,
+) -> dict:
+    """Measure every column on every shape, print the table and return all numbers.
+
+    Args:
+        shapes: names from ``shapes.json`` (default: all of them), or a dict of
+            :class:`Shape` to measure as given.
+        device: ``"auto"``, ``"cpu"`` or ``"cuda"``.
+        dtype: ``"bf16"`` or ``"fp32"`` (default: bf16 on CUDA, fp32 on CPU).
+        json_path: write the returned dict there as JSON.
+        plot_path: write a PNG bar chart there (matplotlib).
+        reps: timed repetitions per case on CPU (CUDA uses ``do_bench``'s budget).
+        quiet: no progress bar and no table.
+        scale: scale the shapes down (default: on CPU, for packaged shapes only).
+
+    Returns:
+        ``{"device", "dtype", "scaled", "columns", "results": [...], "table"}``;
+        each result holds the shape and, per column, ``fwd_ms``, ``fwd_bwd_ms``,
+        ``fwd_tflops``, ``fwd_bwd_tflops`` and ``peak_mem_bytes`` (CUDA only),
+        plus the ``gl/torch`` and ``gl/loop`` ratios.
+    """
+    dev = resolve_device(device)
+    dtype_name = dtype or ("bf16" if dev.type == "cuda" else "fp32")
+    if dtype_name not in _DTYPES:
+        raise ValueError(f"dtype={dtype_name!r} is not one of {tuple(_DTYPES)}")
+    torch_dtype = _DTYPES[dtype_name]
+    if scale is None:
+        scale = dev.type == "cpu" and not isinstance(shapes, dict)
+
+    if isinstance(shapes, dict):
+        selected = list(shapes.values())
+    else:
+        available = load_shapes()
+        names = list(shapes) if shapes else list(available)
+        unknown = [n for n in names if n not in available]
+        if unknown:
+            raise ValueError(f"unknown shape(s) {unknown}; available: {sorted(available)}")
+        selected = [available[n] for n in names]
+    if scale:
+        selected = [scale_for_cpu(s) for s in selected]
+    columns = [c for c in COLUMNS if c != "torch" or dev.type == "cuda"]
+
+    with warnings.catch_warnings():
+        # torch warns once when autograd's CUDA thread first creates its cuBLAS handle.
+        warnings.filterwarnings("ignore", message=".*no current CUDA context.*")
+        results = _run_cases(selected, columns, dev, torch_dtype, reps, quiet)
+
+    report = {
+        "device": str(dev),
+        "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda"
+        else (platform.processor() or platform.machine()),
+        "dtype": dtype_name,
+        "torch_version": torch.__version__,
+        "grouped_linear_version": gl.__version__,
+        "scaled": bool(scale),
+        "scale": {"split_divisor": CPU_SPLIT_DIVISOR, "feature_divisor": CPU_FEATURE_DIVISOR}
+        if scale else None,
+        "columns": columns,
+        "results": results,
+    }
+    report["table"] = render_table(report)
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(report, f, indent=1, allow_nan=True)
+    if plot_path:
+        write_plot(report, plot_path)
+    if not quiet:
+        print(report["table"])
+    return report
+
+
+# --------------------------------------------------------------------------- output
+def _num(value: float | None, digits: int = 1) -> str:
+    if value is None or not math.isfinite(value):
+        return "-"
+    if digits == 1 and abs(value) < 1:
+        return f"{value:.3f}"
+    return f"{value:.{digits}f}"
+
+
+def _pair(a: float | None, b: float | None, digits: int = 1) -> str:
+    return f"{_num(a, digits)} / {_num(b, digits)}"
+
+
+def render_table(report: dict) -> str:
+    """The compact text table of a :func:`run_bench` report."""
+    columns = report["columns"]
+    on_cuda = report["device"].startswith("cuda")
+    bases = [b for b in ("torch", "loop") if b in columns]
+    headers = ["shape", "G", "M", "K", "N", *columns, *(f"gl/{b}" for b in bases)]
+    if on_cuda:
+        headers.append("peak GiB " + "/".join(c if c != "grouped_linear" else "gl"
+                                               for c in columns))
+    rows = []
+    for entry in report["results"]:
+        cols = entry["columns"]
+        row = [entry["shape"], entry["G"], entry["M"], entry["K"], entry["N"]]
+        row += [_pair(cols[c]["fwd_tflops"], cols[c]["fwd_bwd_tflops"]) for c in columns]
+        for base in bases:
+            r = entry["ratios"][f"gl/{base}"]
+            row.append(_pair(r["fwd_tflops"], r["fwd_bwd_tflops"], digits=2))
+        if on_cuda:
+            row.append("/".join(_num((cols[c]["peak_mem_bytes"] or 0) / 2**30, 2)
+                                for c in columns))
+        rows.append(row)
+    title = (f"grouped_linear bench on {report['device']} ({report['device_name']}), "
+             f"{report['dtype']}, torch {report['torch_version']}: TFLOP/s forward / "
+             "forward+backward (median)")
+    notes = []
+    if report["scaled"]:
+        s = report["scale"]
+        notes.append(f"shapes scaled down for CPU: group sizes // {s['split_divisor']} "
+                     f"(zeros kept, others >= 1), K and N // {s['feature_divisor']}")
+    if "torch" not in columns:
+        notes.append("torch (F.grouped_mm) is measured on CUDA only")
+    notes.append("grouped_linear includes its per-group bias; the baselines have none")
+    table = format_table(headers, rows, title=title)
+    return table + "\n" + "\n".join("note: " + n for n in notes)
+
+
+def write_plot(report: dict, path: str) -> None:
+    """A PNG bar chart: TFLOP/s per shape and column, forward and forward+backward."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    columns = report["columns"]
+    names = [e["shape"] for e in report["results"]]
+    width = 0.8 / len(columns)
+    fig, axes = plt.subplots(2, 1, figsize=(max(6.0, 1.4 * len(names) + 2), 7), sharex=True)
+    for ax, key, label in zip(axes, ("fwd_tflops", "fwd_bwd_tflops"),
+                              ("forward", "forward+backward")):
+        for i, column in enumerate(columns):
+            values = [e["columns"][column][key] for e in report["results"]]
+            xs = [j + (i - (len(columns) - 1) / 2) * width for j in range(len(names))]
+            ax.bar(xs, values, width, label=column)
+        ax.set_ylabel("TFLOP/s")
+        ax.set_title(label)
+        ax.grid(axis="y", alpha=0.3)
+    axes[0].legend(ncol=len(columns), fontsize="small")
+    axes[-1].set_xticks(range(len(names)))
+    axes[-1].set_xticklabels(names, rotation=30, ha="right", fontsize="small")
+    scaled = " (shapes scaled down)" if report["scaled"] else ""
+    fig.suptitle(f"grouped_linear bench, {report['device']} {report['dtype']}{scaled}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,73 @@
+"""The benchmark runs on tiny scaled shapes on CPU and reports sane numbers."""
+
+import json
+import math
+
+import pytest
+
+from grouped_linear.cli.bench import Shape, load_shapes, run_bench, scale_for_cpu
+from grouped_linear.cli.main import main
+from grouped_linear.cli.timing import Progress, format_table
+
+TINY = "unaligned_g16,qwen35_397b_ep64_fc2"
+
+
+@pytest.fixture(autouse=True)
+def _plain_cpu_kernels(monkeypatch):
+    """Run the CLI as users get it on CPU: PyTorch kernels, not Triton's (slow) interpreter."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+
+
+def test_bench_command_writes_json_and_prints_table(tmp_path, capsys):
+    path = tmp_path / "bench.json"
+    assert main(["bench", "--device", "cpu", "--shapes", TINY, "--json", str(path),
+                 "--reps", "2"]) == 0
+    report = json.loads(path.read_text())
+    assert report["scaled"] and report["dtype"] == "fp32"
+    assert report["columns"] == ["dense", "loop", "grouped_linear"]
+    assert [r["shape"] for r in report["results"]] == TINY.split(",")
+    for result in report["results"]:
+        for column in report["columns"]:
+            numbers = result["columns"][column]
+            for key in ("fwd_tflops", "fwd_bwd_tflops", "fwd_ms", "fwd_bwd_ms"):
+                assert math.isfinite(numbers[key]) and numbers[key] > 0, (column, key)
+        ratio = result["ratios"]["gl/loop"]["fwd_bwd_tflops"]
+        assert math.isfinite(ratio) and ratio > 0
+
+    out = capsys.readouterr().out
+    assert "grouped_linear" in out and "gl/loop" in out and "scaled down" in out
+    for name in TINY.split(","):
+        assert name in out
+
+
+def test_bench_plot(tmp_path):
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "bench.png"
+    shapes = {"tiny": Shape("tiny", (5, 0, 11), 16, 24)}
+    report = run_bench(shapes, device="cpu", plot_path=str(path), reps=1, quiet=True)
+    assert report["results"][0]["M"] == 16
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_shapes_load_and_scale_keeps_zeros_and_unaligned_sizes():
+    shapes = load_shapes()
+    skew = shapes["qwen3_30b_g128_skew"]
+    assert skew.G == 128 and skew.K == 2048
+    small = scale_for_cpu(skew)
+    assert small.G == 128 and small.K == skew.K // 8 and small.N == skew.N // 8
+    assert [s == 0 for s in small.splits] == [s == 0 for s in skew.splits]
+    assert any(s % 8 for s in small.splits)
+    with pytest.raises(ValueError, match="unknown shape"):
+        run_bench(["no_such_shape"], device="cpu", quiet=True)
+
+
+def test_format_table_and_text_progress(capsys):
+    table = format_table(["name", "x"], [["a", 1], ["bbb", 22.5]], title="T")
+    lines = table.splitlines()
+    assert lines[0] == "T" and len({len(line) for line in lines[1:]}) == 1
+    bar = Progress(3, "work")
+    for _ in range(3):
+        bar.update()
+    bar.set_postfix_str("loss 1.0")
+    bar.close()
+    assert "3/3" in capsys.readouterr().err
