@@ -6,8 +6,15 @@ Columns, measured in one process on the same random inputs per shape:
 * ``loop``: a separate weight tensor per expert and one ``torch.matmul`` per group
   (the legacy per-expert path);
 * ``torch``: ``torch.nn.functional.grouped_mm`` on a ``(G, N, K)`` weight (CUDA only);
-* ``grouped_linear``: :class:`grouped_linear.GroupedLinear` (with its bias) called
-  with the splits as a device int64 tensor.
+* ``torchao``: torchao's FP8 rowwise MoE grouped GEMM, when importable on CUDA; it
+  needs 16-aligned groups, so it runs on the splits rounded up to multiples of 16
+  (and its TFLOP/s count that rounded work);
+* ``gl_nobias``: :class:`grouped_linear.GroupedLinear` without bias;
+* ``grouped_linear``: :class:`grouped_linear.GroupedLinear` (with its bias, the
+  default layer); both called with the splits as a device int64 tensor.
+
+A latency row (``small_8x128``: 8 groups of 128 rows, 1024 -> 1024) follows the
+packaged shapes on CUDA.
 
 Figures are TFLOP/s from median times, forward (``2*M*K*N`` FLOPs) and
 forward+backward (3x that). On CPU the packaged shapes are scaled down.
@@ -33,7 +40,9 @@ from .timing import format_table, median_seconds, peak_memory_bytes, progress
 
 __all__ = ["COLUMNS", "Shape", "load_shapes", "scale_for_cpu", "run_bench", "render_table"]
 
-COLUMNS = ("dense", "loop", "torch", "grouped_linear")
+COLUMNS = ("dense", "loop", "torch", "torchao", "gl_nobias", "grouped_linear")
+SMALL_SHAPE_NAME = "small_8x128"
+COPY_BANDWIDTH = 4.25e12  # bytes/s read + written, device-to-device copy measured on the H200
 CPU_SPLIT_DIVISOR = 64
 CPU_FEATURE_DIVISOR = 8
 _DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -94,6 +103,7 @@ class _Case:
     forward: Callable[[], object]
     forward_backward: Callable[[], object]
     leaves: list[torch.Tensor] = field(default_factory=list)
+    flops: int | None = None  # forward FLOPs when the column runs other work than the shape
 
 
 def _randn(*size: int, device: torch.device, dtype: torch.dtype, scale: float = 1.0,
@@ -133,11 +143,15 @@ def _build_case(column: str, shape: Shape, device: torch.device, dtype: torch.dt
             return F.grouped_mm(x, w.transpose(-2, -1), offs=offs)
 
         leaves = [x, w]
-    elif column == "grouped_linear":
-        layer = gl.GroupedLinear(G, K, N, bias=True, params_dtype=dtype, device=device)
+    elif column == "torchao":
+        return _torchao_case(shape, device, dtype)
+    elif column in ("grouped_linear", "gl_nobias"):
+        layer = gl.GroupedLinear(G, K, N, bias=column == "grouped_linear", params_dtype=dtype,
+                                 device=device)
         with torch.no_grad():
             layer.weight.copy_(_randn(G, N, K, device=device, dtype=dtype, scale=w_scale))
-            layer.bias.copy_(_randn(G, N, device=device, dtype=dtype, scale=0.1))
+            if layer.bias is not None:
+                layer.bias.copy_(_randn(G, N, device=device, dtype=dtype, scale=0.1))
         splits = torch.tensor(shape.splits, dtype=torch.int64, device=device)
 
         def fwd():
@@ -153,6 +167,37 @@ def _build_case(column: str, shape: Shape, device: torch.device, dtype: torch.dt
     return _Case(fwd, fwd_bwd, leaves)
 
 
+def torchao_available() -> bool:
+    """Whether torchao's FP8 rowwise grouped GEMM can be imported."""
+    try:
+        from torchao.prototype.moe_training import (  # noqa: F401
+            _to_fp8_rowwise_then_scaled_grouped_mm,
+        )
+    except Exception:  # noqa: BLE001 (any import failure means: not available)
+        return False
+    return True
+
+
+def _torchao_case(shape: Shape, device: torch.device, dtype: torch.dtype) -> _Case:
+    from torchao.prototype.moe_training import _to_fp8_rowwise_then_scaled_grouped_mm
+
+    sizes = [-(-s // 16) * 16 for s in shape.splits]
+    M, K, N, G = sum(sizes), shape.K, shape.N, shape.G
+    x = _randn(M, K, device=device, dtype=dtype, requires_grad=True)
+    w = _randn(G, N, K, device=device, dtype=dtype, scale=K ** -0.5, requires_grad=True)
+    offs = torch.tensor(sizes, dtype=torch.int64).cumsum(0).to(device, torch.int32)
+    grad_out = _randn(M, N, device=device, dtype=dtype)
+
+    def fwd():
+        return _to_fp8_rowwise_then_scaled_grouped_mm(x, w.transpose(-2, -1), offs,
+                                                      out_dtype=dtype)
+
+    def fwd_bwd():
+        fwd().backward(grad_out)
+
+    return _Case(fwd, fwd_bwd, [x, w], flops=2 * M * K * N)
+
+
 def _tflops(flops: float, seconds: float) -> float:
     return flops / seconds / 1e12 if seconds > 0 else float("nan")
 
@@ -163,11 +208,12 @@ def _measure(column: str, shape: Shape, device: torch.device, dtype: torch.dtype
     fwd_s = median_seconds(case.forward, device, grad_to_none=case.leaves, reps=reps)
     fb_s = median_seconds(case.forward_backward, device, grad_to_none=case.leaves, reps=reps)
     peak = peak_memory_bytes(case.forward_backward, device, grad_to_none=case.leaves)
+    flops = case.flops or shape.flops
     return {
         "fwd_ms": fwd_s * 1e3,
         "fwd_bwd_ms": fb_s * 1e3,
-        "fwd_tflops": _tflops(shape.flops, fwd_s),
-        "fwd_bwd_tflops": _tflops(3 * shape.flops, fb_s),
+        "fwd_tflops": _tflops(flops, fwd_s),
+        "fwd_bwd_tflops": _tflops(3 * flops, fb_s),
         "peak_mem_bytes": peak,
     }
 
@@ -198,14 +244,33 @@ def _run_cases(selected: list[Shape], columns: list[str], dev: torch.device,
             bar.update(1)
         cols = entry["columns"]
         entry["ratios"] = {
-            f"gl/{base}": {key: _ratio(cols["grouped_linear"], cols.get(base), key)
-                           for key in ("fwd_tflops", "fwd_bwd_tflops")}
-            for base in ("torch", "loop")
+            f"{mine}/{base}": {key: _ratio(cols[name], cols.get(base), key)
+                               for key in ("fwd_tflops", "fwd_bwd_tflops")}
+            for mine, name, base in (("gl", "grouped_linear", "torch"),
+                                     ("gl", "grouped_linear", "loop"),
+                                     ("nobias", "gl_nobias", "torch"))
         }
+        entry["bias_overhead"] = _bias_overhead(shape, cols, torch_dtype)
         results.append(entry)
         del grad_out
     bar.close()
     return results
+
+
+def _bias_overhead(shape: Shape, cols: dict, dtype: torch.dtype) -> dict:
+    """Time the bias adds (with bias minus without) against one pass over the output
+    forward and one over its gradient backward at the measured copy bandwidth."""
+    element = torch.finfo(dtype).bits // 8
+    out_bytes = shape.M * shape.N * element
+    bound_fwd_ms = 2 * out_bytes / COPY_BANDWIDTH * 1e3        # read + write the output
+    bound_fwd_bwd_ms = bound_fwd_ms + out_bytes / COPY_BANDWIDTH * 1e3  # + read the gradient
+    with_bias, without = cols["grouped_linear"], cols["gl_nobias"]
+    return {
+        "fwd_ms": with_bias["fwd_ms"] - without["fwd_ms"],
+        "fwd_bwd_ms": with_bias["fwd_bwd_ms"] - without["fwd_bwd_ms"],
+        "bound_fwd_ms": bound_fwd_ms,
+        "bound_fwd_bwd_ms": bound_fwd_bwd_ms,
+    }
 
 
 def run_bench(
@@ -256,7 +321,13 @@ def run_bench(
         selected = [available[n] for n in names]
     if scale:
         selected = [scale_for_cpu(s) for s in selected]
-    columns = [c for c in COLUMNS if c != "torch" or dev.type == "cuda"]
+    columns = [c for c in COLUMNS
+               if (c != "torch" or dev.type == "cuda")
+               and (c != "torchao" or (dev.type == "cuda" and torch_dtype == torch.bfloat16
+                                       and torchao_available()))]
+    if dev.type == "cuda" and not isinstance(shapes, dict) and not shapes:
+        selected.append(Shape(SMALL_SHAPE_NAME, (128,) * 8, 1024, 1024,
+                              "small problem: latency matters more than TFLOP/s"))
 
     with warnings.catch_warnings():
         # torch warns once when autograd's CUDA thread first creates its cuBLAS handle.
@@ -300,40 +371,66 @@ def _pair(a: float | None, b: float | None, digits: int = 1) -> str:
     return f"{_num(a, digits)} / {_num(b, digits)}"
 
 
+_RATIOS = (("gl/torch", "torch"), ("gl/loop", "loop"), ("nobias/torch", "torch"))
+
+
 def render_table(report: dict) -> str:
-    """The compact text table of a :func:`run_bench` report."""
+    """The text tables of a :func:`run_bench` report: TFLOP/s and ratios, then (CUDA)
+    peak memory, bias overhead against its one-pass bound, and latencies in µs."""
     columns = report["columns"]
+    short = {"grouped_linear": "gl", "gl_nobias": "nobias"}
     on_cuda = report["device"].startswith("cuda")
-    bases = [b for b in ("torch", "loop") if b in columns]
-    headers = ["shape", "G", "M", "K", "N", *columns, *(f"gl/{b}" for b in bases)]
-    if on_cuda:
-        headers.append("peak GiB " + "/".join(c if c != "grouped_linear" else "gl"
-                                               for c in columns))
+    ratios = [(name, base) for name, base in _RATIOS if base in columns]
+    headers = ["shape", "G", "M", "K", "N", *(short.get(c, c) for c in columns),
+               *(name for name, _ in ratios)]
     rows = []
     for entry in report["results"]:
         cols = entry["columns"]
         row = [entry["shape"], entry["G"], entry["M"], entry["K"], entry["N"]]
         row += [_pair(cols[c]["fwd_tflops"], cols[c]["fwd_bwd_tflops"]) for c in columns]
-        for base in bases:
-            r = entry["ratios"][f"gl/{base}"]
+        for name, _ in ratios:
+            r = entry["ratios"][name]
             row.append(_pair(r["fwd_tflops"], r["fwd_bwd_tflops"], digits=2))
-        if on_cuda:
-            row.append("/".join(_num((cols[c]["peak_mem_bytes"] or 0) / 2**30, 2)
-                                for c in columns))
         rows.append(row)
     title = (f"grouped_linear bench on {report['device']} ({report['device_name']}), "
              f"{report['dtype']}, torch {report['torch_version']}: TFLOP/s forward / "
-             "forward+backward (median)")
+             "forward+backward (median); gl = GroupedLinear with bias, nobias = without")
+    parts = [format_table(headers, rows, title=title)]
+    if on_cuda:
+        mem_headers = ["shape", *(f"peak GiB {short.get(c, c)}" for c in columns),
+                       "gl/torch mem", "bias ms fwd (bound)", "bias ms fwd+bwd (bound)"]
+        mem_rows = []
+        for entry in report["results"]:
+            cols, bias = entry["columns"], entry["bias_overhead"]
+            peaks = [(cols[c]["peak_mem_bytes"] or 0) / 2**30 for c in columns]
+            mem_ratio = _ratio(cols["grouped_linear"], cols.get("torch"), "peak_mem_bytes")
+            mem_rows.append([
+                entry["shape"], *(_num(p, 2) for p in peaks), _num(mem_ratio, 3),
+                f"{bias['fwd_ms']:.3f} ({bias['bound_fwd_ms']:.3f})",
+                f"{bias['fwd_bwd_ms']:.3f} ({bias['bound_fwd_bwd_ms']:.3f})",
+            ])
+        parts.append(format_table(mem_headers, mem_rows,
+                                  title="peak memory of forward+backward; bias cost vs one pass"))
+        small = [e for e in report["results"] if e["shape"] == SMALL_SHAPE_NAME]
+        if small:
+            cols = small[0]["columns"]
+            lat_rows = [[short.get(c, c), f"{cols[c]['fwd_ms'] * 1e3:.1f}",
+                         f"{cols[c]['fwd_bwd_ms'] * 1e3:.1f}"] for c in columns]
+            parts.append(format_table(["column", "fwd µs", "fwd+bwd µs"], lat_rows,
+                                      title=f"{SMALL_SHAPE_NAME}: 8 groups x 128 rows, 1024 -> 1024"))
     notes = []
     if report["scaled"]:
-        s = report["scale"]
-        notes.append(f"shapes scaled down for CPU: group sizes // {s['split_divisor']} "
-                     f"(zeros kept, others >= 1), K and N // {s['feature_divisor']}")
+        sc = report["scale"]
+        notes.append(f"shapes scaled down for CPU: group sizes // {sc['split_divisor']} "
+                     f"(zeros kept, others >= 1), K and N // {sc['feature_divisor']}")
     if "torch" not in columns:
         notes.append("torch (F.grouped_mm) is measured on CUDA only")
-    notes.append("grouped_linear includes its per-group bias; the baselines have none")
-    table = format_table(headers, rows, title=title)
-    return table + "\n" + "\n".join("note: " + n for n in notes)
+    if "torchao" in columns:
+        notes.append("torchao (FP8 rowwise) runs each shape's splits rounded up to multiples of "
+                     "16; its TFLOP/s count that rounded work")
+    notes.append("the baselines have no bias; bias bound = one read+write of the output forward "
+                 "and one read of its gradient backward at 4.25 TB/s")
+    return "\n".join(parts) + "\n" + "\n".join("note: " + n for n in notes)
 
 
 def write_plot(report: dict, path: str) -> None:

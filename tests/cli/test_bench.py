@@ -24,7 +24,7 @@ def test_bench_command_writes_json_and_prints_table(tmp_path, capsys):
                  "--reps", "2"]) == 0
     report = json.loads(path.read_text())
     assert report["scaled"] and report["dtype"] == "fp32"
-    assert report["columns"] == ["dense", "loop", "grouped_linear"]
+    assert report["columns"] == ["dense", "loop", "gl_nobias", "grouped_linear"]
     assert [r["shape"] for r in report["results"]] == TINY.split(",")
     for result in report["results"]:
         for column in report["columns"]:
