@@ -189,8 +189,9 @@ def _torchao_case(shape: Shape, device: torch.device, dtype: torch.dtype) -> _Ca
     grad_out = _randn(M, N, device=device, dtype=dtype)
 
     def fwd():
-        return _to_fp8_rowwise_then_scaled_grouped_mm(x, w.transpose(-2, -1), offs,
-                                                      out_dtype=dtype)
+        return _to_fp8_rowwise_then_scaled_grouped_mm(
+            x, w.transpose(-2, -1), offs, out_dtype=dtype, pad_token_groups_for_grouped_mm=False
+        )
 
     def fwd_bwd():
         fwd().backward(grad_out)
