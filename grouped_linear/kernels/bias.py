@@ -99,19 +99,56 @@ def _zero_tail_kernel(out_ptr, offsets_ptr, M, N, G, stride_out,
 
 
 @triton.jit
-def _bias_grad_kernel(grad_ptr, offsets_ptr, out_ptr, N, stride_grad,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _group_chunks(offsets_ptr, G, CHUNK: tl.constexpr, BLOCK_G: tl.constexpr):
+    """Per group (vectors of BLOCK_G >= G): start row, end row, and the first chunk
+    index, where each group's rows are cut into chunks of CHUNK rows."""
+    gs = tl.arange(0, BLOCK_G)
+    ends = tl.load(offsets_ptr + gs, mask=gs < G, other=0)
+    starts = tl.load(offsets_ptr + gs - 1, mask=(gs > 0) & (gs < G), other=0)
+    chunks = tl.where(gs < G, (ends - starts + CHUNK - 1) // CHUNK, 0)
+    first_chunk = tl.cumsum(chunks, axis=0) - chunks
+    return gs, starts, ends, chunks, first_chunk
+
+
+@triton.jit
+def _bias_grad_partial_kernel(grad_ptr, offsets_ptr, partial_ptr, N, G, stride_grad,
+                              CHUNK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                              BLOCK_G: tl.constexpr):
+    item = tl.program_id(0)  # one chunk of one group's rows
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < N
+    gs, starts, ends, chunks, first_chunk = _group_chunks(offsets_ptr, G, CHUNK, BLOCK_G)
+    owner = (first_chunk <= item) & (item < first_chunk + chunks)
+    if tl.sum(owner.to(tl.int32), axis=0) > 0:
+        start = tl.sum(tl.where(owner, starts + (item - first_chunk) * CHUNK, 0), axis=0)
+        end = tl.minimum(start + CHUNK, tl.sum(tl.where(owner, ends, 0), axis=0))
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for m0 in range(0, CHUNK, BLOCK_M):
+            rows = start + m0 + tl.arange(0, BLOCK_M)
+            ptrs = grad_ptr + rows.to(tl.int64)[:, None] * stride_grad + cols[None, :]
+            acc += tl.load(ptrs, mask=(rows < end)[:, None] & col_mask[None, :],
+                           other=0.0).to(tl.float32)
+        tl.store(partial_ptr + item.to(tl.int64) * N + cols, tl.sum(acc, axis=0), mask=col_mask)
+
+
+@triton.jit
+def _bias_grad_reduce_kernel(partial_ptr, offsets_ptr, out_ptr, N, G, CHUNK: tl.constexpr,
+                             BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr):
     group = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < N
-    end = tl.load(offsets_ptr + group)
-    start = tl.load(offsets_ptr + group - 1, mask=group > 0, other=0)
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for m0 in range(start, end, BLOCK_M):
-        rows = m0 + tl.arange(0, BLOCK_M)
-        ptrs = grad_ptr + rows.to(tl.int64)[:, None] * stride_grad + cols[None, :]
-        acc += tl.load(ptrs, mask=(rows < end)[:, None] & col_mask[None, :], other=0.0).to(tl.float32)
-    tl.store(out_ptr + group.to(tl.int64) * N + cols, tl.sum(acc, axis=0), mask=col_mask)
+    gs, starts, ends, chunks, first_chunk = _group_chunks(offsets_ptr, G, CHUNK, BLOCK_G)
+    mine = gs == group
+    first = tl.sum(tl.where(mine, first_chunk, 0), axis=0)
+    count = tl.sum(tl.where(mine, chunks, 0), axis=0)
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for i in range(0, count):  # fixed order: deterministic
+        acc += tl.load(partial_ptr + (first + i).to(tl.int64) * N + cols, mask=col_mask, other=0.0)
+    tl.store(out_ptr + group.to(tl.int64) * N + cols, acc, mask=col_mask)
+
+
+_BIAS_GRAD_CHUNK = 512
+_MAX_CHUNKED_GROUPS = 4096
 
 
 def _block_g(num_groups: int) -> int:
@@ -165,18 +202,29 @@ def bias_epilogue_(
 def bias_grad(grad_out: torch.Tensor, offsets: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``(M, N) -> (G, N)``: sum of ``grad_out`` over each group's rows, in ``dtype``.
 
-    Accumulates in float32 (float64 for float64 input); deterministic (a fixed
-    order per group, no atomics); empty groups give zeros; rows past
-    ``offsets[-1]`` are ignored. One read of ``grad_out``.
+    Accumulates in float32 (float64 for float64 input); deterministic (partial
+    sums over chunks of each group's rows, then a fixed-order sum of the
+    chunks; no atomics); empty groups give zeros; rows past ``offsets[-1]`` are
+    ignored. One read of ``grad_out``.
     """
     if (not use_triton(grad_out) or grad_out.dtype == torch.float64 or grad_out.stride(1) != 1
             or grad_out.shape[0] == 0):
         return bias_grad_reference(grad_out, offsets, dtype)
     M, N = grad_out.shape
     G = offsets.shape[0]
+    if G > _MAX_CHUNKED_GROUPS:
+        return bias_grad_reference(grad_out, offsets, dtype)
+    chunk, block_n, block_g = _BIAS_GRAD_CHUNK, 128, triton.next_power_of_2(G)
+    # Chunks never straddle groups: at most cdiv(M, chunk) + G of them.
+    num_items = triton.cdiv(M, chunk) + G
+    partial = torch.empty(num_items, N, device=grad_out.device, dtype=torch.float32)
+    col_blocks = triton.cdiv(N, block_n)
+    _bias_grad_partial_kernel[(num_items, col_blocks)](
+        grad_out, offsets, partial, N, G, grad_out.stride(0),
+        CHUNK=chunk, BLOCK_M=32, BLOCK_N=block_n, BLOCK_G=block_g,
+    )
     out = torch.empty(G, N, device=grad_out.device, dtype=torch.float32)
-    block_n = 128
-    _bias_grad_kernel[(G, triton.cdiv(N, block_n))](
-        grad_out, offsets, out, N, grad_out.stride(0), BLOCK_M=64, BLOCK_N=block_n
+    _bias_grad_reduce_kernel[(G, col_blocks)](
+        partial, offsets, out, N, G, CHUNK=chunk, BLOCK_N=block_n, BLOCK_G=block_g,
     )
     return out.to(dtype)

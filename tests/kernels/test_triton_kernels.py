@@ -82,3 +82,13 @@ def test_group_offsets(splits, M, dtype):
         run += max(s, 0)
         want.append(min(run, M))
     assert got.dtype == torch.int32 and got.tolist() == want
+
+
+@pytest.mark.parametrize("sizes, tail", [([1100, 0, 513, 3], 7), ([0, 2048], 0), ([511, 512, 1], 600)])
+def test_bias_grad_multi_chunk_groups(sizes, tail):
+    """Groups longer than one row chunk: partial sums per chunk, then the fixed-order pass."""
+    grad = torch.randn(sum(sizes) + tail, 9, device=DEVICE)
+    got = bias_kernels.bias_grad(grad, _offsets(sizes), torch.float32)
+    bounds = [0] + torch.tensor(sizes).cumsum(0).tolist()
+    ref = torch.stack([grad[s:e].double().sum(0) for s, e in zip(bounds[:-1], bounds[1:])])
+    assert rel_err(got, ref) < 1e-6
