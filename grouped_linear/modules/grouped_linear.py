@@ -9,20 +9,13 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
+from ..ops.checks import check_int
 from ..ops.grouped_linear import BACKEND_CHOICES, apply_grouped_linear
 from ..ops.weight_grad import WeightGradSink, check_main_grad
 
 __all__ = ["GroupedLinear"]
 
 _PARALLEL_DEFAULTS = {"parallel_mode": None, "tp_size": 1, "tp_group": None, "reduce_output": True}
-
-
-def _check_positive_int(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {value!r} of type {type(value).__name__}")
-    if value < 1:
-        raise ValueError(f"{name} must be >= 1, got {value}")
-    return value
 
 
 class GroupedLinear(nn.Module):
@@ -81,9 +74,9 @@ class GroupedLinear(nn.Module):
         reduce_output: bool = True,
     ) -> None:
         super().__init__()
-        self.num_gemms = _check_positive_int("num_gemms", num_gemms)
-        self.in_features = _check_positive_int("in_features", in_features)
-        self.out_features = _check_positive_int("out_features", out_features)
+        self.num_gemms = check_int("num_gemms", num_gemms)
+        self.in_features = check_int("in_features", in_features)
+        self.out_features = check_int("out_features", out_features)
         if not isinstance(backend, str) or backend not in BACKEND_CHOICES:
             raise ValueError(f"backend={backend!r} is not one of {BACKEND_CHOICES}")
         if backend == "triton":

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
+from grouped_linear.ops.checks import check_int
 from grouped_linear.ops.splits import debug_checks_enabled, normalize_splits
 
 __all__ = ["pad_groups", "unpad_groups"]
@@ -23,21 +24,6 @@ __all__ = ["pad_groups", "unpad_groups"]
 # ---------------------------------------------------------------------------
 # helpers shared with permutation.py
 # ---------------------------------------------------------------------------
-
-
-def _check_positive_int(value: object, name: str) -> int:
-    """``value`` as an int >= 1, else TypeError/ValueError naming ``name``."""
-    if isinstance(value, bool):
-        raise TypeError(f"{name} is {value!r}: expected an int >= 1")
-    try:
-        result = operator.index(value)
-    except TypeError:
-        raise TypeError(
-            f"{name} is {value!r} of type {type(value).__name__}: expected an int >= 1"
-        ) from None
-    if result < 1:
-        raise ValueError(f"{name} is {result}: must be >= 1")
-    return result
 
 
 def _gather_rows(src: torch.Tensor, index: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -205,7 +191,7 @@ def pad_groups(
 
     Differentiable in ``x``; forward and backward are deterministic gathers.
     """
-    multiple = _check_positive_int(multiple, "multiple")
+    multiple = check_int("multiple", multiple)
     list_sizes: list[int] | None = None
     if isinstance(x, (list, tuple)):
         x, m_splits, list_sizes = _join_groups(x, m_splits)
@@ -281,16 +267,7 @@ def unpad_groups(
             f"but m_splits has length {num_groups}"
         )
     if num_rows is not None:
-        if isinstance(num_rows, bool):
-            raise TypeError(f"num_rows is {num_rows!r}: expected an int >= 0")
-        try:
-            num_rows = operator.index(num_rows)
-        except TypeError:
-            raise TypeError(
-                f"num_rows is {num_rows!r} of type {type(num_rows).__name__}: expected an int"
-            ) from None
-        if num_rows < 0:
-            raise ValueError(f"num_rows is {num_rows}: must be >= 0")
+        num_rows = check_int("num_rows", num_rows, minimum=0)
     if _is_host(m_splits):
         total = _host_total(m_splits)
         if total is None:  # malformed: let normalize_splits name the offending entry

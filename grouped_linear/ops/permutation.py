@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from grouped_linear.ops.padding import _check_matrix, _check_positive_int, _gather_rows
+from grouped_linear.ops.checks import check_int
+from grouped_linear.ops.padding import _check_matrix, _gather_rows
 from grouped_linear.ops.splits import debug_checks_enabled
 
 __all__ = ["permute", "unpermute"]
@@ -151,8 +152,8 @@ def permute(
             f"topk_indices has {topk_indices.shape[0]} rows but x has {x.shape[0]} "
             "(expected one row of expert indices per token)"
         )
-    num_experts = _check_positive_int(num_experts, "num_experts")
-    multiple = _check_positive_int(multiple, "multiple")
+    num_experts = check_int("num_experts", num_experts)
+    multiple = check_int("multiple", multiple)
     on_host = x.device.type == "cpu"
     if on_host or debug_checks_enabled():
         _first_bad(

@@ -11,10 +11,10 @@ G, K, N = 3, 8, 4
 @pytest.mark.parametrize(
     "args, kwargs, error, pattern",
     [
-        ((0, K, N), {}, ValueError, r"num_gemms must be >= 1, got 0"),
-        ((G, -2, N), {}, ValueError, r"in_features must be >= 1, got -2"),
-        ((G, K, 0), {}, ValueError, r"out_features must be >= 1, got 0"),
-        ((2.5, K, N), {}, TypeError, r"num_gemms must be an int, got 2.5"),
+        ((0, K, N), {}, ValueError, r"num_gemms is 0: must be >= 1"),
+        ((G, -2, N), {}, ValueError, r"in_features is -2: must be >= 1"),
+        ((G, K, 0), {}, ValueError, r"out_features is 0: must be >= 1"),
+        ((2.5, K, N), {}, TypeError, r"num_gemms is 2.5 of type float: expected an int"),
         ((G, K, N), {"backend": "cublas"}, ValueError, r"backend='cublas'"),
         ((G, K, N), {"backend": "triton"}, ValueError, r"backend='triton'"),
         ((G, K, N), {"recipe": "fp8"}, ValueError, r"recipe='fp8'"),

@@ -1,0 +1,24 @@
+"""Argument checks shared by the ops and modules: errors name the argument and the value."""
+
+from __future__ import annotations
+
+import operator
+
+__all__ = ["check_int"]
+
+
+def check_int(name: str, value: object, minimum: int = 1) -> int:
+    """``value`` as an int ``>= minimum``; ``TypeError`` (not an integer, or a bool) or
+    ``ValueError`` (too small), each naming ``name`` and the value."""
+    if not isinstance(value, bool):
+        try:
+            result = operator.index(value)
+        except TypeError:
+            pass
+        else:
+            if result < minimum:
+                raise ValueError(f"{name} is {result}: must be >= {minimum}")
+            return result
+    raise TypeError(
+        f"{name} is {value!r} of type {type(value).__name__}: expected an int >= {minimum}"
+    )
