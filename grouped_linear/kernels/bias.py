@@ -199,13 +199,15 @@ def bias_epilogue_(
     return out
 
 
-def bias_grad(grad_out: torch.Tensor, offsets: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def bias_grad(grad_out: torch.Tensor, offsets: torch.Tensor, dtype: torch.dtype, *,
+              chunk: int = _BIAS_GRAD_CHUNK, block_n: int = 128) -> torch.Tensor:
     """``(M, N) -> (G, N)``: sum of ``grad_out`` over each group's rows, in ``dtype``.
 
     Accumulates in float32 (float64 for float64 input); deterministic (partial
     sums over chunks of each group's rows, then a fixed-order sum of the
     chunks; no atomics); empty groups give zeros; rows past ``offsets[-1]`` are
-    ignored. One read of ``grad_out``.
+    ignored. One read of ``grad_out``. ``chunk`` (rows per partial sum) and
+    ``block_n`` (columns per program) are tuning knobs.
     """
     if (not use_triton(grad_out) or grad_out.dtype == torch.float64 or grad_out.stride(1) != 1
             or grad_out.shape[0] == 0):
@@ -214,7 +216,7 @@ def bias_grad(grad_out: torch.Tensor, offsets: torch.Tensor, dtype: torch.dtype)
     G = offsets.shape[0]
     if G > _MAX_CHUNKED_GROUPS:
         return bias_grad_reference(grad_out, offsets, dtype)
-    chunk, block_n, block_g = _BIAS_GRAD_CHUNK, 128, triton.next_power_of_2(G)
+    block_g = triton.next_power_of_2(G)
     # Chunks never straddle groups: at most cdiv(M, chunk) + G of them.
     num_items = triton.cdiv(M, chunk) + G
     partial = torch.empty(num_items, N, device=grad_out.device, dtype=torch.float32)
