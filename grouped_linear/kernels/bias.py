@@ -147,7 +147,7 @@ def _bias_grad_reduce_kernel(partial_ptr, offsets_ptr, out_ptr, N, G, CHUNK: tl.
     tl.store(out_ptr + group.to(tl.int64) * N + cols, acc, mask=col_mask)
 
 
-_BIAS_GRAD_CHUNK = 512
+_BIAS_GRAD_CHUNK = 1024
 _MAX_CHUNKED_GROUPS = 4096
 
 
@@ -200,7 +200,7 @@ def bias_epilogue_(
 
 
 def bias_grad(grad_out: torch.Tensor, offsets: torch.Tensor, dtype: torch.dtype, *,
-              chunk: int = _BIAS_GRAD_CHUNK, block_n: int = 128) -> torch.Tensor:
+              chunk: int = _BIAS_GRAD_CHUNK, block_n: int = 64) -> torch.Tensor:
     """``(M, N) -> (G, N)``: sum of ``grad_out`` over each group's rows, in ``dtype``.
 
     Accumulates in float32 (float64 for float64 input); deterministic (partial
