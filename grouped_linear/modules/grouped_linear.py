@@ -42,7 +42,8 @@ class GroupedLinear(nn.Module):
             :meth:`backward_dw` computes the weight and bias gradients.
         fuse_wgrad_accumulation: add weight gradients into ``param.main_grad``
             (allocated by the caller) instead of ``.grad``.
-        backend: ``"auto"``, ``"grouped"`` (torch's grouped GEMM) or ``"loop"``.
+        backend: ``"auto"``, ``"grouped"`` (torch's grouped GEMM), ``"loop"``
+            (one matmul per group) or ``"triton"`` (this library's kernels).
         recipe: ``None`` (compute in the input dtype).
 
     Shape:
@@ -79,10 +80,6 @@ class GroupedLinear(nn.Module):
         self.out_features = check_int("out_features", out_features)
         if not isinstance(backend, str) or backend not in BACKEND_CHOICES:
             raise ValueError(f"backend={backend!r} is not one of {BACKEND_CHOICES}")
-        if backend == "triton":
-            raise ValueError(
-                "backend='triton' is not available in this version; use 'auto', 'grouped' or 'loop'"
-            )
         if recipe is not None:
             raise ValueError(
                 f"recipe={recipe!r} is not supported: only recipe=None (no FP8) is available"

@@ -13,18 +13,25 @@ from dataclasses import dataclass
 import torch
 
 from ..kernels import bias as bias_kernels
-from ..kernels import grouped_gemm
+from ..kernels import grouped_gemm, triton_gemm
+from ..kernels._triton import HAS_TRITON, interpreting
 from .splits import GroupSplits, normalize_splits
 from .weight_grad import WeightGradSink
 
 __all__ = ["grouped_linear", "apply_grouped_linear", "resolve_backend", "BACKEND_CHOICES"]
 
 BACKEND_CHOICES = ("auto", "grouped", "loop", "triton")
+_TRITON_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# ``auto`` picks the Triton kernels up to this many rows (see benchmarks/NOTES.md).
+TRITON_AUTO_MAX_ROWS = 4096
 
 
 # --------------------------------------------------------------------------- custom ops
 # Each compute step is a plain function, registered as a torch.library custom op for
 # torch.compile; eager calls go straight to the function (no dispatcher round trip).
+# ``offsets`` is the (G,) group tensor on the device: cumulative group ends for the
+# ``loop`` and ``grouped`` backends, the raw split sizes for ``triton`` (whose kernels
+# clamp them, zero the tail and fuse the bias themselves).
 def _forward_impl(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -34,6 +41,8 @@ def _forward_impl(
     backend: str,
     zero_tail: bool,
 ) -> torch.Tensor:
+    if backend == "triton":
+        return triton_gemm.forward(x, weight, bias, offsets)
     out = grouped_gemm.forward(x, weight, offsets, host_offsets, backend)
     return bias_kernels.bias_epilogue_(out, bias, offsets, zero_tail)
 
@@ -46,6 +55,8 @@ def _dgrad_impl(
     backend: str,
     zero_tail: bool,
 ) -> torch.Tensor:
+    if backend == "triton":
+        return triton_gemm.dgrad(grad_out, weight, offsets)
     grad_x = grouped_gemm.dgrad(grad_out, weight, offsets, host_offsets, backend)
     return bias_kernels.zero_tail_(grad_x, offsets) if zero_tail else grad_x
 
@@ -60,6 +71,13 @@ def _wgrad_impl(
     return grouped_gemm.wgrad(grad_out, x, offsets, host_offsets, backend)
 
 
+def _triton_wgrad_impl(
+    grad_out: torch.Tensor, x: torch.Tensor, sizes: torch.Tensor, with_bias: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    grad_w, grad_b = triton_gemm.wgrad(grad_out, x, sizes, with_bias)
+    return grad_w, (grad_b if grad_b is not None else grad_w.new_empty(0))
+
+
 def _bias_grad_impl(grad_out: torch.Tensor, offsets: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return bias_kernels.bias_grad(grad_out, offsets, dtype)
 
@@ -68,6 +86,9 @@ _forward_op = torch.library.custom_op("grouped_linear::forward", _forward_impl, 
 _dgrad_op = torch.library.custom_op("grouped_linear::dgrad", _dgrad_impl, mutates_args=())
 _wgrad_op = torch.library.custom_op("grouped_linear::wgrad", _wgrad_impl, mutates_args=())
 _bias_grad_op = torch.library.custom_op("grouped_linear::bias_grad", _bias_grad_impl, mutates_args=())
+_triton_wgrad_op = torch.library.custom_op(
+    "grouped_linear::triton_wgrad", _triton_wgrad_impl, mutates_args=()
+)
 
 
 @_forward_op.register_fake
@@ -83,6 +104,14 @@ def _(grad_out, weight, offsets, host_offsets, backend, zero_tail):
 @_wgrad_op.register_fake
 def _(grad_out, x, offsets, host_offsets, backend):
     return x.new_empty(offsets.shape[0], grad_out.shape[1], x.shape[1])
+
+
+@_triton_wgrad_op.register_fake
+def _(grad_out, x, sizes, with_bias):
+    grad_w = x.new_empty(sizes.shape[0], grad_out.shape[1], x.shape[1])
+    grad_b = x.new_empty((sizes.shape[0], grad_out.shape[1]) if with_bias else (0,),
+                         dtype=torch.float32 if with_bias else x.dtype)
+    return grad_w, grad_b
 
 
 @_bias_grad_op.register_fake
@@ -132,6 +161,11 @@ class GroupedLinearFunction(torch.autograd.Function):
         bias_dtype = ctx.bias_dtype
 
         def weight_and_bias_grads():
+            if config.backend == "triton":
+                grad_w, grad_b = _step(_triton_wgrad_op, _triton_wgrad_impl)(
+                    grad_out, x, offsets, need_b
+                )
+                return (grad_w if need_w else None), (grad_b.to(bias_dtype) if need_b else None)
             grad_w = grad_b = None
             if need_w:
                 grad_w = _step(_wgrad_op, _wgrad_impl)(grad_out, x, offsets, host_offsets, config.backend)
@@ -155,20 +189,26 @@ class GroupedLinearFunction(torch.autograd.Function):
 
 # --------------------------------------------------------------------------- validation
 def resolve_backend(backend: str, device: torch.device, dtype: torch.dtype, in_features: int,
-                    out_features: int) -> str:
+                    out_features: int, num_rows: int = 0) -> str:
     """Map ``backend`` (``"auto"`` included) to the one that runs, or raise ``ValueError``.
 
-    ``auto`` picks torch's grouped GEMM for bf16/fp16 on CUDA (sync-free there
-    and faster than a loop once groups are many or unaligned) and the
-    per-group loop everywhere else (on CPU torch's grouped GEMM is a slower
-    loop; for fp32 the loop honours ``torch.backends.cuda.matmul.allow_tf32``).
+    ``auto`` on CUDA, bf16/fp16: our Triton kernels for small problems (up to
+    ``TRITON_AUTO_MAX_ROWS`` rows: one launch per GEMM, bias and tail fused,
+    where launches dominate), torch's grouped GEMM above (sync-free in bf16).
+    Everywhere else the per-group loop: on CPU torch's grouped GEMM is a
+    slower loop; for fp32 the loop honours ``torch.backends.cuda.matmul.allow_tf32``.
     """
     if not isinstance(backend, str) or backend not in BACKEND_CHOICES:
         raise ValueError(f"backend={backend!r} is not one of {BACKEND_CHOICES}")
     if backend == "triton":
-        raise ValueError(
-            "backend='triton' is not available in this version; use 'auto', 'grouped' or 'loop'"
-        )
+        if not (HAS_TRITON and (device.type == "cuda" or (interpreting() and device.type == "cpu"))):
+            raise ValueError(
+                f"backend='triton' needs triton and a CUDA device (or TRITON_INTERPRET=1 on CPU); "
+                f"got device {device.type}, triton {'installed' if HAS_TRITON else 'missing'}"
+            )
+        if dtype not in _TRITON_DTYPES:
+            raise ValueError(f"backend='triton' does not support dtype {dtype}; use 'loop'")
+        return backend
     grouped_ok = dtype in (torch.bfloat16, torch.float16, torch.float32) and (
         device.type == "cuda" or dtype != torch.float16
     )
@@ -181,8 +221,11 @@ def resolve_backend(backend: str, device: torch.device, dtype: torch.dtype, in_f
     if backend == "loop":
         return backend
     aligned = in_features % 8 == 0 and out_features % 8 == 0
-    if device.type == "cuda" and dtype in (torch.bfloat16, torch.float16) and aligned:
-        return "grouped"
+    if device.type == "cuda" and dtype in (torch.bfloat16, torch.float16):
+        if HAS_TRITON and num_rows <= TRITON_AUTO_MAX_ROWS:
+            return "triton"
+        if aligned:
+            return "grouped"
     return "loop"
 
 
@@ -278,12 +321,16 @@ def apply_grouped_linear(
     splits: GroupSplits = normalize_splits(
         m_splits, num_groups=num_groups, num_rows=x.shape[0], device=x.device
     )
-    resolved = resolve_backend(backend, x.device, x.dtype, in_features, out_features)
+    resolved = resolve_backend(backend, x.device, x.dtype, in_features, out_features, x.shape[0])
+    if resolved == "triton":
+        groups = splits.size_tensor
+    else:
+        groups = splits.offsets
     host_offsets = None
-    if x.device.type != "cpu" and splits.on_host:
+    if resolved == "loop" and x.device.type != "cpu" and splits.on_host:
         host_offsets = splits.host_offsets()
     config = _CallConfig(resolved, splits.may_have_tail, sink)
-    return GroupedLinearFunction.apply(x, weight, bias, splits.offsets, host_offsets, config)
+    return GroupedLinearFunction.apply(x, weight, bias, groups, host_offsets, config)
 
 
 def grouped_linear(
@@ -306,7 +353,7 @@ def grouped_linear(
             less than ``M``: the rows past the sum get zero output and zero
             gradient.
         recipe: ``None`` (compute in the input dtype).
-        backend: ``"auto"``, ``"grouped"`` or ``"loop"``.
+        backend: ``"auto"``, ``"grouped"``, ``"loop"`` or ``"triton"``.
 
     Returns:
         ``(M, out)`` tensor.

@@ -8,6 +8,8 @@ the per-group loop and exact-size allocations use).
 
 from __future__ import annotations
 
+import functools
+import itertools
 import operator
 import os
 from collections.abc import Sequence
@@ -34,17 +36,37 @@ class GroupSplits:
     Attributes:
         num_groups: ``G``.
         num_rows: ``M``, the rows of the tensor being split.
-        offsets: ``(G,)`` int32 tensor of cumulative group ends on the compute
-            device, non-decreasing and clamped to ``[0, M]``.
+        device: the compute device.
         host_sizes: the group sizes as Python ints when they are known on the
             host (then they sum to ``M``), else ``None`` (device splits, which
             may sum to less than ``M``: rows past the sum belong to no group).
+        device_sizes: the user's ``(G,)`` integer split tensor for device
+            splits (unclamped: kernels clamp), else ``None``.
+
+    Derived on first use, then cached: ``offsets`` (``(G,)`` int32 cumulative
+    group ends on the device, non-decreasing, clamped to ``[0, M]``) and
+    ``size_tensor`` (the sizes as a device tensor).
     """
 
     num_groups: int
     num_rows: int
-    offsets: torch.Tensor
+    device: torch.device
     host_sizes: tuple[int, ...] | None
+    device_sizes: torch.Tensor | None = None
+
+    @functools.cached_property
+    def offsets(self) -> torch.Tensor:
+        if self.host_sizes is None:
+            return group_offsets(self.device_sizes, self.num_rows)
+        ends = torch.tensor(list(itertools.accumulate(self.host_sizes)), dtype=torch.int32)
+        return ends if self.device.type == "cpu" else ends.to(self.device, non_blocking=True)
+
+    @functools.cached_property
+    def size_tensor(self) -> torch.Tensor:
+        if self.host_sizes is None:
+            return self.device_sizes
+        sizes = torch.tensor(self.host_sizes, dtype=torch.int32)
+        return sizes if self.device.type == "cpu" else sizes.to(self.device, non_blocking=True)
 
     @property
     def on_host(self) -> bool:
@@ -127,8 +149,8 @@ def normalize_splits(
                 f"{name} describes {m_splits.num_groups} groups over {m_splits.num_rows} rows, "
                 f"expected {num_groups} groups over {num_rows} rows"
             )
-        if m_splits.offsets.device != device:
-            raise ValueError(f"{name} is on {m_splits.offsets.device} but the input is on {device}")
+        if m_splits.device != device:
+            raise ValueError(f"{name} is on {m_splits.device} but the input is on {device}")
         return m_splits
     if isinstance(m_splits, torch.Tensor):
         if m_splits.dtype not in _INTEGER_DTYPES:
@@ -155,7 +177,7 @@ def normalize_splits(
                     raise ValueError(
                         f"{name} sums to {int(m_splits.sum())}, more than the {num_rows} input rows"
                     )
-            return GroupSplits(num_groups, num_rows, group_offsets(m_splits, num_rows), None)
+            return GroupSplits(num_groups, num_rows, device, None, m_splits)
     elif isinstance(m_splits, (list, tuple)):
         if len(m_splits) != num_groups:
             raise ValueError(f"{name} has length {len(m_splits)} but num_gemms is {num_groups}")
@@ -165,7 +187,4 @@ def normalize_splits(
             f"{name} is {type(m_splits).__name__}: expected a list of ints or an integer tensor"
         )
     _check_host_sizes(sizes, num_rows, name)
-    offsets = torch.tensor(sizes, dtype=torch.int64).cumsum(0).to(torch.int32)
-    if device.type != "cpu":
-        offsets = offsets.to(device, non_blocking=True)
-    return GroupSplits(num_groups, num_rows, offsets, tuple(sizes))
+    return GroupSplits(num_groups, num_rows, device, tuple(sizes))

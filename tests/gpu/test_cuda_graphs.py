@@ -28,8 +28,9 @@ def _capture(step):
     return graph, out
 
 
-def test_grouped_linear_step_in_cuda_graph():
-    layer = gl.GroupedLinear(G, K, N, params_dtype=torch.bfloat16, device="cuda")
+@pytest.mark.parametrize("backend", ["grouped", "triton"])
+def test_grouped_linear_step_in_cuda_graph(backend):
+    layer = gl.GroupedLinear(G, K, N, params_dtype=torch.bfloat16, device="cuda", backend=backend)
     x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     grad_out = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
     splits = torch.tensor([M // G] * G, device="cuda")

@@ -36,7 +36,7 @@ def _inputs(dtype, rows, bias=True):
     return x, w, b
 
 
-@pytest.mark.parametrize("backend", ["auto", "grouped"])
+@pytest.mark.parametrize("backend", ["auto", "grouped", "triton"])
 @pytest.mark.parametrize("tail", [0, 37])
 def test_bf16_device_splits_no_sync_and_correct(backend, tail):
     """bf16 forward+backward with CUDA splits: no host sync, zero tail rows, <1e-2 error."""
@@ -82,7 +82,7 @@ def test_autocast_bf16_with_fp32_master_weights_no_sync():
     assert rel_err(y, ref[0]) < 1e-2 and rel_err(layer.weight.grad, ref[2]) < 1e-2
 
 
-@pytest.mark.parametrize("backend", ["auto", "loop"])
+@pytest.mark.parametrize("backend", ["auto", "loop", "triton"])
 @pytest.mark.parametrize("split_kind", ["list", "cuda"])
 def test_fp32_tf32_off_matches_to_1e5(backend, split_kind):
     x, w, b = _inputs(torch.float32, sum(SIZES))
@@ -114,7 +114,8 @@ def test_per_expert_layout_delay_and_main_grad_on_cuda():
     assert layer.weight0.grad is None
 
 
-def test_deterministic_on_cuda():
+@pytest.mark.parametrize("backend", ["grouped", "triton"])
+def test_deterministic_on_cuda(backend):
     x, w, b = _inputs(torch.bfloat16, sum(SIZES))
     splits = torch.tensor(SIZES, device="cuda")
     grad_out = torch.randn(sum(SIZES), N, device="cuda", dtype=torch.bfloat16)
@@ -122,7 +123,7 @@ def test_deterministic_on_cuda():
     for _ in range(3):
         for t in (x, w, b):
             t.grad = None
-        y = gl.grouped_linear(x, w, b, splits)
+        y = gl.grouped_linear(x, w, b, splits, backend=backend)
         y.backward(grad_out)
         runs.append([t.clone() for t in (y, x.grad, w.grad, b.grad)])
     for other in runs[1:]:
@@ -130,11 +131,12 @@ def test_deterministic_on_cuda():
             assert torch.equal(a, c)
 
 
-def test_bad_device_splits_never_read_out_of_bounds():
+@pytest.mark.parametrize("backend", ["grouped", "triton"])
+def test_bad_device_splits_never_read_out_of_bounds(backend):
     """Splits summing past M, or negative, are clamped on the device: finite, no crash."""
     x, w, b = _inputs(torch.bfloat16, 100)
     for bad in ([90, 0, 50, 7, 0, 0, 3, 400], [-5, 200, 0, 0, 0, 0, 0, 0]):
-        y = gl.grouped_linear(x, w, b, torch.tensor(bad, device="cuda"))
+        y = gl.grouped_linear(x, w, b, torch.tensor(bad, device="cuda"), backend=backend)
         y.sum().backward()
         torch.cuda.synchronize()
         assert torch.isfinite(y).all() and torch.isfinite(x.grad).all()

@@ -16,7 +16,6 @@ G, K, N = 3, 8, 4
         ((G, K, 0), {}, ValueError, r"out_features is 0: must be >= 1"),
         ((2.5, K, N), {}, TypeError, r"num_gemms is 2.5 of type float: expected an int"),
         ((G, K, N), {"backend": "cublas"}, ValueError, r"backend='cublas'"),
-        ((G, K, N), {"backend": "triton"}, ValueError, r"backend='triton'"),
         ((G, K, N), {"recipe": "fp8"}, ValueError, r"recipe='fp8'"),
         ((G, K, N), {"parallel_mode": "column"}, ValueError, r"parallel_mode='column'"),
         ((G, K, N), {"tp_size": 2}, ValueError, r"tp_size=2"),
@@ -79,6 +78,17 @@ def test_list_input_errors(layer):
         layer([torch.randn(2, K), torch.randn(2, K), torch.randn(1, K)], [1, 2, 2])
     with pytest.raises(ValueError, match=r"m_splits has length 2 but num_gemms is 3"):
         layer([torch.randn(2, K), torch.randn(2, K)])
+
+
+def test_triton_backend_needs_a_device_for_triton(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    layer = gl.GroupedLinear(G, K, N, backend="triton")
+    with pytest.raises(ValueError, match=r"backend='triton' needs triton and a CUDA device"):
+        layer(torch.randn(6, K), [2, 2, 2])
+    with pytest.raises(ValueError, match=r"backend='triton' does not support dtype torch.float64"):
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+        gl.grouped_linear(torch.randn(6, K).double(), torch.randn(G, N, K).double(), None,
+                          [2, 2, 2], backend="triton")
 
 
 def test_functional_errors():

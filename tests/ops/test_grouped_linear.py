@@ -34,8 +34,8 @@ def _run(x, weight, bias, m_splits, backend, sizes):
 @pytest.mark.parametrize(
     "dtype, backend",
     [(dtype, backend) for dtype in (torch.float64, torch.float32, torch.bfloat16)
-     for backend in ("loop", "grouped", "auto")
-     if not (backend == "grouped" and dtype == torch.float64)],  # no float64 grouped GEMM
+     for backend in ("loop", "grouped", "triton", "auto")
+     if not (backend in ("grouped", "triton") and dtype == torch.float64)],  # no float64 there
 )
 @pytest.mark.parametrize("with_bias", [True, False])
 def test_matches_float64_reference(case, dtype, backend, with_bias):
@@ -97,7 +97,7 @@ def test_gradcheck_float64():
 def test_zero_stride_grad_output():
     """``y.sum().backward()`` sends a gradient with zero strides."""
     sizes = [3, 0, 6]
-    for backend in ("loop", "grouped"):
+    for backend in ("loop", "grouped", "triton"):
         x = torch.randn(9, 8, requires_grad=True)
         w = torch.randn(3, 4, 8, requires_grad=True)
         b = torch.randn(3, 4, requires_grad=True)

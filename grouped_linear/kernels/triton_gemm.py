@@ -1,0 +1,222 @@
+"""Grouped GEMMs in Triton: one launch per GEMM, everything around it fused in.
+
+The kernels take the raw ``(G,)`` split sizes (any integer dtype, on the
+device) and derive each group's clamped rows themselves, so no offsets kernel
+runs first; rows past the last group form a "tail" that the forward and dgrad
+kernels fill with zeros; the forward adds the per-group bias in its epilogue;
+the wgrad kernel also sums the output gradient per group (the bias gradient)
+from the tiles it already loads. Small problems, where every launch counts,
+are what this backend is for; the plain-PyTorch references are the ``loop``
+functions of :mod:`grouped_linear.kernels.grouped_gemm`.
+
+Shapes: ``x`` ``(M, K)``, ``weight`` ``(G, N, K)``, ``bias`` ``(G, N)``,
+``grad_out`` ``(M, N)``. All index arithmetic on rows and strides is int64.
+"""
+
+import functools
+
+import torch
+
+from ._triton import tl, triton
+
+__all__ = ["forward", "dgrad", "wgrad", "supported"]
+
+
+@triton.jit
+def _group_rows(sizes_ptr, G, M, BLOCK_G: tl.constexpr):
+    """Vectors over ``BLOCK_G > G`` slots: group start and end rows, clamped to
+    ``[0, M]`` (negative sizes count as 0); slot ``G`` is the tail ``[sum, M)``."""
+    gs = tl.arange(0, BLOCK_G)
+    sizes = tl.maximum(tl.load(sizes_ptr + gs, mask=gs < G, other=0).to(tl.int64), 0)
+    inclusive = tl.cumsum(sizes, axis=0)
+    ends = tl.minimum(inclusive, M)
+    starts = tl.minimum(inclusive - sizes, M)
+    ends = tl.where(gs == G, M, ends)
+    return gs, starts, ends
+
+
+@triton.jit
+def _mma(a, b, acc, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """``acc + a @ b``; ``UPCAST`` multiplies in float32 (Triton's CPU interpreter
+    gets 16-bit dots wrong)."""
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    return tl.dot(a, b, acc, input_precision=PRECISION)
+
+
+@triton.jit
+def _grouped_mm_kernel(a_ptr, b_ptr, bias_ptr, out_ptr, sizes_ptr, M, N, K, G,
+                       stride_am, stride_bg, stride_bk, stride_bn, stride_om, stride_bias,
+                       HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       BLOCK_G: tl.constexpr, NUM_PROGRAMS: tl.constexpr):
+    """``out[rows of g] = a[rows of g] @ B_g (+ bias[g])``; tail rows get zeros.
+
+    ``B_g[k, n]`` lives at ``b_ptr + g*stride_bg + k*stride_bk + n*stride_bn``.
+    Persistent: each program walks the (group, row tile, column tile) list.
+    """
+    gs, starts, ends = _group_rows(sizes_ptr, G, M, BLOCK_G)
+    n_tiles = tl.cdiv(N, BLOCK_N)
+    tiles = ((ends - starts + BLOCK_M - 1) // BLOCK_M) * n_tiles
+    tile_end = tl.cumsum(tiles, axis=0)
+    tile_begin = tile_end - tiles
+    total = tl.sum(tiles, axis=0)
+    for tile in range(tl.program_id(0), total, NUM_PROGRAMS):
+        owner = (tile_begin <= tile) & (tile < tile_end)
+        g = tl.sum(tl.where(owner, gs, 0), axis=0)
+        local = tile - tl.sum(tl.where(owner, tile_begin, 0), axis=0)
+        end = tl.sum(tl.where(owner, ends, 0), axis=0)
+        rows = tl.sum(tl.where(owner, starts, 0), axis=0) + (local // n_tiles) * BLOCK_M \
+            + tl.arange(0, BLOCK_M)
+        cols = (local % n_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
+        row_mask = rows < end
+        col_mask = cols < N
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        if g < G:
+            a_rows = a_ptr + rows.to(tl.int64)[:, None] * stride_am
+            b_cols = b_ptr + g.to(tl.int64) * stride_bg + cols.to(tl.int64)[None, :] * stride_bn
+            for k0 in range(0, K, BLOCK_K):
+                ks = k0 + tl.arange(0, BLOCK_K)
+                k_mask = ks < K
+                a = tl.load(a_rows + ks[None, :], mask=row_mask[:, None] & k_mask[None, :],
+                            other=0.0)
+                b = tl.load(b_cols + ks.to(tl.int64)[:, None] * stride_bk,
+                            mask=k_mask[:, None] & col_mask[None, :], other=0.0)
+                acc = _mma(a, b, acc, PRECISION, UPCAST)
+            if HAS_BIAS:
+                acc += tl.load(bias_ptr + g.to(tl.int64) * stride_bias + cols, mask=col_mask,
+                               other=0.0).to(tl.float32)[None, :]
+        out = out_ptr + rows.to(tl.int64)[:, None] * stride_om + cols[None, :]
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
+
+
+@triton.jit
+def _grouped_wgrad_kernel(dy_ptr, x_ptr, dw_ptr, db_ptr, sizes_ptr, M, N, K, G,
+                          stride_dym, stride_xm, stride_dwg, stride_dwn,
+                          HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
+                          UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                          BLOCK_K: tl.constexpr, BLOCK_G: tl.constexpr):
+    """``dw[g] = dy[rows of g]^T @ x[rows of g]`` and, with ``HAS_BIAS``,
+    ``db[g] = sum of dy[rows of g]`` (float32), one (group, N tile, K tile) each."""
+    n_tiles = tl.cdiv(N, BLOCK_N)
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    pid = tl.program_id(0)
+    g = pid // (n_tiles * k_tiles)
+    n_tile = (pid // k_tiles) % n_tiles
+    k_tile = pid % k_tiles
+    gs, starts, ends = _group_rows(sizes_ptr, G, M, BLOCK_G)
+    start = tl.sum(tl.where(gs == g, starts, 0), axis=0)
+    end = tl.sum(tl.where(gs == g, ends, 0), axis=0)
+    cols_n = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols_k = k_tile * BLOCK_K + tl.arange(0, BLOCK_K)
+    n_mask = cols_n < N
+    k_mask = cols_k < K
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    bias_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for m0 in range(start, end, BLOCK_M):
+        rows = m0 + tl.arange(0, BLOCK_M)
+        row_mask = rows < end
+        dy_t = tl.load(dy_ptr + rows.to(tl.int64)[None, :] * stride_dym + cols_n[:, None],
+                       mask=n_mask[:, None] & row_mask[None, :], other=0.0)
+        x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_xm + cols_k[None, :],
+                    mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+        acc = _mma(dy_t, x, acc, PRECISION, UPCAST)
+        if HAS_BIAS:
+            bias_acc += tl.sum(dy_t.to(tl.float32), axis=1)
+    dw = dw_ptr + g.to(tl.int64) * stride_dwg + cols_n.to(tl.int64)[:, None] * stride_dwn \
+        + cols_k[None, :]
+    tl.store(dw, acc.to(dw_ptr.dtype.element_ty), mask=n_mask[:, None] & k_mask[None, :])
+    if HAS_BIAS:
+        if k_tile == 0:
+            tl.store(db_ptr + g.to(tl.int64) * N + cols_n, bias_acc, mask=n_mask)
+
+
+@functools.lru_cache(maxsize=8)
+def _program_count(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
+def _precision(dtype: torch.dtype) -> str:
+    if dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32:
+        return "ieee"
+    return "tf32"
+
+
+def _upcast(tensor: torch.Tensor) -> bool:
+    return tensor.device.type == "cpu" and tensor.dtype != torch.float32
+
+
+def _block_g(num_groups: int) -> int:
+    return triton.next_power_of_2(num_groups + 1)
+
+
+def supported(x: torch.Tensor, num_groups: int) -> bool:
+    """Whether these kernels take this problem (dtype and group count)."""
+    return x.dtype in (torch.bfloat16, torch.float16, torch.float32) and num_groups + 1 <= 4096
+
+
+def _rows_contiguous(t: torch.Tensor | None) -> torch.Tensor | None:
+    return t if t is None or t.stride(-1) == 1 else t.contiguous()
+
+
+def _launch_mm(a, b_tensor, b_strides, bias, sizes, out, reduction):
+    a, bias = _rows_contiguous(a), _rows_contiguous(bias)
+    M, width = out.shape
+    G = sizes.shape[0]
+    block_m, block_n, block_k = 64, 128, 64
+    if M == 0 or width == 0:
+        return out
+    upper_tiles = (triton.cdiv(M, block_m) + G + 1) * triton.cdiv(width, block_n)
+    programs = max(1, min(_program_count(a.device), upper_tiles))
+    stride_bg, stride_bk, stride_bn = b_strides
+    _grouped_mm_kernel[(programs,)](
+        a, b_tensor, bias if bias is not None else out, out, sizes, M, width, reduction, G,
+        a.stride(0), stride_bg, stride_bk, stride_bn, out.stride(0),
+        bias.stride(0) if bias is not None else 0,
+        HAS_BIAS=bias is not None, PRECISION=_precision(a.dtype), UPCAST=_upcast(a),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_G=_block_g(G),
+        NUM_PROGRAMS=programs, num_warps=4, num_stages=3,
+    )
+    return out
+
+
+def forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+            sizes: torch.Tensor) -> torch.Tensor:
+    """``(M, K) x (G, N, K) -> (M, N)`` with the bias added and tail rows zero."""
+    out = torch.empty(x.shape[0], weight.shape[1], device=x.device, dtype=x.dtype)
+    strides = (weight.stride(0), weight.stride(2), weight.stride(1))
+    return _launch_mm(x, weight, strides, bias, sizes, out, x.shape[1])
+
+
+def dgrad(grad_out: torch.Tensor, weight: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:
+    """``(M, N) x (G, N, K) -> (M, K)``: the input gradient, tail rows zero."""
+    out = torch.empty(grad_out.shape[0], weight.shape[2], device=grad_out.device,
+                      dtype=grad_out.dtype)
+    strides = (weight.stride(0), weight.stride(1), weight.stride(2))
+    return _launch_mm(grad_out, weight, strides, None, sizes, out, grad_out.shape[1])
+
+
+def wgrad(grad_out: torch.Tensor, x: torch.Tensor, sizes: torch.Tensor,
+          with_bias: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(G, N, K)`` weight gradient and, with ``with_bias``, the ``(G, N)`` float32
+    bias gradient, in one launch; empty groups give zeros."""
+    grad_out, x = _rows_contiguous(grad_out), _rows_contiguous(x)
+    M, N = grad_out.shape
+    K = x.shape[1]
+    G = sizes.shape[0]
+    grad_w = torch.empty(G, N, K, device=x.device, dtype=x.dtype)
+    grad_b = torch.empty(G, N, device=x.device, dtype=torch.float32) if with_bias else None
+    if N == 0 or K == 0:
+        return grad_w, grad_b
+    block_m, block_n, block_k = 64, 64, 64
+    grid = (G * triton.cdiv(N, block_n) * triton.cdiv(K, block_k),)
+    _grouped_wgrad_kernel[grid](
+        grad_out, x, grad_w, grad_b if grad_b is not None else grad_w, sizes, M, N, K, G,
+        grad_out.stride(0), x.stride(0), grad_w.stride(0), grad_w.stride(1),
+        HAS_BIAS=with_bias, PRECISION=_precision(x.dtype), UPCAST=_upcast(x),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_G=_block_g(G),
+        num_warps=4, num_stages=3,
+    )
+    return grad_w, grad_b

@@ -1,0 +1,67 @@
+"""The Triton grouped GEMMs against the per-group loop (CUDA, or the Triton interpreter)."""
+
+import pytest
+import torch
+
+from grouped_linear.kernels import grouped_gemm, triton_gemm
+from grouped_linear.kernels._triton import HAS_TRITON, use_triton
+from tests.reference import rel_err
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+
+CASES = [  # (sizes as given, rows of the input, K, N)
+    ([5, 0, 70, 1, 33], 118, 40, 72),       # unaligned, an empty group, a 9-row tail
+    ([0, 0, 0], 7, 16, 8),                   # every row in the tail
+    ([130, 2], 132, 130, 24),                # K and N not multiples of the tiles
+    ([-3, 50, 400], 60, 16, 16),             # bad sizes: clamped, never out of bounds
+]
+
+
+def _clamped_bounds(sizes, M):
+    bounds, run = [0], 0
+    for s in sizes:
+        run = min(M, run + max(s, 0))
+        bounds.append(run)
+    return bounds
+
+
+@pytest.mark.parametrize("sizes, M, K, N", CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_forward_dgrad_wgrad(sizes, M, K, N, dtype):
+    G = len(sizes)
+    x = torch.randn(M, K, device=DEVICE, dtype=dtype)
+    w = torch.randn(G, N, K, device=DEVICE, dtype=dtype)
+    b = torch.randn(G, N, device=DEVICE, dtype=dtype)
+    dy = torch.randn(M, N, device=DEVICE, dtype=dtype)
+    assert use_triton(x)
+    st = torch.tensor(sizes, device=DEVICE)
+    bounds = _clamped_bounds(sizes, M)
+    offs = torch.tensor(bounds[1:], dtype=torch.int32, device=DEVICE)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    out = triton_gemm.forward(x, w, b, st)
+    ref = grouped_gemm.forward(x.double(), w.double(), offs, None, "loop")
+    for g in range(G):
+        ref[bounds[g]:bounds[g + 1]] += b[g].double()
+    assert rel_err(out, ref) < tol and torch.all(out[bounds[-1]:] == 0)
+    dx = triton_gemm.dgrad(dy, w, st)
+    ref_dx = grouped_gemm.dgrad(dy.double(), w.double(), offs, None, "loop")
+    assert rel_err(dx, ref_dx) < tol and torch.all(dx[bounds[-1]:] == 0)
+    dw, db = triton_gemm.wgrad(dy, x, st, True)
+    ref_dw = grouped_gemm.wgrad(dy.double(), x.double(), offs, None, "loop")
+    ref_db = torch.stack([dy[bounds[g]:bounds[g + 1]].double().sum(0) for g in range(G)])
+    assert rel_err(dw, ref_dw) < tol and rel_err(db, ref_db) < tol
+    for g in range(G):
+        if bounds[g + 1] == bounds[g]:
+            assert torch.all(dw[g] == 0) and torch.all(db[g] == 0)
+    dw_only, none = triton_gemm.wgrad(dy, x, st, False)
+    assert none is None and torch.equal(dw_only, dw)
+
+
+def test_strided_inputs_and_int32_sizes():
+    x = torch.randn(40, 24, device=DEVICE)[:, :16]  # rows not contiguous
+    w = torch.randn(2, 8, 16, device=DEVICE)
+    st = torch.tensor([10, 30], device=DEVICE, dtype=torch.int32)
+    out = triton_gemm.forward(x, w, None, st)
+    ref = torch.cat([x[:10].double() @ w[0].double().t(), x[10:].double() @ w[1].double().t()])
+    assert rel_err(out, ref) < 1e-5
