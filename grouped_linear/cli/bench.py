@@ -167,6 +167,11 @@ def _build_case(column: str, shape: Shape, device: torch.device, dtype: torch.dt
     return _Case(fwd, fwd_bwd, leaves)
 
 
+def _small_shape() -> Shape:
+    return Shape(SMALL_SHAPE_NAME, (128,) * 8, 1024, 1024,
+                 "small problem: latency matters more than TFLOP/s")
+
+
 def torchao_available() -> bool:
     """Whether torchao's FP8 rowwise grouped GEMM can be imported."""
     try:
@@ -316,6 +321,10 @@ def run_bench(
     else:
         available = load_shapes()
         names = list(shapes) if shapes else list(available)
+        if dev.type == "cuda":
+            available[SMALL_SHAPE_NAME] = _small_shape()
+            if not shapes:
+                names.append(SMALL_SHAPE_NAME)
         unknown = [n for n in names if n not in available]
         if unknown:
             raise ValueError(f"unknown shape(s) {unknown}; available: {sorted(available)}")
@@ -326,9 +335,6 @@ def run_bench(
                if (c != "torch" or dev.type == "cuda")
                and (c != "torchao" or (dev.type == "cuda" and torch_dtype == torch.bfloat16
                                        and torchao_available()))]
-    if dev.type == "cuda" and not isinstance(shapes, dict) and not shapes:
-        selected.append(Shape(SMALL_SHAPE_NAME, (128,) * 8, 1024, 1024,
-                              "small problem: latency matters more than TFLOP/s"))
 
     with warnings.catch_warnings():
         # torch warns once when autograd's CUDA thread first creates its cuBLAS handle.
