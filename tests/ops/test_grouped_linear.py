@@ -8,6 +8,9 @@ from hypothesis import strategies as st
 import grouped_linear as gl
 from tests.reference import reference_grads, rel_err
 
+# The triton backend runs where Triton does: CUDA, else the CPU interpreter.
+TRITON_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
 TOL = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 1e-2}
 
 SPLIT_CASES = {
@@ -19,6 +22,9 @@ SPLIT_CASES = {
 
 
 def _run(x, weight, bias, m_splits, backend, sizes):
+    if backend == "triton":
+        x, weight = x.to(TRITON_DEVICE), weight.to(TRITON_DEVICE)
+        bias = bias.to(TRITON_DEVICE) if bias is not None else None
     x = x.detach().requires_grad_()
     weight = weight.detach().requires_grad_()
     bias = bias.detach().requires_grad_() if bias is not None else None
@@ -98,9 +104,10 @@ def test_zero_stride_grad_output():
     """``y.sum().backward()`` sends a gradient with zero strides."""
     sizes = [3, 0, 6]
     for backend in ("loop", "grouped", "triton"):
-        x = torch.randn(9, 8, requires_grad=True)
-        w = torch.randn(3, 4, 8, requires_grad=True)
-        b = torch.randn(3, 4, requires_grad=True)
+        device = TRITON_DEVICE if backend == "triton" else "cpu"
+        x = torch.randn(9, 8, device=device, requires_grad=True)
+        w = torch.randn(3, 4, 8, device=device, requires_grad=True)
+        b = torch.randn(3, 4, device=device, requires_grad=True)
         gl.grouped_linear(x, w, b, sizes, backend=backend).sum().backward()
         ref = reference_grads(x, w, b, sizes, torch.ones(9, 4))
         for g, r in zip((x.grad, w.grad, b.grad), ref[1:]):
