@@ -329,6 +329,12 @@ def apply_grouped_linear(
     host_offsets = None
     if resolved == "loop" and x.device.type != "cpu" and splits.on_host:
         host_offsets = splits.host_offsets()
+    needs_graph = torch.is_grad_enabled() and (
+        x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
+    )
+    if not needs_graph and not torch.compiler.is_compiling():
+        # Inference: no autograd node to build, call the forward step directly.
+        return _forward_impl(x, weight, bias, groups, host_offsets, resolved, splits.may_have_tail)
     config = _CallConfig(resolved, splits.may_have_tail, sink)
     return GroupedLinearFunction.apply(x, weight, bias, groups, host_offsets, config)
 

@@ -161,3 +161,14 @@ def test_property_random_splits(sizes, with_bias, seed):
             assert g is None
         else:
             assert rel_err(g, r) < 1e-12
+
+
+def test_inference_builds_no_graph_and_matches_training_path():
+    sizes = [4, 0, 7]
+    x, w, b = torch.randn(11, 8), torch.randn(3, 5, 8), torch.randn(3, 5)
+    with torch.no_grad():
+        y_nograd = gl.grouped_linear(x, w.requires_grad_(), b, sizes)
+    y_plain = gl.grouped_linear(x, w.detach(), b, sizes)  # nothing requires grad
+    y_train = gl.grouped_linear(x, w, b, sizes)
+    assert y_nograd.grad_fn is None and y_plain.grad_fn is None and y_train.grad_fn is not None
+    assert torch.equal(y_nograd, y_train) and torch.equal(y_plain, y_train)
