@@ -4,10 +4,12 @@
 >>> layer = gl.GroupedLinear(num_gemms=4, in_features=64, out_features=32)
 """
 
+from . import recipes
 from .modules import GroupedLinear, GroupedMLP
 from .ops import GroupSplits, grouped_linear
 from .ops.padding import pad_groups, unpad_groups
 from .ops.permutation import permute, unpermute
+from .recipes import autocast
 
 __version__ = "0.1.0"
 
@@ -20,5 +22,7 @@ __all__ = [
     "unpad_groups",
     "permute",
     "unpermute",
+    "recipes",
+    "autocast",
     "__version__",
 ]

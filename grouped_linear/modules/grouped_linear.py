@@ -10,8 +10,10 @@ import torch
 from torch import nn
 
 from ..ops.checks import check_int
+from ..ops.fp8 import quantize_weight_for_forward
 from ..ops.grouped_linear import BACKEND_CHOICES, apply_grouped_linear
 from ..ops.weight_grad import WeightGradSink, check_main_grad
+from ..recipes import check_recipe, current_recipe
 
 __all__ = ["GroupedLinear"]
 
@@ -44,7 +46,8 @@ class GroupedLinear(nn.Module):
             (allocated by the caller) instead of ``.grad``.
         backend: ``"auto"``, ``"grouped"`` (torch's grouped GEMM), ``"loop"``
             (one matmul per group) or ``"triton"`` (this library's kernels).
-        recipe: ``None`` (compute in the input dtype).
+        recipe: ``None`` (the input dtype, or an enclosing ``gl.autocast``'s recipe)
+            or an FP8 recipe (:mod:`grouped_linear.recipes`); it wins over ``gl.autocast``.
 
     Shape:
         - Input: ``(M, in_features)`` or a list of ``G`` tensors ``(m_i, in_features)``;
@@ -80,10 +83,7 @@ class GroupedLinear(nn.Module):
         self.out_features = check_int("out_features", out_features)
         if not isinstance(backend, str) or backend not in BACKEND_CHOICES:
             raise ValueError(f"backend={backend!r} is not one of {BACKEND_CHOICES}")
-        if recipe is not None:
-            raise ValueError(
-                f"recipe={recipe!r} is not supported: only recipe=None (no FP8) is available"
-            )
+        check_recipe(recipe)
         given = {"parallel_mode": parallel_mode, "tp_size": tp_size, "tp_group": tp_group,
                  "reduce_output": reduce_output}
         for name, value in given.items():
@@ -104,6 +104,7 @@ class GroupedLinear(nn.Module):
         self.backend = backend
         self.recipe = recipe
         self._pending_wgrads: deque = deque()
+        self._fp8_weight_cache: dict = {}
 
         factory = {"device": device, "dtype": params_dtype or torch.get_default_dtype()}
         G, N, K = self.num_gemms, self.out_features, self.in_features
@@ -190,8 +191,10 @@ class GroupedLinear(nn.Module):
     ) -> torch.Tensor | tuple[torch.Tensor, object]:
         """Apply each group's linear map; see the class docstring for shapes.
 
-        ``is_first_microbatch`` only matters for quantized recipes (weight
-        cache); high-precision compute ignores it.
+        ``is_first_microbatch`` only matters for FP8 recipes: ``None`` quantizes
+        the weight on every call, ``True`` quantizes it and refreshes the cache,
+        ``False`` reuses the cache (filling it if empty), as across the
+        microbatches of one step. High-precision compute ignores it.
         """
         add_bias = not self.return_bias
         out = self._grouped_forward(x, m_splits, is_first_microbatch, add_bias=add_bias)
@@ -230,8 +233,17 @@ class GroupedLinear(nn.Module):
                 queue=self._pending_wgrads,
             )
         bias = self.grouped_bias() if add_bias else None
+        weight = self.grouped_weight()
+        recipe = self.recipe if self.recipe is not None else current_recipe()
+        cached = None
+        if recipe is not None and is_first_microbatch is not None:
+            cached = self._fp8_weight_cache.get(recipe)
+            if is_first_microbatch or cached is None:
+                cached = quantize_weight_for_forward(weight, recipe)
+                self._fp8_weight_cache = {recipe: cached}
         return apply_grouped_linear(
-            x, self.grouped_weight(), bias, m_splits, backend=self.backend, sink=sink
+            x, weight, bias, m_splits, backend=self.backend, sink=sink, recipe=recipe,
+            cached_weight=cached,
         )
 
     def backward_dw(self) -> None:

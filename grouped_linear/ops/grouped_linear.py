@@ -15,8 +15,10 @@ import torch
 from ..kernels import bias as bias_kernels
 from ..kernels import grouped_gemm, triton_gemm
 from ..kernels._triton import HAS_TRITON, interpreting
+from ..recipes import Float8Recipe, check_recipe, current_recipe
+from .fp8 import Fp8Config, Fp8GroupedLinearFunction
 from .splits import GroupSplits, normalize_splits
-from .weight_grad import WeightGradSink
+from .weight_grad import WeightGradSink, route_weight_grads
 
 __all__ = ["grouped_linear", "apply_grouped_linear", "resolve_backend", "BACKEND_CHOICES"]
 
@@ -173,17 +175,7 @@ class GroupedLinearFunction(torch.autograd.Function):
                 grad_b = _step(_bias_grad_op, _bias_grad_impl)(grad_out, offsets, bias_dtype)
             return grad_w, grad_b
 
-        sink = config.sink
-        if sink is None or not (need_w or need_b):
-            grad_w, grad_b = weight_and_bias_grads()
-        elif sink.delay:
-            sink.defer(weight_and_bias_grads)
-            grad_w = grad_b = None
-        else:
-            grad_w, grad_b = weight_and_bias_grads()
-            if grad_w is not None and sink.fuse_main_grad:
-                sink.accept_weight_grad(grad_w)
-                grad_w = None
+        grad_w, grad_b = route_weight_grads(config.sink, need_w or need_b, weight_and_bias_grads)
         return grad_x, grad_w, grad_b, None, None, None
 
 
@@ -292,8 +284,11 @@ def apply_grouped_linear(
     *,
     backend: str = "auto",
     sink: WeightGradSink | None = None,
+    recipe: Float8Recipe | None = None,
+    cached_weight: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """:func:`grouped_linear` plus the module's gradient routing (``sink``)."""
+    """:func:`grouped_linear` plus the module's gradient routing (``sink``) and FP8
+    weight cache (``cached_weight``, the forward GEMM's dequantized weight)."""
     weight = _check_tensor("weight", weight)
     if weight.dim() != 3:
         raise ValueError(f"weight has shape {tuple(weight.shape)}: expected (G, out, in)")
@@ -322,6 +317,10 @@ def apply_grouped_linear(
         m_splits, num_groups=num_groups, num_rows=x.shape[0], device=x.device
     )
     resolved = resolve_backend(backend, x.device, x.dtype, in_features, out_features, x.shape[0])
+    if check_recipe(recipe, x.device) is not None:
+        fp8_config = Fp8Config(recipe, splits.may_have_tail, sink)
+        return Fp8GroupedLinearFunction.apply(x, weight, bias, splits.offsets, fp8_config,
+                                              cached_weight)
     if resolved == "triton":
         groups = splits.size_tensor
     else:
@@ -358,12 +357,14 @@ def grouped_linear(
             device); optional when ``x`` is a list. Device splits may sum to
             less than ``M``: the rows past the sum get zero output and zero
             gradient.
-        recipe: ``None`` (compute in the input dtype).
-        backend: ``"auto"``, ``"grouped"``, ``"loop"`` or ``"triton"``.
+        recipe: ``None`` (compute in the input dtype, or the recipe of an enclosing
+            ``gl.autocast``) or an FP8 recipe from :mod:`grouped_linear.recipes`.
+        backend: ``"auto"``, ``"grouped"``, ``"loop"`` or ``"triton"`` (for
+            high-precision compute; FP8 recipes currently run as emulation).
 
     Returns:
         ``(M, out)`` tensor.
     """
-    if recipe is not None:
-        raise ValueError(f"recipe={recipe!r} is not supported: only recipe=None (no FP8) is available")
-    return apply_grouped_linear(x, weight, bias, m_splits, backend=backend)
+    if recipe is None:
+        recipe = current_recipe()
+    return apply_grouped_linear(x, weight, bias, m_splits, backend=backend, recipe=recipe)

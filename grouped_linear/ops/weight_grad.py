@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-__all__ = ["WeightGradSink", "check_main_grad"]
+__all__ = ["WeightGradSink", "check_main_grad", "route_weight_grads"]
 
 GradPair = tuple[torch.Tensor | None, torch.Tensor | None]
 
@@ -109,3 +109,24 @@ class WeightGradSink:
                 sink.accept_weight_grad(grad_w)
             if grad_b is not None:
                 sink.accept_bias_grad(grad_b)
+
+
+def route_weight_grads(
+    sink: WeightGradSink | None, needed: bool, compute: Callable[[], GradPair]
+) -> GradPair:
+    """What an autograd backward returns for (weight, bias), given the layer's ``sink``.
+
+    No sink: compute both now and hand them to autograd. Delayed: queue ``compute``
+    for ``backward_dw`` and return ``(None, None)``. ``main_grad`` fusion: add the
+    weight gradient into ``main_grad`` now and return only the bias gradient.
+    """
+    if sink is None or not needed:
+        return compute()
+    if sink.delay:
+        sink.defer(compute)
+        return None, None
+    grad_w, grad_b = compute()
+    if grad_w is not None and sink.fuse_main_grad:
+        sink.accept_weight_grad(grad_w)
+        grad_w = None
+    return grad_w, grad_b
