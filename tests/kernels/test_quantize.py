@@ -1,0 +1,76 @@
+"""FP8 fake quantization against a per-unit loop written here."""
+
+import pytest
+import torch
+
+from grouped_linear.kernels import quantize as q
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+
+
+def _unit(values, fp8, pow2):
+    """One scaling unit: scale (float32) = fp8_max / amax, saturate, round, divide back."""
+    amax = values.abs().max().float() if values.numel() else torch.tensor(0.0)
+    fmax = torch.finfo(fp8).max
+    scale = torch.tensor(fmax, dtype=torch.float32) / amax if amax > 0 else torch.tensor(1.0)
+    if pow2:
+        scale = torch.exp2(torch.floor(torch.log2(scale)))
+    return (values.float() * scale).clamp(-fmax, fmax).to(fp8).float() / scale
+
+
+SIZES = [3, 0, 5, 1]
+
+
+def _same(a, b):
+    """Equal up to the last bit of the float32 scale (torch divides a scalar by a tensor
+    through the reciprocal, so scales may differ by one ulp)."""
+    return torch.allclose(a, b, rtol=1e-6, atol=0)
+
+
+def _bounds():
+    b = [0]
+    for s in SIZES:
+        b.append(b[-1] + s)
+    return b
+
+
+@pytest.mark.parametrize("fp8", [E4M3, E5M2])
+@pytest.mark.parametrize("pow2", [False, True])
+def test_rows_groups_group_columns(fp8, pow2):
+    t = torch.randn(sum(SIZES) + 2, 6) * torch.logspace(-3, 3, 6)  # columns of mixed range
+    offsets = torch.tensor(SIZES).cumsum(0).to(torch.int32)
+    b = _bounds()
+    got_rows = q.fake_quant_rows(t, fp8, pow2)
+    for i in range(t.shape[0]):
+        assert _same(got_rows[i], _unit(t[i], fp8, pow2))
+    got_groups = q.fake_quant_groups(t, offsets, fp8, pow2)
+    got_cols = q.fake_quant_group_columns(t, offsets, fp8, pow2)
+    for g in range(len(SIZES)):
+        assert _same(got_groups[b[g]:b[g + 1]], _unit(t[b[g]:b[g + 1]], fp8, pow2))
+        for c in range(t.shape[1]):
+            assert _same(got_cols[b[g]:b[g + 1], c], _unit(t[b[g]:b[g + 1], c], fp8, pow2))
+
+
+@pytest.mark.parametrize("dim", [2, 1, None])
+def test_weight_units(dim):
+    w = torch.randn(3, 4, 5) * 100
+    got = q.fake_quant_weight(w, dim, E4M3, False)
+    for g in range(3):
+        if dim is None:  # one scale per group
+            assert _same(got[g], _unit(w[g], E4M3, False))
+        elif dim == 2:  # per output channel: amax over K
+            for n in range(w.shape[1]):
+                assert _same(got[g, n], _unit(w[g, n], E4M3, False))
+        else:  # per input channel: amax over N
+            for k in range(w.shape[2]):
+                assert _same(got[g, :, k], _unit(w[g, :, k], E4M3, False))
+
+
+def test_zeros_and_extremes_stay_finite():
+    t = torch.zeros(4, 3)
+    t[1] = 3e38
+    t[2, 0] = 1e-40  # subnormal in float32
+    out = q.fake_quant_rows(t, E4M3, False)
+    assert torch.isfinite(out).all() and torch.all(out[0] == 0)
+    assert torch.allclose(out[1], t[1], rtol=0.07)
+    assert torch.isfinite(q.scale_from_amax(torch.tensor([0.0, 1e-45, 1e38]), E4M3, True)).all()

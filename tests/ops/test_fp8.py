@@ -1,0 +1,102 @@
+"""FP8 recipes (emulated): numerics against float64, scaling, edge values, weight cache."""
+
+import pytest
+import torch
+
+import grouped_linear as gl
+from grouped_linear.recipes import Float8Rowwise, Float8Tensorwise
+from tests.reference import reference_grads, rel_err
+
+RECIPES = [Float8Rowwise(), Float8Tensorwise(), Float8Rowwise(fp8_format="hybrid"),
+           Float8Tensorwise(power_of_two_scales=True)]
+SIZES = [40, 0, 75, 13, 64]
+K, N = 64, 48
+
+
+def _step(recipe, x_scale=1.0, grad_scale=1.0, dtype=torch.float32, sizes=SIZES):
+    G, M = len(sizes), sum(sizes)
+    x = (torch.randn(M, K) * x_scale).to(dtype).requires_grad_()
+    w = (torch.randn(G, N, K) / K ** 0.5).to(dtype).requires_grad_()
+    b = torch.randn(G, N).to(dtype).requires_grad_()
+    grad_out = (torch.randn(M, N) * grad_scale).to(dtype)
+    y = gl.grouped_linear(x, w, b, sizes, recipe=recipe)
+    y.backward(grad_out)
+    ref = reference_grads(x, w, b, sizes, grad_out)
+    return (y, x.grad, w.grad, b.grad), ref
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=repr)
+@pytest.mark.parametrize("x_scale, grad_scale", [(1.0, 1.0), (1e3, 1e-4)])
+def test_error_against_float64(recipe, x_scale, grad_scale):
+    got, ref = _step(recipe, x_scale, grad_scale)
+    errors = [rel_err(g, r) for g, r in zip(got, ref)]
+    assert all(e < 6e-2 for e in errors), errors
+    assert errors[0] > 1e-4  # it did quantize
+    assert rel_err(got[3], ref[3]) < 1e-6  # the bias gradient stays in high precision
+
+
+def test_bf16_inputs_and_empty_groups():
+    got, ref = _step(Float8Rowwise(), dtype=torch.bfloat16)
+    assert got[0].dtype == torch.bfloat16 and got[2].dtype == torch.bfloat16
+    assert all(rel_err(g, r) < 6e-2 for g, r in zip(got, ref))
+    assert torch.all(got[2][1] == 0) and torch.all(got[3][1] == 0)
+
+
+@pytest.mark.parametrize("recipe", RECIPES[:2], ids=repr)
+def test_zeros_huge_values_and_all_zero_groups_stay_finite(recipe):
+    sizes = [6, 5, 0, 4]
+    x = torch.randn(15, K)
+    x[:6] = 0  # an all-zero group
+    x[7, 3] = 3e4  # one huge value
+    w = torch.randn(4, N, K, requires_grad=True)
+    y = gl.grouped_linear(x.requires_grad_(), w, None, sizes, recipe=recipe)
+    y.backward(torch.randn_like(y))
+    for t in (y, x.grad, w.grad):
+        assert torch.isfinite(t).all()
+    assert torch.all(y[:6] == 0) and torch.all(w.grad[0] == 0)
+
+
+def test_rowwise_beats_tensorwise_on_rows_of_different_range():
+    torch.manual_seed(0)
+    sizes = [64, 64]
+    x = torch.randn(128, K) * torch.logspace(-4, 0, 128).unsqueeze(1)
+    w = torch.randn(2, N, K)
+    ref = reference_grads(x, w, None, sizes, torch.zeros(128, N))[0]
+    err = {type(r).__name__: rel_err(gl.grouped_linear(x, w, None, sizes, recipe=r)[:64], ref[:64])
+           for r in (Float8Rowwise(), Float8Tensorwise())}
+    assert err["Float8Rowwise"] < err["Float8Tensorwise"]
+
+
+def test_weight_cache_across_microbatches():
+    torch.manual_seed(0)
+    layer = gl.GroupedLinear(2, K, N, recipe=Float8Rowwise())
+    x = torch.randn(10, K)
+    first = layer(x, [4, 6], is_first_microbatch=True)
+    with torch.no_grad():
+        layer.weight.mul_(2.0)  # an optimizer step the cache has not seen
+    stale = layer(x, [4, 6], is_first_microbatch=False)
+    fresh = layer(x, [4, 6], is_first_microbatch=True)
+    uncached = layer(x, [4, 6])
+    assert torch.equal(stale, first)  # reused
+    assert torch.equal(fresh, uncached) and not torch.equal(fresh, first)
+    empty = gl.GroupedLinear(2, K, N, recipe=Float8Rowwise())
+    empty.load_state_dict(layer.state_dict())
+    assert torch.equal(empty(x, [4, 6], is_first_microbatch=False), uncached)  # fills if empty
+
+
+def test_fp8_with_delayed_wgrad_and_mlp():
+    torch.manual_seed(0)
+    layer = gl.GroupedLinear(2, K, N, recipe=Float8Tensorwise(), delay_wgrad_compute=True)
+    eager = gl.GroupedLinear(2, K, N, recipe=Float8Tensorwise())
+    eager.load_state_dict(layer.state_dict())
+    x = torch.randn(10, K)
+    layer(x, [4, 6]).sum().backward()
+    eager(x, [4, 6]).sum().backward()
+    assert layer.weight.grad is None
+    layer.backward_dw()
+    assert torch.equal(layer.weight.grad, eager.weight.grad)
+    mlp = gl.GroupedMLP(2, K, 32, recipe=Float8Rowwise())
+    plain = gl.GroupedMLP(2, K, 32)
+    plain.load_state_dict(mlp.state_dict())
+    y, y_ref = mlp(x, [4, 6]), plain(x, [4, 6])
+    assert 0 < rel_err(y, y_ref) < 6e-2
