@@ -18,10 +18,12 @@ the same numerics as the device path.
 
 import torch
 
+from ._triton import tl, triton, use_triton
 from .bias import row_groups
 
 __all__ = ["scale_from_amax", "fake_quant", "fake_quant_rows", "fake_quant_group_columns",
-           "fake_quant_groups", "fake_quant_weight"]
+           "fake_quant_groups", "fake_quant_weight", "quantize_rows", "quantize_rows_reference",
+           "quantize_group_columns_t", "quantize_group_columns_t_reference"]
 
 _FLOAT32_MAX = torch.finfo(torch.float32).max
 
@@ -86,3 +88,154 @@ def fake_quant_weight(weight: torch.Tensor, dim: int | None, fp8_dtype: torch.dt
     dims = (1, 2) if dim is None else (dim,)
     amax = weight.abs().amax(dim=dims, keepdim=True)
     return fake_quant(weight, scale_from_amax(amax, fp8_dtype, power_of_two), fp8_dtype)
+
+
+# --------------------------------------------------------------------------- FP8 tensors
+# The operands of real FP8 GEMMs: FP8 data plus float32 dequantization factors
+# (``1 / scale``), as torch's scaled GEMMs take them.
+def quantize_rows_reference(t: torch.Tensor, fp8_dtype: torch.dtype,
+                            power_of_two: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(R, C)`` -> FP8 ``(R, C)`` and ``(R,)`` float32 dequantization factors."""
+    amax = t.abs().amax(dim=1) if t.shape[1] else t.new_zeros(t.shape[0])
+    scale = scale_from_amax(amax, fp8_dtype, power_of_two)
+    fp8_max = torch.finfo(fp8_dtype).max
+    data = (t.float() * scale[:, None]).clamp(-fp8_max, fp8_max).to(fp8_dtype)
+    return data, 1.0 / scale
+
+
+def quantize_group_columns_t_reference(t: torch.Tensor, offsets: torch.Tensor,
+                                       fp8_dtype: torch.dtype, power_of_two: bool
+                                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(M, C)`` -> FP8 transpose ``(C, M)`` scaled per (group, column) along the group's
+    rows, and ``(G, C)`` float32 dequantization factors; rows past the last group are 0."""
+    scale = scale_from_amax(_group_amax(t, offsets), fp8_dtype, power_of_two)
+    groups = row_groups(offsets, t.shape[0])
+    per_row = torch.cat([scale, torch.ones_like(scale[:1])]).index_select(0, groups)
+    fp8_max = torch.finfo(fp8_dtype).max
+    scaled = (t.float() * per_row).clamp(-fp8_max, fp8_max)
+    data = scaled.masked_fill((groups == offsets.shape[0]).unsqueeze(1), 0.0).to(fp8_dtype)
+    return data.t().contiguous(), 1.0 / scale
+
+
+@triton.jit
+def _scale(amax, FP8_MAX: tl.constexpr, POW2: tl.constexpr):
+    scale = tl.where(amax > 0, FP8_MAX / tl.maximum(amax, 1e-30), 1.0)
+    scale = tl.minimum(scale, 3.4028234663852886e38)
+    if POW2:
+        scale = tl.math.exp2(tl.floor(tl.math.log2(scale)))
+    return scale
+
+
+@triton.jit
+def _quantize_rows_kernel(t_ptr, q_ptr, inv_ptr, R, C, stride_t, stride_q,
+                          FP8_MAX: tl.constexpr, POW2: tl.constexpr, BLOCK_R: tl.constexpr,
+                          BLOCK_C: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_mask = rows < R
+    base = rows.to(tl.int64)[:, None]
+    amax = tl.zeros([BLOCK_R], dtype=tl.float32)
+    for c0 in range(0, C, BLOCK_C):  # pass 1: row amax
+        cols = c0 + tl.arange(0, BLOCK_C)
+        mask = row_mask[:, None] & (cols < C)[None, :]
+        values = tl.load(t_ptr + base * stride_t + cols[None, :], mask=mask, other=0.0)
+        amax = tl.maximum(amax, tl.max(tl.abs(values.to(tl.float32)), axis=1))
+    scale = _scale(amax, FP8_MAX, POW2)
+    for c0 in range(0, C, BLOCK_C):  # pass 2: scale, saturate, round
+        cols = c0 + tl.arange(0, BLOCK_C)
+        mask = row_mask[:, None] & (cols < C)[None, :]
+        values = tl.load(t_ptr + base * stride_t + cols[None, :], mask=mask, other=0.0)
+        scaled = tl.clamp(values.to(tl.float32) * scale[:, None], -FP8_MAX, FP8_MAX)
+        tl.store(q_ptr + base * stride_q + cols[None, :], scaled.to(q_ptr.dtype.element_ty),
+                 mask=mask)
+    tl.store(inv_ptr + rows, 1.0 / scale, mask=row_mask)
+
+
+@triton.jit
+def _quantize_group_columns_t_kernel(t_ptr, offsets_ptr, q_ptr, inv_ptr, M, C, stride_t, stride_q,
+                                     FP8_MAX: tl.constexpr, POW2: tl.constexpr,
+                                     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    group = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    col_mask = cols < C
+    end = tl.load(offsets_ptr + group)
+    start = tl.load(offsets_ptr + group - 1, mask=group > 0, other=0)
+    amax = tl.zeros([BLOCK_C], dtype=tl.float32)
+    for r0 in range(start, end, BLOCK_R):  # pass 1: column amax over the group's rows
+        rows = r0 + tl.arange(0, BLOCK_R)
+        mask = (rows < end)[:, None] & col_mask[None, :]
+        values = tl.load(t_ptr + rows.to(tl.int64)[:, None] * stride_t + cols[None, :], mask=mask,
+                         other=0.0)
+        amax = tl.maximum(amax, tl.max(tl.abs(values.to(tl.float32)), axis=0))
+    scale = _scale(amax, FP8_MAX, POW2)
+    for r0 in range(start, end, BLOCK_R):  # pass 2: quantize and write transposed
+        rows = r0 + tl.arange(0, BLOCK_R)
+        mask = (rows < end)[:, None] & col_mask[None, :]
+        values = tl.load(t_ptr + rows.to(tl.int64)[:, None] * stride_t + cols[None, :], mask=mask,
+                         other=0.0)
+        scaled = tl.clamp(values.to(tl.float32) * scale[None, :], -FP8_MAX, FP8_MAX)
+        tl.store(q_ptr + cols.to(tl.int64)[None, :] * stride_q + rows[:, None],
+                 scaled.to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(inv_ptr + group.to(tl.int64) * C + cols, 1.0 / scale, mask=col_mask)
+
+
+@triton.jit
+def _zero_columns_from_kernel(q_ptr, offsets_ptr, G, C, M, stride_q, BLOCK_C: tl.constexpr,
+                              BLOCK_M: tl.constexpr):
+    """Zero ``q[:, offsets[-1]:]`` (the transposed tail)."""
+    cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    end = tl.load(offsets_ptr + G - 1)
+    for m0 in range(end, M, BLOCK_M):
+        ms = m0 + tl.arange(0, BLOCK_M)
+        zeros = tl.zeros([BLOCK_C, BLOCK_M], dtype=q_ptr.dtype.element_ty)
+        tl.store(q_ptr + cols.to(tl.int64)[:, None] * stride_q + ms[None, :], zeros,
+                 mask=(cols < C)[:, None] & (ms < M)[None, :])
+
+
+def _fp8_buffer(shape, device, fp8_dtype):
+    """Where a kernel writes FP8 values. Triton 3.6's CPU interpreter rounds
+    float32 -> FP8 wrongly, so there the kernel writes the scaled, saturated float32
+    values and torch rounds them (:func:`_finish`); on GPUs the kernel stores FP8."""
+    return torch.empty(shape, device=device,
+                       dtype=torch.float32 if device.type == "cpu" else fp8_dtype)
+
+
+def _finish(buffer: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
+    return buffer if buffer.dtype == fp8_dtype else buffer.to(fp8_dtype)
+
+
+def quantize_rows(t: torch.Tensor, fp8_dtype: torch.dtype,
+                  power_of_two: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(R, C)`` -> FP8 ``(R, C)`` and ``(R,)`` dequantization factors, one read pass
+    per row block (two when a row is wider than one block)."""
+    if not use_triton(t) or t.stride(-1) != 1 or t.shape[0] == 0:
+        return quantize_rows_reference(t, fp8_dtype, power_of_two)
+    R, C = t.shape
+    data = _fp8_buffer((R, C), t.device, fp8_dtype)
+    inv = torch.empty(R, device=t.device, dtype=torch.float32)
+    block_r, block_c = 4, min(1024, triton.next_power_of_2(max(C, 16)))
+    _quantize_rows_kernel[(triton.cdiv(R, block_r),)](
+        t, data, inv, R, C, t.stride(0), data.stride(0),
+        FP8_MAX=torch.finfo(fp8_dtype).max, POW2=power_of_two, BLOCK_R=block_r, BLOCK_C=block_c,
+    )
+    return _finish(data, fp8_dtype), inv
+
+
+def quantize_group_columns_t(t: torch.Tensor, offsets: torch.Tensor, fp8_dtype: torch.dtype,
+                             power_of_two: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The wgrad operand: ``(M, C)`` -> FP8 ``(C, M)`` transposed, scaled per (group,
+    column) along the group's rows, with ``(G, C)`` dequantization factors."""
+    if not use_triton(t) or t.stride(-1) != 1 or t.shape[0] == 0:
+        return quantize_group_columns_t_reference(t, offsets, fp8_dtype, power_of_two)
+    M, C = t.shape
+    G = offsets.shape[0]
+    data = _fp8_buffer((C, M), t.device, fp8_dtype)
+    inv = torch.empty(G, C, device=t.device, dtype=torch.float32)
+    block_c = 64
+    _quantize_group_columns_t_kernel[(G, triton.cdiv(C, block_c))](
+        t, offsets, data, inv, M, C, t.stride(0), data.stride(0),
+        FP8_MAX=torch.finfo(fp8_dtype).max, POW2=power_of_two, BLOCK_R=32, BLOCK_C=block_c,
+    )
+    _zero_columns_from_kernel[(triton.cdiv(C, block_c),)](
+        data, offsets, G, C, M, data.stride(0), BLOCK_C=block_c, BLOCK_M=32,
+    )
+    return _finish(data, fp8_dtype), inv

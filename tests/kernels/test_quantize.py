@@ -74,3 +74,46 @@ def test_zeros_and_extremes_stay_finite():
     assert torch.isfinite(out).all() and torch.all(out[0] == 0)
     assert torch.allclose(out[1], t[1], rtol=0.07)
     assert torch.isfinite(q.scale_from_amax(torch.tensor([0.0, 1e-45, 1e38]), E4M3, True)).all()
+
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _codes_close(a, b):
+    """FP8 tensors equal up to one step of rounding (the kernels' conversion may round
+    ties differently from torch's)."""
+    if a.numel() == 0:
+        return a.shape == b.shape
+    diff = (a.view(torch.uint8).int() - b.view(torch.uint8).int()).abs()
+    return bool((diff <= 1).all()) and float((diff != 0).float().mean()) < 0.05
+
+
+@pytest.mark.parametrize("fp8", [E4M3, E5M2])
+@pytest.mark.parametrize("pow2", [False, True])
+@pytest.mark.parametrize("shape", [(7, 40), (5, 1500), (0, 8)])
+def test_quantize_rows_kernel(fp8, pow2, shape):
+    t = (torch.randn(*shape) * torch.logspace(-2, 2, shape[1])).to(DEVICE)
+    if shape[0]:
+        t[0] = 0
+    data, inv = q.quantize_rows(t, fp8, pow2)
+    ref_data, ref_inv = q.quantize_rows_reference(t, fp8, pow2)
+    assert data.dtype == fp8 and inv.shape == (shape[0],)
+    assert torch.allclose(inv, ref_inv, rtol=1e-6) and _codes_close(data, ref_data)
+    assert torch.isfinite(inv).all()
+
+
+@pytest.mark.parametrize("sizes, tail", [([3, 0, 70, 1], 5), ([0, 0], 3), ([33], 0)])
+def test_quantize_group_columns_transposed_kernel(sizes, tail):
+    M, C = sum(sizes) + tail, 70
+    t = (torch.randn(M, C) * 10).to(DEVICE)
+    offsets = torch.tensor(sizes, device=DEVICE).cumsum(0).to(torch.int32)
+    data, inv = q.quantize_group_columns_t(t, offsets, E4M3, False)
+    ref_data, ref_inv = q.quantize_group_columns_t_reference(t, offsets, E4M3, False)
+    assert data.shape == (C, M) and inv.shape == (len(sizes), C)
+    assert torch.allclose(inv, ref_inv, rtol=1e-6) and _codes_close(data, ref_data)
+    assert torch.all(data[:, sum(sizes):].float() == 0)
+    # dequantized, the transposed copy reproduces t within FP8 precision
+    bounds = [0] + torch.tensor(sizes).cumsum(0).tolist()
+    for g in range(len(sizes)):
+        block = data[:, bounds[g]:bounds[g + 1]].float() * inv[g][:, None]
+        assert torch.allclose(block, t[bounds[g]:bounds[g + 1]].t().float(), rtol=0.07, atol=1e-6)
