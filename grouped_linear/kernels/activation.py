@@ -15,7 +15,7 @@ from ._triton import tl, triton, use_triton
 from .bias import _row_group, row_groups
 
 __all__ = ["ACTIVATION_KINDS", "GATED_KINDS", "bias_act_forward", "bias_act_backward",
-           "bias_act_reference"]
+           "bias_act_reference", "bias_act_backward_reference"]
 
 ACTIVATION_KINDS = {"swiglu": 0, "geglu": 1, "silu": 0, "gelu": 1, "relu": 2}
 GATED_KINDS = ("swiglu", "geglu")
@@ -50,6 +50,38 @@ def bias_act_reference(h, bias, offsets, kind, zero_tail):
     if zero_tail:
         out = torch.where(in_group, out, torch.zeros((), dtype=out.dtype, device=out.device))
     return out.to(h.dtype)
+
+
+def _base_activation_grad(kind: str, value: torch.Tensor) -> torch.Tensor:
+    if kind in ("swiglu", "silu"):
+        s = torch.sigmoid(value)
+        return s + value * s * (1 - s)
+    if kind in ("geglu", "gelu"):
+        inner = _SQRT_2_OVER_PI * (value + _GELU_CUBIC * value ** 3)
+        t = torch.tanh(inner)
+        d_inner = _SQRT_2_OVER_PI * (1 + 3 * _GELU_CUBIC * value ** 2)
+        return 0.5 * (1 + t) + 0.5 * value * (1 - t * t) * d_inner
+    return (value > 0).to(value.dtype)
+
+
+def bias_act_backward_reference(grad_a, h, bias, offsets, kind):
+    """The gradient with respect to ``h``, written out (no autograd: it also runs inside
+    custom ops, where autograd does not record). Rows past the last group get zero."""
+    compute = torch.float64 if h.dtype == torch.float64 else torch.float32
+    groups = row_groups(offsets, h.shape[0])
+    in_group = (groups < offsets.shape[0]).unsqueeze(1)
+    value = h.to(compute)
+    if bias is not None:
+        padded = torch.cat([bias.to(compute), bias.new_zeros(1, bias.shape[1], dtype=compute)])
+        value = value + padded.index_select(0, groups)
+    grad_a = torch.where(in_group, grad_a.to(compute), torch.zeros((), dtype=compute))
+    if kind in GATED_KINDS:
+        gate, up = value.chunk(2, dim=-1)
+        grad_h = torch.cat([grad_a * up * _base_activation_grad(kind, gate),
+                            grad_a * _base_activation(kind, gate)], dim=-1)
+    else:
+        grad_h = grad_a * _base_activation_grad(kind, value)
+    return grad_h.to(h.dtype)
 
 
 # --------------------------------------------------------------------------- Triton
@@ -169,11 +201,6 @@ def bias_act_backward(grad_a: torch.Tensor, h: torch.Tensor, bias: torch.Tensor 
     """
     width = h.shape[1] // 2 if kind in GATED_KINDS else h.shape[1]
     if h.shape[0] == 0 or not _triton_ok(h, bias, grad_a):
-        with torch.enable_grad():
-            leaf = h.detach().requires_grad_()
-            out = bias_act_reference(leaf, bias.detach() if bias is not None else None, offsets,
-                                     kind, zero_tail)
-            (grad_h,) = torch.autograd.grad(out, leaf, grad_a)
-        return grad_h
+        return bias_act_backward_reference(grad_a, h, bias, offsets, kind)
     out = torch.empty_like(h)
     return _launch(h, bias, offsets, kind, grad_a, out, width)

@@ -30,7 +30,8 @@ def _group_offsets_kernel(splits_ptr, offsets_ptr, G, M, BLOCK_G: tl.constexpr):
 def group_offsets(splits: torch.Tensor, num_rows: int) -> torch.Tensor:
     """``(G,)`` integer split sizes -> ``(G,)`` int32 clamped cumulative ends (same device)."""
     G = splits.shape[0]
-    if not use_triton(splits) or G > _MAX_TRITON_GROUPS or G == 0:
+    if (not use_triton(splits) or G > _MAX_TRITON_GROUPS or G == 0
+            or torch.compiler.is_compiling()):
         return group_offsets_reference(splits, num_rows)
     offsets = torch.empty(G, device=splits.device, dtype=torch.int32)
     _group_offsets_kernel[(1,)](splits, offsets, G, num_rows, BLOCK_G=triton.next_power_of_2(G))

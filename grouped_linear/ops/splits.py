@@ -8,7 +8,6 @@ the per-group loop and exact-size allocations use).
 
 from __future__ import annotations
 
-import functools
 import itertools
 import operator
 import os
@@ -54,19 +53,29 @@ class GroupSplits:
     host_sizes: tuple[int, ...] | None
     device_sizes: torch.Tensor | None = None
 
-    @functools.cached_property
+    @property
     def offsets(self) -> torch.Tensor:
-        if self.host_sizes is None:
-            return group_offsets(self.device_sizes, self.num_rows)
-        ends = torch.tensor(list(itertools.accumulate(self.host_sizes)), dtype=torch.int32)
-        return ends if self.device.type == "cpu" else ends.to(self.device, non_blocking=True)
+        cached = self.__dict__.get("_offsets")
+        if cached is None:
+            if self.host_sizes is None:
+                cached = group_offsets(self.device_sizes, self.num_rows)
+            else:
+                ends = torch.tensor(list(itertools.accumulate(self.host_sizes)), dtype=torch.int32)
+                cached = ends if self.device.type == "cpu" else ends.to(self.device, non_blocking=True)
+            object.__setattr__(self, "_offsets", cached)
+        return cached
 
-    @functools.cached_property
+    @property
     def size_tensor(self) -> torch.Tensor:
         if self.host_sizes is None:
             return self.device_sizes
-        sizes = torch.tensor(self.host_sizes, dtype=torch.int32)
-        return sizes if self.device.type == "cpu" else sizes.to(self.device, non_blocking=True)
+        cached = self.__dict__.get("_size_tensor")
+        if cached is None:
+            cached = torch.tensor(self.host_sizes, dtype=torch.int32)
+            if self.device.type != "cpu":
+                cached = cached.to(self.device, non_blocking=True)
+            object.__setattr__(self, "_size_tensor", cached)
+        return cached
 
     @property
     def on_host(self) -> bool:
@@ -161,6 +170,10 @@ def normalize_splits(
             raise ValueError(
                 f"{name} has length {m_splits.numel()} but num_gemms is {num_groups}"
             )
+        if torch.compiler.is_compiling():
+            # Traced: never read split values on the host (that would break the graph
+            # and specialise on them); treat them as device splits, clamped in the graph.
+            return GroupSplits(num_groups, num_rows, device, None, m_splits.to(device))
         if m_splits.device.type == "cpu":
             sizes = [int(v) for v in m_splits.tolist()]
         else:

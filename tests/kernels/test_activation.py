@@ -59,3 +59,15 @@ def test_op_rejects_unknown_kind():
     h, bias, offsets, _ = _case("relu", torch.float32, False)
     with pytest.raises(ValueError, match="activation='tanh'"):
         bias_activation(h, bias, offsets, "tanh", False)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_written_out_backward_reference_matches_autograd(kind):
+    h, bias, offsets, head = _case(kind, torch.float64, True)
+    grad_a = torch.randn(h.shape[0], h.shape[1] // (2 if kind in act.GATED_KINDS else 1),
+                         dtype=torch.float64, device=h.device)
+    leaf = h.detach().requires_grad_()
+    (want,) = torch.autograd.grad(act.bias_act_reference(leaf, bias, offsets, kind, True), leaf,
+                                  grad_a)
+    got = act.bias_act_backward_reference(grad_a, h, bias, offsets, kind)
+    assert rel_err(got, want) < 1e-12 and torch.all(got[head:] == 0)
