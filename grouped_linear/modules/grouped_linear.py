@@ -9,15 +9,16 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
+from ..ops.bias_add import add_group_bias
 from ..ops.checks import check_int
 from ..ops.fp8 import quantize_weight_for_forward
-from ..ops.grouped_linear import BACKEND_CHOICES, apply_grouped_linear
+from ..ops.grouped_linear import BACKEND_CHOICES, apply_grouped_linear, join_inputs
+from ..ops.splits import normalize_splits
 from ..ops.weight_grad import WeightGradSink, check_main_grad
+from ..parallel.tensor_parallel import TensorParallel, copy_to_tp_region, reduce_from_tp_region
 from ..recipes import check_recipe, current_recipe
 
 __all__ = ["GroupedLinear"]
-
-_PARALLEL_DEFAULTS = {"parallel_mode": None, "tp_size": 1, "tp_group": None, "reduce_output": True}
 
 
 class GroupedLinear(nn.Module):
@@ -76,6 +77,7 @@ class GroupedLinear(nn.Module):
         tp_size: int = 1,
         tp_group: object | None = None,
         reduce_output: bool = True,
+        tp_column_blocks: int = 1,
     ) -> None:
         super().__init__()
         self.num_gemms = check_int("num_gemms", num_gemms)
@@ -84,14 +86,14 @@ class GroupedLinear(nn.Module):
         if not isinstance(backend, str) or backend not in BACKEND_CHOICES:
             raise ValueError(f"backend={backend!r} is not one of {BACKEND_CHOICES}")
         check_recipe(recipe)
-        given = {"parallel_mode": parallel_mode, "tp_size": tp_size, "tp_group": tp_group,
-                 "reduce_output": reduce_output}
-        for name, value in given.items():
-            if value != _PARALLEL_DEFAULTS[name]:
-                raise ValueError(
-                    f"{name}={value!r} is not supported: tensor parallelism is not available "
-                    f"in this version (leave it at {_PARALLEL_DEFAULTS[name]!r})"
-                )
+        self.tp = TensorParallel.create(parallel_mode, tp_size, tp_group, reduce_output,
+                                        check_int("tp_column_blocks", tp_column_blocks),
+                                        self.in_features, self.out_features)
+        if self.tp.mode == "row" and not self.tp.reduce_output and bias and not return_bias:
+            raise ValueError(
+                "reduce_output=False leaves the reduction to the caller, so the bias must be "
+                "added after it: use return_bias=True (or bias=False)"
+            )
         if init_method is not None and not callable(init_method):
             raise TypeError(f"init_method must be callable, got {init_method!r}")
         self.use_bias = bool(bias)
@@ -107,7 +109,8 @@ class GroupedLinear(nn.Module):
         self._fp8_weight_cache: dict = {}
 
         factory = {"device": device, "dtype": params_dtype or torch.get_default_dtype()}
-        G, N, K = self.num_gemms, self.out_features, self.in_features
+        G = self.num_gemms
+        K, N = self.tp.local_features(self.in_features, self.out_features)
         if single_grouped_weight:
             self.weight = nn.Parameter(torch.empty(G, N, K, **factory))
         else:
@@ -169,17 +172,26 @@ class GroupedLinear(nn.Module):
         """Initialise each expert as ``nn.Linear`` would (or with ``init_method``).
 
         Weights first, expert by expert, then biases: both layouts draw the
-        same numbers from the same seed.
+        same numbers from the same seed. Under tensor parallelism every rank
+        draws the full expert and keeps its slice, so the full weight equals the
+        unsharded layer's for the same seed.
         """
         bound = 1.0 / math.sqrt(self.in_features)
+        sharded = self.tp.mode is not None
         with torch.no_grad():
             for weight in self.weight_list():
+                full = weight.new_empty(self.out_features, self.in_features) if sharded else weight
                 if self.init_method is not None:
-                    self.init_method(weight)
+                    self.init_method(full)
                 else:
-                    nn.init.kaiming_uniform_(weight, a=math.sqrt(5))
+                    nn.init.kaiming_uniform_(full, a=math.sqrt(5))
+                if sharded:
+                    weight.copy_(self.tp.shard_weight(full))
             for bias in self.bias_list() or []:
-                nn.init.uniform_(bias, -bound, bound)
+                full = bias.new_empty(self.out_features) if sharded else bias
+                nn.init.uniform_(full, -bound, bound)
+                if sharded:
+                    bias.copy_(self.tp.shard_bias(full))
 
     # ------------------------------------------------------------------ forward
     def forward(
@@ -232,8 +244,26 @@ class GroupedLinear(nn.Module):
                 fuse_main_grad=self.fuse_wgrad_accumulation,
                 queue=self._pending_wgrads,
             )
+        tp = self.tp
+        in_local = tp.local_features(self.in_features, self.out_features)[0]
         bias = self.grouped_bias() if add_bias else None
         weight = self.grouped_weight()
+        if tp.size > 1:
+            x, m_splits = join_inputs(x, m_splits, in_local)
+            m_splits = normalize_splits(m_splits, num_groups=self.num_gemms,
+                                        num_rows=x.shape[0], device=x.device)
+            if tp.mode == "column":
+                x = copy_to_tp_region(x, tp.group)
+            elif bias is not None:  # row: the bias goes on after the reduction
+                out = self._apply_gemm(x, weight, None, m_splits, sink, is_first_microbatch)
+                out = reduce_from_tp_region(out, tp.group)
+                return add_group_bias(out, bias, m_splits)
+            elif tp.reduce_output:
+                out = self._apply_gemm(x, weight, None, m_splits, sink, is_first_microbatch)
+                return reduce_from_tp_region(out, tp.group)
+        return self._apply_gemm(x, weight, bias, m_splits, sink, is_first_microbatch)
+
+    def _apply_gemm(self, x, weight, bias, m_splits, sink, is_first_microbatch) -> torch.Tensor:
         recipe = self.recipe if self.recipe is not None else current_recipe()
         cached = None
         if recipe is not None and is_first_microbatch is not None:
@@ -292,6 +322,8 @@ class GroupedLinear(nn.Module):
             parts.append("delay_wgrad_compute=True")
         if self.fuse_wgrad_accumulation:
             parts.append("fuse_wgrad_accumulation=True")
+        if self.tp.mode is not None:
+            parts.append(f"parallel_mode={self.tp.mode!r}, tp_size={self.tp.size}")
         return ", ".join(parts)
 
 

@@ -49,7 +49,9 @@ class GroupedMLP(nn.Module):
         ffn_hidden_size: expert width ``F``.
         activation: one of ``swiglu``, ``geglu``, ``gelu`` (tanh), ``relu``, ``silu``.
         **grouped_linear_kwargs: passed to both ``fc1`` and ``fc2``
-            (``bias``, ``params_dtype``, ``device``, ``backend``, ...).
+            (``bias``, ``params_dtype``, ``device``, ``backend``, ...). With
+            ``tp_size``/``tp_group``, fc1 is column-parallel (gate and up halves
+            sliced alike) and fc2 row-parallel (``reduce_output`` applies to fc2).
 
     Shape:
         - Input: ``(M, H)`` or a list of ``G`` tensors ``(m_i, H)``; ``m_splits`` as
@@ -74,9 +76,18 @@ class GroupedMLP(nn.Module):
         self.hidden_size = hidden_size
         self.ffn_hidden_size = ffn_hidden_size
         self.activation = activation
-        fc1_out = ffn_hidden_size * (2 if activation in GATED_ACTIVATIONS else 1)
-        self.fc1 = GroupedLinear(num_experts, hidden_size, fc1_out, **grouped_linear_kwargs)
-        self.fc2 = GroupedLinear(num_experts, ffn_hidden_size, hidden_size, **grouped_linear_kwargs)
+        gated = activation in GATED_ACTIVATIONS
+        fc1_out = ffn_hidden_size * (2 if gated else 1)
+        fc1_kwargs, fc2_kwargs = dict(grouped_linear_kwargs), dict(grouped_linear_kwargs)
+        if grouped_linear_kwargs.get("tp_size", 1) > 1 or grouped_linear_kwargs.get("tp_group"):
+            # Tensor parallel MLP: fc1 by columns (gate and up sliced alike), fc2 by rows.
+            if grouped_linear_kwargs.get("parallel_mode") not in (None, "mlp"):
+                raise ValueError("GroupedMLP sets parallel_mode itself (fc1 column, fc2 row)")
+            fc1_kwargs.update(parallel_mode="column", tp_column_blocks=2 if gated else 1)
+            fc1_kwargs.pop("reduce_output", None)
+            fc2_kwargs.update(parallel_mode="row")
+        self.fc1 = GroupedLinear(num_experts, hidden_size, fc1_out, **fc1_kwargs)
+        self.fc2 = GroupedLinear(num_experts, ffn_hidden_size, hidden_size, **fc2_kwargs)
 
     def forward(
         self,

@@ -1,0 +1,111 @@
+"""Tensor-parallel GroupedLinear / GroupedMLP on 2 CPU ranks (gloo) against one process."""
+
+import os
+import socket
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import grouped_linear as gl
+
+G, K, N, F = 3, 8, 6, 4
+SIZES = [3, 0, 5]
+TOL = {"rtol": 1e-10, "atol": 1e-12}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _pair(make_ref, make_tp):
+    torch.manual_seed(7)
+    ref = make_ref()
+    torch.manual_seed(7)
+    tp = make_tp()
+    return ref, tp
+
+
+def _check_column(rank):
+    ref, tp = _pair(lambda: gl.GroupedLinear(G, K, N, params_dtype=torch.float64),
+                    lambda: gl.GroupedLinear(G, K, N, params_dtype=torch.float64,
+                                             parallel_mode="column", tp_size=2))
+    cols = slice(rank * N // 2, (rank + 1) * N // 2)
+    torch.testing.assert_close(tp.weight, ref.weight[:, cols], **TOL)
+    torch.testing.assert_close(tp.bias, ref.bias[:, cols], **TOL)
+    x = torch.randn(8, K, dtype=torch.float64, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_()
+    grad = torch.randn(8, N, dtype=torch.float64)
+    y = tp(x, SIZES)
+    y.backward(grad[:, cols])
+    y_ref = ref(x_ref, SIZES)
+    y_ref.backward(grad)
+    torch.testing.assert_close(y, y_ref[:, cols], **TOL)
+    torch.testing.assert_close(x.grad, x_ref.grad, **TOL)  # all-reduced across the ranks
+    torch.testing.assert_close(tp.weight.grad, ref.weight.grad[:, cols], **TOL)
+    torch.testing.assert_close(tp.bias.grad, ref.bias.grad[:, cols], **TOL)
+
+
+def _check_row(rank):
+    ref, tp = _pair(lambda: gl.GroupedLinear(G, K, N, params_dtype=torch.float64),
+                    lambda: gl.GroupedLinear(G, K, N, params_dtype=torch.float64,
+                                             parallel_mode="row", tp_size=2))
+    ins = slice(rank * K // 2, (rank + 1) * K // 2)
+    torch.testing.assert_close(tp.weight, ref.weight[:, :, ins], **TOL)
+    torch.testing.assert_close(tp.bias, ref.bias, **TOL)
+    x = torch.randn(8, K, dtype=torch.float64)
+    x_local = x[:, ins].clone().requires_grad_()
+    x_ref = x.clone().requires_grad_()
+    grad = torch.randn(8, N, dtype=torch.float64)
+    y = tp(x_local, torch.tensor(SIZES))
+    y.backward(grad)
+    y_ref = ref(x_ref, SIZES)
+    y_ref.backward(grad)
+    torch.testing.assert_close(y, y_ref, **TOL)
+    torch.testing.assert_close(x_local.grad, x_ref.grad[:, ins], **TOL)
+    torch.testing.assert_close(tp.weight.grad, ref.weight.grad[:, :, ins], **TOL)
+    torch.testing.assert_close(tp.bias.grad, ref.bias.grad, **TOL)
+    # reduce_output=False: the caller reduces (and adds the bias it is handed)
+    torch.manual_seed(7)
+    partial_layer = gl.GroupedLinear(G, K, N, params_dtype=torch.float64, parallel_mode="row",
+                                     tp_size=2, reduce_output=False, return_bias=True)
+    partial, bias = partial_layer(x[:, ins], SIZES)
+    dist.all_reduce(partial)
+    torch.testing.assert_close(partial + torch.repeat_interleave(bias, torch.tensor(SIZES), 0),
+                               y_ref.detach(), **TOL)
+
+
+def _check_mlp(rank):
+    ref, tp = _pair(lambda: gl.GroupedMLP(G, K, 2 * F, params_dtype=torch.float64),
+                    lambda: gl.GroupedMLP(G, K, 2 * F, params_dtype=torch.float64, tp_size=2))
+    x = torch.randn(8, K, dtype=torch.float64, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_()
+    y = tp(x, SIZES)
+    y.sum().backward()
+    y_ref = ref(x_ref, SIZES)
+    y_ref.sum().backward()
+    torch.testing.assert_close(y, y_ref, **TOL)
+    torch.testing.assert_close(x.grad, x_ref.grad, **TOL)
+    gate = slice(rank * F, (rank + 1) * F)
+    up = slice(2 * F + rank * F, 2 * F + (rank + 1) * F)
+    want = torch.cat([ref.fc1.weight.grad[:, gate], ref.fc1.weight.grad[:, up]], dim=1)
+    torch.testing.assert_close(tp.fc1.weight.grad, want, **TOL)
+    torch.testing.assert_close(tp.fc2.weight.grad, ref.fc2.weight.grad[:, :, gate], **TOL)
+
+
+def _worker(rank, world, port):
+    os.environ.pop("TRITON_INTERPRET", None)  # plain PyTorch paths: fast and exact on CPU
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)
+    try:
+        _check_column(rank)
+        _check_row(rank)
+        _check_mlp(rank)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_tensor_parallel_matches_single_process():
+    mp.spawn(_worker, args=(2, _free_port()), nprocs=2, join=True)
