@@ -4,8 +4,8 @@
 >>> layer = gl.GroupedLinear(num_gemms=4, in_features=64, out_features=32)
 """
 
-from . import recipes
-from .modules import GroupedLinear, GroupedMLP
+from . import parallel, recipes
+from .modules import ExpertParallelMoE, GroupedLinear, GroupedMLP
 from .ops import GroupSplits, grouped_linear
 from .ops.padding import pad_groups, unpad_groups
 from .ops.permutation import permute, unpermute
@@ -16,6 +16,8 @@ __version__ = "0.1.0"
 __all__ = [
     "GroupedLinear",
     "GroupedMLP",
+    "ExpertParallelMoE",
+    "parallel",
     "GroupSplits",
     "grouped_linear",
     "pad_groups",

@@ -2,5 +2,6 @@
 
 from .grouped_linear import GroupedLinear
 from .mlp import GroupedMLP
+from .moe import ExpertParallelMoE
 
-__all__ = ["GroupedLinear", "GroupedMLP"]
+__all__ = ["GroupedLinear", "GroupedMLP", "ExpertParallelMoE"]

@@ -1,0 +1,73 @@
+"""``ExpertParallelMoE``: a routed MoE feed-forward block whose experts are spread over ranks."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from ..ops.permutation import permute, unpermute
+from ..parallel.expert_parallel import combine, dispatch
+from .mlp import GroupedMLP
+
+__all__ = ["ExpertParallelMoE"]
+
+
+class ExpertParallelMoE(nn.Module):
+    r"""Router (top-k softmax) -> permute -> dispatch -> local experts -> combine -> unpermute.
+
+    Args:
+        hidden_size: token width ``H``.
+        ffn_hidden_size: expert width.
+        num_experts: ``E``, over all ranks of ``ep_group``.
+        top_k: experts per token; their probabilities are renormalised to sum to 1.
+        ep_group: the expert-parallel process group (default: the world when
+            ``torch.distributed`` is initialised, else a single process).
+        **mlp_kwargs: passed to the local :class:`GroupedMLP` (``activation``,
+            ``bias``, ``params_dtype``, ``recipe``, ...).
+
+    Rank ``r`` holds experts ``[r * E / ep, (r + 1) * E / ep)``; the router is
+    replicated (reduce its gradient like any data-parallel parameter).
+    Shape: ``(T, H) -> (T, H)``.
+    """
+
+    def __init__(self, hidden_size: int, ffn_hidden_size: int, num_experts: int, top_k: int,
+                 *, ep_group: object | None = None, **mlp_kwargs) -> None:
+        super().__init__()
+        distributed = dist.is_available() and dist.is_initialized()
+        self.ep_group = ep_group
+        self.ep_size = dist.get_world_size(ep_group) if distributed else 1
+        self.ep_rank = dist.get_rank(ep_group) if distributed else 0
+        if num_experts % self.ep_size:
+            raise ValueError(f"num_experts={num_experts} is not divisible by {self.ep_size} ranks")
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"top_k={top_k} must be in [1, num_experts={num_experts}]")
+        self.num_experts, self.top_k = num_experts, top_k
+        self.num_local_experts = num_experts // self.ep_size
+        factory = {k: mlp_kwargs[k] for k in ("device",) if k in mlp_kwargs}
+        self.router = nn.Linear(hidden_size, num_experts, bias=False,
+                                dtype=mlp_kwargs.get("params_dtype"), **factory)
+        self.experts = GroupedMLP(self.num_local_experts, hidden_size, ffn_hidden_size,
+                                  **mlp_kwargs)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(T, k)`` expert indices and renormalised probabilities (in ``x``'s dtype)."""
+        probs = F.softmax(self.router(x).float(), dim=-1)
+        top_probs, top_experts = probs.topk(self.top_k, dim=-1)
+        top_probs = top_probs / top_probs.sum(dim=-1, keepdim=True)
+        return top_experts, top_probs.to(x.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        top_experts, top_probs = self.route(x)
+        x_perm, counts, row_map = permute(x, top_experts, self.num_experts)
+        if self.ep_size > 1:
+            x_local, local_counts, plan = dispatch(x_perm, counts, self.ep_group)
+            y_perm = combine(self.experts(x_local, local_counts), plan)
+        else:
+            y_perm = self.experts(x_perm, counts)
+        return unpermute(y_perm, row_map, top_probs)
+
+    def extra_repr(self) -> str:
+        return (f"num_experts={self.num_experts}, top_k={self.top_k}, ep_size={self.ep_size}, "
+                f"local_experts={self.num_local_experts}")
