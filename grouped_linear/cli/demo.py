@@ -14,10 +14,13 @@ The model is ``embedding -> previous-token mixing -> router (top-k softmax)
 from __future__ import annotations
 
 import math
+import socket
 import time
 from dataclasses import asdict, dataclass
 
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
@@ -109,9 +112,9 @@ class TinyMoELM(nn.Module):
         # Cheap context mixing: each position sees its own and the previous token.
         self.mix = nn.Linear(2 * d, d, device=device)
         self.norm = nn.LayerNorm(d, device=device)
-        self.router = nn.Linear(d, cfg.num_experts, bias=False, device=device)
-        self.experts = gl.GroupedMLP(cfg.num_experts, d, cfg.ffn_hidden, activation="swiglu",
-                                     bias=True, device=device)
+        # Router -> permute -> (dispatch to the expert-parallel ranks) -> GroupedMLP -> back.
+        self.moe = gl.ExpertParallelMoE(d, cfg.ffn_hidden, cfg.num_experts, cfg.top_k,
+                                        activation="swiglu", bias=True, device=device)
         self.out_norm = nn.LayerNorm(d, device=device)
         self.head = nn.Linear(d, cfg.vocab, device=device)
 
@@ -123,14 +126,7 @@ class TinyMoELM(nn.Module):
         prev = F.pad(emb[:, :-1], (0, 0, 1, 0))
         h = self.mix(torch.cat([emb, prev], dim=-1)).reshape(batch * seq_len, cfg.d_model)
 
-        z = self.norm(h)
-        router_probs = self.router(z).float().softmax(dim=-1)
-        topk_probs, topk_idx = router_probs.topk(cfg.top_k, dim=-1)
-        topk_probs = topk_probs / topk_probs.sum(dim=-1, keepdim=True)
-
-        x_perm, m_splits, row_map = gl.permute(z, topk_idx, cfg.num_experts)
-        y_perm = self.experts(x_perm, m_splits)
-        moe = gl.unpermute(y_perm, row_map, probs=topk_probs)
+        moe, router_probs, m_splits = self.moe.forward_routed(self.norm(h))
 
         # Switch-Transformer load balancing: E * sum_e (token fraction_e * mean prob_e).
         fraction = m_splits.to(router_probs.dtype) / (batch * seq_len * cfg.top_k)
@@ -154,6 +150,7 @@ def run_demo(
     seed: int = 0,
     quiet: bool = False,
     config: DemoConfig | None = None,
+    ep: int = 1,
 ) -> dict:
     """Train the demo model and return its losses.
 
@@ -163,6 +160,9 @@ def run_demo(
         seed: seeds the chain, the data and the model: same seed, same run.
         quiet: print nothing (no progress bar, no summary).
         config: sizes; :class:`DemoConfig` defaults when ``None``.
+        ep: expert-parallel processes; above 1 the demo spawns that many CPU
+            processes (gloo), each holding ``num_experts / ep`` experts and its
+            own data, and reports rank 0's losses.
 
     Returns:
         A dict with ``initial_loss`` and ``final_loss`` (cross-entropy in nats
@@ -171,6 +171,51 @@ def run_demo(
         ``steps``, ``seconds``, ``device`` and ``expert_load`` (fraction of
         routed tokens per expert on the held-out batch after training).
     """
+    if ep > 1:
+        return _run_expert_parallel(ep, steps, device, seed, quiet, config)
+    return _train(steps, device, seed, quiet, config)
+
+
+def _run_expert_parallel(ep, steps, device, seed, quiet, config) -> dict:
+    if resolve_device(device).type != "cpu":
+        raise ValueError("the expert-parallel demo runs CPU processes over gloo: use --device cpu")
+    cfg = config or DemoConfig()
+    if cfg.num_experts % ep:
+        raise ValueError(f"ep={ep} must divide num_experts={cfg.num_experts}")
+    context = mp.get_context("spawn")
+    results = context.SimpleQueue()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_ep_worker, args=(ep, port, results, steps, seed, quiet, cfg), nprocs=ep, join=True)
+    return results.get()
+
+
+def _ep_worker(rank, ep, port, results, steps, seed, quiet, cfg) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=ep)
+    try:
+        result = _train(steps, "cpu", seed, quiet or rank > 0, cfg, rank=rank, world=ep)
+        if rank == 0:
+            results.put(result)
+    finally:
+        dist.destroy_process_group()
+
+
+def _average_gradients(model: TinyMoELM, world: int) -> None:
+    """Replicated parameters: mean over ranks. Local experts already hold the sum of every
+    rank's contribution (through the all-to-all), so they are divided by the ranks."""
+    expert_params = {id(p) for p in model.moe.experts.parameters()}
+    for p in model.parameters():
+        if p.grad is None:
+            continue
+        if id(p) not in expert_params:
+            dist.all_reduce(p.grad)
+        p.grad.div_(world)
+
+
+def _train(steps, device, seed, quiet, config, rank: int = 0, world: int = 1) -> dict:
     cfg = config or DemoConfig()
     dev = resolve_device(device)
     if steps is None:
@@ -181,13 +226,17 @@ def run_demo(
     start = time.perf_counter()
     torch.manual_seed(seed)
     chain_gen = torch.Generator().manual_seed(seed)
-    data_gen = torch.Generator().manual_seed(seed + 1)
+    data_gen = torch.Generator().manual_seed(seed + 1 + 7919 * rank)  # each rank its own data
     eval_gen = torch.Generator().manual_seed(seed + 2)
     chain = MarkovChain(cfg.vocab, cfg.successors, chain_gen)
     eval_tokens = chain.sample(cfg.eval_batch, cfg.seq_len, eval_gen).to(dev)
     floor = chain.nll(eval_tokens)
 
     model = TinyMoELM(cfg, dev)
+    if world > 1:  # replicated layers start equal; each rank's experts are its own
+        torch.manual_seed(seed + 1000 + rank)
+        model.moe.experts.fc1.reset_parameters()
+        model.moe.experts.fc2.reset_parameters()
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
     warmup = max(1, steps // 20)
 
@@ -221,6 +270,8 @@ def run_demo(
             loss = _next_token_loss(logits, tokens)
         optimizer.zero_grad(set_to_none=True)
         (loss + cfg.aux_loss_coef * aux).backward()
+        if world > 1:
+            _average_gradients(model, world)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         scheduler.step()
@@ -242,7 +293,7 @@ def run_demo(
         "uniform": math.log(cfg.vocab),
         "steps": steps,
         "seconds": seconds,
-        "device": str(dev),
+        "device": str(dev) if world == 1 else f"{world} CPU processes (expert parallel)",
         "expert_load": [round(float(v), 4) for v in load],
         "config": asdict(cfg),
     }

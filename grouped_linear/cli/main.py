@@ -28,6 +28,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--steps", type=int, default=None,
                       help="optimizer steps (default: 400 on CPU, 1000 on CUDA)")
     demo.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
+    demo.add_argument("--ep", type=int, default=1,
+                      help="expert-parallel CPU processes over gloo (default: 1, no parallelism)")
 
     bench = sub.add_parser(
         "bench",
@@ -58,7 +60,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         if args.steps is not None and args.steps < 1:
             raise SystemExit(f"--steps must be >= 1, got {args.steps}")
-        run_demo(steps=args.steps, device=args.device, seed=args.seed)
+        if args.ep < 1:
+            raise SystemExit(f"--ep must be >= 1, got {args.ep}")
+        run_demo(steps=args.steps, device=args.device, seed=args.seed, ep=args.ep)
         return 0
     from .bench import run_bench
 

@@ -51,22 +51,22 @@ class ExpertParallelMoE(nn.Module):
         self.experts = GroupedMLP(self.num_local_experts, hidden_size, ffn_hidden_size,
                                   **mlp_kwargs)
 
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(T, k)`` expert indices and renormalised probabilities (in ``x``'s dtype)."""
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.forward_routed(x)[0]
+
+    def forward_routed(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(y (T, H), router probabilities (T, E) float32, routed rows per expert (E,))``,
+        for callers that add a load-balancing loss."""
         probs = F.softmax(self.router(x).float(), dim=-1)
         top_probs, top_experts = probs.topk(self.top_k, dim=-1)
-        top_probs = top_probs / top_probs.sum(dim=-1, keepdim=True)
-        return top_experts, top_probs.to(x.dtype)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        top_experts, top_probs = self.route(x)
+        top_probs = (top_probs / top_probs.sum(dim=-1, keepdim=True)).to(x.dtype)
         x_perm, counts, row_map = permute(x, top_experts, self.num_experts)
         if self.ep_size > 1:
             x_local, local_counts, plan = dispatch(x_perm, counts, self.ep_group)
             y_perm = combine(self.experts(x_local, local_counts), plan)
         else:
             y_perm = self.experts(x_perm, counts)
-        return unpermute(y_perm, row_map, top_probs)
+        return unpermute(y_perm, row_map, top_probs), probs, counts
 
     def extra_repr(self) -> str:
         return (f"num_experts={self.num_experts}, top_k={self.top_k}, ep_size={self.ep_size}, "

@@ -38,3 +38,16 @@ def test_demo_rejects_bad_arguments():
         run_demo(steps=0, quiet=True)
     with pytest.raises(ValueError, match="device"):
         run_demo(steps=1, device="tpu", quiet=True)
+
+
+def test_expert_parallel_demo_over_two_processes_learns():
+    result = run_demo(steps=60, device="cpu", seed=0, quiet=True, ep=2)
+    assert result["device"].startswith("2 CPU processes")
+    assert result["final_loss"] < result["initial_loss"] - 0.5
+
+
+def test_expert_parallel_demo_rejects_bad_settings():
+    with pytest.raises(ValueError, match="ep=3 must divide num_experts=8"):
+        run_demo(steps=1, device="cpu", quiet=True, ep=3)
+    with pytest.raises(SystemExit, match="--ep must be >= 1, got 0"):
+        main(["demo", "--ep", "0"])
