@@ -200,6 +200,7 @@ class GroupedLinear(nn.Module):
         m_splits: Sequence[int] | torch.Tensor | None = None,
         *,
         is_first_microbatch: bool | None = None,
+        return_bias: bool | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, object]:
         """Apply each group's linear map; see the class docstring for shapes.
 
@@ -207,27 +208,16 @@ class GroupedLinear(nn.Module):
         the weight on every call, ``True`` quantizes it and refreshes the cache,
         ``False`` reuses the cache (filling it if empty), as across the
         microbatches of one step. High-precision compute ignores it.
+        ``return_bias`` overrides the constructor's choice for this call (callers
+        that fold the bias into their next kernel, like ``GroupedMLP``).
         """
-        add_bias = not self.return_bias
-        out = self._grouped_forward(x, m_splits, is_first_microbatch, add_bias=add_bias)
-        if not self.return_bias:
+        return_bias = self.return_bias if return_bias is None else return_bias
+        out = self._grouped_forward(x, m_splits, is_first_microbatch, add_bias=not return_bias)
+        if not return_bias:
             return out
         if not self.use_bias:
             return out, None
         return out, (self.bias if self.single_grouped_bias else self.bias_list())
-
-    def forward_unbiased(
-        self,
-        x: torch.Tensor | Sequence[torch.Tensor],
-        m_splits: Sequence[int] | torch.Tensor | None = None,
-        *,
-        is_first_microbatch: bool | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``(y without bias, (G, out) bias or None)``, for callers that fold the bias
-        into their next kernel (``GroupedMLP``'s activation). The bias gradient then
-        comes from that caller's backward, not from ``backward_dw``."""
-        out = self._grouped_forward(x, m_splits, is_first_microbatch, add_bias=False)
-        return out, self.grouped_bias()
 
     def _grouped_forward(self, x, m_splits, is_first_microbatch, *, add_bias: bool) -> torch.Tensor:
         if is_first_microbatch not in (None, True, False):

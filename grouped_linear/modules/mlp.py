@@ -36,6 +36,14 @@ ACTIVATIONS = {
 GATED_ACTIVATIONS = ("swiglu", "geglu")
 
 
+def _is_fully_sharded(module: nn.Module) -> bool:
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - builds without distributed
+        return False
+    return isinstance(module, FSDPModule)
+
+
 class GroupedMLP(nn.Module):
     r"""Per-expert MLP: ``fc2(act(fc1(x)))`` with ``G`` experts.
 
@@ -100,12 +108,16 @@ class GroupedMLP(nn.Module):
         splits = normalize_splits(
             m_splits, num_groups=self.num_experts, num_rows=x.shape[0], device=x.device
         )
-        if self.fc1.delay_wgrad_compute:
-            # The bias gradient must wait for backward_dw: keep fc1's own bias path.
-            h = self.fc1(x, splits, is_first_microbatch=is_first_microbatch)
+        if self.fc1.delay_wgrad_compute or _is_fully_sharded(self.fc1):
+            # fc1 adds its own bias: its gradient must wait for backward_dw, or the
+            # parameters are only gathered while fc1 itself runs (FSDP).
+            h = self.fc1(x, splits, is_first_microbatch=is_first_microbatch, return_bias=False)
             h = ACTIVATIONS[self.activation](h)
         else:
-            h, fc1_bias = self.fc1.forward_unbiased(x, splits, is_first_microbatch=is_first_microbatch)
+            h, fc1_bias = self.fc1(x, splits, is_first_microbatch=is_first_microbatch,
+                                   return_bias=True)
+            if isinstance(fc1_bias, list):
+                fc1_bias = torch.stack(fc1_bias)
             h = bias_activation(h, fc1_bias, splits.offsets, self.activation, splits.may_have_tail)
         return self.fc2(h, splits, is_first_microbatch=is_first_microbatch)
 

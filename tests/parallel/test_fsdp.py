@@ -1,0 +1,70 @@
+"""FSDP2 (fully_shard) of GroupedMLP on 2 CPU ranks, and torch.distributed.checkpoint."""
+
+import os
+import tempfile
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.multiprocessing as mp
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+import grouped_linear as gl
+from tests.parallel.test_tensor_parallel import _free_port
+from tests.reference import rel_err
+
+E, H, FFN = 4, 16, 8
+SIZES = [3, 0, 5, 4]
+
+
+def _model(seed):
+    torch.manual_seed(seed)
+    return gl.GroupedMLP(E, H, FFN)
+
+
+def _shard(model, mesh):
+    fully_shard(model.fc1, mesh=mesh)
+    fully_shard(model.fc2, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def _worker(rank, world, port, checkpoint_dir):
+    os.environ.pop("TRITON_INTERPRET", None)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)
+    try:
+        mesh = init_device_mesh("cpu", (world,))
+        ref, sharded = _model(0), _shard(_model(0), mesh)
+        local = sharded.fc1.weight.to_local()
+        assert local.shape == (E // world, 2 * FFN, H)  # sharded along the experts
+        assert torch.equal(local, ref.fc1.weight[rank * E // world:(rank + 1) * E // world])
+        xs = [torch.randn(12, H, generator=torch.Generator().manual_seed(r)) for r in range(world)]
+        sgd = torch.optim.SGD(sharded.parameters(), lr=0.1)
+        sgd_ref = torch.optim.SGD(ref.parameters(), lr=0.1)
+        for _ in range(2):
+            sgd.zero_grad()
+            sharded(xs[rank], SIZES).square().mean().backward()
+            sgd.step()
+            sgd_ref.zero_grad()
+            torch.stack([ref(x, SIZES).square().mean() for x in xs]).mean().backward()
+            sgd_ref.step()
+        for (name, p), p_ref in zip(sharded.named_parameters(), ref.parameters()):
+            assert rel_err(p.full_tensor(), p_ref) < 1e-6, name
+        # torch.distributed.checkpoint: save, load into a differently initialised model
+        dcp.save(get_model_state_dict(sharded), checkpoint_id=checkpoint_dir)
+        restored = _shard(_model(123), mesh)
+        state = get_model_state_dict(restored)
+        dcp.load(state, checkpoint_id=checkpoint_dir)
+        set_model_state_dict(restored, state)
+        x = torch.randn(12, H)
+        assert torch.equal(restored(x, SIZES), sharded(x, SIZES))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_fully_shard_trains_like_one_process_and_checkpoints():
+    with tempfile.TemporaryDirectory() as checkpoint_dir:
+        mp.spawn(_worker, args=(2, _free_port(), checkpoint_dir), nprocs=2, join=True)
