@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint test-gpu bench clean
+.PHONY: demo test lint test-gpu bench bench-details clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -29,6 +29,14 @@ test-gpu:
 
 bench:
 	$(PYTHON) -m grouped_linear bench
+
+# The measurements behind benchmarks/NOTES.md (CUDA machine).
+bench-details:
+	PYTHONPATH=. $(PYTHON) benchmarks/backend_choice.py
+	PYTHONPATH=. $(PYTHON) benchmarks/overhead.py
+	PYTHONPATH=. $(PYTHON) benchmarks/bias_kernels.py
+	PYTHONPATH=. $(PYTHON) benchmarks/triton_vs_grouped.py
+	PYTHONPATH=. $(PYTHON) benchmarks/compile_vs_eager.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info
