@@ -49,3 +49,14 @@ def test_module_recipe_wins_over_autocast():
     assert torch.equal(y_auto, y_tensorwise(x, [5, 7]))
     assert torch.equal(y_own, rowwise(x, [5, 7]))
     assert not torch.equal(y_own, y_auto) and not torch.equal(y_auto, plain(x, [5, 7]))
+
+
+def test_fp8_recipe_needs_fp8_matrix_units(monkeypatch):
+    from grouped_linear.recipes import check_recipe
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    with pytest.raises(ValueError, match=r"needs FP8 matrix units \(sm89 or newer\); device "
+                                         r"cuda:0 is sm80"):
+        check_recipe(Float8Rowwise(), torch.device("cuda:0"))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert check_recipe(Float8Rowwise(), torch.device("cuda:0")) == Float8Rowwise()
