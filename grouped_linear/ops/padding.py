@@ -15,6 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
+from grouped_linear.kernels import layout as layout_kernels
 from grouped_linear.ops.checks import check_int
 from grouped_linear.ops.splits import debug_checks_enabled, normalize_splits
 
@@ -43,43 +44,21 @@ def _starts(ends: torch.Tensor) -> torch.Tensor:
     return torch.cat([ends.new_zeros(1), ends[:-1]])
 
 
-def _map_rows(
-    q_ends: torch.Tensor, o_ends: torch.Tensor, num_q_rows: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pair the rows of two layouts of the same groups.
-
-    ``q_ends`` and ``o_ends`` are ``(G,)`` int64 non-decreasing cumulative group
-    ends of a "query" and an "other" layout. The ``i``-th row of group ``g`` in
-    one layout pairs with the ``i``-th row of group ``g`` in the other when
-    ``i < min(len_q(g), len_o(g))``. Returns ``(index, valid)``, both of shape
-    ``(num_q_rows,)``: for every query row its row in the other layout, and
-    whether it has one (rows past ``q_ends[-1]`` never do). Valid indices are
-    below ``o_ends[-1]``.
-    """
-    num_groups = q_ends.shape[0]
-    rows = torch.arange(num_q_rows, device=q_ends.device, dtype=torch.int64)
-    q_starts, o_starts = _starts(q_ends), _starts(o_ends)
-    group = torch.searchsorted(q_ends, rows, right=True)
-    clamped = group.clamp(max=num_groups - 1)
-    local = rows - q_starts.index_select(0, clamped)
-    limit = torch.minimum(q_ends - q_starts, o_ends - o_starts)
-    valid = (group < num_groups) & (local < limit.index_select(0, clamped))
-    index = o_starts.index_select(0, clamped) + local
-    return index, valid
-
-
-class _GatherRows(torch.autograd.Function):
-    """A row gather whose backward is the gather by the inverse pairing."""
+class _Relayout(torch.autograd.Function):
+    """Rows from one layout of the groups to the other; backward moves them back."""
 
     @staticmethod
-    def forward(ctx, src, index, valid, back_index, back_valid):  # type: ignore[override]
-        ctx.save_for_backward(back_index, back_valid)
-        return _gather_rows(src, index, valid)
+    def forward(ctx, src, src_ends, dst_ends, num_dst_rows):  # type: ignore[override]
+        ctx.save_for_backward(src_ends, dst_ends)
+        ctx.num_src_rows = src.shape[0]
+        return layout_kernels.relayout(src, src_ends, dst_ends, num_dst_rows)
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
-        back_index, back_valid = ctx.saved_tensors
-        return _gather_rows(grad, back_index, back_valid), None, None, None, None
+        src_ends, dst_ends = ctx.saved_tensors
+        # Through the function itself, so double backward works too.
+        grad_src = _Relayout.apply(grad.contiguous(), dst_ends, src_ends, ctx.num_src_rows)
+        return grad_src, None, None, None
 
 
 # ---------------------------------------------------------------------------
@@ -225,9 +204,7 @@ def pad_groups(
         out_ends = padded.cumsum(0)
         out_rows = num_rows + num_groups * (multiple - 1)
 
-    index, valid = _map_rows(out_ends, in_ends, out_rows)
-    back_index, back_valid = _map_rows(in_ends, out_ends, num_rows)
-    xp = _GatherRows.apply(x, index, valid, back_index, back_valid)
+    xp = _Relayout.apply(x, in_ends, out_ends, out_rows)
     return xp, padded
 
 
@@ -296,6 +273,4 @@ def unpad_groups(
 
     m_ends = splits.offsets.to(torch.int64)
     p_ends = padded.offsets.to(torch.int64)
-    index, valid = _map_rows(m_ends, p_ends, num_rows)
-    back_index, back_valid = _map_rows(p_ends, m_ends, yp.shape[0])
-    return _GatherRows.apply(yp, index, valid, back_index, back_valid)
+    return _Relayout.apply(yp, p_ends, m_ends, num_rows)
