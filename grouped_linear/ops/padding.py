@@ -28,16 +28,12 @@ __all__ = ["pad_groups", "unpad_groups"]
 
 
 def _gather_rows(src: torch.Tensor, index: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """``out[r] = src[index[r]]`` where ``valid[r]``, else a zero row.
+    """``out[r] = src[index[r]]`` where ``valid[r]``, else a zero row (one pass).
 
     ``index`` may hold anything (negative, past the end) where ``valid`` is
-    false: it is clamped before the gather, so no access is out of bounds.
+    false, so no access is out of bounds.
     """
-    rows = index.shape[0]
-    if src.shape[0] == 0 or rows == 0:
-        return src.new_zeros((rows, *src.shape[1:]))
-    out = src.index_select(0, index.clamp(0, src.shape[0] - 1))
-    return out.masked_fill_(~valid.view(-1, *([1] * (src.dim() - 1))), 0)
+    return layout_kernels.gather_rows(src, torch.where(valid, index, index.new_full((), -1)))
 
 
 def _starts(ends: torch.Tensor) -> torch.Tensor:

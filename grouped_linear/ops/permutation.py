@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from grouped_linear.kernels import layout as layout_kernels
 from grouped_linear.ops.checks import check_int
 from grouped_linear.ops.padding import _check_matrix, _gather_rows
 from grouped_linear.ops.splits import debug_checks_enabled
@@ -32,6 +33,8 @@ def _compute_dtype(y_dtype: torch.dtype, probs_dtype: torch.dtype | None) -> tor
 
 def _combine(y: torch.Tensor, row_map: torch.Tensor, probs: torch.Tensor | None) -> torch.Tensor:
     """``out[t] = sum_j probs[t, j] * y[row_map[t, j]]`` over slots with a row in ``y``."""
+    if _compute_dtype(y.dtype, None if probs is None else probs.dtype) == torch.float32:
+        return layout_kernels.combine_rows(y, row_map, probs)  # one fused pass where it can
     tokens, k = row_map.shape
     flat = row_map.reshape(-1)
     valid = (flat >= 0) & (flat < y.shape[0])
