@@ -82,13 +82,17 @@ def relayout(src: torch.Tensor, src_ends: torch.Tensor, dst_ends: torch.Tensor,
 
 
 # --------------------------------------------------------------------------- row gathers
-def gather_rows_reference(src: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """``out[r] = src[index[r]]``, a zero row where ``index[r]`` is outside ``src``."""
+def gather_rows_reference(src: torch.Tensor, index: torch.Tensor,
+                          scale: torch.Tensor | None = None) -> torch.Tensor:
+    """``out[r] = scale[r] * src[index[r]]``, a zero row where ``index[r]`` is outside ``src``."""
     valid = (index >= 0) & (index < src.shape[0])
     if src.shape[0] == 0 or index.numel() == 0:
         return src.new_zeros(index.shape[0], *src.shape[1:])
     out = src.index_select(0, index.clamp(0, src.shape[0] - 1))
-    return out.masked_fill_(~valid.view(-1, *([1] * (src.dim() - 1))), 0)
+    out = out.masked_fill_(~valid.view(-1, *([1] * (src.dim() - 1))), 0)
+    if scale is not None:
+        out = (out.float() * scale.float().masked_fill(~valid, 0).unsqueeze(1)).to(src.dtype)
+    return out
 
 
 def combine_rows_reference(src: torch.Tensor, row_map: torch.Tensor,
@@ -104,8 +108,9 @@ def combine_rows_reference(src: torch.Tensor, row_map: torch.Tensor,
 
 
 @triton.jit
-def _gather_rows_kernel(src_ptr, dst_ptr, index_ptr, R, R_src, H, stride_src, stride_dst,
-                        BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr):
+def _gather_rows_kernel(src_ptr, dst_ptr, index_ptr, scale_ptr, R, R_src, H, stride_src,
+                        stride_dst, HAS_SCALE: tl.constexpr, BLOCK_R: tl.constexpr,
+                        BLOCK_H: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     col_mask = (cols < H)[None, :]
@@ -113,8 +118,11 @@ def _gather_rows_kernel(src_ptr, dst_ptr, index_ptr, R, R_src, H, stride_src, st
     valid = (index >= 0) & (index < R_src)
     values = tl.load(src_ptr + index[:, None] * stride_src + cols[None, :],
                      mask=valid[:, None] & col_mask, other=0.0)
-    tl.store(dst_ptr + rows.to(tl.int64)[:, None] * stride_dst + cols[None, :], values,
-             mask=(rows < R)[:, None] & col_mask)
+    if HAS_SCALE:
+        scale = tl.load(scale_ptr + rows, mask=valid, other=0.0).to(tl.float32)
+        values = values.to(tl.float32) * scale[:, None]
+    tl.store(dst_ptr + rows.to(tl.int64)[:, None] * stride_dst + cols[None, :],
+             values.to(dst_ptr.dtype.element_ty), mask=(rows < R)[:, None] & col_mask)
 
 
 @triton.jit
@@ -145,18 +153,24 @@ def _rows_kernel_ok(src: torch.Tensor) -> bool:
             and src.dtype != torch.float64 and src.shape[1] > 0)
 
 
-def gather_rows(src: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """``(R_src, H)`` -> ``(R, H)``: row ``index[r]`` of ``src``, zeros where the index is
-    outside ``src`` (-1 for "none"). One read of the gathered rows, one write."""
-    if not _rows_kernel_ok(src) or index.numel() == 0 or src.shape[0] == 0:
-        return gather_rows_reference(src, index)
+def gather_rows(src: torch.Tensor, index: torch.Tensor,
+                scale: torch.Tensor | None = None) -> torch.Tensor:
+    """``(R_src, H)`` -> ``(R, H)``: row ``index[r]`` of ``src`` (times ``scale[r]``, in
+    float32, when given), zeros where the index is outside ``src`` (-1 for "none").
+    One read of the gathered rows, one write."""
+    if (not _rows_kernel_ok(src) or index.numel() == 0 or src.shape[0] == 0
+            or (scale is not None and scale.dtype == torch.float64)):
+        return gather_rows_reference(src, index, scale)
     R, H = index.shape[0], src.shape[1]
-    out = torch.empty(R, H, device=src.device, dtype=src.dtype)
+    # The CPU interpreter truncates float32 -> bf16: with a scale, torch does the rounding.
+    out_dtype = torch.float32 if scale is not None and src.device.type == "cpu" else src.dtype
+    out = torch.empty(R, H, device=src.device, dtype=out_dtype)
     block_r, block_h = 16, min(256, triton.next_power_of_2(H))
     _gather_rows_kernel[(triton.cdiv(R, block_r), triton.cdiv(H, block_h))](
-        src, out, index.contiguous(), R, src.shape[0], H, src.stride(0), out.stride(0),
+        src, out, index.contiguous(), scale.contiguous() if scale is not None else src, R,
+        src.shape[0], H, src.stride(0), out.stride(0), HAS_SCALE=scale is not None,
         BLOCK_R=block_r, BLOCK_H=block_h)
-    return out
+    return out.to(src.dtype)
 
 
 def combine_rows(src: torch.Tensor, row_map: torch.Tensor,
