@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Float8Recipe", "Float8Rowwise", "Float8Tensorwise", "autocast", "current_recipe",
-           "check_recipe"]
+__all__ = ["Float8Recipe", "Float8Rowwise", "Float8Tensorwise", "Float8Blockwise", "autocast",
+           "current_recipe", "check_recipe"]
 
 _FORMATS = ("e4m3", "hybrid")
 
@@ -67,6 +67,14 @@ class Float8Tensorwise(Float8Recipe):
     """Dynamic per-tensor scales, one per group ("current scaling")."""
 
 
+@dataclass(frozen=True)
+class Float8Blockwise(Float8Recipe):
+    """Block scaling (DeepSeek-V3): 1x128 tiles for activations and gradients (along the
+    reduction dimension of each GEMM, so 128x1 along the tokens for wgrad), 128x128
+    blocks for weights."""
+
+
+_RECIPES = (Float8Rowwise, Float8Tensorwise, Float8Blockwise)
 _state = threading.local()
 
 
@@ -79,10 +87,10 @@ def check_recipe(recipe: object, device: torch.device | None = None) -> Float8Re
     """``recipe`` if it is ``None`` or a known recipe usable on ``device``, else raise."""
     if recipe is None:
         return None
-    if not isinstance(recipe, (Float8Rowwise, Float8Tensorwise)):
+    if not isinstance(recipe, _RECIPES):
         raise ValueError(
-            f"recipe={recipe!r} is not a known recipe; use gl.recipes.Float8Rowwise() or "
-            "gl.recipes.Float8Tensorwise() (or None)"
+            f"recipe={recipe!r} is not a known recipe; use gl.recipes.Float8Rowwise(), "
+            "Float8Tensorwise() or Float8Blockwise() (or None)"
         )
     if device is not None and device.type == "cuda":
         capability = torch.cuda.get_device_capability(device)

@@ -23,7 +23,8 @@ from .bias import row_groups
 
 __all__ = ["scale_from_amax", "fake_quant", "fake_quant_rows", "fake_quant_group_columns",
            "fake_quant_groups", "fake_quant_weight", "quantize_rows", "quantize_rows_reference",
-           "quantize_group_columns_t", "quantize_group_columns_t_reference"]
+           "quantize_group_columns_t", "quantize_group_columns_t_reference",
+           "fake_quant_column_tiles", "fake_quant_weight_blocks", "fake_quant_row_tiles"]
 
 _FLOAT32_MAX = torch.finfo(torch.float32).max
 
@@ -239,3 +240,49 @@ def quantize_group_columns_t(t: torch.Tensor, offsets: torch.Tensor, fp8_dtype: 
         data, offsets, G, C, M, data.stride(0), BLOCK_C=block_c, BLOCK_M=32,
     )
     return _finish(data, fp8_dtype), inv
+
+
+# --------------------------------------------------------------------------- block scaling
+def _pad_to(t: torch.Tensor, dim: int, multiple: int) -> torch.Tensor:
+    extra = (-t.shape[dim]) % multiple
+    if not extra:
+        return t
+    shape = list(t.shape)
+    shape[dim] = extra
+    return torch.cat([t, t.new_zeros(shape)], dim=dim)
+
+
+def fake_quant_column_tiles(t: torch.Tensor, fp8_dtype: torch.dtype, power_of_two: bool,
+                            tile: int = 128) -> torch.Tensor:
+    """One scale per (row, ``tile`` consecutive columns) of ``(M, C)``: 1x128 tiles."""
+    M, C = t.shape
+    padded = _pad_to(t.float(), 1, tile).view(M, -1, tile)
+    scale = scale_from_amax(padded.abs().amax(dim=2, keepdim=True), fp8_dtype, power_of_two)
+    return fake_quant(padded, scale, fp8_dtype).view(M, -1)[:, :C]
+
+
+def fake_quant_weight_blocks(weight: torch.Tensor, fp8_dtype: torch.dtype, power_of_two: bool,
+                             block: int = 128) -> torch.Tensor:
+    """One scale per ``block x block`` tile of each ``(N, K)`` expert weight."""
+    G, N, K = weight.shape
+    padded = _pad_to(_pad_to(weight.float(), 1, block), 2, block)
+    tiles = padded.view(G, padded.shape[1] // block, block, padded.shape[2] // block, block)
+    scale = scale_from_amax(tiles.abs().amax(dim=(2, 4), keepdim=True), fp8_dtype, power_of_two)
+    return fake_quant(tiles, scale, fp8_dtype).view(padded.shape)[:, :N, :K]
+
+
+def fake_quant_row_tiles(t: torch.Tensor, offsets: torch.Tensor, fp8_dtype: torch.dtype,
+                         power_of_two: bool, tile: int = 128) -> torch.Tensor:
+    """One scale per (``tile`` consecutive rows of one group, column) of ``(M, C)``: the
+    wgrad operands' 128x1 tiles along the tokens, never straddling a group boundary.
+    Reads the offsets back to the host (emulation only)."""
+    bounds, start = [], 0
+    for end in offsets.tolist():
+        bounds.extend(range(start, end, tile))
+        start = end
+    bounds.append(start)
+    tile_ends = torch.tensor(bounds[1:], dtype=torch.int64, device=t.device)
+    if tile_ends.numel() == 0:  # every group empty: wgrad reads none of these rows
+        return torch.zeros_like(t, dtype=torch.float32)
+    scale = scale_from_amax(_group_amax(t, tile_ends), fp8_dtype, power_of_two)
+    return fake_quant(t, _per_row(scale, tile_ends, t.shape[0]), fp8_dtype)

@@ -23,7 +23,7 @@ import torch
 from ..kernels import bias as bias_kernels
 from ..kernels import grouped_gemm
 from ..kernels import quantize as q
-from ..recipes import Float8Recipe, Float8Rowwise
+from ..recipes import Float8Blockwise, Float8Recipe, Float8Rowwise
 from .weight_grad import WeightGradSink, route_weight_grads
 
 __all__ = ["Fp8GroupedLinearFunction", "quantize_weight_for_forward", "Fp8Config"]
@@ -36,21 +36,36 @@ class Fp8Config:
     sink: WeightGradSink | None
 
 
+def _quantize_weight(weight: torch.Tensor, recipe: Float8Recipe, dgrad: bool) -> torch.Tensor:
+    """``(G, N, K)`` weights as a GEMM sees them: per output channel (forward) or input
+    channel (dgrad) for rowwise, 128x128 blocks for blockwise, per group for tensorwise."""
+    pow2 = recipe.power_of_two_scales
+    if isinstance(recipe, Float8Blockwise):
+        return q.fake_quant_weight_blocks(weight, recipe.forward_dtype, pow2)
+    dim = (1 if dgrad else 2) if isinstance(recipe, Float8Rowwise) else None
+    return q.fake_quant_weight(weight, dim, recipe.forward_dtype, pow2)
+
+
 def quantize_weight_for_forward(weight: torch.Tensor, recipe: Float8Recipe) -> torch.Tensor:
     """The forward GEMM's view of ``(G, N, K)`` weights: float32 dequantized FP8."""
-    dim = 2 if isinstance(recipe, Float8Rowwise) else None
-    return q.fake_quant_weight(weight.detach(), dim, recipe.forward_dtype, recipe.power_of_two_scales)
+    return _quantize_weight(weight.detach(), recipe, dgrad=False)
 
 
 def _quantize_tokens(t, offsets, fp8_dtype, recipe):
+    """The token-side operand of forward (``x``) and dgrad (``dy``)."""
     if isinstance(recipe, Float8Rowwise):
         return q.fake_quant_rows(t, fp8_dtype, recipe.power_of_two_scales)
+    if isinstance(recipe, Float8Blockwise):
+        return q.fake_quant_column_tiles(t, fp8_dtype, recipe.power_of_two_scales)
     return q.fake_quant_groups(t, offsets, fp8_dtype, recipe.power_of_two_scales)
 
 
 def _quantize_for_wgrad(t, offsets, fp8_dtype, recipe):
+    """The wgrad operands, scaled along the tokens of each group."""
     if isinstance(recipe, Float8Rowwise):
         return q.fake_quant_group_columns(t, offsets, fp8_dtype, recipe.power_of_two_scales)
+    if isinstance(recipe, Float8Blockwise):
+        return q.fake_quant_row_tiles(t, offsets, fp8_dtype, recipe.power_of_two_scales)
     return q.fake_quant_groups(t, offsets, fp8_dtype, recipe.power_of_two_scales)
 
 
@@ -80,8 +95,7 @@ class Fp8GroupedLinearFunction(torch.autograd.Function):
         grad_x = None
         if ctx.needs_input_grad[0]:
             dy_q = _quantize_tokens(grad_out, offsets, recipe.gradient_dtype, recipe)
-            dim = 1 if isinstance(recipe, Float8Rowwise) else None
-            w_q = q.fake_quant_weight(weight, dim, recipe.forward_dtype, recipe.power_of_two_scales)
+            w_q = _quantize_weight(weight, recipe, dgrad=True)
             grad_x = grouped_gemm.dgrad(dy_q, w_q, offsets, None, "loop").to(x.dtype)
         need_w = ctx.needs_input_grad[1]
         need_b = ctx.bias_dtype is not None and ctx.needs_input_grad[2]

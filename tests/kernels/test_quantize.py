@@ -117,3 +117,24 @@ def test_quantize_group_columns_transposed_kernel(sizes, tail):
     for g in range(len(sizes)):
         block = data[:, bounds[g]:bounds[g + 1]].float() * inv[g][:, None]
         assert torch.allclose(block, t[bounds[g]:bounds[g + 1]].t().float(), rtol=0.07, atol=1e-6)
+
+
+def test_block_tiles_against_loops():
+    t = torch.randn(5, 300) * torch.logspace(-3, 3, 300)
+    got = q.fake_quant_column_tiles(t, E4M3, False)
+    for r in range(5):
+        for c0 in range(0, 300, 128):
+            assert _same(got[r, c0:c0 + 128], _unit(t[r, c0:c0 + 128], E4M3, False))
+    w = torch.randn(2, 200, 130) * 50
+    got_w = q.fake_quant_weight_blocks(w, E4M3, False)
+    for g in range(2):
+        for n0 in range(0, 200, 128):
+            for k0 in range(0, 130, 128):
+                block = w[g, n0:n0 + 128, k0:k0 + 128]
+                assert _same(got_w[g, n0:n0 + 128, k0:k0 + 128], _unit(block, E4M3, False))
+    sizes = [300, 0, 5]
+    rows = torch.randn(sum(sizes) + 4, 3) * 10
+    got_r = q.fake_quant_row_tiles(rows, torch.tensor(sizes).cumsum(0), E4M3, False)
+    for start, end in ((0, 128), (128, 256), (256, 300), (300, 305)):  # never across groups
+        for c in range(3):
+            assert _same(got_r[start:end, c], _unit(rows[start:end, c], E4M3, False))

@@ -100,3 +100,29 @@ def test_fp8_with_delayed_wgrad_and_mlp():
     plain.load_state_dict(mlp.state_dict())
     y, y_ref = mlp(x, [4, 6]), plain(x, [4, 6])
     assert 0 < rel_err(y, y_ref) < 6e-2
+
+
+def test_blockwise_on_random_data():
+    got, ref = _step(gl.recipes.Float8Blockwise())
+    errors = [rel_err(g, r) for g, r in zip(got, ref)]
+    assert all(e < 4e-2 for e in errors[:3]), errors
+
+
+def _outlier_errors(factor):
+    gen = torch.Generator().manual_seed(0)
+    sizes, K = [96, 0, 160], 512
+    x = torch.randn(sum(sizes), K, generator=gen)
+    w = torch.randn(3, 64, K, generator=gen) / K ** 0.5
+    x[:, :128] *= factor  # one 128-channel block of outliers ...
+    w[:, :, :128] /= factor  # ... that the weights balance out
+    ref = reference_grads(x, w, None, sizes, torch.zeros(sum(sizes), 64))[0]
+    return {type(r).__name__: rel_err(gl.grouped_linear(x, w, None, sizes, recipe=r), ref)
+            for r in (Float8Rowwise(), gl.recipes.Float8Blockwise())}
+
+
+def test_blockwise_beats_rowwise_on_outlier_channels():
+    err = _outlier_errors(1e4)
+    assert err["Float8Blockwise"] < 4e-2
+    assert err["Float8Blockwise"] < 0.85 * err["Float8Rowwise"], err
+    mild = _outlier_errors(1e2)
+    assert abs(mild["Float8Blockwise"] - mild["Float8Rowwise"]) < 0.25 * mild["Float8Rowwise"]
