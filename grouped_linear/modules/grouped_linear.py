@@ -247,7 +247,7 @@ class GroupedLinear(nn.Module):
             elif bias is not None:  # row: the bias goes on after the reduction
                 out = self._apply_gemm(x, weight, None, m_splits, sink, is_first_microbatch)
                 out = reduce_from_tp_region(out, tp.group)
-                return add_group_bias(out, bias, m_splits)
+                return add_group_bias(out, bias, m_splits, sink)
             elif tp.reduce_output:
                 out = self._apply_gemm(x, weight, None, m_splits, sink, is_first_microbatch)
                 return reduce_from_tp_region(out, tp.group)

@@ -7,27 +7,35 @@ import torch
 
 from ..kernels import bias as bias_kernels
 from .splits import GroupSplits
+from .weight_grad import WeightGradSink, route_weight_grads
 
 __all__ = ["add_group_bias"]
 
 
 class _GroupBiasAdd(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, y, bias, offsets, zero_tail):
+    def forward(ctx, y, bias, offsets, zero_tail, sink):
         ctx.save_for_backward(offsets)
         ctx.bias_dtype = bias.dtype
+        ctx.sink = sink
         return bias_kernels.bias_epilogue_(y.clone(), bias, offsets, zero_tail)
 
     @staticmethod
     def backward(ctx, grad):
         (offsets,) = ctx.saved_tensors
-        grad_bias = None
-        if ctx.needs_input_grad[1]:
-            grad_bias = bias_kernels.bias_grad(grad.contiguous(), offsets, ctx.bias_dtype)
-        return grad, grad_bias, None, None
+        grad = grad.contiguous()
+        bias_dtype = ctx.bias_dtype
+
+        def bias_grad():
+            return None, bias_kernels.bias_grad(grad, offsets, bias_dtype)
+
+        _, grad_bias = route_weight_grads(ctx.sink, ctx.needs_input_grad[1], bias_grad)
+        return grad, grad_bias, None, None, None
 
 
-def add_group_bias(y: torch.Tensor, bias: torch.Tensor, splits: GroupSplits) -> torch.Tensor:
+def add_group_bias(y: torch.Tensor, bias: torch.Tensor, splits: GroupSplits,
+                   sink: WeightGradSink | None = None) -> torch.Tensor:
     """``y`` ``(M, N)`` plus ``bias[g]`` ``(G, N)`` on the rows of group ``g``; rows in no
-    group (device splits summing below ``M``) become zero."""
-    return _GroupBiasAdd.apply(y, bias, splits.offsets, splits.may_have_tail)
+    group (device splits summing below ``M``) become zero. With a delaying ``sink`` the
+    bias gradient waits for ``backward_dw`` like the weight's."""
+    return _GroupBiasAdd.apply(y, bias, splits.offsets, splits.may_have_tail, sink)

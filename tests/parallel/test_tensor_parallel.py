@@ -67,6 +67,15 @@ def _check_row(rank):
     torch.testing.assert_close(x_local.grad, x_ref.grad[:, ins], **TOL)
     torch.testing.assert_close(tp.weight.grad, ref.weight.grad[:, :, ins], **TOL)
     torch.testing.assert_close(tp.bias.grad, ref.bias.grad, **TOL)
+    # delayed wgrad: the bias gradient (added after the reduction) waits for backward_dw too
+    torch.manual_seed(7)
+    delayed = gl.GroupedLinear(G, K, N, params_dtype=torch.float64, parallel_mode="row",
+                               tp_size=2, delay_wgrad_compute=True)
+    delayed(x[:, ins], SIZES).backward(grad)
+    assert delayed.weight.grad is None and delayed.bias.grad is None
+    delayed.backward_dw()
+    torch.testing.assert_close(delayed.bias.grad, ref.bias.grad, **TOL)
+    torch.testing.assert_close(delayed.weight.grad, ref.weight.grad[:, :, ins], **TOL)
     # reduce_output=False: the caller reduces (and adds the bias it is handed)
     torch.manual_seed(7)
     partial_layer = gl.GroupedLinear(G, K, N, params_dtype=torch.float64, parallel_mode="row",
