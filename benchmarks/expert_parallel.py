@@ -1,0 +1,109 @@
+"""ExpertParallelMoE forward+backward over N processes: tokens/s and the all-to-all share.
+
+On a machine with N GPUs (NCCL; keep NVLink multicast off as the environment sets it):
+    PYTHONPATH=. python benchmarks/expert_parallel.py --world 2
+On CPU (gloo), as a smoke test with a tiny layer:
+    PYTHONPATH=. python benchmarks/expert_parallel.py --world 2 --cpu --tiny
+
+Each rank holds ``--experts-per-rank`` experts and routes ``--tokens`` tokens of width
+``--hidden`` to ``--top-k`` of all experts (DeepSeek-V3-like defaults: 7168, 16, 8, 16384).
+``--world 1`` runs one process holding the same per-rank work (the 1-GPU baseline).
+The all-to-all share is the time of the dispatch and combine exchanges, measured by
+timing the same step with the exchanges replaced by local copies of the same sizes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import grouped_linear as gl
+from grouped_linear.parallel import expert_parallel
+
+
+def _time_steps(step, device, warmup=3, iters=10) -> float:
+    for _ in range(warmup):
+        step()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(iters):
+        step()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    dist.barrier()
+    return (time.perf_counter() - start) / iters
+
+
+def _worker(rank, world, port, args):
+    cuda = not args.cpu
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}",
+                            rank=rank, world_size=world)
+    try:
+        dtype = torch.bfloat16 if cuda else torch.float32
+        torch.manual_seed(rank)
+        moe = gl.ExpertParallelMoE(args.hidden, args.ffn, args.experts_per_rank * world,
+                                   args.top_k, params_dtype=dtype, device=device)
+        x = torch.randn(args.tokens, args.hidden, device=device, dtype=dtype, requires_grad=True)
+
+        def step():
+            moe(x).float().sum().backward()
+
+        seconds = _time_steps(step, device)
+        exchange = float("nan")
+        if world > 1:  # the same step with the two exchanges replaced by local copies
+            real = expert_parallel.all_to_all_single
+
+            def local_copy(output, input, output_split_sizes=None, input_split_sizes=None,
+                           group=None):
+                return input[: output.shape[0]].clone() if input.shape[0] >= output.shape[0] \
+                    else torch.cat([input, input.new_zeros(output.shape[0] - input.shape[0],
+                                                           input.shape[1])])
+
+            expert_parallel.all_to_all_single = local_copy
+            try:
+                without = _time_steps(step, device)
+            finally:
+                expert_parallel.all_to_all_single = real
+            exchange = max(0.0, seconds - without) / seconds
+        if rank == 0:
+            tokens = args.tokens * world
+            print(f"world {world}: {seconds * 1e3:.2f} ms per forward+backward, "
+                  f"{tokens / seconds:,.0f} tokens/s over all ranks, all-to-all share "
+                  f"{exchange:.1%}")
+    finally:
+        dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--world", type=int, default=2)
+    parser.add_argument("--cpu", action="store_true", help="gloo on CPU instead of NCCL")
+    parser.add_argument("--tiny", action="store_true", help="a small layer (smoke test)")
+    parser.add_argument("--hidden", type=int, default=7168)
+    parser.add_argument("--ffn", type=int, default=2048)
+    parser.add_argument("--experts-per-rank", type=int, default=16)
+    parser.add_argument("--top-k", type=int, default=8)
+    parser.add_argument("--tokens", type=int, default=16384)
+    args = parser.parse_args()
+    if args.tiny:
+        args.hidden, args.ffn, args.experts_per_rank, args.top_k, args.tokens = 64, 32, 4, 2, 256
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_worker, args=(args.world, port, args), nprocs=args.world, join=True)
+
+
+if __name__ == "__main__":
+    main()
