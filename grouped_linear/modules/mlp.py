@@ -8,6 +8,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+try:
+    from torch.distributed.fsdp import FSDPModule
+except ImportError:  # pragma: no cover - builds without distributed
+    FSDPModule = None
+
 from ..ops.activation import bias_activation
 from ..ops.grouped_linear import join_inputs
 from ..ops.splits import GroupSplits, normalize_splits
@@ -37,11 +42,7 @@ GATED_ACTIVATIONS = ("swiglu", "geglu")
 
 
 def _is_fully_sharded(module: nn.Module) -> bool:
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # pragma: no cover - builds without distributed
-        return False
-    return isinstance(module, FSDPModule)
+    return FSDPModule is not None and isinstance(module, FSDPModule)
 
 
 class GroupedMLP(nn.Module):

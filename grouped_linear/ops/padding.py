@@ -1,9 +1,8 @@
 """Pad every group of rows to a multiple of an alignment, and the inverse.
 
-Both directions are pure row gathers: for every destination row a source row is
-computed on the device (``torch.searchsorted`` over the groups' cumulative
-offsets), rows without a source are zero. The backward of a gather in one
-direction is the gather in the other direction, so forward and backward are
+Both directions are one row relayout (:func:`grouped_linear.kernels.layout.relayout`):
+every destination row is written once, from its partner source row or as zeros. The
+backward of one direction is the other direction, so forward and backward are
 deterministic (no scatter-add) and, with CUDA split tensors, free of host
 synchronization.
 """
@@ -34,10 +33,6 @@ def _gather_rows(src: torch.Tensor, index: torch.Tensor, valid: torch.Tensor) ->
     false, so no access is out of bounds.
     """
     return layout_kernels.gather_rows(src, torch.where(valid, index, index.new_full((), -1)))
-
-
-def _starts(ends: torch.Tensor) -> torch.Tensor:
-    return torch.cat([ends.new_zeros(1), ends[:-1]])
 
 
 class _Relayout(torch.autograd.Function):
@@ -195,7 +190,7 @@ def pad_groups(
         if isinstance(m_splits, torch.Tensor):
             padded = torch.tensor(padded, dtype=torch.int64, device=m_splits.device)
     else:
-        sizes = in_ends - _starts(in_ends)
+        sizes = (splits.offsets - splits.starts()).to(torch.int64)
         padded = (sizes + (multiple - 1)) // multiple * multiple
         out_ends = padded.cumsum(0)
         out_rows = num_rows + num_groups * (multiple - 1)
