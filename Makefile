@@ -22,10 +22,13 @@ lint: $(STAMP)
 test: lint
 	TRITON_INTERPRET=1 $(PY) -m pytest -q -p no:cacheprovider -m "not gpu"
 
-# On a CUDA machine whose python3 already has torch and triton (no venv, no installs).
+# On a CUDA machine whose python3 already has torch and triton (no venv, no installs):
+# every test that touches CUDA (tests/cli, tests/modules and tests/parallel are CPU-only
+# and run in `make test`), then the bench tables.
 test-gpu:
-	$(PYTHON) -m pytest -q -p no:cacheprovider tests
+	$(PYTHON) -m pytest -q -p no:cacheprovider tests/gpu tests/kernels tests/ops tests/test_recipes.py
 	$(PYTHON) -m grouped_linear bench
+	$(PYTHON) -m grouped_linear bench --suite layouts
 
 bench:
 	$(PYTHON) -m grouped_linear bench

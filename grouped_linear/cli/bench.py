@@ -11,7 +11,10 @@ Columns, measured in one process on the same random inputs per shape:
   (and its TFLOP/s count that rounded work);
 * ``gl_nobias``: :class:`grouped_linear.GroupedLinear` without bias;
 * ``grouped_linear``: :class:`grouped_linear.GroupedLinear` (with its bias, the
-  default layer); both called with the splits as a device int64 tensor.
+  default layer); both called with the splits as a device int64 tensor;
+* ``fp8_row`` / ``fp8_tensor``: ``GroupedLinear`` without bias under
+  ``Float8Rowwise()`` / ``Float8Tensorwise()`` (CUDA, bf16), the weight quantized on
+  every call (no cache across microbatches), on the exact splits.
 
 A latency row (``small_8x128``: 8 groups of 128 rows, 1024 -> 1024) follows the
 packaged shapes on CUDA.
@@ -34,13 +37,20 @@ import torch
 import torch.nn.functional as F
 
 import grouped_linear as gl
+from grouped_linear.kernels import fp8_gemm
 
 from .demo import resolve_device
 from .timing import format_table, median_seconds, peak_memory_bytes, progress
 
 __all__ = ["COLUMNS", "Shape", "load_shapes", "scale_for_cpu", "run_bench", "render_table"]
 
-COLUMNS = ("dense", "loop", "torch", "torchao", "gl_nobias", "grouped_linear")
+COLUMNS = ("dense", "loop", "torch", "torchao", "gl_nobias", "grouped_linear", "fp8_row",
+           "fp8_tensor")
+_FP8_COLUMNS = {"fp8_row": gl.recipes.Float8Rowwise, "fp8_tensor": gl.recipes.Float8Tensorwise}
+# (label, column, baseline): the ratios of TFLOP/s the report computes per shape.
+_RATIOS = (("gl/torch", "grouped_linear", "torch"), ("gl/loop", "grouped_linear", "loop"),
+           ("nobias/torch", "gl_nobias", "torch"), ("row/torch", "fp8_row", "torch"),
+           ("tensor/torch", "fp8_tensor", "torch"), ("row/torchao", "fp8_row", "torchao"))
 SMALL_SHAPE_NAME = "small_8x128"
 COPY_BANDWIDTH = 4.25e12  # bytes/s read + written, device-to-device copy measured on the H200
 CPU_SPLIT_DIVISOR = 64
@@ -145,9 +155,10 @@ def _build_case(column: str, shape: Shape, device: torch.device, dtype: torch.dt
         leaves = [x, w]
     elif column == "torchao":
         return _torchao_case(shape, device, dtype)
-    elif column in ("grouped_linear", "gl_nobias"):
+    elif column in ("grouped_linear", "gl_nobias", *_FP8_COLUMNS):
+        recipe = _FP8_COLUMNS[column]() if column in _FP8_COLUMNS else None
         layer = gl.GroupedLinear(G, K, N, bias=column == "grouped_linear", params_dtype=dtype,
-                                 device=device)
+                                 device=device, recipe=recipe)
         with torch.no_grad():
             layer.weight.copy_(_randn(G, N, K, device=device, dtype=dtype, scale=w_scale))
             if layer.bias is not None:
@@ -250,13 +261,12 @@ def _run_cases(selected: list[Shape], columns: list[str], dev: torch.device,
             bar.update(1)
         cols = entry["columns"]
         entry["ratios"] = {
-            f"{mine}/{base}": {key: _ratio(cols[name], cols.get(base), key)
-                               for key in ("fwd_tflops", "fwd_bwd_tflops")}
-            for mine, name, base in (("gl", "grouped_linear", "torch"),
-                                     ("gl", "grouped_linear", "loop"),
-                                     ("nobias", "gl_nobias", "torch"))
+            label: {key: _ratio(cols.get(name), cols.get(base), key)
+                    for key in ("fwd_tflops", "fwd_bwd_tflops")}
+            for label, name, base in _RATIOS if name in cols and base in cols
         }
-        entry["bias_overhead"] = _bias_overhead(shape, cols, torch_dtype)
+        if "grouped_linear" in cols and "gl_nobias" in cols:
+            entry["bias_overhead"] = _bias_overhead(shape, cols, torch_dtype)
         results.append(entry)
         del grad_out
     bar.close()
@@ -288,6 +298,7 @@ def run_bench(
     reps: int = 5,
     quiet: bool = False,
     scale: bool | None = None,
+    columns: Sequence[str] | None = None,
 ) -> dict:
     """Measure every column on every shape, print the table and return all numbers.
 
@@ -301,6 +312,8 @@ def run_bench(
         reps: timed repetitions per case on CPU (CUDA uses ``do_bench``'s budget).
         quiet: no progress bar and no table.
         scale: scale the shapes down (default: on CPU, for packaged shapes only).
+        columns: the columns to measure (default: every one available here; the
+            FP8 columns need an sm90 GPU and bf16, ``torchao`` needs torchao).
 
     Returns:
         ``{"device", "dtype", "scaled", "columns", "results": [...], "table"}``;
@@ -331,10 +344,17 @@ def run_bench(
         selected = [available[n] for n in names]
     if scale:
         selected = [scale_for_cpu(s) for s in selected]
+    if columns is not None:
+        unknown = [c for c in columns if c not in COLUMNS]
+        if unknown:
+            raise ValueError(f"unknown column(s) {unknown}; available: {list(COLUMNS)}")
+    fp8_here = dev.type == "cuda" and torch_dtype == torch.bfloat16 and fp8_gemm.available(dev)
     columns = [c for c in COLUMNS
-               if (c != "torch" or dev.type == "cuda")
+               if (columns is None or c in columns)
+               and (c != "torch" or dev.type == "cuda")
                and (c != "torchao" or (dev.type == "cuda" and torch_dtype == torch.bfloat16
-                                       and torchao_available()))]
+                                       and torchao_available()))
+               and (c not in _FP8_COLUMNS or fp8_here)]
 
     with warnings.catch_warnings():
         # torch warns once when autograd's CUDA thread first creates its cuBLAS handle.
@@ -378,16 +398,14 @@ def _pair(a: float | None, b: float | None, digits: int = 1) -> str:
     return f"{_num(a, digits)} / {_num(b, digits)}"
 
 
-_RATIOS = (("gl/torch", "torch"), ("gl/loop", "loop"), ("nobias/torch", "torch"))
-
-
 def render_table(report: dict) -> str:
     """The text tables of a :func:`run_bench` report: TFLOP/s and ratios, then (CUDA)
     peak memory, bias overhead against its one-pass bound, and latencies in µs."""
     columns = report["columns"]
-    short = {"grouped_linear": "gl", "gl_nobias": "nobias"}
+    short = {"grouped_linear": "gl", "gl_nobias": "nobias", "fp8_row": "row",
+             "fp8_tensor": "tensor"}
     on_cuda = report["device"].startswith("cuda")
-    ratios = [(name, base) for name, base in _RATIOS if base in columns]
+    ratios = [(label, base) for label, name, base in _RATIOS if name in columns and base in columns]
     headers = ["shape", "G", "M", "K", "N", *(short.get(c, c) for c in columns),
                *(name for name, _ in ratios)]
     rows = []
@@ -403,14 +421,14 @@ def render_table(report: dict) -> str:
              f"{report['dtype']}, torch {report['torch_version']}: TFLOP/s forward / "
              "forward+backward (median); gl = GroupedLinear with bias, nobias = without")
     parts = [format_table(headers, rows, title=title)]
-    if on_cuda:
+    if on_cuda and all("bias_overhead" in e for e in report["results"]):
         mem_headers = ["shape", *(f"peak GiB {short.get(c, c)}" for c in columns),
                        "gl/torch mem", "bias ms fwd (bound)", "bias ms fwd+bwd (bound)"]
         mem_rows = []
         for entry in report["results"]:
             cols, bias = entry["columns"], entry["bias_overhead"]
             peaks = [(cols[c]["peak_mem_bytes"] or 0) / 2**30 for c in columns]
-            mem_ratio = _ratio(cols["grouped_linear"], cols.get("torch"), "peak_mem_bytes")
+            mem_ratio = _ratio(cols.get("grouped_linear"), cols.get("torch"), "peak_mem_bytes")
             mem_rows.append([
                 entry["shape"], *(_num(p, 2) for p in peaks), _num(mem_ratio, 3),
                 f"{bias['fwd_ms']:.3f} ({bias['bound_fwd_ms']:.3f})",

@@ -35,20 +35,29 @@ def build_parser() -> argparse.ArgumentParser:
         "bench",
         help="measure grouped_linear against dense, per-expert-loop and torch baselines",
         description="Time forward and forward+backward of grouped GEMMs on the packaged MoE "
-        "shapes and print TFLOP/s per implementation. On CPU the shapes are scaled down.",
+        "shapes and print TFLOP/s per implementation (--suite gemm), or the pad/unpad and "
+        "permute/unpermute ops against copy bandwidth and GroupedMLP against its GEMMs "
+        "(--suite layouts). On CPU the sizes are scaled down.",
     )
+    bench.add_argument("--suite", choices=("gemm", "layouts"), default="gemm",
+                       help="gemm: grouped GEMM TFLOP/s (default); layouts: layout ops' GB/s "
+                       "and GroupedMLP overhead")
     bench.add_argument("--shapes", default=None,
-                       help="comma-separated shape names from shapes.json (default: all)")
+                       help="comma-separated shape names from shapes.json (default: all; "
+                       "--suite gemm only)")
     bench.add_argument("--json", dest="json_path", default=None, metavar="PATH",
                        help="write every measured number to this JSON file")
     bench.add_argument("--plot", dest="plot_path", default=None, metavar="PATH",
-                       help="write a PNG bar chart (needs matplotlib)")
+                       help="write a PNG bar chart (needs matplotlib; --suite gemm only)")
     bench.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                        help="where to measure; 'auto' picks CUDA when available (default)")
     bench.add_argument("--dtype", choices=("bf16", "fp32"), default=None,
-                       help="compute dtype (default: bf16 on CUDA, fp32 on CPU)")
+                       help="compute dtype (default: bf16 on CUDA, fp32 on CPU; --suite gemm only)")
     bench.add_argument("--reps", type=int, default=5,
                        help="timed repetitions per case on CPU (default: 5)")
+    bench.add_argument("--columns", default=None,
+                       help="comma-separated columns to measure (gemm suite; default: all "
+                       "available)")
     return parser
 
 
@@ -64,10 +73,20 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise SystemExit(f"--ep must be >= 1, got {args.ep}")
         run_demo(steps=args.steps, device=args.device, seed=args.seed, ep=args.ep)
         return 0
-    from .bench import run_bench
-
     if args.reps < 1:
         raise SystemExit(f"--reps must be >= 1, got {args.reps}")
+    if args.suite == "layouts":
+        from .bench_layouts import run_layouts_bench
+
+        given = [flag for flag, value in (("--shapes", args.shapes), ("--plot", args.plot_path),
+                                          ("--dtype", args.dtype), ("--columns", args.columns))
+                 if value is not None]
+        if given:
+            raise SystemExit(f"{', '.join(given)}: for --suite gemm only")
+        run_layouts_bench(device=args.device, json_path=args.json_path, reps=args.reps)
+        return 0
+    from .bench import run_bench
+
     names = [n.strip() for n in args.shapes.split(",") if n.strip()] if args.shapes else None
     run_bench(
         shapes=names,
@@ -76,5 +95,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         json_path=args.json_path,
         plot_path=args.plot_path,
         reps=args.reps,
+        columns=[c.strip() for c in args.columns.split(",") if c.strip()] if args.columns else None,
     )
     return 0

@@ -24,6 +24,8 @@ from .bias import row_groups
 __all__ = ["scale_from_amax", "fake_quant", "fake_quant_rows", "fake_quant_group_columns",
            "fake_quant_groups", "fake_quant_weight", "quantize_rows", "quantize_rows_reference",
            "quantize_group_columns_t", "quantize_group_columns_t_reference",
+           "quantize_weight_rows", "quantize_weight_columns_t",
+           "quantize_weight_columns_t_reference", "group_amax_scales", "weight_group_scales",
            "fake_quant_column_tiles", "fake_quant_weight_blocks", "fake_quant_row_tiles"]
 
 _FLOAT32_MAX = torch.finfo(torch.float32).max
@@ -94,22 +96,28 @@ def fake_quant_weight(weight: torch.Tensor, dim: int | None, fp8_dtype: torch.dt
 # --------------------------------------------------------------------------- FP8 tensors
 # The operands of real FP8 GEMMs: FP8 data plus float32 dequantization factors
 # (``1 / scale``), as torch's scaled GEMMs take them.
-def quantize_rows_reference(t: torch.Tensor, fp8_dtype: torch.dtype,
-                            power_of_two: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows_reference(t: torch.Tensor, fp8_dtype: torch.dtype, power_of_two: bool,
+                            scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(R, C)`` -> FP8 ``(R, C)`` and ``(R,)`` float32 dequantization factors."""
-    amax = t.abs().amax(dim=1) if t.shape[1] else t.new_zeros(t.shape[0])
-    scale = scale_from_amax(amax, fp8_dtype, power_of_two)
+    if scale is None:
+        amax = t.abs().amax(dim=1) if t.shape[1] else t.new_zeros(t.shape[0])
+        scale = scale_from_amax(amax, fp8_dtype, power_of_two)
     fp8_max = torch.finfo(fp8_dtype).max
     data = (t.float() * scale[:, None]).clamp(-fp8_max, fp8_max).to(fp8_dtype)
     return data, 1.0 / scale
 
 
 def quantize_group_columns_t_reference(t: torch.Tensor, offsets: torch.Tensor,
-                                       fp8_dtype: torch.dtype, power_of_two: bool
+                                       fp8_dtype: torch.dtype, power_of_two: bool,
+                                       group_scale: torch.Tensor | None = None
                                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(M, C)`` -> FP8 transpose ``(C, M)`` scaled per (group, column) along the group's
-    rows, and ``(G, C)`` float32 dequantization factors; rows past the last group are 0."""
-    scale = scale_from_amax(_group_amax(t, offsets), fp8_dtype, power_of_two)
+    rows (or per group), and ``(G, C)`` float32 dequantization factors; rows past the
+    last group are 0."""
+    if group_scale is None:
+        scale = scale_from_amax(_group_amax(t, offsets), fp8_dtype, power_of_two)
+    else:
+        scale = group_scale[:, None].expand(offsets.shape[0], t.shape[1]).contiguous()
     groups = row_groups(offsets, t.shape[0])
     per_row = torch.cat([scale, torch.ones_like(scale[:1])]).index_select(0, groups)
     fp8_max = torch.finfo(fp8_dtype).max
@@ -128,19 +136,22 @@ def _scale(amax, FP8_MAX: tl.constexpr, POW2: tl.constexpr):
 
 
 @triton.jit
-def _quantize_rows_kernel(t_ptr, q_ptr, inv_ptr, R, C, stride_t, stride_q,
-                          FP8_MAX: tl.constexpr, POW2: tl.constexpr, BLOCK_R: tl.constexpr,
-                          BLOCK_C: tl.constexpr):
+def _quantize_rows_kernel(t_ptr, q_ptr, inv_ptr, scale_ptr, R, C, stride_t, stride_q,
+                          FP8_MAX: tl.constexpr, POW2: tl.constexpr, GIVEN_SCALE: tl.constexpr,
+                          BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_mask = rows < R
     base = rows.to(tl.int64)[:, None]
-    amax = tl.zeros([BLOCK_R], dtype=tl.float32)
-    for c0 in range(0, C, BLOCK_C):  # pass 1: row amax
-        cols = c0 + tl.arange(0, BLOCK_C)
-        mask = row_mask[:, None] & (cols < C)[None, :]
-        values = tl.load(t_ptr + base * stride_t + cols[None, :], mask=mask, other=0.0)
-        amax = tl.maximum(amax, tl.max(tl.abs(values.to(tl.float32)), axis=1))
-    scale = _scale(amax, FP8_MAX, POW2)
+    if GIVEN_SCALE:  # one scale per row from the caller (tensorwise: the group's)
+        scale = tl.load(scale_ptr + rows, mask=row_mask, other=1.0)
+    else:
+        amax = tl.zeros([BLOCK_R], dtype=tl.float32)
+        for c0 in range(0, C, BLOCK_C):  # pass 1: row amax
+            cols = c0 + tl.arange(0, BLOCK_C)
+            mask = row_mask[:, None] & (cols < C)[None, :]
+            values = tl.load(t_ptr + base * stride_t + cols[None, :], mask=mask, other=0.0)
+            amax = tl.maximum(amax, tl.max(tl.abs(values.to(tl.float32)), axis=1))
+        scale = _scale(amax, FP8_MAX, POW2)
     for c0 in range(0, C, BLOCK_C):  # pass 2: scale, saturate, round
         cols = c0 + tl.arange(0, BLOCK_C)
         mask = row_mask[:, None] & (cols < C)[None, :]
@@ -152,29 +163,39 @@ def _quantize_rows_kernel(t_ptr, q_ptr, inv_ptr, R, C, stride_t, stride_q,
 
 
 @triton.jit
-def _quantize_group_columns_t_kernel(t_ptr, offsets_ptr, q_ptr, inv_ptr, M, C, stride_t, stride_q,
-                                     FP8_MAX: tl.constexpr, POW2: tl.constexpr,
-                                     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+def _quantize_group_columns_t_kernel(t_ptr, offsets_ptr, q_ptr, inv_ptr, scale_ptr, M, C, stride_t,
+                                     stride_q, stride_q_group, FP8_MAX: tl.constexpr,
+                                     POW2: tl.constexpr, GIVEN_SCALE: tl.constexpr,
+                                     LOCAL_ROWS: tl.constexpr, BLOCK_R: tl.constexpr,
+                                     BLOCK_C: tl.constexpr):
+    """Group ``g``'s rows ``[start, end)``, columns of one block: scale per column, write
+    ``q[g * stride_q_group + col * stride_q + row']`` with ``row'`` the row itself, or its
+    index inside the group when ``LOCAL_ROWS``."""
     group = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     col_mask = cols < C
     end = tl.load(offsets_ptr + group)
     start = tl.load(offsets_ptr + group - 1, mask=group > 0, other=0)
-    amax = tl.zeros([BLOCK_C], dtype=tl.float32)
-    for r0 in range(start, end, BLOCK_R):  # pass 1: column amax over the group's rows
-        rows = r0 + tl.arange(0, BLOCK_R)
-        mask = (rows < end)[:, None] & col_mask[None, :]
-        values = tl.load(t_ptr + rows.to(tl.int64)[:, None] * stride_t + cols[None, :], mask=mask,
-                         other=0.0)
-        amax = tl.maximum(amax, tl.max(tl.abs(values.to(tl.float32)), axis=0))
-    scale = _scale(amax, FP8_MAX, POW2)
+    if GIVEN_SCALE:  # one scale per group from the caller (tensorwise)
+        scale = tl.zeros([BLOCK_C], dtype=tl.float32) + tl.load(scale_ptr + group)
+    else:
+        amax = tl.zeros([BLOCK_C], dtype=tl.float32)
+        for r0 in range(start, end, BLOCK_R):  # pass 1: column amax over the group's rows
+            rows = r0 + tl.arange(0, BLOCK_R)
+            mask = (rows < end)[:, None] & col_mask[None, :]
+            values = tl.load(t_ptr + rows.to(tl.int64)[:, None] * stride_t + cols[None, :],
+                             mask=mask, other=0.0)
+            amax = tl.maximum(amax, tl.max(tl.abs(values.to(tl.float32)), axis=0))
+        scale = _scale(amax, FP8_MAX, POW2)
+    q_base = q_ptr + group.to(tl.int64) * stride_q_group
     for r0 in range(start, end, BLOCK_R):  # pass 2: quantize and write transposed
         rows = r0 + tl.arange(0, BLOCK_R)
         mask = (rows < end)[:, None] & col_mask[None, :]
         values = tl.load(t_ptr + rows.to(tl.int64)[:, None] * stride_t + cols[None, :], mask=mask,
                          other=0.0)
         scaled = tl.clamp(values.to(tl.float32) * scale[None, :], -FP8_MAX, FP8_MAX)
-        tl.store(q_ptr + cols.to(tl.int64)[None, :] * stride_q + rows[:, None],
+        out_rows = rows - start if LOCAL_ROWS else rows
+        tl.store(q_base + cols.to(tl.int64)[None, :] * stride_q + out_rows[:, None],
                  scaled.to(q_ptr.dtype.element_ty), mask=mask)
     tl.store(inv_ptr + group.to(tl.int64) * C + cols, 1.0 / scale, mask=col_mask)
 
@@ -204,42 +225,127 @@ def _finish(buffer: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
     return buffer if buffer.dtype == fp8_dtype else buffer.to(fp8_dtype)
 
 
-def quantize_rows(t: torch.Tensor, fp8_dtype: torch.dtype,
-                  power_of_two: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _transposed_buffer(C: int, M: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """``(C, M)`` whose row stride is ``M`` rounded up to 16 elements: FP8 GEMMs need
+    16-byte aligned leading dimensions; the extra columns are never read."""
+    return torch.empty(C, -(-M // 16) * 16, device=device, dtype=dtype)[:, :M]
+
+
+def quantize_rows(t: torch.Tensor, fp8_dtype: torch.dtype, power_of_two: bool,
+                  scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(R, C)`` -> FP8 ``(R, C)`` and ``(R,)`` dequantization factors, one read pass
-    per row block (two when a row is wider than one block)."""
+    per row block (two when a row is wider than one block). ``scale`` ``(R,)`` float32
+    gives the rows' scales instead of deriving them from the rows' amax."""
     if not use_triton(t) or t.stride(-1) != 1 or t.shape[0] == 0:
-        return quantize_rows_reference(t, fp8_dtype, power_of_two)
+        return quantize_rows_reference(t, fp8_dtype, power_of_two, scale)
     R, C = t.shape
     data = _fp8_buffer((R, C), t.device, fp8_dtype)
     inv = torch.empty(R, device=t.device, dtype=torch.float32)
     block_r, block_c = 4, min(1024, triton.next_power_of_2(max(C, 16)))
     _quantize_rows_kernel[(triton.cdiv(R, block_r),)](
-        t, data, inv, R, C, t.stride(0), data.stride(0),
-        FP8_MAX=torch.finfo(fp8_dtype).max, POW2=power_of_two, BLOCK_R=block_r, BLOCK_C=block_c,
+        t, data, inv, scale if scale is not None else inv, R, C, t.stride(0), data.stride(0),
+        FP8_MAX=torch.finfo(fp8_dtype).max, POW2=power_of_two, GIVEN_SCALE=scale is not None,
+        BLOCK_R=block_r, BLOCK_C=block_c,
     )
     return _finish(data, fp8_dtype), inv
 
 
 def quantize_group_columns_t(t: torch.Tensor, offsets: torch.Tensor, fp8_dtype: torch.dtype,
-                             power_of_two: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """The wgrad operand: ``(M, C)`` -> FP8 ``(C, M)`` transposed, scaled per (group,
-    column) along the group's rows, with ``(G, C)`` dequantization factors."""
+                             power_of_two: bool, group_scale: torch.Tensor | None = None
+                             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The wgrad operand: ``(M, C)`` -> FP8 ``(C, M)`` transposed (row stride rounded up
+    to 16), scaled per (group, column) along the group's rows, with ``(G, C)``
+    dequantization factors; rows past ``offsets[-1]`` become 0. ``group_scale``
+    ``(G,)`` float32 gives one scale per group instead (tensorwise)."""
     if not use_triton(t) or t.stride(-1) != 1 or t.shape[0] == 0:
-        return quantize_group_columns_t_reference(t, offsets, fp8_dtype, power_of_two)
+        return quantize_group_columns_t_reference(t, offsets, fp8_dtype, power_of_two,
+                                                  group_scale)
     M, C = t.shape
     G = offsets.shape[0]
-    data = _fp8_buffer((C, M), t.device, fp8_dtype)
+    data = _fp8_buffer((C, M), t.device, fp8_dtype) if t.device.type == "cpu" \
+        else _transposed_buffer(C, M, t.device, fp8_dtype)
     inv = torch.empty(G, C, device=t.device, dtype=torch.float32)
     block_c = 64
     _quantize_group_columns_t_kernel[(G, triton.cdiv(C, block_c))](
-        t, offsets, data, inv, M, C, t.stride(0), data.stride(0),
-        FP8_MAX=torch.finfo(fp8_dtype).max, POW2=power_of_two, BLOCK_R=32, BLOCK_C=block_c,
+        t, offsets, data, inv, group_scale if group_scale is not None else inv, M, C,
+        t.stride(0), data.stride(0), 0, FP8_MAX=torch.finfo(fp8_dtype).max, POW2=power_of_two,
+        GIVEN_SCALE=group_scale is not None, LOCAL_ROWS=False, BLOCK_R=32, BLOCK_C=block_c,
     )
     _zero_columns_from_kernel[(triton.cdiv(C, block_c),)](
         data, offsets, G, C, M, data.stride(0), BLOCK_C=block_c, BLOCK_M=32,
     )
     return _finish(data, fp8_dtype), inv
+
+
+# --------------------------------------------------------------------------- weights
+def quantize_weight_rows(weight: torch.Tensor, fp8_dtype: torch.dtype, power_of_two: bool,
+                         group_scale: torch.Tensor | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The forward GEMM's weight: ``(G, N, K)`` -> FP8 ``(G, N, K)`` scaled per output
+    channel (or per group with ``group_scale`` ``(G,)``), and ``(G, N)`` factors."""
+    G, N, K = weight.shape
+    row_scale = group_scale.repeat_interleave(N) if group_scale is not None else None
+    data, inv = quantize_rows(weight.reshape(G * N, K), fp8_dtype, power_of_two, row_scale)
+    return data.view(G, N, K), inv.view(G, N)
+
+
+def quantize_weight_columns_t_reference(weight: torch.Tensor, fp8_dtype: torch.dtype,
+                                        power_of_two: bool,
+                                        group_scale: torch.Tensor | None = None
+                                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    if group_scale is None:
+        amax = weight.abs().amax(dim=1).float() if weight.shape[1] else \
+            weight.new_zeros(weight.shape[0], weight.shape[2], dtype=torch.float32)
+        scale = scale_from_amax(amax, fp8_dtype, power_of_two)  # (G, K)
+    else:
+        scale = group_scale[:, None].expand(weight.shape[0], weight.shape[2])
+    fp8_max = torch.finfo(fp8_dtype).max
+    data = (weight.float() * scale[:, None, :]).clamp(-fp8_max, fp8_max).to(fp8_dtype)
+    return data.transpose(1, 2).contiguous(), (1.0 / scale).contiguous()
+
+
+def quantize_weight_columns_t(weight: torch.Tensor, fp8_dtype: torch.dtype, power_of_two: bool,
+                              group_scale: torch.Tensor | None = None
+                              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The dgrad GEMM's weight: ``(G, N, K)`` -> FP8 ``(G, K, N)`` (each expert's
+    transpose) scaled per input channel (or per group), and ``(G, K)`` factors."""
+    G, N, K = weight.shape
+    if not use_triton(weight) or not weight.is_contiguous() or weight.numel() == 0:
+        return quantize_weight_columns_t_reference(weight, fp8_dtype, power_of_two, group_scale)
+    data = _fp8_buffer((G, K, N), weight.device, fp8_dtype)
+    inv = torch.empty(G, K, device=weight.device, dtype=torch.float32)
+    ends = torch.arange(1, G + 1, device=weight.device, dtype=torch.int32) * N
+    block_c = 64
+    _quantize_group_columns_t_kernel[(G, triton.cdiv(K, block_c))](
+        weight, ends, data, inv, group_scale if group_scale is not None else inv, G * N, K,
+        K, N, K * N, FP8_MAX=torch.finfo(fp8_dtype).max, POW2=power_of_two,
+        GIVEN_SCALE=group_scale is not None, LOCAL_ROWS=True, BLOCK_R=32, BLOCK_C=block_c,
+    )
+    return _finish(data, fp8_dtype), inv
+
+
+# --------------------------------------------------------------------------- tensorwise
+def group_amax_scales(t: torch.Tensor, offsets: torch.Tensor, fp8_dtype: torch.dtype,
+                      power_of_two: bool) -> torch.Tensor:
+    """``(G,)`` float32 tensorwise scales of the row groups of ``(M, C)``, without a host
+    sync: the rows' amax, then a scatter-max into their groups."""
+    G = offsets.shape[0]
+    if t.shape[1] == 0 or t.shape[0] == 0:
+        return scale_from_amax(t.new_zeros(G, dtype=torch.float32), fp8_dtype, power_of_two)
+    row_amax = torch.linalg.vector_norm(t, ord=float("inf"), dim=1).float()
+    amax = row_amax.new_zeros(G + 1).scatter_reduce_(0, row_groups(offsets, t.shape[0]), row_amax,
+                                                     "amax")
+    return scale_from_amax(amax[:G], fp8_dtype, power_of_two)
+
+
+def weight_group_scales(weight: torch.Tensor, fp8_dtype: torch.dtype,
+                        power_of_two: bool) -> torch.Tensor:
+    """``(G,)`` float32 tensorwise scales of ``(G, N, K)`` expert weights."""
+    if weight[0].numel() == 0:
+        return scale_from_amax(weight.new_zeros(weight.shape[0], dtype=torch.float32), fp8_dtype,
+                               power_of_two)
+    amax = torch.linalg.vector_norm(weight, ord=float("inf"), dim=(1, 2)).float()
+    return scale_from_amax(amax, fp8_dtype, power_of_two)
 
 
 # --------------------------------------------------------------------------- block scaling

@@ -11,7 +11,7 @@ from torch import nn
 
 from ..ops.bias_add import add_group_bias
 from ..ops.checks import check_int
-from ..ops.fp8 import quantize_weight_for_forward
+from ..ops.fp8 import fp8_path, quantize_weight
 from ..ops.grouped_linear import BACKEND_CHOICES, apply_grouped_linear, join_inputs
 from ..ops.splits import normalize_splits
 from ..ops.weight_grad import WeightGradSink, check_main_grad
@@ -258,9 +258,13 @@ class GroupedLinear(nn.Module):
         cached = None
         if recipe is not None and is_first_microbatch is not None:
             cached = self._fp8_weight_cache.get(recipe)
-            if is_first_microbatch or cached is None:
-                cached = quantize_weight_for_forward(weight, recipe)
+            x_like = x if isinstance(x, torch.Tensor) else x[0]
+            path = fp8_path(recipe, x_like, weight)
+            if cached is None or cached.path != path:
+                cached = quantize_weight(weight, recipe, path)
                 self._fp8_weight_cache = {recipe: cached}
+            elif is_first_microbatch:
+                cached.refresh_(weight)  # same buffers: captured CUDA graphs stay valid
         return apply_grouped_linear(
             x, weight, bias, m_splits, backend=self.backend, sink=sink, recipe=recipe,
             cached_weight=cached,

@@ -11,7 +11,9 @@ would (see :mod:`grouped_linear.kernels.quantize`), accumulating in float32:
 
 The bias is added, and its gradient summed, in high precision. This path runs
 the numerics of the recipes on CPU (and anywhere else); it reads split offsets
-back to the host, so it is not the fast or sync-free path.
+back to the host, so it is not the fast or sync-free path. On sm90 GPUs the
+rowwise and tensorwise recipes run real FP8 GEMMs instead
+(:mod:`grouped_linear.ops.fp8_device`); :func:`fp8_path` says which applies.
 """
 
 from __future__ import annotations
@@ -21,12 +23,12 @@ from dataclasses import dataclass
 import torch
 
 from ..kernels import bias as bias_kernels
-from ..kernels import grouped_gemm
+from ..kernels import fp8_gemm, grouped_gemm
 from ..kernels import quantize as q
-from ..recipes import Float8Blockwise, Float8Recipe, Float8Rowwise
+from ..recipes import Float8Blockwise, Float8Recipe, Float8Rowwise, Float8Tensorwise
 from .weight_grad import WeightGradSink, route_weight_grads
 
-__all__ = ["Fp8GroupedLinearFunction", "quantize_weight_for_forward", "Fp8Config"]
+__all__ = ["Fp8GroupedLinearFunction", "Fp8Weight", "Fp8Config", "fp8_path", "quantize_weight"]
 
 
 @dataclass(frozen=True)
@@ -34,6 +36,66 @@ class Fp8Config:
     recipe: Float8Recipe
     zero_tail: bool
     sink: WeightGradSink | None
+
+
+def fp8_path(recipe: Float8Recipe, x: torch.Tensor, weight: torch.Tensor) -> str:
+    """``"device"`` where real FP8 GEMMs serve the call (sm90, bf16, rowwise or
+    tensorwise, 16-aligned features, a format pair the GEMM takes), else ``"emulated"``."""
+    G, N, K = weight.shape
+    if (isinstance(recipe, (Float8Rowwise, Float8Tensorwise)) and x.dtype == torch.bfloat16
+            and fp8_gemm.available(x.device) and fp8_gemm.shapes_supported(K, N)
+            and fp8_gemm.gemm_accepts(recipe.gradient_dtype, recipe.forward_dtype,
+                                      x.device.index if x.device.index is not None
+                                      else torch.cuda.current_device())):
+        return "device"
+    return "emulated"
+
+
+def _device_weight(weight: torch.Tensor, recipe: Float8Recipe) -> tuple[torch.Tensor, ...]:
+    """FP8 ``(G, N, K)`` + ``(G, N)`` factors (forward) and ``(G, K, N)`` + ``(G, K)`` (dgrad)."""
+    pow2, fp8 = recipe.power_of_two_scales, recipe.forward_dtype
+    group_scale = q.weight_group_scales(weight, fp8, pow2) \
+        if isinstance(recipe, Float8Tensorwise) else None
+    return (*q.quantize_weight_rows(weight, fp8, pow2, group_scale),
+            *q.quantize_weight_columns_t(weight, fp8, pow2, group_scale))
+
+
+class Fp8Weight:
+    """A weight as the FP8 GEMMs read it, quantized once per step.
+
+    ``device`` path: ``forward_data`` ``(G, N, K)`` FP8 with ``forward_inv`` ``(G, N)``
+    and ``dgrad_data`` ``(G, K, N)`` with ``dgrad_inv`` ``(G, K)``. ``emulated`` path:
+    ``emulated`` ``(G, N, K)`` float32, the dequantized forward weight.
+    :meth:`refresh_` re-quantizes into the same buffers (CUDA graphs keep their
+    addresses).
+    """
+
+    def __init__(self, weight: torch.Tensor, recipe: Float8Recipe, path: str) -> None:
+        self.recipe, self.path = recipe, path
+        weight = weight.detach()
+        if path == "device":
+            (self.forward_data, self.forward_inv, self.dgrad_data,
+             self.dgrad_inv) = _device_weight(weight, recipe)
+            self.emulated = None
+        else:
+            self.emulated = _quantize_weight(weight, recipe, dgrad=False)
+
+    def buffers(self) -> tuple[torch.Tensor, ...]:
+        if self.path == "device":
+            return self.forward_data, self.forward_inv, self.dgrad_data, self.dgrad_inv
+        return (self.emulated,)
+
+    @torch.no_grad()
+    def refresh_(self, weight: torch.Tensor) -> Fp8Weight:
+        fresh = Fp8Weight(weight, self.recipe, self.path)
+        for mine, new in zip(self.buffers(), fresh.buffers()):
+            mine.copy_(new)
+        return self
+
+
+def quantize_weight(weight: torch.Tensor, recipe: Float8Recipe, path: str) -> Fp8Weight:
+    """The weight of ``(G, N, K)`` quantized for ``path`` (see :func:`fp8_path`)."""
+    return Fp8Weight(weight, recipe, path)
 
 
 def _quantize_weight(weight: torch.Tensor, recipe: Float8Recipe, dgrad: bool) -> torch.Tensor:
@@ -44,11 +106,6 @@ def _quantize_weight(weight: torch.Tensor, recipe: Float8Recipe, dgrad: bool) ->
         return q.fake_quant_weight_blocks(weight, recipe.forward_dtype, pow2)
     dim = (1 if dgrad else 2) if isinstance(recipe, Float8Rowwise) else None
     return q.fake_quant_weight(weight, dim, recipe.forward_dtype, pow2)
-
-
-def quantize_weight_for_forward(weight: torch.Tensor, recipe: Float8Recipe) -> torch.Tensor:
-    """The forward GEMM's view of ``(G, N, K)`` weights: float32 dequantized FP8."""
-    return _quantize_weight(weight.detach(), recipe, dgrad=False)
 
 
 def _quantize_tokens(t, offsets, fp8_dtype, recipe):
@@ -76,8 +133,8 @@ class Fp8GroupedLinearFunction(torch.autograd.Function):
     def forward(ctx, x, weight, bias, offsets, config: Fp8Config, cached_weight):
         recipe = config.recipe
         x_q = _quantize_tokens(x, offsets, recipe.forward_dtype, recipe)
-        w_q = cached_weight if cached_weight is not None else \
-            quantize_weight_for_forward(weight, recipe)
+        w_q = cached_weight.emulated if cached_weight is not None else \
+            _quantize_weight(weight.detach(), recipe, dgrad=False)
         out = grouped_gemm.forward(x_q, w_q, offsets, None, "loop")
         out = bias_kernels.bias_epilogue_(out, bias.float() if bias is not None else None, offsets,
                                           config.zero_tail)

@@ -16,7 +16,8 @@ from ..kernels import bias as bias_kernels
 from ..kernels import grouped_gemm, triton_gemm
 from ..kernels._triton import HAS_TRITON, interpreting
 from ..recipes import Float8Recipe, check_recipe, current_recipe
-from .fp8 import Fp8Config, Fp8GroupedLinearFunction
+from .fp8 import Fp8Config, Fp8GroupedLinearFunction, Fp8Weight, fp8_path
+from .fp8_device import Fp8DeviceGroupedLinearFunction
 from .splits import GroupSplits, normalize_splits
 from .weight_grad import WeightGradSink, route_weight_grads
 
@@ -285,10 +286,10 @@ def apply_grouped_linear(
     backend: str = "auto",
     sink: WeightGradSink | None = None,
     recipe: Float8Recipe | None = None,
-    cached_weight: torch.Tensor | None = None,
+    cached_weight: Fp8Weight | None = None,
 ) -> torch.Tensor:
     """:func:`grouped_linear` plus the module's gradient routing (``sink``) and FP8
-    weight cache (``cached_weight``, the forward GEMM's dequantized weight)."""
+    weight cache (``cached_weight``, from :func:`~grouped_linear.ops.fp8.quantize_weight`)."""
     weight = _check_tensor("weight", weight)
     if weight.dim() != 3:
         raise ValueError(f"weight has shape {tuple(weight.shape)}: expected (G, out, in)")
@@ -319,6 +320,12 @@ def apply_grouped_linear(
     resolved = resolve_backend(backend, x.device, x.dtype, in_features, out_features, x.shape[0])
     if check_recipe(recipe, x.device) is not None:
         fp8_config = Fp8Config(recipe, splits.may_have_tail, sink)
+        path = cached_weight.path if cached_weight is not None else fp8_path(recipe, x, weight)
+        if path == "device" and x.shape[0] > 0:
+            return Fp8DeviceGroupedLinearFunction.apply(x, weight, bias, splits.offsets,
+                                                        fp8_config, cached_weight)
+        if path == "device":  # no rows: the emulation handles the degenerate case
+            cached_weight = None
         return Fp8GroupedLinearFunction.apply(x, weight, bias, splits.offsets, fp8_config,
                                               cached_weight)
     if resolved == "triton":
@@ -360,7 +367,8 @@ def grouped_linear(
         recipe: ``None`` (compute in the input dtype, or the recipe of an enclosing
             ``gl.autocast``) or an FP8 recipe from :mod:`grouped_linear.recipes`.
         backend: ``"auto"``, ``"grouped"``, ``"loop"`` or ``"triton"`` (for
-            high-precision compute; FP8 recipes currently run as emulation).
+            high-precision compute; FP8 recipes run real FP8 GEMMs on sm90 for bf16
+            inputs where :func:`~grouped_linear.ops.fp8.fp8_path` allows, emulation elsewhere).
 
     Returns:
         ``(M, out)`` tensor.

@@ -1,31 +1,164 @@
-"""FP8 recipes on CUDA (emulated numerics; the fast FP8 GEMMs come on top of these)."""
+"""FP8 recipes on CUDA: real FP8 GEMMs (sm90) against float64 and against the emulation."""
 
 import pytest
 import torch
 
 import grouped_linear as gl
-from grouped_linear.recipes import Float8Rowwise, Float8Tensorwise
+from grouped_linear.ops.fp8 import fp8_path
+from grouped_linear.recipes import Float8Blockwise, Float8Rowwise, Float8Tensorwise
+from tests.gpu.test_cuda_graphs import NEW_SPLITS, _capture
 from tests.reference import reference_grads, rel_err
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
+SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+RECIPES = [Float8Rowwise(), Float8Tensorwise(), Float8Rowwise(fp8_format="hybrid"),
+           Float8Tensorwise(power_of_two_scales=True), Float8Rowwise(power_of_two_scales=True)]
+SIZES = [100, 0, 333, 79, 512]
+K, N = 256, 128
+
+
+def _step(recipe, split_kind="cuda", x_scale=1.0, grad_scale=1.0, sizes=SIZES, tail=11,
+          bias=True):
+    G = len(sizes)
+    M = sum(sizes) + (tail if split_kind == "cuda" else 0)
+    x = (torch.randn(M, K, device="cuda") * x_scale).to(torch.bfloat16).requires_grad_()
+    w = (torch.randn(G, N, K, device="cuda") / 16).to(torch.bfloat16).requires_grad_()
+    b = torch.randn(G, N, device="cuda", dtype=torch.bfloat16, requires_grad=True) if bias else None
+    splits = sizes if split_kind == "list" else torch.tensor(sizes, device="cuda")
+    y = gl.grouped_linear(x, w, b, splits, recipe=recipe)
+    grad_out = (torch.randn(M, N, device="cuda") * grad_scale).to(torch.bfloat16)
+    y.backward(grad_out)
+    ref = reference_grads(x, w, b, sizes, grad_out)
+    got = (y, x.grad, w.grad) + ((b.grad,) if bias else ())
+    return got, ref, M
+
+
+@pytest.mark.skipif(not SM90, reason="the FP8 grouped GEMM is sm90's")
+def test_rowwise_and_tensorwise_take_the_fp8_gemm_path():
+    x = torch.randn(4, K, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(2, N, K, device="cuda", dtype=torch.bfloat16)
+    for recipe in RECIPES:
+        assert fp8_path(recipe, x, w) == "device", recipe
+    assert fp8_path(Float8Blockwise(), x, w) == "emulated"
+    assert fp8_path(Float8Rowwise(), x.float(), w.float()) == "emulated"
+    assert fp8_path(Float8Rowwise(), x[:, :40], w[:, :, :40]) == "emulated"  # K % 16 != 0
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=repr)
+@pytest.mark.parametrize("split_kind", ["list", "cuda"])
+def test_fp8_matches_float64_on_cuda(recipe, split_kind):
+    got, ref, M = _step(recipe, split_kind)
+    for name, a, b in zip(("y", "dx", "dW", "db"), got, ref):
+        err = rel_err(a, b)
+        print(f"{recipe!r} {split_kind} {name}: {err:.4f}")
+        assert err < 6e-2, (name, err)
+        assert torch.isfinite(a).all()
+    assert torch.all(got[0][sum(SIZES):] == 0) and torch.all(got[1][sum(SIZES):] == 0)
 
 
 @pytest.mark.parametrize("recipe", [Float8Rowwise(), Float8Tensorwise()], ids=repr)
-@pytest.mark.parametrize("split_kind", ["list", "cuda"])
-def test_fp8_matches_float64_on_cuda(recipe, split_kind):
+def test_fp8_scaling_far_from_unit_range(recipe):
+    got, ref, _ = _step(recipe, x_scale=1e3, grad_scale=1e-4)
+    for name, a, b in zip(("y", "dx", "dW", "db"), got, ref):
+        assert rel_err(a, b) < 6e-2, (name, rel_err(a, b))
+
+
+@pytest.mark.parametrize("recipe", [Float8Rowwise(), Float8Tensorwise()], ids=repr)
+def test_fp8_unaligned_single_and_empty_groups(recipe):
+    for sizes in ([1, 15, 17, 0, 33], [0, 0, 700, 0, 0], [0, 0, 0, 0, 0]):
+        got, ref, _ = _step(recipe, sizes=sizes, tail=5)
+        for name, a, b in zip(("y", "dx", "dW", "db"), got, ref):
+            assert torch.isfinite(a).all()
+            if sum(sizes):
+                assert rel_err(a, b) < 6e-2, (sizes, name, rel_err(a, b))
+            else:
+                assert torch.all(a == 0), (sizes, name)
+        assert torch.all(got[2][[g for g, s in enumerate(sizes) if s == 0]] == 0)
+
+
+@pytest.mark.parametrize("recipe", [Float8Rowwise(), Float8Tensorwise()], ids=repr)
+def test_fp8_zeros_and_huge_values_stay_finite(recipe):
+    sizes = [64, 0, 96]
+    x = torch.randn(160, K, device="cuda", dtype=torch.bfloat16)
+    x[:64] = 0
+    x[100, 3] = 3e38
+    w = (torch.randn(3, N, K, device="cuda") / 16).to(torch.bfloat16).requires_grad_()
+    x.requires_grad_()
+    y = gl.grouped_linear(x, w, None, sizes, recipe=recipe)
+    y.float().sum().backward()
+    assert torch.all(y[:64] == 0)
+    for t in (x.grad, w.grad):
+        assert not torch.isnan(t).any()
+
+
+@pytest.mark.skipif(not SM90, reason="the FP8 grouped GEMM is sm90's")
+@pytest.mark.parametrize("recipe", [Float8Rowwise(), Float8Tensorwise()], ids=repr)
+def test_device_gemms_agree_with_the_emulation(recipe):
+    """Same scales, same FP8 values: only accumulation order and bf16 rounding differ."""
     sizes = [100, 0, 333, 79, 512]
-    G, K, N, M = len(sizes), 256, 128, sum(sizes) + 11
-    x = torch.randn(M if split_kind == "cuda" else sum(sizes), K, device="cuda",
-                    dtype=torch.bfloat16, requires_grad=True)
-    w = (torch.randn(G, N, K, device="cuda", dtype=torch.bfloat16) / 16).requires_grad_()
-    splits = sizes if split_kind == "list" else torch.tensor(sizes, device="cuda")
-    y = gl.grouped_linear(x, w, None, splits, recipe=recipe)
-    grad_out = torch.randn_like(y)
-    y.backward(grad_out)
-    ref = reference_grads(x, w, None, sizes, grad_out)
-    for got, want in zip((y, x.grad, w.grad), ref):
-        assert rel_err(got, want) < 6e-2
-    assert torch.all(y[sum(sizes):] == 0)
+    x = torch.randn(sum(sizes), K, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = (torch.randn(5, N, K, device="cuda") / 16).to(torch.bfloat16).requires_grad_()
+    grad_out = torch.randn(sum(sizes), N, device="cuda", dtype=torch.bfloat16)
+    results = []
+    for device in ("cuda", "cpu"):
+        xd = x.detach().to(device).requires_grad_()
+        wd = w.detach().to(device).requires_grad_()
+        y = gl.grouped_linear(xd, wd, None, sizes, recipe=recipe)
+        y.backward(grad_out.to(device))
+        results.append((y, xd.grad, wd.grad))
+    for name, a, b in zip(("y", "dx", "dW"), *results):
+        assert rel_err(a, b) < 1e-2, (name, rel_err(a, b))
+
+
+@pytest.mark.skipif(not SM90, reason="the FP8 grouped GEMM is sm90's")
+def test_fp8_weight_cache_refreshes_in_place():
+    layer = gl.GroupedLinear(2, K, N, recipe=Float8Rowwise(), params_dtype=torch.bfloat16,
+                             device="cuda")
+    x = torch.randn(10, K, device="cuda", dtype=torch.bfloat16)
+    first = layer(x, [4, 6], is_first_microbatch=True)
+    (cache,) = layer._fp8_weight_cache.values()
+    assert cache.path == "device"
+    pointers = [t.data_ptr() for t in cache.buffers()]
+    with torch.no_grad():
+        layer.weight.mul_(2.0)
+    stale = layer(x, [4, 6], is_first_microbatch=False)
+    fresh = layer(x, [4, 6], is_first_microbatch=True)
+    uncached = layer(x, [4, 6])
+    assert torch.equal(stale, first)
+    assert torch.equal(fresh, uncached) and not torch.equal(fresh, first)
+    assert [t.data_ptr() for t in cache.buffers()] == pointers
+
+
+@pytest.mark.parametrize("recipe", [Float8Rowwise(), Float8Tensorwise()], ids=repr)
+def test_fp8_step_in_cuda_graph(recipe):
+    G, M = 6, 900
+    layer = gl.GroupedLinear(G, K, N, params_dtype=torch.bfloat16, device="cuda", recipe=recipe)
+    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    grad_out = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
+    splits = torch.tensor([M // G] * G, device="cuda")
+
+    def step():
+        layer.zero_grad(set_to_none=True)
+        x.grad = None
+        y = layer(x, splits, is_first_microbatch=True)
+        y.backward(grad_out)
+        return y
+
+    graph, y = _capture(step)
+    for sizes in NEW_SPLITS:
+        splits.copy_(torch.tensor(sizes))
+        with torch.no_grad():
+            x.copy_(torch.randn_like(x))
+            layer.weight.mul_(1.1)  # the cached FP8 weight must follow, in place
+        graph.replay()
+        torch.cuda.synchronize()
+        ref = reference_grads(x, layer.weight, layer.bias, sizes, grad_out)
+        for name, a, b in zip(("y", "dx", "dW", "db"), (y, x.grad, layer.weight.grad,
+                                                         layer.bias.grad), ref):
+            if sum(sizes):
+                assert rel_err(a, b) < 6e-2, (sizes, name, rel_err(a, b))
+            else:
+                assert torch.all(a == 0)

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from grouped_linear.kernels import quantize as q
+from tests.reference import rel_err
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 
@@ -138,3 +139,52 @@ def test_block_tiles_against_loops():
     for start, end in ((0, 128), (128, 256), (256, 300), (300, 305)):  # never across groups
         for c in range(3):
             assert _same(got_r[start:end, c], _unit(rows[start:end, c], E4M3, False))
+
+
+@pytest.mark.parametrize("pow2", [False, True])
+def test_given_scales_replace_the_amax(pow2):
+    sizes, tail, C = [5, 0, 9], 2, 40
+    M = sum(sizes) + tail
+    t = (torch.randn(M, C) * 30).to(DEVICE)
+    offsets = torch.tensor(sizes, device=DEVICE).cumsum(0).to(torch.int32)
+    group_scale = q.group_amax_scales(t, offsets, E4M3, pow2)
+    want = q.scale_from_amax(torch.stack([t[0:5].abs().max(), t.new_tensor(0.0),
+                                          t[5:14].abs().max()]), E4M3, pow2)
+    assert torch.allclose(group_scale, want.to(DEVICE), rtol=1e-6)
+    row_scale = torch.rand(M, device=DEVICE) * 4 + 0.5
+    data, inv = q.quantize_rows(t, E4M3, pow2, row_scale)
+    ref_data, ref_inv = q.quantize_rows_reference(t, E4M3, pow2, row_scale)
+    assert torch.allclose(inv, 1 / row_scale) and torch.allclose(inv, ref_inv)
+    assert _codes_close(data, ref_data)
+    data_t, inv_t = q.quantize_group_columns_t(t, offsets, E4M3, pow2, group_scale)
+    ref_t, ref_inv_t = q.quantize_group_columns_t_reference(t, offsets, E4M3, pow2, group_scale)
+    assert inv_t.shape == (3, C) and torch.allclose(inv_t, ref_inv_t)
+    assert torch.allclose(inv_t, (1 / group_scale)[:, None].expand(3, C))
+    assert _codes_close(data_t, ref_t)
+
+
+@pytest.mark.parametrize("fp8", [E4M3, E5M2])
+@pytest.mark.parametrize("tensorwise", [False, True])
+def test_weight_quantization_kernels(fp8, tensorwise):
+    G, N, K = 3, 24, 40
+    w = (torch.randn(G, N, K) * torch.logspace(-2, 2, K)).to(DEVICE)
+    w[1] = 0  # an all-zero expert stays finite
+    group_scale = q.weight_group_scales(w, fp8, False) if tensorwise else None
+    fwd, fwd_inv = q.quantize_weight_rows(w, fp8, False, group_scale)
+    ref_fwd, ref_fwd_inv = q.quantize_rows_reference(
+        w.reshape(G * N, K), fp8, False,
+        group_scale.repeat_interleave(N) if tensorwise else None)
+    assert fwd.shape == (G, N, K) and fwd_inv.shape == (G, N)
+    assert torch.allclose(fwd_inv.reshape(-1), ref_fwd_inv) and _codes_close(fwd.reshape(G * N, K),
+                                                                             ref_fwd)
+    dgrad, dgrad_inv = q.quantize_weight_columns_t(w, fp8, False, group_scale)
+    ref_dgrad, ref_dgrad_inv = q.quantize_weight_columns_t_reference(w, fp8, False, group_scale)
+    assert dgrad.shape == (G, K, N) and dgrad_inv.shape == (G, K)
+    assert torch.allclose(dgrad_inv, ref_dgrad_inv, rtol=1e-6) and _codes_close(dgrad, ref_dgrad)
+    # dequantized, each copy reproduces the weight within FP8 precision
+    tol = 0.07 if fp8 == E5M2 else 0.04
+    assert rel_err(fwd.float() * fwd_inv[..., None], w) < tol
+    assert rel_err((dgrad.float() * dgrad_inv[..., None]).transpose(1, 2), w) < tol
+    if tensorwise:
+        assert torch.allclose(fwd_inv, (1 / group_scale)[:, None].expand(G, N))
+    assert torch.isfinite(fwd_inv).all() and torch.isfinite(dgrad_inv).all()

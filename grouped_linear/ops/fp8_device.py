@@ -1,0 +1,99 @@
+"""FP8 grouped linear with real FP8 GEMMs (sm90): rowwise and tensorwise recipes.
+
+Per call, one fused quantization kernel per operand and direction
+(:mod:`grouped_linear.kernels.quantize`), then torch's FP8 grouped GEMM
+(:mod:`grouped_linear.kernels.fp8_gemm`):
+
+* forward: ``x`` per token (rowwise) or per group (tensorwise), the weight per output
+  channel or group (cached per step by the module);
+* dgrad: ``dy`` per token or group, the weight per input channel or group, transposed
+  once when it is quantized;
+* wgrad: ``dy`` and ``x`` per (group, column) or per group along each group's tokens,
+  written transposed by the quantization kernel itself.
+
+``x`` is saved in its own dtype (wgrad needs it scaled along the tokens, which the
+forward's FP8 copy is not). Any group size works (0 and unaligned included);
+nothing is read back to the host, so a step can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..kernels import bias as bias_kernels
+from ..kernels import fp8_gemm
+from ..kernels import quantize as q
+from ..recipes import Float8Recipe, Float8Tensorwise
+from .fp8 import Fp8Config, Fp8Weight, quantize_weight
+from .weight_grad import route_weight_grads
+
+__all__ = ["Fp8DeviceGroupedLinearFunction"]
+
+
+def _group_scales(t: torch.Tensor, offsets: torch.Tensor, fp8_dtype: torch.dtype,
+                  recipe: Float8Recipe) -> torch.Tensor | None:
+    """Tensorwise: ``(G,)`` scales of ``t``'s row groups; rowwise: ``None``."""
+    if not isinstance(recipe, Float8Tensorwise):
+        return None
+    return q.group_amax_scales(t, offsets, fp8_dtype, recipe.power_of_two_scales)
+
+
+def _quantize_tokens(t: torch.Tensor, offsets: torch.Tensor, fp8_dtype: torch.dtype,
+                     recipe: Float8Recipe, group_scale: torch.Tensor | None):
+    """``(M, C)`` -> FP8 ``(M, C)`` and ``(M,)`` factors: per row, or the row's group's."""
+    row_scale = None
+    if group_scale is not None:  # rows past the last group get scale 1 (never read)
+        padded = torch.cat([group_scale, group_scale.new_ones(1)])
+        row_scale = padded.index_select(0, bias_kernels.row_groups(offsets, t.shape[0]))
+    return q.quantize_rows(t, fp8_dtype, recipe.power_of_two_scales, row_scale)
+
+
+class Fp8DeviceGroupedLinearFunction(torch.autograd.Function):
+    """``y = x @ W_g^T + b_g`` per group with the three GEMMs in FP8 (see module doc)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, offsets, config: Fp8Config, cached: Fp8Weight | None):
+        recipe = config.recipe
+        fp8 = recipe.forward_dtype
+        x_scale = _group_scales(x, offsets, fp8, recipe)
+        x_data, x_inv = _quantize_tokens(x, offsets, fp8, recipe, x_scale)
+        w = cached if cached is not None else quantize_weight(weight.detach(), recipe, "device")
+        out = fp8_gemm.forward(x_data, x_inv, w.forward_data, w.forward_inv, offsets, x.dtype)
+        out = bias_kernels.bias_epilogue_(out, bias, offsets, config.zero_tail)
+        ctx.save_for_backward(x, weight, offsets, w.dgrad_data, w.dgrad_inv, x_scale)
+        ctx.config = config
+        ctx.bias_dtype = bias.dtype if bias is not None else None
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight, offsets, wt_data, wt_inv, x_scale = ctx.saved_tensors
+        config: Fp8Config = ctx.config
+        recipe = config.recipe
+        fp8_grad, pow2 = recipe.gradient_dtype, recipe.power_of_two_scales
+        grad_out = grad_out.contiguous()
+        dy_scale = _group_scales(grad_out, offsets, fp8_grad, recipe)
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            dy_data, dy_inv = _quantize_tokens(grad_out, offsets, fp8_grad, recipe, dy_scale)
+            grad_x = fp8_gemm.dgrad(dy_data, dy_inv, wt_data, wt_inv, offsets, x.dtype)
+            if config.zero_tail:
+                grad_x = bias_kernels.zero_tail_(grad_x, offsets)
+        need_w = ctx.needs_input_grad[1]
+        need_b = ctx.bias_dtype is not None and ctx.needs_input_grad[2]
+        bias_dtype = ctx.bias_dtype
+
+        def weight_and_bias_grads():
+            grad_w = grad_b = None
+            if need_w:
+                dy_t, dy_t_inv = q.quantize_group_columns_t(grad_out, offsets, fp8_grad, pow2,
+                                                            dy_scale)
+                x_t, x_t_inv = q.quantize_group_columns_t(x, offsets, recipe.forward_dtype, pow2,
+                                                          x_scale)
+                grad_w = fp8_gemm.wgrad(dy_t, dy_t_inv, x_t, x_t_inv, offsets, weight.dtype)
+            if need_b:
+                grad_b = bias_kernels.bias_grad(grad_out, offsets, bias_dtype)
+            return grad_w, grad_b
+
+        grad_w, grad_b = route_weight_grads(config.sink, need_w or need_b, weight_and_bias_grads)
+        return grad_x, grad_w, grad_b, None, None, None

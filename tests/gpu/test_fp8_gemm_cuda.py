@@ -1,0 +1,52 @@
+"""torch's FP8 grouped GEMM as the kernels layer calls it, against dequantized float32."""
+
+import pytest
+import torch
+
+from grouped_linear.kernels import fp8_gemm
+from grouped_linear.kernels import quantize as q
+from tests.reference import rel_err
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not (torch.cuda.is_available() and fp8_gemm.available(torch.device("cuda"))),
+                       reason="needs an sm90 GPU"),
+]
+E4M3 = torch.float8_e4m3fn
+
+
+@pytest.mark.parametrize("sizes, tail", [([100, 0, 333, 79, 512], 11), ([1, 15, 0, 17], 0),
+                                         ([0, 0, 64], 3)])
+def test_forward_dgrad_wgrad_against_dequantized_float32(sizes, tail):
+    G, K, N = len(sizes), 96, 64
+    M = sum(sizes) + tail
+    offsets = torch.tensor(sizes, device="cuda").cumsum(0).to(torch.int32)
+    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(G, N, K, device="cuda", dtype=torch.bfloat16)
+    x_data, x_inv = q.quantize_rows(x, E4M3, False)
+    w_data, w_inv = q.quantize_weight_rows(w, E4M3, False)
+    y = fp8_gemm.forward(x_data, x_inv, w_data, w_inv, offsets, torch.bfloat16)
+    want = fp8_gemm.dequantized_reference(x_data, x_inv, w_data, w_inv, offsets, "forward")
+    rows = sum(sizes)
+    assert rel_err(y[:rows], want[:rows]) < 1e-2
+    dy_data, dy_inv = q.quantize_rows(dy, E4M3, False)
+    wt_data, wt_inv = q.quantize_weight_columns_t(w, E4M3, False)
+    dx = fp8_gemm.dgrad(dy_data, dy_inv, wt_data, wt_inv, offsets, torch.bfloat16)
+    want = fp8_gemm.dequantized_reference(dy_data, dy_inv, wt_data, wt_inv, offsets, "forward")
+    assert rel_err(dx[:rows], want[:rows]) < 1e-2
+    dy_t, dy_t_inv = q.quantize_group_columns_t(dy, offsets, E4M3, False)
+    x_t, x_t_inv = q.quantize_group_columns_t(x, offsets, E4M3, False)
+    assert dy_t.stride(0) % 16 == 0 and x_t.stride(0) % 16 == 0
+    dw = fp8_gemm.wgrad(dy_t, dy_t_inv, x_t, x_t_inv, offsets, torch.bfloat16)
+    want = fp8_gemm.dequantized_reference(dy_t, dy_t_inv, x_t, x_t_inv, offsets, "wgrad")
+    assert dw.shape == (G, N, K)
+    assert rel_err(dw, want) < 1e-2
+    empty = [g for g, s in enumerate(sizes) if s == 0]
+    assert torch.all(dw[empty] == 0)
+
+
+def test_format_pairs_are_probed_once():
+    assert fp8_gemm.gemm_accepts(E4M3, E4M3, torch.cuda.current_device())
+    print("e5m2 x e4m3 accepted:", fp8_gemm.gemm_accepts(torch.float8_e5m2, E4M3,
+                                                         torch.cuda.current_device()))
