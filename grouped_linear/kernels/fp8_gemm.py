@@ -22,7 +22,11 @@ import functools
 
 import torch
 
-__all__ = ["available", "shapes_supported", "gemm_accepts", "forward", "dgrad", "wgrad",
+# The wgrad form reduces over the tokens: each group must start on a 16-element
+# boundary there (unaligned offsets trip a device-side assert in torch 2.11).
+WGRAD_GROUP_ALIGN = 16
+
+__all__ = ["WGRAD_GROUP_ALIGN", "available", "shapes_supported", "gemm_accepts", "forward", "dgrad", "wgrad",
            "dequantized_reference"]
 
 
@@ -57,7 +61,7 @@ def gemm_accepts(a_dtype: torch.dtype, b_dtype: torch.dtype, device_index: int) 
     try:
         torch._scaled_grouped_mm(a, b.transpose(-2, -1), ones_a, ones_b, offs=offsets,
                                  out_dtype=torch.bfloat16)
-    except RuntimeError:
+    except (RuntimeError, ValueError):  # torch 2.11 raises ValueError for e5m2 operands
         return False
     return True
 
@@ -79,8 +83,9 @@ def dgrad(dy_data: torch.Tensor, dy_inv: torch.Tensor, wt_data: torch.Tensor, wt
 def wgrad(dy_t_data: torch.Tensor, dy_inv: torch.Tensor, x_t_data: torch.Tensor,
           x_inv: torch.Tensor, offsets: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     """``(N, M) x (K, M) -> (G, N, K)`` in ``out_dtype``: the token dimension is the one
-    reduced, split into groups by ``offsets``. Accumulates without fast-accumulation
-    shortcuts (groups can be long)."""
+    reduced, split into groups by ``offsets`` (each a multiple of
+    :data:`WGRAD_GROUP_ALIGN`; see ``quantize_group_columns_t(align=...)``).
+    Accumulates without fast-accumulation shortcuts (groups can be long)."""
     return torch._scaled_grouped_mm(dy_t_data, x_t_data.t(), dy_inv.reshape(-1),
                                     x_inv.reshape(-1), offs=offsets, out_dtype=out_dtype,
                                     use_fast_accum=False)

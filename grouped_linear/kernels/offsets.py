@@ -9,7 +9,7 @@ import torch
 
 from ._triton import tl, triton, use_triton
 
-__all__ = ["group_offsets", "group_offsets_reference"]
+__all__ = ["group_offsets", "group_offsets_reference", "aligned_offsets", "aligned_offsets_reference"]
 
 _MAX_TRITON_GROUPS = 8192
 
@@ -36,3 +36,29 @@ def group_offsets(splits: torch.Tensor, num_rows: int) -> torch.Tensor:
     offsets = torch.empty(G, device=splits.device, dtype=torch.int32)
     _group_offsets_kernel[(1,)](splits, offsets, G, num_rows, BLOCK_G=triton.next_power_of_2(G))
     return offsets
+
+
+def aligned_offsets_reference(offsets: torch.Tensor, align: int) -> torch.Tensor:
+    sizes = torch.diff(offsets.to(torch.int64), prepend=offsets.new_zeros(1, dtype=torch.int64))
+    return ((sizes + align - 1) // align * align).cumsum(0).to(torch.int32)
+
+
+@triton.jit
+def _aligned_offsets_kernel(ends_ptr, out_ptr, G, ALIGN: tl.constexpr, BLOCK_G: tl.constexpr):
+    idx = tl.arange(0, BLOCK_G)
+    mask = idx < G
+    ends = tl.load(ends_ptr + idx, mask=mask, other=0).to(tl.int64)
+    starts = tl.load(ends_ptr + idx - 1, mask=mask & (idx > 0), other=0).to(tl.int64)
+    padded = (ends - starts + ALIGN - 1) // ALIGN * ALIGN
+    tl.store(out_ptr + idx, tl.cumsum(padded, axis=0).to(tl.int32), mask=mask)
+
+
+def aligned_offsets(offsets: torch.Tensor, align: int) -> torch.Tensor:
+    """``(G,)`` cumulative group ends -> the ends once every group is rounded up to a
+    multiple of ``align`` rows (int32, same device; at most ``(align - 1) * G`` more)."""
+    G = offsets.shape[0]
+    if not use_triton(offsets) or G > _MAX_TRITON_GROUPS or G == 0 or torch.compiler.is_compiling():
+        return aligned_offsets_reference(offsets, align)
+    out = torch.empty(G, device=offsets.device, dtype=torch.int32)
+    _aligned_offsets_kernel[(1,)](offsets, out, G, ALIGN=align, BLOCK_G=triton.next_power_of_2(G))
+    return out

@@ -20,6 +20,7 @@ import torch
 
 from ._triton import tl, triton, use_triton
 from .bias import row_groups
+from .offsets import aligned_offsets
 
 __all__ = ["scale_from_amax", "fake_quant", "fake_quant_rows", "fake_quant_group_columns",
            "fake_quant_groups", "fake_quant_weight", "quantize_rows", "quantize_rows_reference",
@@ -163,14 +164,17 @@ def _quantize_rows_kernel(t_ptr, q_ptr, inv_ptr, scale_ptr, R, C, stride_t, stri
 
 
 @triton.jit
-def _quantize_group_columns_t_kernel(t_ptr, offsets_ptr, q_ptr, inv_ptr, scale_ptr, M, C, stride_t,
-                                     stride_q, stride_q_group, FP8_MAX: tl.constexpr,
-                                     POW2: tl.constexpr, GIVEN_SCALE: tl.constexpr,
-                                     LOCAL_ROWS: tl.constexpr, BLOCK_R: tl.constexpr,
+def _quantize_group_columns_t_kernel(t_ptr, offsets_ptr, dst_offsets_ptr, q_ptr, inv_ptr, scale_ptr,
+                                     M, C, stride_t, stride_q, stride_q_group,
+                                     FP8_MAX: tl.constexpr, POW2: tl.constexpr,
+                                     GIVEN_SCALE: tl.constexpr, LOCAL_ROWS: tl.constexpr,
+                                     PAD: tl.constexpr, BLOCK_R: tl.constexpr,
                                      BLOCK_C: tl.constexpr):
     """Group ``g``'s rows ``[start, end)``, columns of one block: scale per column, write
-    ``q[g * stride_q_group + col * stride_q + row']`` with ``row'`` the row itself, or its
-    index inside the group when ``LOCAL_ROWS``."""
+    ``q[g * stride_q_group + col * stride_q + j]``: ``j`` is the row's index inside the
+    group when ``LOCAL_ROWS``, else ``dst_start + index`` with ``dst_start`` the group's
+    start in ``dst_offsets``; then zero ``j`` up to the group's ``dst`` end (< ``PAD``
+    columns)."""
     group = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     col_mask = cols < C
@@ -187,16 +191,24 @@ def _quantize_group_columns_t_kernel(t_ptr, offsets_ptr, q_ptr, inv_ptr, scale_p
                              mask=mask, other=0.0)
             amax = tl.maximum(amax, tl.max(tl.abs(values.to(tl.float32)), axis=0))
         scale = _scale(amax, FP8_MAX, POW2)
-    q_base = q_ptr + group.to(tl.int64) * stride_q_group
+    q_base = q_ptr + group.to(tl.int64) * stride_q_group + cols.to(tl.int64)[None, :] * stride_q
+    if LOCAL_ROWS:
+        dst_start = 0
+    else:
+        dst_start = tl.load(dst_offsets_ptr + group - 1, mask=group > 0, other=0)
     for r0 in range(start, end, BLOCK_R):  # pass 2: quantize and write transposed
         rows = r0 + tl.arange(0, BLOCK_R)
         mask = (rows < end)[:, None] & col_mask[None, :]
         values = tl.load(t_ptr + rows.to(tl.int64)[:, None] * stride_t + cols[None, :], mask=mask,
                          other=0.0)
         scaled = tl.clamp(values.to(tl.float32) * scale[None, :], -FP8_MAX, FP8_MAX)
-        out_rows = rows - start if LOCAL_ROWS else rows
-        tl.store(q_base + cols.to(tl.int64)[None, :] * stride_q + out_rows[:, None],
-                 scaled.to(q_ptr.dtype.element_ty), mask=mask)
+        tl.store(q_base + (rows - start + dst_start)[:, None], scaled.to(q_ptr.dtype.element_ty),
+                 mask=mask)
+    if PAD > 1:  # the group's alignment columns
+        dst_end = tl.load(dst_offsets_ptr + group)
+        pads = dst_start + (end - start) + tl.arange(0, PAD)
+        zeros = tl.zeros([PAD, BLOCK_C], dtype=q_ptr.dtype.element_ty)
+        tl.store(q_base + pads[:, None], zeros, mask=(pads < dst_end)[:, None] & col_mask[None, :])
     tl.store(inv_ptr + group.to(tl.int64) * C + cols, 1.0 / scale, mask=col_mask)
 
 
@@ -251,30 +263,55 @@ def quantize_rows(t: torch.Tensor, fp8_dtype: torch.dtype, power_of_two: bool,
 
 
 def quantize_group_columns_t(t: torch.Tensor, offsets: torch.Tensor, fp8_dtype: torch.dtype,
-                             power_of_two: bool, group_scale: torch.Tensor | None = None
-                             ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The wgrad operand: ``(M, C)`` -> FP8 ``(C, M)`` transposed (row stride rounded up
-    to 16), scaled per (group, column) along the group's rows, with ``(G, C)``
-    dequantization factors; rows past ``offsets[-1]`` become 0. ``group_scale``
-    ``(G,)`` float32 gives one scale per group instead (tensorwise)."""
-    if not use_triton(t) or t.stride(-1) != 1 or t.shape[0] == 0:
-        return quantize_group_columns_t_reference(t, offsets, fp8_dtype, power_of_two,
-                                                  group_scale)
+                             power_of_two: bool, group_scale: torch.Tensor | None = None,
+                             align: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The wgrad operand: ``(M, C)`` -> FP8 transposed, scaled per (group, column) along
+    the group's rows (or per group with ``group_scale`` ``(G,)`` float32).
+
+    Returns ``(data, inv, data_offsets)``. With ``align=1``: ``data`` ``(C, M)``,
+    ``data_offsets`` is ``offsets`` and columns past ``offsets[-1]`` are 0. With
+    ``align > 1``: every group starts at a multiple of ``align`` columns, zero-padded
+    up to the next (``data_offsets`` = :func:`~grouped_linear.kernels.offsets.aligned_offsets`),
+    ``data`` has ``M + (align - 1) * G`` columns, those past ``data_offsets[-1]``
+    unspecified. On GPUs the row stride is a multiple of 16. ``inv`` is ``(G, C)``.
+    """
     M, C = t.shape
     G = offsets.shape[0]
-    data = _fp8_buffer((C, M), t.device, fp8_dtype) if t.device.type == "cpu" \
-        else _transposed_buffer(C, M, t.device, fp8_dtype)
+    data_offsets = offsets if align == 1 else aligned_offsets(offsets, align)
+    width = M + (align - 1) * G
+    if not use_triton(t) or t.stride(-1) != 1 or t.shape[0] == 0:
+        data, inv = quantize_group_columns_t_reference(t, offsets, fp8_dtype, power_of_two,
+                                                       group_scale)
+        if align > 1:
+            data = _realign_columns(data, offsets, data_offsets, width)
+        return data, inv, data_offsets
+    data = _fp8_buffer((C, width), t.device, fp8_dtype) if t.device.type == "cpu" \
+        else _transposed_buffer(C, width, t.device, fp8_dtype)
     inv = torch.empty(G, C, device=t.device, dtype=torch.float32)
     block_c = 64
     _quantize_group_columns_t_kernel[(G, triton.cdiv(C, block_c))](
-        t, offsets, data, inv, group_scale if group_scale is not None else inv, M, C,
-        t.stride(0), data.stride(0), 0, FP8_MAX=torch.finfo(fp8_dtype).max, POW2=power_of_two,
-        GIVEN_SCALE=group_scale is not None, LOCAL_ROWS=False, BLOCK_R=32, BLOCK_C=block_c,
+        t, offsets, data_offsets, data, inv, group_scale if group_scale is not None else inv,
+        M, C, t.stride(0), data.stride(0), 0, FP8_MAX=torch.finfo(fp8_dtype).max,
+        POW2=power_of_two, GIVEN_SCALE=group_scale is not None, LOCAL_ROWS=False,
+        PAD=triton.next_power_of_2(align) if align > 1 else 1, BLOCK_R=32, BLOCK_C=block_c,
     )
-    _zero_columns_from_kernel[(triton.cdiv(C, block_c),)](
-        data, offsets, G, C, M, data.stride(0), BLOCK_C=block_c, BLOCK_M=32,
-    )
-    return _finish(data, fp8_dtype), inv
+    if align == 1:
+        _zero_columns_from_kernel[(triton.cdiv(C, block_c),)](
+            data, offsets, G, C, M, data.stride(0), BLOCK_C=block_c, BLOCK_M=32,
+        )
+    return _finish(data, fp8_dtype), inv, data_offsets
+
+
+def _realign_columns(data: torch.Tensor, offsets: torch.Tensor, data_offsets: torch.Tensor,
+                     width: int) -> torch.Tensor:
+    """Reference of the aligned layout: each group's columns moved to its aligned start."""
+    out = torch.zeros(data.shape[0], width, dtype=data.dtype, device=data.device)
+    ends, aligned_ends = offsets.tolist(), data_offsets.tolist()
+    for g, end in enumerate(ends):
+        start = ends[g - 1] if g else 0
+        aligned_start = aligned_ends[g - 1] if g else 0
+        out[:, aligned_start:aligned_start + end - start] = data[:, start:end]
+    return out
 
 
 # --------------------------------------------------------------------------- weights
@@ -317,9 +354,10 @@ def quantize_weight_columns_t(weight: torch.Tensor, fp8_dtype: torch.dtype, powe
     ends = torch.arange(1, G + 1, device=weight.device, dtype=torch.int32) * N
     block_c = 64
     _quantize_group_columns_t_kernel[(G, triton.cdiv(K, block_c))](
-        weight, ends, data, inv, group_scale if group_scale is not None else inv, G * N, K,
+        weight, ends, ends, data, inv, group_scale if group_scale is not None else inv, G * N, K,
         K, N, K * N, FP8_MAX=torch.finfo(fp8_dtype).max, POW2=power_of_two,
-        GIVEN_SCALE=group_scale is not None, LOCAL_ROWS=True, BLOCK_R=32, BLOCK_C=block_c,
+        GIVEN_SCALE=group_scale is not None, LOCAL_ROWS=True, PAD=1, BLOCK_R=32,
+        BLOCK_C=block_c,
     )
     return _finish(data, fp8_dtype), inv
 

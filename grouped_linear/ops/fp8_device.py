@@ -9,7 +9,9 @@ Per call, one fused quantization kernel per operand and direction
 * dgrad: ``dy`` per token or group, the weight per input channel or group, transposed
   once when it is quantized;
 * wgrad: ``dy`` and ``x`` per (group, column) or per group along each group's tokens,
-  written transposed by the quantization kernel itself.
+  written transposed by the quantization kernel itself, each group starting on a
+  16-column boundary (the GEMM's requirement along the reduced dimension), with the
+  alignment zeros written by the same kernel.
 
 ``x`` is saved in its own dtype (wgrad needs it scaled along the tokens, which the
 forward's FP8 copy is not). Any group size works (0 and unaligned included);
@@ -86,11 +88,12 @@ class Fp8DeviceGroupedLinearFunction(torch.autograd.Function):
         def weight_and_bias_grads():
             grad_w = grad_b = None
             if need_w:
-                dy_t, dy_t_inv = q.quantize_group_columns_t(grad_out, offsets, fp8_grad, pow2,
-                                                            dy_scale)
-                x_t, x_t_inv = q.quantize_group_columns_t(x, offsets, recipe.forward_dtype, pow2,
-                                                          x_scale)
-                grad_w = fp8_gemm.wgrad(dy_t, dy_t_inv, x_t, x_t_inv, offsets, weight.dtype)
+                align = fp8_gemm.WGRAD_GROUP_ALIGN
+                dy_t, dy_t_inv, aligned = q.quantize_group_columns_t(
+                    grad_out, offsets, fp8_grad, pow2, dy_scale, align=align)
+                x_t, x_t_inv, _ = q.quantize_group_columns_t(
+                    x, offsets, recipe.forward_dtype, pow2, x_scale, align=align)
+                grad_w = fp8_gemm.wgrad(dy_t, dy_t_inv, x_t, x_t_inv, aligned, weight.dtype)
             if need_b:
                 grad_b = bias_kernels.bias_grad(grad_out, offsets, bias_dtype)
             return grad_w, grad_b

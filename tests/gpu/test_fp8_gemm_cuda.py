@@ -35,11 +35,13 @@ def test_forward_dgrad_wgrad_against_dequantized_float32(sizes, tail):
     dx = fp8_gemm.dgrad(dy_data, dy_inv, wt_data, wt_inv, offsets, torch.bfloat16)
     want = fp8_gemm.dequantized_reference(dy_data, dy_inv, wt_data, wt_inv, offsets, "forward")
     assert rel_err(dx[:rows], want[:rows]) < 1e-2
-    dy_t, dy_t_inv = q.quantize_group_columns_t(dy, offsets, E4M3, False)
-    x_t, x_t_inv = q.quantize_group_columns_t(x, offsets, E4M3, False)
+    align = fp8_gemm.WGRAD_GROUP_ALIGN
+    dy_t, dy_t_inv, aligned = q.quantize_group_columns_t(dy, offsets, E4M3, False, align=align)
+    x_t, x_t_inv, _ = q.quantize_group_columns_t(x, offsets, E4M3, False, align=align)
     assert dy_t.stride(0) % 16 == 0 and x_t.stride(0) % 16 == 0
-    dw = fp8_gemm.wgrad(dy_t, dy_t_inv, x_t, x_t_inv, offsets, torch.bfloat16)
-    want = fp8_gemm.dequantized_reference(dy_t, dy_t_inv, x_t, x_t_inv, offsets, "wgrad")
+    assert torch.all(aligned % 16 == 0)
+    dw = fp8_gemm.wgrad(dy_t, dy_t_inv, x_t, x_t_inv, aligned, torch.bfloat16)
+    want = fp8_gemm.dequantized_reference(dy_t, dy_t_inv, x_t, x_t_inv, aligned, "wgrad")
     assert dw.shape == (G, N, K)
     assert rel_err(dw, want) < 1e-2
     empty = [g for g, s in enumerate(sizes) if s == 0]

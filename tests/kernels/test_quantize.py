@@ -108,7 +108,8 @@ def test_quantize_group_columns_transposed_kernel(sizes, tail):
     M, C = sum(sizes) + tail, 70
     t = (torch.randn(M, C) * 10).to(DEVICE)
     offsets = torch.tensor(sizes, device=DEVICE).cumsum(0).to(torch.int32)
-    data, inv = q.quantize_group_columns_t(t, offsets, E4M3, False)
+    data, inv, data_offsets = q.quantize_group_columns_t(t, offsets, E4M3, False)
+    assert data_offsets is offsets
     ref_data, ref_inv = q.quantize_group_columns_t_reference(t, offsets, E4M3, False)
     assert data.shape == (C, M) and inv.shape == (len(sizes), C)
     assert torch.allclose(inv, ref_inv, rtol=1e-6) and _codes_close(data, ref_data)
@@ -156,7 +157,7 @@ def test_given_scales_replace_the_amax(pow2):
     ref_data, ref_inv = q.quantize_rows_reference(t, E4M3, pow2, row_scale)
     assert torch.allclose(inv, 1 / row_scale) and torch.allclose(inv, ref_inv)
     assert _codes_close(data, ref_data)
-    data_t, inv_t = q.quantize_group_columns_t(t, offsets, E4M3, pow2, group_scale)
+    data_t, inv_t, _ = q.quantize_group_columns_t(t, offsets, E4M3, pow2, group_scale)
     ref_t, ref_inv_t = q.quantize_group_columns_t_reference(t, offsets, E4M3, pow2, group_scale)
     assert inv_t.shape == (3, C) and torch.allclose(inv_t, ref_inv_t)
     assert torch.allclose(inv_t, (1 / group_scale)[:, None].expand(3, C))
@@ -188,3 +189,22 @@ def test_weight_quantization_kernels(fp8, tensorwise):
     if tensorwise:
         assert torch.allclose(fwd_inv, (1 / group_scale)[:, None].expand(G, N))
     assert torch.isfinite(fwd_inv).all() and torch.isfinite(dgrad_inv).all()
+
+
+@pytest.mark.parametrize("sizes", [[3, 0, 17, 1, 16], [0, 0], [40]])
+def test_group_columns_aligned_layout(sizes):
+    M, C, align = sum(sizes) + 2, 70, 16
+    t = (torch.randn(M, C) * 5).to(DEVICE)
+    offsets = torch.tensor(sizes, device=DEVICE).cumsum(0).to(torch.int32)
+    data, inv, aligned = q.quantize_group_columns_t(t, offsets, E4M3, False, align=align)
+    exact, exact_inv, _ = q.quantize_group_columns_t_reference(t, offsets, E4M3, False) + (None,)
+    padded_sizes = [-(-s // align) * align for s in sizes]
+    assert aligned.tolist() == torch.tensor(padded_sizes).cumsum(0).tolist()
+    assert data.shape == (C, M + (align - 1) * len(sizes))
+    assert torch.allclose(inv, exact_inv, rtol=1e-6)
+    start = aligned_start = 0
+    for size, padded in zip(sizes, padded_sizes):
+        assert _codes_close(data[:, aligned_start:aligned_start + size],
+                            exact[:, start:start + size])
+        assert torch.all(data[:, aligned_start + size:aligned_start + padded].float() == 0)
+        start, aligned_start = start + size, aligned_start + padded
