@@ -30,6 +30,10 @@ __all__ = ["scale_from_amax", "fake_quant", "fake_quant_rows", "fake_quant_group
            "fake_quant_column_tiles", "fake_quant_weight_blocks", "fake_quant_row_tiles"]
 
 _FLOAT32_MAX = torch.finfo(torch.float32).max
+# Launch shapes of the quantization kernels: (rows per program, columns per block, warps).
+# benchmarks/fp8_quantize.py times the alternatives on the H200.
+ROWS_CONFIG = (4, 1024, 4)
+GROUP_COLUMNS_CONFIG = (32, 64, 4)
 
 
 def scale_from_amax(amax: torch.Tensor, fp8_dtype: torch.dtype, power_of_two: bool) -> torch.Tensor:
@@ -253,11 +257,12 @@ def quantize_rows(t: torch.Tensor, fp8_dtype: torch.dtype, power_of_two: bool,
     R, C = t.shape
     data = _fp8_buffer((R, C), t.device, fp8_dtype)
     inv = torch.empty(R, device=t.device, dtype=torch.float32)
-    block_r, block_c = 4, min(1024, triton.next_power_of_2(max(C, 16)))
+    block_r, max_block_c, warps = ROWS_CONFIG
+    block_c = min(max_block_c, triton.next_power_of_2(max(C, 16)))
     _quantize_rows_kernel[(triton.cdiv(R, block_r),)](
         t, data, inv, scale if scale is not None else inv, R, C, t.stride(0), data.stride(0),
         FP8_MAX=torch.finfo(fp8_dtype).max, POW2=power_of_two, GIVEN_SCALE=scale is not None,
-        BLOCK_R=block_r, BLOCK_C=block_c,
+        BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps,
     )
     return _finish(data, fp8_dtype), inv
 
@@ -288,16 +293,17 @@ def quantize_group_columns_t(t: torch.Tensor, offsets: torch.Tensor, fp8_dtype: 
     data = _fp8_buffer((C, width), t.device, fp8_dtype) if t.device.type == "cpu" \
         else _transposed_buffer(C, width, t.device, fp8_dtype)
     inv = torch.empty(G, C, device=t.device, dtype=torch.float32)
-    block_c = 64
+    block_r, block_c, warps = GROUP_COLUMNS_CONFIG
     _quantize_group_columns_t_kernel[(G, triton.cdiv(C, block_c))](
         t, offsets, data_offsets, data, inv, group_scale if group_scale is not None else inv,
         M, C, t.stride(0), data.stride(0), 0, FP8_MAX=torch.finfo(fp8_dtype).max,
         POW2=power_of_two, GIVEN_SCALE=group_scale is not None, LOCAL_ROWS=False,
-        PAD=triton.next_power_of_2(align) if align > 1 else 1, BLOCK_R=32, BLOCK_C=block_c,
+        PAD=triton.next_power_of_2(align) if align > 1 else 1, BLOCK_R=block_r, BLOCK_C=block_c,
+        num_warps=warps,
     )
     if align == 1:
-        _zero_columns_from_kernel[(triton.cdiv(C, block_c),)](
-            data, offsets, G, C, M, data.stride(0), BLOCK_C=block_c, BLOCK_M=32,
+        _zero_columns_from_kernel[(triton.cdiv(C, 64),)](
+            data, offsets, G, C, M, data.stride(0), BLOCK_C=64, BLOCK_M=32,
         )
     return _finish(data, fp8_dtype), inv, data_offsets
 

@@ -1,0 +1,54 @@
+"""FP8 quantization kernels against the copy bandwidth, per launch shape (CUDA).
+
+``PYTHONPATH=. python benchmarks/fp8_quantize.py``: on dsv3_ep32_fc1's operands
+(x 65536 x 7168, dy 65536 x 4096, W 8 x 4096 x 7168, bf16), times each kernel
+(do_bench median) and prints GB/s counting one read of the input and one write of
+the FP8 output (the one-pass floor) and that as a fraction of a bf16 copy's GB/s.
+The group-column kernel is timed under several (rows, columns, warps) launch shapes.
+"""
+
+import torch
+import triton.testing
+
+from grouped_linear.kernels import quantize as q
+
+E4M3 = torch.float8_e4m3fn
+
+
+def _ms(fn):
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def main():
+    torch.manual_seed(0)
+    G, M, K, N = 8, 65536, 7168, 4096
+    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(G, N, K, device="cuda", dtype=torch.bfloat16)
+    offsets = torch.full((G,), M // G, device="cuda").cumsum(0).to(torch.int32)
+    dst = torch.empty_like(x)
+    copy_gbps = 2 * x.numel() * 2 / _ms(lambda: dst.copy_(x)) / 1e6
+    print(f"copy: {copy_gbps:.0f} GB/s")
+
+    def report(name, ms, elements):
+        gbps = elements * 3 / ms / 1e6  # 2 bytes read + 1 written per element
+        print(f"{name:48s} {ms:8.3f} ms {gbps:8.0f} GB/s {gbps / copy_gbps:6.2f} of copy")
+
+    for rows in ((4, 1024, 4), (8, 1024, 8), (2, 2048, 4), (1, 4096, 8)):
+        q.ROWS_CONFIG = rows
+        report(f"rows x {rows}", _ms(lambda: q.quantize_rows(x, E4M3, False)), x.numel())
+    q.ROWS_CONFIG = (4, 1024, 4)
+    report("weight rows (forward copy)", _ms(lambda: q.quantize_weight_rows(w, E4M3, False)),
+           w.numel())
+    report("weight columns, transposed (dgrad copy)",
+           _ms(lambda: q.quantize_weight_columns_t(w, E4M3, False)), w.numel())
+    for config in ((32, 64, 4), (64, 64, 4), (64, 128, 8), (128, 64, 8), (32, 128, 4)):
+        q.GROUP_COLUMNS_CONFIG = config
+        for name, t in (("x", x), ("dy", dy)):
+            report(f"group columns {name} {config}",
+                   _ms(lambda t=t: q.quantize_group_columns_t(t, offsets, E4M3, False, align=16)),
+                   t.numel())
+
+
+if __name__ == "__main__":
+    main()
