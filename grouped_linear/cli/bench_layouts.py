@@ -18,12 +18,13 @@ and 131072 routed rows), float32 on CPU at tiny sizes (a smoke test only):
    ====================  ==========================  ==========================
    pad_groups (128)      ``(M + P) * H * e``         ``2 * M * H * e`` (an unpad)
    unpad_groups          ``2 * M * H * e``           ``(M + P) * H * e`` (a pad)
-   permute (1 and 16)    ``(M + N) * H * e``         ``(M + T) * H * e`` (k-way sum)
-   unpermute             ``(M + T) * H * e``         ``(M + N) * H * e`` (weighted gather)
+   permute (1 and 16)    ``(T + N) * H * e``         ``(M + T) * H * e`` (k-way sum)
+   unpermute             ``(M + T) * H * e``         ``(T + N) * H * e`` (weighted gather)
    ====================  ==========================  ==========================
 
-   Each routed row is read once (``permute`` re-reads a token's row per slot) and
-   every output row is written once; routing metadata, ``probs`` and the index
+   The bytes an op must move: every input row it needs read once (``permute`` and
+   ``unpermute``'s backward read each token's row once, though k slots use it) and every
+   output row written once; routing metadata, ``probs`` and the index
    tensors are not counted. Forward runs with inputs that require grad, as in
    training. Backward is timed alone: one forward builds the graph, then
    ``torch.autograd.grad(out, inp, grad, retain_graph=True)`` is timed (no
@@ -114,7 +115,7 @@ def _case_ops(hidden: int, rows: int, dev: torch.device, dtype: torch.dtype) -> 
     def permute_op(multiple: int) -> _Op:
         return _Op(f"permute(multiple={multiple})",
                    lambda: gl.permute(x_tok, indices, NUM_EXPERTS, multiple=multiple)[0],
-                   x_tok, lambda n: (m + n, m + tokens))
+                   x_tok, lambda n: (tokens + n, m + tokens))
 
     return [
         _Op(f"pad_groups({PAD_MULTIPLE})",
@@ -123,7 +124,7 @@ def _case_ops(hidden: int, rows: int, dev: torch.device, dtype: torch.dtype) -> 
             lambda n: (2 * m, m + p)),
         *(permute_op(k) for k in PERMUTE_MULTIPLES),
         _Op("unpermute", lambda: gl.unpermute(y_perm, row_map, probs), y_perm,
-            lambda n: (m + n, m + n_unperm)),
+            lambda n: (m + n, tokens + n_unperm)),
     ]
 
 

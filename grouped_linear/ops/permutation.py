@@ -2,11 +2,12 @@
 
 ``permute`` groups the routed copies of the tokens by expert (the layout
 :class:`~grouped_linear.GroupedLinear` consumes); ``unpermute`` sums each
-token's expert outputs back into token order. The routing (a stable sort of
-the slot keys, cumulative counts through ``torch.searchsorted``) runs on the
-tensors' device without host synchronization for CUDA inputs; data moves by
-gathers, or by a copy into unique destinations, so forward and backward are
-deterministic.
+token's expert outputs back into token order. On CUDA the routing map (every
+slot's row, every row's token, the padded group sizes) is one kernel launch
+without host synchronization (:func:`~grouped_linear.kernels.layout.routing_map`),
+and the rows move in a second; on CPU it is a stable sort of the slot keys. Data
+moves by gathers, or by a copy into unique destinations, so forward and backward
+are deterministic.
 """
 
 from __future__ import annotations
@@ -52,14 +53,14 @@ class _PermuteRows(torch.autograd.Function):
     """Gather token rows into the expert-grouped layout; backward sums them back."""
 
     @staticmethod
-    def forward(ctx, x, token, valid, row_map):  # type: ignore[override]
+    def forward(ctx, x, token_of_row, row_map):  # type: ignore[override]
         ctx.save_for_backward(row_map)
-        return _gather_rows(x, token, valid)
+        return layout_kernels.gather_rows(x, token_of_row)  # -1: a zero row
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
         (row_map,) = ctx.saved_tensors
-        return _combine(grad, row_map, None), None, None, None
+        return _combine(grad, row_map, None), None, None
 
 
 class _Unpermute(torch.autograd.Function):
@@ -177,42 +178,16 @@ def permute(
             f"expert indices must be in [-1, {num_experts - 1}] (num_experts={num_experts})",
         )
 
-    tokens, k = topk_indices.shape
-    slots = tokens * k
-    device = x.device
     with torch.no_grad():
-        flat = topk_indices.reshape(-1).to(torch.int64)
-        key = torch.where((flat >= 0) & (flat < num_experts), flat, num_experts)
-        sorted_key, order = torch.sort(key, stable=True)
-        experts = torch.arange(num_experts, device=device, dtype=torch.int64)
-        ends = torch.searchsorted(sorted_key, experts, right=True)
-        starts = torch.cat([ends.new_zeros(1), ends[:-1]])
-        counts = ends - starts
-        m_splits = (counts + (multiple - 1)) // multiple * multiple
-        p_ends = m_splits.cumsum(0)
-        p_starts = p_ends - m_splits
+        if on_host:  # exact size: N = sum(m_splits), read on the host
+            m_splits, row_map, token_of_row = layout_kernels.routing_map_reference(
+                topk_indices, num_experts, multiple, None)
+        else:  # one kernel, no sync: N is the upper bound
+            num_rows = topk_indices.numel() + num_experts * (multiple - 1)
+            m_splits, row_map, token_of_row = layout_kernels.routing_map(
+                topk_indices, num_experts, multiple, num_rows)
 
-        # row_map: slot at sorted position p goes to p_starts[e] + (p - starts[e]).
-        position = torch.arange(slots, device=device, dtype=torch.int64)
-        expert = sorted_key.clamp(max=num_experts - 1)
-        dest = p_starts.index_select(0, expert) + position - starts.index_select(0, expert)
-        dest = torch.where(sorted_key < num_experts, dest, -1)
-        row_map = torch.empty_like(dest).scatter_(0, order, dest).view(tokens, k)
-
-        # Source token of every x_perm row (a gather, so the forward is deterministic).
-        num_rows = int(p_ends[-1]) if on_host else slots + num_experts * (multiple - 1)
-        rows = torch.arange(num_rows, device=device, dtype=torch.int64)
-        group = torch.searchsorted(p_ends, rows, right=True)
-        clamped = group.clamp(max=num_experts - 1)
-        local = rows - p_starts.index_select(0, clamped)
-        valid = (group < num_experts) & (local < counts.index_select(0, clamped))
-        if slots > 0:
-            sorted_pos = (starts.index_select(0, clamped) + local).clamp(0, slots - 1)
-            token = order.index_select(0, sorted_pos) // k
-        else:
-            token = torch.zeros_like(rows)
-
-    x_perm = _PermuteRows.apply(x, token, valid, row_map)
+    x_perm = _PermuteRows.apply(x, token_of_row, row_map)
     return x_perm, m_splits, row_map
 
 
