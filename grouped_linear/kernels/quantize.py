@@ -32,7 +32,7 @@ __all__ = ["scale_from_amax", "fake_quant", "fake_quant_rows", "fake_quant_group
 _FLOAT32_MAX = torch.finfo(torch.float32).max
 # Launch shapes of the quantization kernels: (rows per program, columns per block, warps).
 # benchmarks/fp8_quantize.py times the alternatives on the H200.
-ROWS_CONFIG = (4, 1024, 4)
+ROWS_CONFIG = (1, 4096, 8)
 GROUP_COLUMNS_CONFIG = (32, 64, 4)
 
 
@@ -283,7 +283,7 @@ def quantize_group_columns_t(t: torch.Tensor, offsets: torch.Tensor, fp8_dtype: 
     M, C = t.shape
     G = offsets.shape[0]
     data_offsets = offsets if align == 1 else aligned_offsets(offsets, align)
-    width = M + (align - 1) * G
+    width = -(-(M + (align - 1) * G) // 16) * 16 if align > 1 else M
     if not use_triton(t) or t.stride(-1) != 1 or t.shape[0] == 0:
         data, inv = quantize_group_columns_t_reference(t, offsets, fp8_dtype, power_of_two,
                                                        group_scale)
