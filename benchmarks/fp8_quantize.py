@@ -11,6 +11,7 @@ import torch
 import triton.testing
 
 from grouped_linear.kernels import quantize as q
+from grouped_linear.kernels import quantize_transposed as qt
 
 E4M3 = torch.float8_e4m3fn
 
@@ -41,12 +42,12 @@ def main():
     report("weight rows (forward copy)", _ms(lambda: q.quantize_weight_rows(w, E4M3, False)),
            w.numel())
     report("weight columns, transposed (dgrad copy)",
-           _ms(lambda: q.quantize_weight_columns_t(w, E4M3, False)), w.numel())
+           _ms(lambda: qt.quantize_weight_columns_t(w, E4M3, False)), w.numel())
     for config in ((32, 64, 4), (64, 64, 4), (64, 128, 8), (128, 64, 8), (32, 128, 4)):
-        q.GROUP_COLUMNS_CONFIG = config
+        qt.GROUP_COLUMNS_CONFIG = config
         for name, t in (("x", x), ("dy", dy)):
             report(f"group columns {name} {config}",
-                   _ms(lambda t=t: q.quantize_group_columns_t(t, offsets, E4M3, False, align=16)),
+                   _ms(lambda t=t: qt.quantize_group_columns_t(t, offsets, E4M3, False, align=16)),
                    t.numel())
 
 

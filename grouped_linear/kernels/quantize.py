@@ -20,20 +20,16 @@ import torch
 
 from ._triton import tl, triton, use_triton
 from .bias import row_groups
-from .offsets import aligned_offsets
 
 __all__ = ["scale_from_amax", "fake_quant", "fake_quant_rows", "fake_quant_group_columns",
            "fake_quant_groups", "fake_quant_weight", "quantize_rows", "quantize_rows_reference",
-           "quantize_group_columns_t", "quantize_group_columns_t_reference",
-           "quantize_weight_rows", "quantize_weight_columns_t",
-           "quantize_weight_columns_t_reference", "group_amax_scales", "weight_group_scales",
+           "quantize_weight_rows", "group_amax_scales", "weight_group_scales",
            "fake_quant_column_tiles", "fake_quant_weight_blocks", "fake_quant_row_tiles"]
 
 _FLOAT32_MAX = torch.finfo(torch.float32).max
-# Launch shapes of the quantization kernels: (rows per program, columns per block, warps).
+# Launch shape of the rows kernel: (rows per program, columns per block, warps);
 # benchmarks/fp8_quantize.py times the alternatives on the H200.
 ROWS_CONFIG = (1, 4096, 8)
-GROUP_COLUMNS_CONFIG = (32, 64, 4)
 
 
 def scale_from_amax(amax: torch.Tensor, fp8_dtype: torch.dtype, power_of_two: bool) -> torch.Tensor:
@@ -112,25 +108,6 @@ def quantize_rows_reference(t: torch.Tensor, fp8_dtype: torch.dtype, power_of_tw
     return data, 1.0 / scale
 
 
-def quantize_group_columns_t_reference(t: torch.Tensor, offsets: torch.Tensor,
-                                       fp8_dtype: torch.dtype, power_of_two: bool,
-                                       group_scale: torch.Tensor | None = None
-                                       ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(M, C)`` -> FP8 transpose ``(C, M)`` scaled per (group, column) along the group's
-    rows (or per group), and ``(G, C)`` float32 dequantization factors; rows past the
-    last group are 0."""
-    if group_scale is None:
-        scale = scale_from_amax(_group_amax(t, offsets), fp8_dtype, power_of_two)
-    else:
-        scale = group_scale[:, None].expand(offsets.shape[0], t.shape[1]).contiguous()
-    groups = row_groups(offsets, t.shape[0])
-    per_row = torch.cat([scale, torch.ones_like(scale[:1])]).index_select(0, groups)
-    fp8_max = torch.finfo(fp8_dtype).max
-    scaled = (t.float() * per_row).clamp(-fp8_max, fp8_max)
-    data = scaled.masked_fill((groups == offsets.shape[0]).unsqueeze(1), 0.0).to(fp8_dtype)
-    return data.t().contiguous(), 1.0 / scale
-
-
 @triton.jit
 def _scale(amax, FP8_MAX: tl.constexpr, POW2: tl.constexpr):
     scale = tl.where(amax > 0, FP8_MAX / tl.maximum(amax, 1e-30), 1.0)
@@ -167,68 +144,6 @@ def _quantize_rows_kernel(t_ptr, q_ptr, inv_ptr, scale_ptr, R, C, stride_t, stri
     tl.store(inv_ptr + rows, 1.0 / scale, mask=row_mask)
 
 
-@triton.jit
-def _quantize_group_columns_t_kernel(t_ptr, offsets_ptr, dst_offsets_ptr, q_ptr, inv_ptr, scale_ptr,
-                                     M, C, stride_t, stride_q, stride_q_group,
-                                     FP8_MAX: tl.constexpr, POW2: tl.constexpr,
-                                     GIVEN_SCALE: tl.constexpr, LOCAL_ROWS: tl.constexpr,
-                                     PAD: tl.constexpr, BLOCK_R: tl.constexpr,
-                                     BLOCK_C: tl.constexpr):
-    """Group ``g``'s rows ``[start, end)``, columns of one block: scale per column, write
-    ``q[g * stride_q_group + col * stride_q + j]``: ``j`` is the row's index inside the
-    group when ``LOCAL_ROWS``, else ``dst_start + index`` with ``dst_start`` the group's
-    start in ``dst_offsets``; then zero ``j`` up to the group's ``dst`` end (< ``PAD``
-    columns)."""
-    group = tl.program_id(0)
-    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    col_mask = cols < C
-    end = tl.load(offsets_ptr + group)
-    start = tl.load(offsets_ptr + group - 1, mask=group > 0, other=0)
-    if GIVEN_SCALE:  # one scale per group from the caller (tensorwise)
-        scale = tl.zeros([BLOCK_C], dtype=tl.float32) + tl.load(scale_ptr + group)
-    else:
-        amax = tl.zeros([BLOCK_C], dtype=tl.float32)
-        for r0 in range(start, end, BLOCK_R):  # pass 1: column amax over the group's rows
-            rows = r0 + tl.arange(0, BLOCK_R)
-            mask = (rows < end)[:, None] & col_mask[None, :]
-            values = tl.load(t_ptr + rows.to(tl.int64)[:, None] * stride_t + cols[None, :],
-                             mask=mask, other=0.0)
-            amax = tl.maximum(amax, tl.max(tl.abs(values.to(tl.float32)), axis=0))
-        scale = _scale(amax, FP8_MAX, POW2)
-    q_base = q_ptr + group.to(tl.int64) * stride_q_group + cols.to(tl.int64)[None, :] * stride_q
-    if LOCAL_ROWS:
-        dst_start = 0
-    else:
-        dst_start = tl.load(dst_offsets_ptr + group - 1, mask=group > 0, other=0)
-    for r0 in range(start, end, BLOCK_R):  # pass 2: quantize and write transposed
-        rows = r0 + tl.arange(0, BLOCK_R)
-        mask = (rows < end)[:, None] & col_mask[None, :]
-        values = tl.load(t_ptr + rows.to(tl.int64)[:, None] * stride_t + cols[None, :], mask=mask,
-                         other=0.0)
-        scaled = tl.clamp(values.to(tl.float32) * scale[None, :], -FP8_MAX, FP8_MAX)
-        tl.store(q_base + (rows - start + dst_start)[:, None], scaled.to(q_ptr.dtype.element_ty),
-                 mask=mask)
-    if PAD > 1:  # the group's alignment columns
-        dst_end = tl.load(dst_offsets_ptr + group)
-        pads = dst_start + (end - start) + tl.arange(0, PAD)
-        zeros = tl.zeros([PAD, BLOCK_C], dtype=q_ptr.dtype.element_ty)
-        tl.store(q_base + pads[:, None], zeros, mask=(pads < dst_end)[:, None] & col_mask[None, :])
-    tl.store(inv_ptr + group.to(tl.int64) * C + cols, 1.0 / scale, mask=col_mask)
-
-
-@triton.jit
-def _zero_columns_from_kernel(q_ptr, offsets_ptr, G, C, M, stride_q, BLOCK_C: tl.constexpr,
-                              BLOCK_M: tl.constexpr):
-    """Zero ``q[:, offsets[-1]:]`` (the transposed tail)."""
-    cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
-    end = tl.load(offsets_ptr + G - 1)
-    for m0 in range(end, M, BLOCK_M):
-        ms = m0 + tl.arange(0, BLOCK_M)
-        zeros = tl.zeros([BLOCK_C, BLOCK_M], dtype=q_ptr.dtype.element_ty)
-        tl.store(q_ptr + cols.to(tl.int64)[:, None] * stride_q + ms[None, :], zeros,
-                 mask=(cols < C)[:, None] & (ms < M)[None, :])
-
-
 def _fp8_buffer(shape, device, fp8_dtype):
     """Where a kernel writes FP8 values. Triton 3.6's CPU interpreter rounds
     float32 -> FP8 wrongly, so there the kernel writes the scaled, saturated float32
@@ -239,12 +154,6 @@ def _fp8_buffer(shape, device, fp8_dtype):
 
 def _finish(buffer: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
     return buffer if buffer.dtype == fp8_dtype else buffer.to(fp8_dtype)
-
-
-def _transposed_buffer(C: int, M: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """``(C, M)`` whose row stride is ``M`` rounded up to 16 elements: FP8 GEMMs need
-    16-byte aligned leading dimensions; the extra columns are never read."""
-    return torch.empty(C, -(-M // 16) * 16, device=device, dtype=dtype)[:, :M]
 
 
 def quantize_rows(t: torch.Tensor, fp8_dtype: torch.dtype, power_of_two: bool,
@@ -267,59 +176,6 @@ def quantize_rows(t: torch.Tensor, fp8_dtype: torch.dtype, power_of_two: bool,
     return _finish(data, fp8_dtype), inv
 
 
-def quantize_group_columns_t(t: torch.Tensor, offsets: torch.Tensor, fp8_dtype: torch.dtype,
-                             power_of_two: bool, group_scale: torch.Tensor | None = None,
-                             align: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The wgrad operand: ``(M, C)`` -> FP8 transposed, scaled per (group, column) along
-    the group's rows (or per group with ``group_scale`` ``(G,)`` float32).
-
-    Returns ``(data, inv, data_offsets)``. With ``align=1``: ``data`` ``(C, M)``,
-    ``data_offsets`` is ``offsets`` and columns past ``offsets[-1]`` are 0. With
-    ``align > 1``: every group starts at a multiple of ``align`` columns, zero-padded
-    up to the next (``data_offsets`` = :func:`~grouped_linear.kernels.offsets.aligned_offsets`),
-    ``data`` has ``M + (align - 1) * G`` columns, those past ``data_offsets[-1]``
-    unspecified. On GPUs the row stride is a multiple of 16. ``inv`` is ``(G, C)``.
-    """
-    M, C = t.shape
-    G = offsets.shape[0]
-    data_offsets = offsets if align == 1 else aligned_offsets(offsets, align)
-    width = -(-(M + (align - 1) * G) // 16) * 16 if align > 1 else M
-    if not use_triton(t) or t.stride(-1) != 1 or t.shape[0] == 0:
-        data, inv = quantize_group_columns_t_reference(t, offsets, fp8_dtype, power_of_two,
-                                                       group_scale)
-        if align > 1:
-            data = _realign_columns(data, offsets, data_offsets, width)
-        return data, inv, data_offsets
-    data = _fp8_buffer((C, width), t.device, fp8_dtype) if t.device.type == "cpu" \
-        else _transposed_buffer(C, width, t.device, fp8_dtype)
-    inv = torch.empty(G, C, device=t.device, dtype=torch.float32)
-    block_r, block_c, warps = GROUP_COLUMNS_CONFIG
-    _quantize_group_columns_t_kernel[(G, triton.cdiv(C, block_c))](
-        t, offsets, data_offsets, data, inv, group_scale if group_scale is not None else inv,
-        M, C, t.stride(0), data.stride(0), 0, FP8_MAX=torch.finfo(fp8_dtype).max,
-        POW2=power_of_two, GIVEN_SCALE=group_scale is not None, LOCAL_ROWS=False,
-        PAD=triton.next_power_of_2(align) if align > 1 else 1, BLOCK_R=block_r, BLOCK_C=block_c,
-        num_warps=warps,
-    )
-    if align == 1:
-        _zero_columns_from_kernel[(triton.cdiv(C, 64),)](
-            data, offsets, G, C, M, data.stride(0), BLOCK_C=64, BLOCK_M=32,
-        )
-    return _finish(data, fp8_dtype), inv, data_offsets
-
-
-def _realign_columns(data: torch.Tensor, offsets: torch.Tensor, data_offsets: torch.Tensor,
-                     width: int) -> torch.Tensor:
-    """Reference of the aligned layout: each group's columns moved to its aligned start."""
-    out = torch.zeros(data.shape[0], width, dtype=data.dtype, device=data.device)
-    ends, aligned_ends = offsets.tolist(), data_offsets.tolist()
-    for g, end in enumerate(ends):
-        start = ends[g - 1] if g else 0
-        aligned_start = aligned_ends[g - 1] if g else 0
-        out[:, aligned_start:aligned_start + end - start] = data[:, start:end]
-    return out
-
-
 # --------------------------------------------------------------------------- weights
 def quantize_weight_rows(weight: torch.Tensor, fp8_dtype: torch.dtype, power_of_two: bool,
                          group_scale: torch.Tensor | None = None
@@ -330,42 +186,6 @@ def quantize_weight_rows(weight: torch.Tensor, fp8_dtype: torch.dtype, power_of_
     row_scale = group_scale.repeat_interleave(N) if group_scale is not None else None
     data, inv = quantize_rows(weight.reshape(G * N, K), fp8_dtype, power_of_two, row_scale)
     return data.view(G, N, K), inv.view(G, N)
-
-
-def quantize_weight_columns_t_reference(weight: torch.Tensor, fp8_dtype: torch.dtype,
-                                        power_of_two: bool,
-                                        group_scale: torch.Tensor | None = None
-                                        ) -> tuple[torch.Tensor, torch.Tensor]:
-    if group_scale is None:
-        amax = weight.abs().amax(dim=1).float() if weight.shape[1] else \
-            weight.new_zeros(weight.shape[0], weight.shape[2], dtype=torch.float32)
-        scale = scale_from_amax(amax, fp8_dtype, power_of_two)  # (G, K)
-    else:
-        scale = group_scale[:, None].expand(weight.shape[0], weight.shape[2])
-    fp8_max = torch.finfo(fp8_dtype).max
-    data = (weight.float() * scale[:, None, :]).clamp(-fp8_max, fp8_max).to(fp8_dtype)
-    return data.transpose(1, 2).contiguous(), (1.0 / scale).contiguous()
-
-
-def quantize_weight_columns_t(weight: torch.Tensor, fp8_dtype: torch.dtype, power_of_two: bool,
-                              group_scale: torch.Tensor | None = None
-                              ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The dgrad GEMM's weight: ``(G, N, K)`` -> FP8 ``(G, K, N)`` (each expert's
-    transpose) scaled per input channel (or per group), and ``(G, K)`` factors."""
-    G, N, K = weight.shape
-    if not use_triton(weight) or not weight.is_contiguous() or weight.numel() == 0:
-        return quantize_weight_columns_t_reference(weight, fp8_dtype, power_of_two, group_scale)
-    data = _fp8_buffer((G, K, N), weight.device, fp8_dtype)
-    inv = torch.empty(G, K, device=weight.device, dtype=torch.float32)
-    ends = torch.arange(1, G + 1, device=weight.device, dtype=torch.int32) * N
-    block_c = 64
-    _quantize_group_columns_t_kernel[(G, triton.cdiv(K, block_c))](
-        weight, ends, ends, data, inv, group_scale if group_scale is not None else inv, G * N, K,
-        K, N, K * N, FP8_MAX=torch.finfo(fp8_dtype).max, POW2=power_of_two,
-        GIVEN_SCALE=group_scale is not None, LOCAL_ROWS=True, PAD=1, BLOCK_R=32,
-        BLOCK_C=block_c,
-    )
-    return _finish(data, fp8_dtype), inv
 
 
 # --------------------------------------------------------------------------- tensorwise

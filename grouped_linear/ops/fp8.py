@@ -25,6 +25,7 @@ import torch
 from ..kernels import bias as bias_kernels
 from ..kernels import fp8_gemm, grouped_gemm
 from ..kernels import quantize as q
+from ..kernels import quantize_transposed as qt
 from ..recipes import Float8Blockwise, Float8Recipe, Float8Rowwise, Float8Tensorwise
 from .weight_grad import WeightGradSink, route_weight_grads
 
@@ -57,7 +58,7 @@ def _device_weight(weight: torch.Tensor, recipe: Float8Recipe) -> tuple[torch.Te
     group_scale = q.weight_group_scales(weight, fp8, pow2) \
         if isinstance(recipe, Float8Tensorwise) else None
     return (*q.quantize_weight_rows(weight, fp8, pow2, group_scale),
-            *q.quantize_weight_columns_t(weight, fp8, pow2, group_scale))
+            *qt.quantize_weight_columns_t(weight, fp8, pow2, group_scale))
 
 
 class Fp8Weight:

@@ -25,6 +25,7 @@ import torch
 from ..kernels import bias as bias_kernels
 from ..kernels import fp8_gemm
 from ..kernels import quantize as q
+from ..kernels import quantize_transposed as qt
 from ..recipes import Float8Recipe, Float8Tensorwise
 from .fp8 import Fp8Config, Fp8Weight, quantize_weight
 from .weight_grad import route_weight_grads
@@ -89,9 +90,9 @@ class Fp8DeviceGroupedLinearFunction(torch.autograd.Function):
             grad_w = grad_b = None
             if need_w:
                 align = fp8_gemm.WGRAD_GROUP_ALIGN
-                dy_t, dy_t_inv, aligned = q.quantize_group_columns_t(
+                dy_t, dy_t_inv, aligned = qt.quantize_group_columns_t(
                     grad_out, offsets, fp8_grad, pow2, dy_scale, align=align)
-                x_t, x_t_inv, _ = q.quantize_group_columns_t(
+                x_t, x_t_inv, _ = qt.quantize_group_columns_t(
                     x, offsets, recipe.forward_dtype, pow2, x_scale, align=align)
                 grad_w = fp8_gemm.wgrad(dy_t, dy_t_inv, x_t, x_t_inv, aligned, weight.dtype)
             if need_b:

@@ -5,6 +5,7 @@ import torch
 
 from grouped_linear.kernels import fp8_gemm
 from grouped_linear.kernels import quantize as q
+from grouped_linear.kernels import quantize_transposed as qt
 from tests.reference import rel_err
 
 pytestmark = [
@@ -31,13 +32,13 @@ def test_forward_dgrad_wgrad_against_dequantized_float32(sizes, tail):
     rows = sum(sizes)
     assert rel_err(y[:rows], want[:rows]) < 1e-2
     dy_data, dy_inv = q.quantize_rows(dy, E4M3, False)
-    wt_data, wt_inv = q.quantize_weight_columns_t(w, E4M3, False)
+    wt_data, wt_inv = qt.quantize_weight_columns_t(w, E4M3, False)
     dx = fp8_gemm.dgrad(dy_data, dy_inv, wt_data, wt_inv, offsets, torch.bfloat16)
     want = fp8_gemm.dequantized_reference(dy_data, dy_inv, wt_data, wt_inv, offsets, "forward")
     assert rel_err(dx[:rows], want[:rows]) < 1e-2
     align = fp8_gemm.WGRAD_GROUP_ALIGN
-    dy_t, dy_t_inv, aligned = q.quantize_group_columns_t(dy, offsets, E4M3, False, align=align)
-    x_t, x_t_inv, _ = q.quantize_group_columns_t(x, offsets, E4M3, False, align=align)
+    dy_t, dy_t_inv, aligned = qt.quantize_group_columns_t(dy, offsets, E4M3, False, align=align)
+    x_t, x_t_inv, _ = qt.quantize_group_columns_t(x, offsets, E4M3, False, align=align)
     assert dy_t.stride(0) % 16 == 0 and x_t.stride(0) % 16 == 0
     assert torch.all(aligned % 16 == 0)
     dw = fp8_gemm.wgrad(dy_t, dy_t_inv, x_t, x_t_inv, aligned, torch.bfloat16)

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from grouped_linear.kernels import quantize as q
+from grouped_linear.kernels import quantize_transposed as qt
 from tests.reference import rel_err
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -108,9 +109,9 @@ def test_quantize_group_columns_transposed_kernel(sizes, tail):
     M, C = sum(sizes) + tail, 70
     t = (torch.randn(M, C) * 10).to(DEVICE)
     offsets = torch.tensor(sizes, device=DEVICE).cumsum(0).to(torch.int32)
-    data, inv, data_offsets = q.quantize_group_columns_t(t, offsets, E4M3, False)
+    data, inv, data_offsets = qt.quantize_group_columns_t(t, offsets, E4M3, False)
     assert data_offsets is offsets
-    ref_data, ref_inv = q.quantize_group_columns_t_reference(t, offsets, E4M3, False)
+    ref_data, ref_inv = qt.quantize_group_columns_t_reference(t, offsets, E4M3, False)
     assert data.shape == (C, M) and inv.shape == (len(sizes), C)
     assert torch.allclose(inv, ref_inv, rtol=1e-6) and _codes_close(data, ref_data)
     assert torch.all(data[:, sum(sizes):].float() == 0)
@@ -157,8 +158,8 @@ def test_given_scales_replace_the_amax(pow2):
     ref_data, ref_inv = q.quantize_rows_reference(t, E4M3, pow2, row_scale)
     assert torch.allclose(inv, 1 / row_scale) and torch.allclose(inv, ref_inv)
     assert _codes_close(data, ref_data)
-    data_t, inv_t, _ = q.quantize_group_columns_t(t, offsets, E4M3, pow2, group_scale)
-    ref_t, ref_inv_t = q.quantize_group_columns_t_reference(t, offsets, E4M3, pow2, group_scale)
+    data_t, inv_t, _ = qt.quantize_group_columns_t(t, offsets, E4M3, pow2, group_scale)
+    ref_t, ref_inv_t = qt.quantize_group_columns_t_reference(t, offsets, E4M3, pow2, group_scale)
     assert inv_t.shape == (3, C) and torch.allclose(inv_t, ref_inv_t)
     assert torch.allclose(inv_t, (1 / group_scale)[:, None].expand(3, C))
     assert _codes_close(data_t, ref_t)
@@ -178,8 +179,8 @@ def test_weight_quantization_kernels(fp8, tensorwise):
     assert fwd.shape == (G, N, K) and fwd_inv.shape == (G, N)
     assert torch.allclose(fwd_inv.reshape(-1), ref_fwd_inv) and _codes_close(fwd.reshape(G * N, K),
                                                                              ref_fwd)
-    dgrad, dgrad_inv = q.quantize_weight_columns_t(w, fp8, False, group_scale)
-    ref_dgrad, ref_dgrad_inv = q.quantize_weight_columns_t_reference(w, fp8, False, group_scale)
+    dgrad, dgrad_inv = qt.quantize_weight_columns_t(w, fp8, False, group_scale)
+    ref_dgrad, ref_dgrad_inv = qt.quantize_weight_columns_t_reference(w, fp8, False, group_scale)
     assert dgrad.shape == (G, K, N) and dgrad_inv.shape == (G, K)
     assert torch.allclose(dgrad_inv, ref_dgrad_inv, rtol=1e-6) and _codes_close(dgrad, ref_dgrad)
     # dequantized, each copy reproduces the weight within FP8 precision
@@ -196,11 +197,11 @@ def test_group_columns_aligned_layout(sizes):
     M, C, align = sum(sizes) + 2, 70, 16
     t = (torch.randn(M, C) * 5).to(DEVICE)
     offsets = torch.tensor(sizes, device=DEVICE).cumsum(0).to(torch.int32)
-    data, inv, aligned = q.quantize_group_columns_t(t, offsets, E4M3, False, align=align)
-    exact, exact_inv, _ = q.quantize_group_columns_t_reference(t, offsets, E4M3, False) + (None,)
+    data, inv, aligned = qt.quantize_group_columns_t(t, offsets, E4M3, False, align=align)
+    exact, exact_inv, _ = qt.quantize_group_columns_t_reference(t, offsets, E4M3, False) + (None,)
     padded_sizes = [-(-s // align) * align for s in sizes]
     assert aligned.tolist() == torch.tensor(padded_sizes).cumsum(0).tolist()
-    assert data.shape == (C, M + (align - 1) * len(sizes))
+    assert data.shape == (C, -(-(M + (align - 1) * len(sizes)) // 16) * 16)
     assert torch.allclose(inv, exact_inv, rtol=1e-6)
     start = aligned_start = 0
     for size, padded in zip(sizes, padded_sizes):
