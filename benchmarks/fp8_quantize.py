@@ -4,7 +4,8 @@
 (x 65536 x 7168, dy 65536 x 4096, W 8 x 4096 x 7168, bf16), times each kernel
 (do_bench median) and prints GB/s counting one read of the input and one write of
 the FP8 output (the one-pass floor) and that as a fraction of a bf16 copy's GB/s.
-The group-column kernel is timed under several (rows, columns, warps) launch shapes.
+The group-column quantization is timed per method ("per_group", "tiled") under several
+(rows, columns, warps) launch shapes.
 """
 
 import torch

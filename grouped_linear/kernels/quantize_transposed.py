@@ -16,17 +16,22 @@ from __future__ import annotations
 import torch
 
 from ._triton import tl, triton, use_triton
-from .bias import row_groups
+from .bias import _row_group, row_groups
 from .offsets import aligned_offsets
 from .quantize import _finish, _fp8_buffer, _group_amax, _scale, scale_from_amax
 
 __all__ = ["quantize_group_columns_t", "quantize_group_columns_t_reference",
            "quantize_weight_columns_t", "quantize_weight_columns_t_reference",
-           "GROUP_COLUMNS_CONFIG"]
+           "GROUP_COLUMNS_METHOD", "GROUP_COLUMNS_CONFIG", "TILED_CONFIG"]
 
-# Launch shape of the per-group kernel: (rows per step, columns per program, warps);
-# benchmarks/fp8_quantize.py times the alternatives on the H200.
+# How quantize_group_columns_t runs on GPUs: "per_group" (one program per group and
+# column block walks the group's rows twice) or "tiled" (a column-amax kernel over row
+# tiles with atomic maxima, then one quantize-and-transpose kernel over the same tiles:
+# every tile in flight at once). Launch shapes: (rows, columns, warps).
+# benchmarks/fp8_quantize.py times both on the H200.
+GROUP_COLUMNS_METHOD = "per_group"
 GROUP_COLUMNS_CONFIG = (32, 64, 4)
+TILED_CONFIG = (64, 64, 4)
 
 
 def quantize_group_columns_t_reference(t: torch.Tensor, offsets: torch.Tensor,
@@ -110,6 +115,103 @@ def _zero_columns_from_kernel(q_ptr, offsets_ptr, G, C, M, stride_q, BLOCK_C: tl
                  mask=(cols < C)[:, None] & (ms < M)[None, :])
 
 
+@triton.jit
+def _group_column_amax_kernel(t_ptr, offsets_ptr, amax_ptr, M, C, G, stride_t,
+                              BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_G: tl.constexpr):
+    """``amax[g, c] = max |t[r, c]|`` over the rows ``r`` of group ``g`` (``amax`` starts at 0):
+    each tile reduces its rows per group present, then one atomic max per group and column."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    col_mask = cols < C
+    groups = _row_group(offsets_ptr, rows, G, BLOCK_G)
+    in_group = (rows < M) & (groups < G)
+    values = tl.load(t_ptr + rows.to(tl.int64)[:, None] * stride_t + cols[None, :],
+                     mask=in_group[:, None] & col_mask[None, :], other=0.0)
+    values = tl.abs(values.to(tl.float32))
+    first = tl.min(tl.where(in_group, groups, G))
+    last = tl.max(tl.where(in_group, groups, -1))
+    for g in range(first, last + 1):
+        group_max = tl.max(tl.where((groups == g)[:, None], values, 0.0), axis=0)
+        tl.atomic_max(amax_ptr + g * C + cols, group_max, mask=col_mask)  # G * C < 2**31
+
+
+@triton.jit
+def _quantize_columns_t_tiled_kernel(t_ptr, offsets_ptr, dst_offsets_ptr, scale_ptr, q_ptr, M, C, G,
+                                     stride_t, stride_q, width, FP8_MAX: tl.constexpr,
+                                     PER_GROUP: tl.constexpr, BLOCK_R: tl.constexpr,
+                                     BLOCK_C: tl.constexpr, BLOCK_G: tl.constexpr):
+    """One tile: scale by its rows' (group, column) scales (or group scale), write transposed
+    at the rows' destination columns; rows past the last group are written as 0 after the
+    last group's destination end."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    row_mask = rows < M
+    col_mask = cols < C
+    groups = _row_group(offsets_ptr, rows, G, BLOCK_G)
+    in_group = row_mask & (groups < G)
+    clamped = tl.minimum(groups, G - 1)
+    start = tl.load(offsets_ptr + clamped - 1, mask=clamped > 0, other=0)
+    dst_start = tl.load(dst_offsets_ptr + clamped - 1, mask=clamped > 0, other=0)
+    last_end = tl.load(offsets_ptr + G - 1)
+    last_dst_end = tl.load(dst_offsets_ptr + G - 1)
+    dst = tl.where(in_group, rows - start + dst_start, rows - last_end + last_dst_end)
+    mask = row_mask[:, None] & col_mask[None, :]
+    values = tl.load(t_ptr + rows.to(tl.int64)[:, None] * stride_t + cols[None, :], mask=mask,
+                     other=0.0)
+    if PER_GROUP:
+        scale = tl.load(scale_ptr + clamped)[:, None]
+    else:
+        scale = tl.load(scale_ptr + clamped.to(tl.int64)[:, None] * C + cols[None, :], mask=mask,
+                        other=1.0)
+    scaled = tl.clamp(values.to(tl.float32) * scale, -FP8_MAX, FP8_MAX)
+    scaled = tl.where(in_group[:, None], scaled, 0.0)
+    tl.store(q_ptr + cols.to(tl.int64)[None, :] * stride_q + dst.to(tl.int64)[:, None],
+             scaled.to(q_ptr.dtype.element_ty), mask=mask & (dst < width)[:, None])
+
+
+@triton.jit
+def _zero_alignment_kernel(q_ptr, offsets_ptr, dst_offsets_ptr, C, stride_q, PAD: tl.constexpr,
+                           BLOCK_C: tl.constexpr):
+    """Group ``g``'s alignment columns: from the end of its rows to its destination end."""
+    group = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    size = tl.load(offsets_ptr + group) - tl.load(offsets_ptr + group - 1, mask=group > 0, other=0)
+    dst_start = tl.load(dst_offsets_ptr + group - 1, mask=group > 0, other=0)
+    dst_end = tl.load(dst_offsets_ptr + group)
+    pads = dst_start + size + tl.arange(0, PAD)
+    zeros = tl.zeros([PAD, BLOCK_C], dtype=q_ptr.dtype.element_ty)
+    tl.store(q_ptr + cols.to(tl.int64)[None, :] * stride_q + pads.to(tl.int64)[:, None], zeros,
+             mask=(pads < dst_end)[:, None] & (cols < C)[None, :])
+
+
+def _quantize_group_columns_t_tiled(t, offsets, data_offsets, data, fp8_dtype, power_of_two,
+                                    group_scale, align):
+    M, C = t.shape
+    G = offsets.shape[0]
+    block_r, block_c, warps = TILED_CONFIG
+    block_g = max(2, min(128, triton.next_power_of_2(G)))
+    grid = (triton.cdiv(M, block_r), triton.cdiv(C, block_c))
+    if group_scale is None:
+        amax = torch.zeros(G, C, device=t.device, dtype=torch.float32)
+        _group_column_amax_kernel[grid](t, offsets, amax, M, C, G, t.stride(0), BLOCK_R=block_r,
+                                        BLOCK_C=block_c, BLOCK_G=block_g, num_warps=warps)
+        scale = scale_from_amax(amax, fp8_dtype, power_of_two)
+    else:
+        scale = group_scale.float().contiguous()
+    _quantize_columns_t_tiled_kernel[grid](
+        t, offsets, data_offsets, scale, data, M, C, G, t.stride(0), data.stride(0), data.shape[1],
+        FP8_MAX=torch.finfo(fp8_dtype).max, PER_GROUP=group_scale is not None, BLOCK_R=block_r,
+        BLOCK_C=block_c, BLOCK_G=block_g, num_warps=warps,
+    )
+    if align > 1:
+        _zero_alignment_kernel[(G, triton.cdiv(C, 64))](
+            data, offsets, data_offsets, C, data.stride(0), PAD=triton.next_power_of_2(align),
+            BLOCK_C=64,
+        )
+    inv = 1.0 / scale
+    return inv if group_scale is None else inv[:, None].expand(G, C).contiguous()
+
+
 def _transposed_buffer(C: int, M: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     """``(C, M)`` whose row stride is ``M`` rounded up to 16 elements: FP8 GEMMs need
     16-byte aligned leading dimensions; the extra columns are never read."""
@@ -142,6 +244,10 @@ def quantize_group_columns_t(t: torch.Tensor, offsets: torch.Tensor, fp8_dtype: 
         return data, inv, data_offsets
     data = _fp8_buffer((C, width), t.device, fp8_dtype) if t.device.type == "cpu" \
         else _transposed_buffer(C, width, t.device, fp8_dtype)
+    if GROUP_COLUMNS_METHOD == "tiled" and G * C < 2**31:
+        inv = _quantize_group_columns_t_tiled(t, offsets, data_offsets, data, fp8_dtype,
+                                              power_of_two, group_scale, align)
+        return _finish(data, fp8_dtype), inv, data_offsets
     inv = torch.empty(G, C, device=t.device, dtype=torch.float32)
     block_r, block_c, warps = GROUP_COLUMNS_CONFIG
     _quantize_group_columns_t_kernel[(G, triton.cdiv(C, block_c))](

@@ -104,8 +104,10 @@ def test_quantize_rows_kernel(fp8, pow2, shape):
     assert torch.isfinite(inv).all()
 
 
+@pytest.mark.parametrize("method", ["per_group", "tiled"])
 @pytest.mark.parametrize("sizes, tail", [([3, 0, 70, 1], 5), ([0, 0], 3), ([33], 0)])
-def test_quantize_group_columns_transposed_kernel(sizes, tail):
+def test_quantize_group_columns_transposed_kernel(sizes, tail, method, monkeypatch):
+    monkeypatch.setattr(qt, "GROUP_COLUMNS_METHOD", method)
     M, C = sum(sizes) + tail, 70
     t = (torch.randn(M, C) * 10).to(DEVICE)
     offsets = torch.tensor(sizes, device=DEVICE).cumsum(0).to(torch.int32)
@@ -143,8 +145,10 @@ def test_block_tiles_against_loops():
             assert _same(got_r[start:end, c], _unit(rows[start:end, c], E4M3, False))
 
 
+@pytest.mark.parametrize("method", ["per_group", "tiled"])
 @pytest.mark.parametrize("pow2", [False, True])
-def test_given_scales_replace_the_amax(pow2):
+def test_given_scales_replace_the_amax(pow2, method, monkeypatch):
+    monkeypatch.setattr(qt, "GROUP_COLUMNS_METHOD", method)
     sizes, tail, C = [5, 0, 9], 2, 40
     M = sum(sizes) + tail
     t = (torch.randn(M, C) * 30).to(DEVICE)
@@ -192,8 +196,10 @@ def test_weight_quantization_kernels(fp8, tensorwise):
     assert torch.isfinite(fwd_inv).all() and torch.isfinite(dgrad_inv).all()
 
 
-@pytest.mark.parametrize("sizes", [[3, 0, 17, 1, 16], [0, 0], [40]])
-def test_group_columns_aligned_layout(sizes):
+@pytest.mark.parametrize("method", ["per_group", "tiled"])
+@pytest.mark.parametrize("sizes", [[3, 0, 17, 1, 16], [0, 0], [40], [150, 2, 0, 90]])
+def test_group_columns_aligned_layout(sizes, method, monkeypatch):
+    monkeypatch.setattr(qt, "GROUP_COLUMNS_METHOD", method)
     M, C, align = sum(sizes) + 2, 70, 16
     t = (torch.randn(M, C) * 5).to(DEVICE)
     offsets = torch.tensor(sizes, device=DEVICE).cumsum(0).to(torch.int32)
