@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 
 import torch
@@ -41,6 +42,31 @@ ACTIVATIONS = {
 GATED_ACTIVATIONS = ("swiglu", "geglu")
 
 
+class _Recompute:
+    """Stands in, among fc2's saved tensors, for its input until backward needs it."""
+
+
+def _with_recomputed_input(fc2: GroupedLinear, h: torch.Tensor, recompute, splits,
+                           is_first_microbatch) -> torch.Tensor:
+    """``fc2(h)`` where autograd saves no reference to ``h`` itself: when backward unpacks
+    it, ``recompute()`` builds it again (from fc1's output, which the activation's own
+    backward keeps anyway). The hooks hold ``h`` only weakly: autograd keeps them with
+    every tensor they packed."""
+    target = weakref.ref(h)
+
+    def pack(tensor):
+        return _Recompute() if tensor is target() else tensor
+
+    def unpack(saved):
+        if isinstance(saved, _Recompute):
+            with torch.no_grad():
+                return recompute()
+        return saved
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        return fc2(h, splits, is_first_microbatch=is_first_microbatch)
+
+
 def _is_fully_sharded(module: nn.Module) -> bool:
     return FSDPModule is not None and isinstance(module, FSDPModule)
 
@@ -57,6 +83,10 @@ class GroupedMLP(nn.Module):
         hidden_size: model width ``H`` (fc1 input, fc2 output).
         ffn_hidden_size: expert width ``F``.
         activation: one of ``swiglu``, ``geglu``, ``gelu`` (tanh), ``relu``, ``silu``.
+        recompute_activation: keep only fc1's output for backward and recompute the
+            activation from it when fc2's weight gradient needs its input (saves an
+            ``(M, F)`` tensor per call, costs one activation pass in backward). Eager
+            only: under ``torch.compile`` the compiler decides what to recompute.
         **grouped_linear_kwargs: passed to both ``fc1`` and ``fc2``
             (``bias``, ``params_dtype``, ``device``, ``backend``, ...). With
             ``tp_size``/``tp_group``, fc1 is column-parallel (gate and up halves
@@ -74,9 +104,13 @@ class GroupedMLP(nn.Module):
         hidden_size: int,
         ffn_hidden_size: int,
         activation: str = "swiglu",
+        recompute_activation: bool = False,
         **grouped_linear_kwargs,
     ) -> None:
         super().__init__()
+        if not isinstance(recompute_activation, bool):
+            raise TypeError(f"recompute_activation must be a bool, got {recompute_activation!r}")
+        self.recompute_activation = recompute_activation
         if activation not in ACTIVATIONS:
             raise ValueError(f"activation={activation!r} is not one of {tuple(ACTIVATIONS)}")
         if grouped_linear_kwargs.get("return_bias", False):
@@ -112,15 +146,26 @@ class GroupedMLP(nn.Module):
         if self.fc1.delay_wgrad_compute or _is_fully_sharded(self.fc1):
             # fc1 adds its own bias: its gradient must wait for backward_dw, or the
             # parameters are only gathered while fc1 itself runs (FSDP).
-            h = self.fc1(x, splits, is_first_microbatch=is_first_microbatch, return_bias=False)
-            h = ACTIVATIONS[self.activation](h)
+            pre = self.fc1(x, splits, is_first_microbatch=is_first_microbatch, return_bias=False)
+            fc1_bias = None
+
+            def activate(h):
+                return ACTIVATIONS[self.activation](h)
         else:
-            h, fc1_bias = self.fc1(x, splits, is_first_microbatch=is_first_microbatch,
-                                   return_bias=True)
+            pre, fc1_bias = self.fc1(x, splits, is_first_microbatch=is_first_microbatch,
+                                     return_bias=True)
             if isinstance(fc1_bias, list):
                 fc1_bias = torch.stack(fc1_bias)
-            h = bias_activation(h, fc1_bias, splits.offsets, self.activation, splits.may_have_tail)
-        return self.fc2(h, splits, is_first_microbatch=is_first_microbatch)
+
+            def activate(h):
+                return bias_activation(h, fc1_bias, splits.offsets, self.activation,
+                                       splits.may_have_tail)
+        h = activate(pre)
+        if not (self.recompute_activation and torch.is_grad_enabled()
+                and not torch.compiler.is_compiling()):
+            return self.fc2(h, splits, is_first_microbatch=is_first_microbatch)
+        return _with_recomputed_input(self.fc2, h, lambda: activate(pre.detach()), splits,
+                                      is_first_microbatch)
 
     def backward_dw(self) -> None:
         """Run the delayed weight-gradient work of both layers (``delay_wgrad_compute``)."""
@@ -131,4 +176,5 @@ class GroupedMLP(nn.Module):
         return (
             f"num_experts={self.num_experts}, hidden_size={self.hidden_size}, "
             f"ffn_hidden_size={self.ffn_hidden_size}, activation={self.activation!r}"
+            + (", recompute_activation=True" if self.recompute_activation else "")
         )

@@ -157,3 +157,26 @@ def test_list_input_on_cuda():
     y = gl.grouped_linear(pieces, w, b, None)
     ref = reference_grads(torch.cat(pieces), w, b, SIZES, torch.ones(sum(SIZES), N))
     assert rel_err(y, ref[0]) < 1e-2
+
+
+def test_mlp_recompute_activation_on_cuda_saves_memory_and_matches():
+    torch.manual_seed(0)
+    kwargs = {"params_dtype": torch.bfloat16, "device": "cuda"}
+    plain = gl.GroupedMLP(4, 256, 512, **kwargs)
+    lean = gl.GroupedMLP(4, 256, 512, recompute_activation=True, **kwargs)
+    lean.load_state_dict(plain.state_dict())
+    x = torch.randn(4096, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    splits = torch.tensor([1000, 0, 2000, 1096], device="cuda")
+    results, held = [], []
+    for mlp in (plain, lean):
+        xi = x.detach().clone().requires_grad_()
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        y = mlp(xi, splits)
+        held.append(torch.cuda.memory_allocated() - before)  # output + saved for backward
+        y.float().square().sum().backward()
+        results.append((y, xi.grad, *(p.grad for p in mlp.parameters())))
+    for a, b in zip(*results):
+        torch.testing.assert_close(b, a, rtol=0, atol=0)
+    saved = 4096 * 512 * 2  # the (M, F) bf16 activation output no longer kept
+    assert held[0] - held[1] >= saved, held

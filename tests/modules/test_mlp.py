@@ -73,3 +73,38 @@ def test_mlp_delayed_wgrad():
     mlp.backward_dw()
     for a, b in zip(mlp.parameters(), ref_mlp.parameters()):
         assert rel_err(a.grad, b.grad) < 1e-12
+
+
+@pytest.mark.parametrize("activation", ["swiglu", "gelu"])
+@pytest.mark.parametrize("delay", [False, True])
+def test_recompute_activation_matches_and_frees_fc2_input(activation, delay):
+    import gc
+    import weakref
+
+    torch.manual_seed(0)
+    kwargs = {"params_dtype": torch.float64, "delay_wgrad_compute": delay}
+    plain = gl.GroupedMLP(3, 16, 8, activation=activation, **kwargs)
+    lean = gl.GroupedMLP(3, 16, 8, activation=activation, recompute_activation=True, **kwargs)
+    lean.load_state_dict(plain.state_dict())
+    assert "recompute_activation=True" in repr(lean)
+    sizes = [5, 0, 7]
+    x = torch.randn(12, 16, dtype=torch.float64, requires_grad=True)
+    x_lean = x.detach().clone().requires_grad_()
+    fc2_inputs = []
+    lean.fc2.register_forward_pre_hook(lambda m, args: fc2_inputs.append(weakref.ref(args[0])))
+    y = plain(x, sizes)
+    y_lean = lean(x_lean, sizes)
+    gc.collect()
+    assert fc2_inputs[0]() is None  # autograd holds no reference to the activation output
+    grad = torch.randn_like(y)
+    y.backward(grad)
+    y_lean.backward(grad)
+    if delay:
+        plain.backward_dw()
+        lean.backward_dw()
+    torch.testing.assert_close(y_lean, y, rtol=0, atol=0)
+    torch.testing.assert_close(x_lean.grad, x.grad, rtol=0, atol=0)
+    for (name, p), q in zip(plain.named_parameters(), lean.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=0, atol=0, msg=name)
+    with pytest.raises(TypeError, match="recompute_activation"):
+        gl.GroupedMLP(3, 16, 8, recompute_activation="yes")
