@@ -1,0 +1,77 @@
+"""The Triton FP8 grouped GEMMs against float32 matmuls of the dequantized operands."""
+
+import pytest
+import torch
+
+from grouped_linear.kernels import fp8_triton_gemm as fg
+from tests.reference import rel_err
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+E4M3 = torch.float8_e4m3fn
+
+
+def _fp8(*shape):
+    return (torch.randn(*shape) * 40).clamp(-448, 448).to(E4M3).to(DEVICE)
+
+
+def _factors(*shape):
+    return (torch.rand(*shape) * 0.1 + 0.01).to(DEVICE)
+
+
+@pytest.mark.parametrize("scaling", ["rowwise", "blockwise"])
+@pytest.mark.parametrize("transpose_weight", [True, False])
+@pytest.mark.parametrize("sizes, tail", [([70, 0, 133, 1], 9), ([0, 0], 4), ([200], 0)])
+def test_grouped_mm_against_dequantized_float32(scaling, transpose_weight, sizes, tail):
+    G, N, K = len(sizes), 136, 200
+    M = sum(sizes) + tail
+    R, W = (K, N) if transpose_weight else (N, K)
+    a, w = _fp8(M, R), _fp8(G, N, K)
+    if scaling == "rowwise":
+        a_inv, w_inv = _factors(M), _factors(G, W)
+    else:
+        a_inv, w_inv = _factors(M, -(-R // 128)), _factors(G, -(-N // 128), -(-K // 128))
+    sizes_t = torch.tensor(sizes, device=DEVICE)
+    kwargs = {"transpose_weight": transpose_weight, "scaling": scaling, "out_dtype": torch.float32}
+    got = fg.grouped_mm(a, a_inv, w, w_inv, sizes_t, **kwargs)
+    want = fg.grouped_mm_reference(a, a_inv, w, w_inv, sizes_t, **kwargs)
+    assert got.shape == (M, W)
+    assert rel_err(got, want) < 1e-5
+    assert torch.all(got[sum(sizes):] == 0)
+
+
+def test_blockwise_scales_apply_per_block():
+    """A factor changed in one 128-deep block changes exactly that block's share."""
+    M, N, K = 64, 128, 256
+    a, w = _fp8(M, K), _fp8(1, N, K)
+    a_inv, w_inv = _factors(M, 2), _factors(1, 1, 2)
+    sizes = torch.tensor([M], device=DEVICE)
+    kwargs = {"transpose_weight": True, "scaling": "blockwise", "out_dtype": torch.float32}
+    base = fg.grouped_mm(a, a_inv, w, w_inv, sizes, **kwargs)
+    w_inv2 = w_inv.clone()
+    w_inv2[0, 0, 1] *= 2
+    second = a[:, 128:].float() * a_inv[:, 1:] @ (w[0, :, 128:].float() * w_inv[0, 0, 1]).t()
+    changed = fg.grouped_mm(a, a_inv, w, w_inv2, sizes, **kwargs)
+    assert rel_err(changed - base, second) < 1e-5
+
+
+@pytest.mark.parametrize("sizes, tail", [([130, 0, 5, 257], 3), ([0], 2), ([128, 128], 0)])
+def test_blockwise_wgrad_against_dequantized_float32(sizes, tail):
+    G, N, K = len(sizes), 72, 136
+    M = sum(sizes) + tail
+    dy, x = _fp8(M, N), _fp8(M, K)
+    blocks = -(-M // 128) + G
+    dy_inv, x_inv = _factors(blocks, N), _factors(blocks, K)
+    sizes_t = torch.tensor(sizes, device=DEVICE)
+    got = fg.blockwise_wgrad(dy, dy_inv, x, x_inv, sizes_t, out_dtype=torch.float32)
+    want = fg.blockwise_wgrad_reference(dy, dy_inv, x, x_inv, sizes_t, out_dtype=torch.float32)
+    assert got.shape == (G, N, K)
+    assert rel_err(got, want) < 1e-5
+    for g, size in enumerate(sizes):
+        if size == 0:
+            assert torch.all(got[g] == 0)
+
+
+def test_bad_scaling_name():
+    with pytest.raises(ValueError, match="scaling"):
+        fg.grouped_mm(_fp8(4, 16), _factors(4), _fp8(1, 16, 16), _factors(1, 16),
+                      torch.tensor([4], device=DEVICE), transpose_weight=True, scaling="tensor")
