@@ -25,7 +25,9 @@ import torch
 from ..kernels import bias as bias_kernels
 from ..kernels import fp8_gemm, grouped_gemm
 from ..kernels import quantize as q
+from ..kernels import quantize_blocks as qb
 from ..kernels import quantize_transposed as qt
+from ..kernels._triton import HAS_TRITON
 from ..recipes import Float8Blockwise, Float8Recipe, Float8Rowwise, Float8Tensorwise
 from .weight_grad import WeightGradSink, route_weight_grads
 
@@ -39,10 +41,26 @@ class Fp8Config:
     sink: WeightGradSink | None
 
 
+def _triton_fp8_available(device: torch.device) -> bool:
+    if device.type != "cuda" or not HAS_TRITON:
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return torch.cuda.get_device_capability(index) >= (8, 9)
+
+
 def fp8_path(recipe: Float8Recipe, x: torch.Tensor, weight: torch.Tensor) -> str:
-    """``"device"`` where real FP8 GEMMs serve the call (sm90, bf16, rowwise or
-    tensorwise, 16-aligned features, a format pair the GEMM takes), else ``"emulated"``."""
+    """Which implementation serves an FP8 call:
+
+    * ``"device"``: torch's FP8 grouped GEMM (sm90, bf16, rowwise or tensorwise,
+      16-aligned features, a format pair the GEMM takes);
+    * ``"triton"``: the Triton block-scaled GEMMs (``Float8Blockwise``, E4M3, bf16, a
+      GPU with FP8 tensor cores);
+    * ``"emulated"``: everything else.
+    """
     G, N, K = weight.shape
+    if (isinstance(recipe, Float8Blockwise) and recipe.fp8_format == "e4m3"
+            and x.dtype == torch.bfloat16 and _triton_fp8_available(x.device)):
+        return "triton"
     if (isinstance(recipe, (Float8Rowwise, Float8Tensorwise)) and x.dtype == torch.bfloat16
             and fp8_gemm.available(x.device) and fp8_gemm.shapes_supported(K, N)
             and fp8_gemm.gemm_accepts(recipe.gradient_dtype, recipe.forward_dtype,
@@ -65,7 +83,8 @@ class Fp8Weight:
     """A weight as the FP8 GEMMs read it, quantized once per step.
 
     ``device`` path: ``forward_data`` ``(G, N, K)`` FP8 with ``forward_inv`` ``(G, N)``
-    and ``dgrad_data`` ``(G, K, N)`` with ``dgrad_inv`` ``(G, K)``. ``emulated`` path:
+    and ``dgrad_data`` ``(G, K, N)`` with ``dgrad_inv`` ``(G, K)``. ``triton`` path:
+    ``forward_data`` ``(G, N, K)`` with ``forward_inv`` ``(G, N/128, K/128)``. ``emulated`` path:
     ``emulated`` ``(G, N, K)`` float32, the dequantized forward weight.
     :meth:`refresh_` re-quantizes into the same buffers (CUDA graphs keep their
     addresses).
@@ -74,16 +93,21 @@ class Fp8Weight:
     def __init__(self, weight: torch.Tensor, recipe: Float8Recipe, path: str) -> None:
         self.recipe, self.path = recipe, path
         weight = weight.detach()
+        self.emulated = None
         if path == "device":
             (self.forward_data, self.forward_inv, self.dgrad_data,
              self.dgrad_inv) = _device_weight(weight, recipe)
-            self.emulated = None
+        elif path == "triton":  # 128x128 blocks: one copy serves forward and dgrad
+            self.forward_data, self.forward_inv = qb.quantize_weight_blocks(
+                weight, recipe.forward_dtype, recipe.power_of_two_scales)
         else:
             self.emulated = _quantize_weight(weight, recipe, dgrad=False)
 
     def buffers(self) -> tuple[torch.Tensor, ...]:
         if self.path == "device":
             return self.forward_data, self.forward_inv, self.dgrad_data, self.dgrad_inv
+        if self.path == "triton":
+            return self.forward_data, self.forward_inv
         return (self.emulated,)
 
     @torch.no_grad()

@@ -17,6 +17,7 @@ from ..kernels import grouped_gemm, triton_gemm
 from ..kernels._triton import HAS_TRITON, interpreting
 from ..recipes import Float8Recipe, check_recipe, current_recipe
 from .fp8 import Fp8Config, Fp8GroupedLinearFunction, Fp8Weight, fp8_path
+from .fp8_blockwise import Fp8BlockwiseFunction
 from .fp8_device import Fp8DeviceGroupedLinearFunction
 from .splits import GroupSplits, normalize_splits
 from .weight_grad import WeightGradSink, route_weight_grads
@@ -324,7 +325,10 @@ def apply_grouped_linear(
         if path == "device" and x.shape[0] > 0:
             return Fp8DeviceGroupedLinearFunction.apply(x, weight, bias, splits.offsets,
                                                         fp8_config, cached_weight)
-        if path == "device":  # no rows: the emulation handles the degenerate case
+        if path == "triton" and x.shape[0] > 0:
+            return Fp8BlockwiseFunction.apply(x, weight, bias, splits.size_tensor, splits.offsets,
+                                              fp8_config, cached_weight)
+        if path != "emulated":  # no rows: the emulation handles the degenerate case
             cached_weight = None
         return Fp8GroupedLinearFunction.apply(x, weight, bias, splits.offsets, fp8_config,
                                               cached_weight)

@@ -166,3 +166,66 @@ def test_fp8_step_in_cuda_graph(recipe):
                 assert rel_err(a, b) < 6e-2, (sizes, name, rel_err(a, b))
             else:
                 assert torch.all(a == 0)
+
+
+TRITON_FP8 = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
+
+
+@pytest.mark.skipif(not TRITON_FP8, reason="needs FP8 tensor cores (sm89+)")
+@pytest.mark.parametrize("split_kind", ["list", "cuda"])
+def test_blockwise_runs_the_triton_gemms_and_matches_float64(split_kind):
+    x = torch.randn(4, K, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(2, N, K, device="cuda", dtype=torch.bfloat16)
+    assert fp8_path(Float8Blockwise(), x, w) == "triton"
+    got, ref, _ = _step(Float8Blockwise(), split_kind)
+    for name, a, b in zip(("y", "dx", "dW", "db"), got, ref):
+        err = rel_err(a, b)
+        print(f"Float8Blockwise {split_kind} {name}: {err:.4f}")
+        assert err < 4e-2, (name, err)
+    assert torch.all(got[0][sum(SIZES):] == 0) and torch.all(got[1][sum(SIZES):] == 0)
+
+
+@pytest.mark.skipif(not TRITON_FP8, reason="needs FP8 tensor cores (sm89+)")
+def test_blockwise_beats_rowwise_on_outlier_channels_on_cuda():
+    sizes, K_ = [96, 0, 160], 512
+    x = torch.randn(sum(sizes), K_, device="cuda")
+    w = torch.randn(3, 64, K_, device="cuda") / K_ ** 0.5
+    x[:, :128] *= 1e4
+    w[:, :, :128] /= 1e4
+    x, w = x.to(torch.bfloat16), w.to(torch.bfloat16)
+    ref = reference_grads(x, w, None, sizes, torch.zeros(sum(sizes), 64))[0]
+    err = {type(r).__name__: rel_err(gl.grouped_linear(x, w, None, sizes, recipe=r), ref)
+           for r in (Float8Rowwise(), Float8Blockwise())}
+    print("outlier channels x1e4:", err)
+    assert err["Float8Blockwise"] < 4e-2 and err["Float8Blockwise"] < 0.85 * err["Float8Rowwise"]
+
+
+@pytest.mark.skipif(not TRITON_FP8, reason="needs FP8 tensor cores (sm89+)")
+def test_blockwise_unaligned_and_empty_groups_and_cuda_graph():
+    for sizes in ([1, 15, 17, 0, 33], [0, 0, 700, 0, 0], [0, 0, 0, 0, 0]):
+        got, ref, _ = _step(Float8Blockwise(), sizes=sizes, tail=5)
+        for name, a, b in zip(("y", "dx", "dW", "db"), got, ref):
+            assert torch.isfinite(a).all()
+            assert rel_err(a, b) < 4e-2 if sum(sizes) else torch.all(a == 0), (sizes, name)
+    G, M = 6, 900
+    layer = gl.GroupedLinear(G, K, N, params_dtype=torch.bfloat16, device="cuda",
+                             recipe=Float8Blockwise())
+    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    grad_out = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
+    splits = torch.tensor([M // G] * G, device="cuda")
+
+    def step():
+        layer.zero_grad(set_to_none=True)
+        x.grad = None
+        y = layer(x, splits, is_first_microbatch=True)
+        y.backward(grad_out)
+        return y
+
+    graph, y = _capture(step)
+    for sizes in NEW_SPLITS[:3]:
+        splits.copy_(torch.tensor(sizes))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref = reference_grads(x, layer.weight, layer.bias, sizes, grad_out)
+        for name, a, b in zip(("y", "dx", "dW"), (y, x.grad, layer.weight.grad), ref):
+            assert rel_err(a, b) < 4e-2, (sizes, name, rel_err(a, b))

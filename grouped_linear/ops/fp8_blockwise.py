@@ -1,0 +1,73 @@
+"""FP8 block scaling (``Float8Blockwise``) with the Triton FP8 grouped GEMMs.
+
+* forward: ``x`` in 1x128 tiles, the weight in 128x128 blocks (quantized once per step
+  by the module's cache);
+* dgrad: ``dy`` in 1x128 tiles times the same FP8 weight read the other way round
+  (a 128x128 block serves both orientations, so the weight is quantized once);
+* wgrad: ``dy`` and ``x`` in blocks of 128 tokens of each group, per column.
+
+One fused quantization pass per operand (:mod:`grouped_linear.kernels.quantize_blocks`),
+GEMMs from :mod:`grouped_linear.kernels.fp8_triton_gemm`; any group size, rows past the
+splits' sum written as zeros by the GEMMs themselves, nothing read back to the host.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..kernels import bias as bias_kernels
+from ..kernels import fp8_triton_gemm as fg
+from ..kernels import quantize_blocks as qb
+from .fp8 import Fp8Config, Fp8Weight, quantize_weight
+from .weight_grad import route_weight_grads
+
+__all__ = ["Fp8BlockwiseFunction"]
+
+
+class Fp8BlockwiseFunction(torch.autograd.Function):
+    """``y = x @ W_g^T + b_g`` per group with the three GEMMs in block-scaled FP8."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, sizes, offsets, config: Fp8Config, cached: Fp8Weight | None):
+        recipe = config.recipe
+        x_data, x_inv = qb.quantize_row_tiles(x, recipe.forward_dtype, recipe.power_of_two_scales)
+        w = cached if cached is not None else quantize_weight(weight.detach(), recipe, "triton")
+        out = fg.grouped_mm(x_data, x_inv, w.forward_data, w.forward_inv, sizes,
+                            transpose_weight=True, scaling="blockwise", out_dtype=x.dtype)
+        if bias is not None:
+            out = bias_kernels.bias_epilogue_(out, bias, offsets, False)
+        ctx.save_for_backward(x, weight, sizes, offsets, w.forward_data, w.forward_inv)
+        ctx.config = config
+        ctx.bias_dtype = bias.dtype if bias is not None else None
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight, sizes, offsets, w_data, w_inv = ctx.saved_tensors
+        config: Fp8Config = ctx.config
+        recipe = config.recipe
+        fp8_grad, pow2 = recipe.gradient_dtype, recipe.power_of_two_scales
+        grad_out = grad_out.contiguous()
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            dy_data, dy_inv = qb.quantize_row_tiles(grad_out, fp8_grad, pow2)
+            grad_x = fg.grouped_mm(dy_data, dy_inv, w_data, w_inv, sizes, transpose_weight=False,
+                                   scaling="blockwise", out_dtype=x.dtype)
+        need_w = ctx.needs_input_grad[1]
+        need_b = ctx.bias_dtype is not None and ctx.needs_input_grad[2]
+        bias_dtype = ctx.bias_dtype
+
+        def weight_and_bias_grads():
+            grad_w = grad_b = None
+            if need_w:
+                dy_blocks, dy_inv_blocks = qb.quantize_token_blocks(grad_out, sizes, fp8_grad, pow2)
+                x_blocks, x_inv_blocks = qb.quantize_token_blocks(x, sizes, recipe.forward_dtype,
+                                                                  pow2)
+                grad_w = fg.blockwise_wgrad(dy_blocks, dy_inv_blocks, x_blocks, x_inv_blocks,
+                                            sizes, out_dtype=weight.dtype)
+            if need_b:
+                grad_b = bias_kernels.bias_grad(grad_out, offsets, bias_dtype)
+            return grad_w, grad_b
+
+        grad_w, grad_b = route_weight_grads(config.sink, need_w or need_b, weight_and_bias_grads)
+        return grad_x, grad_w, grad_b, None, None, None, None
