@@ -12,9 +12,9 @@ Columns, measured in one process on the same random inputs per shape:
 * ``gl_nobias``: :class:`grouped_linear.GroupedLinear` without bias;
 * ``grouped_linear``: :class:`grouped_linear.GroupedLinear` (with its bias, the
   default layer); both called with the splits as a device int64 tensor;
-* ``fp8_row`` / ``fp8_tensor``: ``GroupedLinear`` without bias under
-  ``Float8Rowwise()`` / ``Float8Tensorwise()`` (CUDA, bf16), the weight quantized on
-  every call (no cache across microbatches), on the exact splits.
+* ``fp8_row`` / ``fp8_tensor`` / ``fp8_block``: ``GroupedLinear`` without bias under
+  ``Float8Rowwise()`` / ``Float8Tensorwise()`` / ``Float8Blockwise()`` (CUDA, bf16), the
+  weight quantized on every call (no cache across microbatches), on the exact splits.
 
 A latency row (``small_8x128``: 8 groups of 128 rows, 1024 -> 1024) follows the
 packaged shapes on CUDA.
@@ -45,12 +45,14 @@ from .timing import format_table, median_seconds, peak_memory_bytes, progress
 __all__ = ["COLUMNS", "Shape", "load_shapes", "scale_for_cpu", "run_bench", "render_table"]
 
 COLUMNS = ("dense", "loop", "torch", "torchao", "gl_nobias", "grouped_linear", "fp8_row",
-           "fp8_tensor")
-_FP8_COLUMNS = {"fp8_row": gl.recipes.Float8Rowwise, "fp8_tensor": gl.recipes.Float8Tensorwise}
+           "fp8_tensor", "fp8_block")
+_FP8_COLUMNS = {"fp8_row": gl.recipes.Float8Rowwise, "fp8_tensor": gl.recipes.Float8Tensorwise,
+                "fp8_block": gl.recipes.Float8Blockwise}
 # (label, column, baseline): the ratios of TFLOP/s the report computes per shape.
 _RATIOS = (("gl/torch", "grouped_linear", "torch"), ("gl/loop", "grouped_linear", "loop"),
            ("nobias/torch", "gl_nobias", "torch"), ("row/torch", "fp8_row", "torch"),
-           ("tensor/torch", "fp8_tensor", "torch"), ("row/torchao", "fp8_row", "torchao"))
+           ("tensor/torch", "fp8_tensor", "torch"), ("block/torch", "fp8_block", "torch"),
+           ("row/torchao", "fp8_row", "torchao"))
 SMALL_SHAPE_NAME = "small_8x128"
 COPY_BANDWIDTH = 4.25e12  # bytes/s read + written, device-to-device copy measured on the H200
 CPU_SPLIT_DIVISOR = 64
@@ -403,7 +405,7 @@ def render_table(report: dict) -> str:
     peak memory, bias overhead against its one-pass bound, and latencies in µs."""
     columns = report["columns"]
     short = {"grouped_linear": "gl", "gl_nobias": "nobias", "fp8_row": "row",
-             "fp8_tensor": "tensor"}
+             "fp8_tensor": "tensor", "fp8_block": "block"}
     on_cuda = report["device"].startswith("cuda")
     ratios = [(label, base) for label, name, base in _RATIOS if name in columns and base in columns]
     headers = ["shape", "G", "M", "K", "N", *(short.get(c, c) for c in columns),
