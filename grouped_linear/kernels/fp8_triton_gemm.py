@@ -96,8 +96,8 @@ def _fp8_grouped_mm_kernel(a_ptr, a_inv_ptr, b_ptr, b_inv_ptr, out_ptr, sizes_pt
 
 @triton.jit
 def _fp8_blockwise_wgrad_kernel(dy_ptr, dy_inv_ptr, x_ptr, x_inv_ptr, dw_ptr, sizes_ptr, M, N, K, G,
-                                stride_dym, stride_xm, stride_dyi, stride_xi, stride_dwg,
-                                stride_dwn, UPCAST: tl.constexpr, BLOCK_T: tl.constexpr,
+                                stride_dym, stride_dyn, stride_xm, stride_xk, stride_dyi, stride_xi,
+                                stride_dwg, stride_dwn, UPCAST: tl.constexpr, BLOCK_T: tl.constexpr,
                                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                                 BLOCK_G: tl.constexpr):
     """One (group, N tile, K tile): the group's tokens in blocks of ``BLOCK_T`` (= the
@@ -120,9 +120,11 @@ def _fp8_blockwise_wgrad_kernel(dy_ptr, dy_inv_ptr, x_ptr, x_inv_ptr, dw_ptr, si
         block = first_block + (t0 - start) // BLOCK_T
         tokens = t0 + tl.arange(0, BLOCK_T)
         t_mask = tokens < end
-        dy_t = tl.load(dy_ptr + tokens.to(tl.int64)[None, :] * stride_dym + cols_n[:, None],
+        dy_t = tl.load(dy_ptr + tokens.to(tl.int64)[None, :] * stride_dym
+                       + cols_n.to(tl.int64)[:, None] * stride_dyn,
                        mask=n_mask[:, None] & t_mask[None, :], other=0.0)
-        x = tl.load(x_ptr + tokens.to(tl.int64)[:, None] * stride_xm + cols_k[None, :],
+        x = tl.load(x_ptr + tokens.to(tl.int64)[:, None] * stride_xm
+                    + cols_k.to(tl.int64)[None, :] * stride_xk,
                     mask=t_mask[:, None] & k_mask[None, :], other=0.0)
         dy_scale = tl.load(dy_inv_ptr + block.to(tl.int64) * stride_dyi + cols_n, mask=n_mask,
                            other=0.0)
@@ -161,6 +163,7 @@ def grouped_mm(a: torch.Tensor, a_inv: torch.Tensor, weight: torch.Tensor, w_inv
     out = torch.empty(M, width, device=a.device, dtype=out_dtype)
     if M == 0 or width == 0:
         return out
+    a, weight = _operand(a), _operand(weight)
     if transpose_weight:  # B_g[r, w] = W_g[w, r]
         b_strides = (weight.stride(0), weight.stride(2), weight.stride(1))
         s_strides = (w_inv.stride(0), w_inv.stride(2), w_inv.stride(1)) if scaling == "blockwise" \
@@ -174,7 +177,7 @@ def grouped_mm(a: torch.Tensor, a_inv: torch.Tensor, weight: torch.Tensor, w_inv
     programs = max(1, min(_program_count(a.device), upper_tiles))
     a_inv = a_inv.contiguous()
     _fp8_grouped_mm_kernel[(programs,)](
-        _operand(a), a_inv, _operand(weight), w_inv, out, sizes, M, width, R, G,
+        a, a_inv, weight, w_inv, out, sizes, M, width, R, G,
         a.stride(0), a_inv.stride(0) if a_inv.dim() == 2 else 1, *b_strides, *s_strides,
         out.stride(0), BLOCKWISE=scaling == "blockwise", UPCAST=a.device.type == "cpu",
         BLOCK_M=block_m, BLOCK_N=BLOCK, BLOCK_K=BLOCK, BLOCK_G=triton.next_power_of_2(G + 1),
@@ -212,7 +215,9 @@ def blockwise_wgrad(dy: torch.Tensor, dy_inv: torch.Tensor, x: torch.Tensor, x_i
                     sizes: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """``(G, N, K)``: ``dW_g = dy_g^T @ x_g`` from FP8 ``dy`` ``(M, N)`` and ``x`` ``(M, K)``
     with factors ``(blocks, N)`` / ``(blocks, K)`` per 128-token block of each group
-    (block ``i`` of group ``g`` is number ``sum_{h<g} cdiv(size_h, 128) + i``)."""
+    (block ``i`` of group ``g`` is number ``sum_{h<g} cdiv(size_h, 128) + i``). Any
+    strides: token-contiguous operands (``.t()`` of ``(C, M)`` data) are what FP8 tensor
+    cores read without a transpose."""
     M, N = dy.shape
     K = x.shape[1]
     G = sizes.shape[0]
@@ -221,8 +226,9 @@ def blockwise_wgrad(dy: torch.Tensor, dy_inv: torch.Tensor, x: torch.Tensor, x_i
         return dw
     block_n = block_k = 64 if dy.device.type == "cpu" else 128
     grid = (G * triton.cdiv(N, block_n) * triton.cdiv(K, block_k),)
+    dy, x = _operand(dy), _operand(x)
     _fp8_blockwise_wgrad_kernel[grid](
-        _operand(dy), dy_inv, _operand(x), x_inv, dw, sizes, M, N, K, G, dy.stride(0), x.stride(0),
+        dy, dy_inv, x, x_inv, dw, sizes, M, N, K, G, *dy.stride(), *x.stride(),
         dy_inv.stride(0), x_inv.stride(0), dw.stride(0), dw.stride(1),
         UPCAST=dy.device.type == "cpu", BLOCK_T=BLOCK, BLOCK_N=block_n, BLOCK_K=block_k,
         BLOCK_G=triton.next_power_of_2(G + 1), num_warps=8, num_stages=3,

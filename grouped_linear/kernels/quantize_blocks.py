@@ -228,7 +228,8 @@ def quantize_token_blocks_reference(t: torch.Tensor, sizes: torch.Tensor, fp8_dt
 
 @triton.jit
 def _quantize_token_blocks_kernel(t_ptr, sizes_ptr, q_ptr, inv_ptr, M, C, G, stride_tm, stride_tc,
-                                  FP8_MAX: tl.constexpr, POW2: tl.constexpr, TILE: tl.constexpr,
+                                  stride_qm, stride_qc, FP8_MAX: tl.constexpr,
+                                  POW2: tl.constexpr, TILE: tl.constexpr,
                                   BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
                                   BLOCK_G: tl.constexpr):
     """Global block ``pid0`` x columns ``[pid1 * BLOCK_C, +BLOCK_C)``.
@@ -236,7 +237,8 @@ def _quantize_token_blocks_kernel(t_ptr, sizes_ptr, q_ptr, inv_ptr, M, C, G, str
     Blocks are numbered group after group, then the tail (rows past the last group,
     cut into ``TILE`` rows too), then unused ones: a group's block gets one scale per
     column; a tail block writes zeros and ``inv`` 1; an unused block only ``inv`` 1.
-    ``q`` is contiguous ``(M, C)``, ``inv`` ``(cdiv(M, TILE) + G, C)``, ``BLOCK_G > G``."""
+    ``q[m, c]`` is at ``q_ptr + m * stride_qm + c * stride_qc``, ``inv``
+    ``(cdiv(M, TILE) + G, C)``, ``BLOCK_G > G``."""
     b = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     col_mask = cols < C
@@ -258,28 +260,39 @@ def _quantize_token_blocks_kernel(t_ptr, sizes_ptr, q_ptr, inv_ptr, M, C, G, str
                      other=0.0).to(tl.float32)
     scale = _scale(tl.max(tl.abs(values), axis=0), FP8_MAX, POW2)  # 1 outside groups
     scaled = tl.clamp(values * scale[None, :], -FP8_MAX, FP8_MAX)
-    tl.store(q_ptr + rows64 * C + cols64, scaled.to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(q_ptr + rows64 * stride_qm + cols64 * stride_qc, scaled.to(q_ptr.dtype.element_ty),
+             mask=mask)
     tl.store(inv_ptr + b.to(tl.int64) * C + cols, 1.0 / scale, mask=col_mask)
 
 
 def quantize_token_blocks(t: torch.Tensor, sizes: torch.Tensor, fp8_dtype: torch.dtype,
-                          power_of_two: bool, tile: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+                          power_of_two: bool, tile: int = 128, transpose: bool = False
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(M, C)`` (any float dtype, any strides) with rows split into groups by ``sizes``
     (``(G,)`` integers on ``t``'s device, never read on the host) -> contiguous FP8
     ``(M, C)`` and float32 ``(cdiv(M, tile) + G, C)`` factors:
     ``t[m, c] ~= data[m, c] * inv[token_block_index(sizes, M, tile)[m], c]`` for rows of a
-    group; rows past the last group are 0, unused rows of ``inv`` are 1."""
+    group; rows past the last group are 0, unused rows of ``inv`` are 1.
+
+    ``transpose=True`` returns the data as ``(C, M)`` instead (token-contiguous, row
+    stride a multiple of 16 on GPUs): the layout FP8 tensor cores read the weight
+    gradient's operands in, since that GEMM reduces over the tokens."""
     M, C = t.shape
     G = sizes.shape[0]
     if not use_triton(t) or t.numel() == 0:
-        return quantize_token_blocks_reference(t, sizes, fp8_dtype, power_of_two, tile)
+        data, inv = quantize_token_blocks_reference(t, sizes, fp8_dtype, power_of_two, tile)
+        return (data.t().contiguous() if transpose else data), inv
     sizes = sizes.to(t.device).contiguous()  # no-ops for sizes already on the device
     blocks = num_token_blocks(M, G, tile)
-    data = _fp8_buffer((M, C), t.device, fp8_dtype)
+    if transpose and t.device.type != "cpu":
+        data = torch.empty(C, -(-M // 16) * 16, device=t.device, dtype=fp8_dtype)[:, :M]
+    else:
+        data = _fp8_buffer((C, M) if transpose else (M, C), t.device, fp8_dtype)
+    stride_qm, stride_qc = (data.stride(1), data.stride(0)) if transpose else data.stride()
     inv = torch.empty(blocks, C, device=t.device, dtype=torch.float32)
     block_c, warps = TOKEN_BLOCKS_CONFIG
     _quantize_token_blocks_kernel[(blocks, triton.cdiv(C, block_c))](
-        t, sizes, data, inv, M, C, G, t.stride(0), t.stride(1),
+        t, sizes, data, inv, M, C, G, t.stride(0), t.stride(1), stride_qm, stride_qc,
         FP8_MAX=torch.finfo(fp8_dtype).max, POW2=power_of_two, TILE=tile,
         BLOCK_T=triton.next_power_of_2(tile), BLOCK_C=block_c,
         BLOCK_G=max(2, triton.next_power_of_2(G + 1)), num_warps=warps,

@@ -97,9 +97,11 @@ class Fp8Weight:
         if path == "device":
             (self.forward_data, self.forward_inv, self.dgrad_data,
              self.dgrad_inv) = _device_weight(weight, recipe)
-        elif path == "triton":  # 128x128 blocks: one copy serves forward and dgrad
+        elif path == "triton":  # 128x128 blocks: dgrad reads the same factors transposed
             self.forward_data, self.forward_inv = qb.quantize_weight_blocks(
                 weight, recipe.forward_dtype, recipe.power_of_two_scales)
+            self.dgrad_data = self.forward_data.transpose(1, 2).contiguous()
+            self.dgrad_inv = self.forward_inv.transpose(1, 2)  # a view: refreshed with it
         else:
             self.emulated = _quantize_weight(weight, recipe, dgrad=False)
 
@@ -107,7 +109,7 @@ class Fp8Weight:
         if self.path == "device":
             return self.forward_data, self.forward_inv, self.dgrad_data, self.dgrad_inv
         if self.path == "triton":
-            return self.forward_data, self.forward_inv
+            return self.forward_data, self.forward_inv, self.dgrad_data
         return (self.emulated,)
 
     @torch.no_grad()

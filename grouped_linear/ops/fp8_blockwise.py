@@ -2,9 +2,10 @@
 
 * forward: ``x`` in 1x128 tiles, the weight in 128x128 blocks (quantized once per step
   by the module's cache);
-* dgrad: ``dy`` in 1x128 tiles times the same FP8 weight read the other way round
-  (a 128x128 block serves both orientations, so the weight is quantized once);
-* wgrad: ``dy`` and ``x`` in blocks of 128 tokens of each group, per column.
+* dgrad: ``dy`` in 1x128 tiles times the same FP8 weight blocks, transposed once per
+  step (a 128x128 block serves both orientations, so the weight is quantized once);
+* wgrad: ``dy`` and ``x`` in blocks of 128 tokens of each group, per column, written
+  token-contiguous by their quantization kernel (the GEMM reduces over the tokens).
 
 One fused quantization pass per operand (:mod:`grouped_linear.kernels.quantize_blocks`),
 GEMMs from :mod:`grouped_linear.kernels.fp8_triton_gemm`; any group size, rows past the
@@ -36,14 +37,14 @@ class Fp8BlockwiseFunction(torch.autograd.Function):
                             transpose_weight=True, scaling="blockwise", out_dtype=x.dtype)
         if bias is not None:
             out = bias_kernels.bias_epilogue_(out, bias, offsets, False)
-        ctx.save_for_backward(x, weight, sizes, offsets, w.forward_data, w.forward_inv)
+        ctx.save_for_backward(x, weight, sizes, offsets, w.dgrad_data, w.dgrad_inv)
         ctx.config = config
         ctx.bias_dtype = bias.dtype if bias is not None else None
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        x, weight, sizes, offsets, w_data, w_inv = ctx.saved_tensors
+        x, weight, sizes, offsets, wt_data, wt_inv = ctx.saved_tensors
         config: Fp8Config = ctx.config
         recipe = config.recipe
         fp8_grad, pow2 = recipe.gradient_dtype, recipe.power_of_two_scales
@@ -51,7 +52,7 @@ class Fp8BlockwiseFunction(torch.autograd.Function):
         grad_x = None
         if ctx.needs_input_grad[0]:
             dy_data, dy_inv = qb.quantize_row_tiles(grad_out, fp8_grad, pow2)
-            grad_x = fg.grouped_mm(dy_data, dy_inv, w_data, w_inv, sizes, transpose_weight=False,
+            grad_x = fg.grouped_mm(dy_data, dy_inv, wt_data, wt_inv, sizes, transpose_weight=True,
                                    scaling="blockwise", out_dtype=x.dtype)
         need_w = ctx.needs_input_grad[1]
         need_b = ctx.bias_dtype is not None and ctx.needs_input_grad[2]
@@ -60,11 +61,12 @@ class Fp8BlockwiseFunction(torch.autograd.Function):
         def weight_and_bias_grads():
             grad_w = grad_b = None
             if need_w:
-                dy_blocks, dy_inv_blocks = qb.quantize_token_blocks(grad_out, sizes, fp8_grad, pow2)
-                x_blocks, x_inv_blocks = qb.quantize_token_blocks(x, sizes, recipe.forward_dtype,
-                                                                  pow2)
-                grad_w = fg.blockwise_wgrad(dy_blocks, dy_inv_blocks, x_blocks, x_inv_blocks,
-                                            sizes, out_dtype=weight.dtype)
+                dy_t, dy_inv_blocks = qb.quantize_token_blocks(grad_out, sizes, fp8_grad, pow2,
+                                                               transpose=True)
+                x_t, x_inv_blocks = qb.quantize_token_blocks(x, sizes, recipe.forward_dtype, pow2,
+                                                             transpose=True)
+                grad_w = fg.blockwise_wgrad(dy_t.t(), dy_inv_blocks, x_t.t(), x_inv_blocks, sizes,
+                                            out_dtype=weight.dtype)
             if need_b:
                 grad_b = bias_kernels.bias_grad(grad_out, offsets, bias_dtype)
             return grad_w, grad_b

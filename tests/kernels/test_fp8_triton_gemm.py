@@ -54,11 +54,14 @@ def test_blockwise_scales_apply_per_block():
     assert rel_err(changed - base, second) < 1e-5
 
 
+@pytest.mark.parametrize("token_major", [False, True])
 @pytest.mark.parametrize("sizes, tail", [([130, 0, 5, 257], 3), ([0], 2), ([128, 128], 0)])
-def test_blockwise_wgrad_against_dequantized_float32(sizes, tail):
+def test_blockwise_wgrad_against_dequantized_float32(sizes, tail, token_major):
     G, N, K = len(sizes), 72, 136
     M = sum(sizes) + tail
     dy, x = _fp8(M, N), _fp8(M, K)
+    if token_major:  # (C, M) storage read through .t() views, as the layer passes them
+        dy, x = dy.t().contiguous().t(), x.t().contiguous().t()
     blocks = -(-M // 128) + G
     dy_inv, x_inv = _factors(blocks, N), _factors(blocks, K)
     sizes_t = torch.tensor(sizes, device=DEVICE)

@@ -209,3 +209,15 @@ def test_token_blocks_degenerate():
     data, inv = qb.quantize_token_blocks(t, torch.zeros(0, dtype=torch.int64, device=DEVICE), E4M3,
                                          False)
     assert torch.all(data.float() == 0) and inv.shape == (1, 8) and torch.all(inv == 1)
+
+
+@pytest.mark.parametrize("sizes, tail", [([0, 1, 129, 130, 0], 5), ([300], 0)])
+def test_token_blocks_transposed_layout(sizes, tail):
+    M, C = sum(sizes) + tail, 70
+    t = (torch.randn(M, C) * 7).to(DEVICE)
+    size_tensor = torch.tensor(sizes, device=DEVICE)
+    data, inv = qb.quantize_token_blocks(t, size_tensor, E4M3, False)
+    data_t, inv_t = qb.quantize_token_blocks(t, size_tensor, E4M3, False, transpose=True)
+    assert data_t.shape == (C, M) and data_t.stride(1) == 1
+    assert torch.equal(inv_t, inv)
+    assert torch.equal(data_t.t().float(), data.float())
