@@ -235,10 +235,10 @@ class GroupedLinear(nn.Module):
                 queue=self._pending_wgrads,
             )
         tp = self.tp
-        in_local = tp.local_features(self.in_features, self.out_features)[0]
         bias = self.grouped_bias() if add_bias else None
         weight = self.grouped_weight()
         if tp.size > 1:
+            in_local = tp.local_features(self.in_features, self.out_features)[0]
             x, m_splits = join_inputs(x, m_splits, in_local)
             m_splits = normalize_splits(m_splits, num_groups=self.num_gemms,
                                         num_rows=x.shape[0], device=x.device)

@@ -269,8 +269,7 @@ def join_inputs(
     return x, m_splits
 
 
-def _cast_for_autocast(x, weight, bias):
-    device_type = x.device.type
+def _cast_for_autocast(x, weight, bias, device_type: str):
     if torch.is_autocast_enabled(device_type):
         dtype = torch.get_autocast_dtype(device_type)
         x, weight = x.to(dtype), weight.to(dtype)
@@ -302,24 +301,27 @@ def apply_grouped_linear(
             raise ValueError(
                 f"bias has shape {tuple(bias.shape)}, expected ({num_groups}, {out_features})"
             )
-    x, weight, bias = _cast_for_autocast(x, weight, bias)
+    device = x.device  # read once: every read builds a new torch.device
+    device_type = device.type
+    x, weight, bias = _cast_for_autocast(x, weight, bias, device_type)
+    dtype, num_rows = x.dtype, x.shape[0]
     for name, tensor in (("weight", weight), ("bias", bias)):
         if tensor is None:
             continue
-        if tensor.device != x.device:
-            raise ValueError(f"{name} is on {tensor.device} but x is on {x.device}")
-        if tensor.dtype != x.dtype:
+        if tensor.device != device:
+            raise ValueError(f"{name} is on {tensor.device} but x is on {device}")
+        if tensor.dtype != dtype:
             raise TypeError(
-                f"{name} has dtype {tensor.dtype} but x has dtype {x.dtype}: outside "
+                f"{name} has dtype {tensor.dtype} but x has dtype {dtype}: outside "
                 "torch.autocast the input and parameter dtypes must match"
             )
-    if not (x.is_floating_point()):
-        raise TypeError(f"x has dtype {x.dtype}: expected a floating-point tensor")
+    if not x.is_floating_point():
+        raise TypeError(f"x has dtype {dtype}: expected a floating-point tensor")
     splits: GroupSplits = normalize_splits(
-        m_splits, num_groups=num_groups, num_rows=x.shape[0], device=x.device
+        m_splits, num_groups=num_groups, num_rows=num_rows, device=device
     )
-    resolved = resolve_backend(backend, x.device, x.dtype, in_features, out_features, x.shape[0])
-    if check_recipe(recipe, x.device) is not None:
+    resolved = resolve_backend(backend, device, dtype, in_features, out_features, num_rows)
+    if recipe is not None and check_recipe(recipe, device) is not None:
         fp8_config = Fp8Config(recipe, splits.may_have_tail, sink)
         path = cached_weight.path if cached_weight is not None else fp8_path(recipe, x, weight)
         if path == "device" and x.shape[0] > 0:
@@ -337,7 +339,7 @@ def apply_grouped_linear(
     else:
         groups = splits.offsets
     host_offsets = None
-    if resolved == "loop" and x.device.type != "cpu" and splits.on_host:
+    if resolved == "loop" and device_type != "cpu" and splits.on_host:
         host_offsets = splits.host_offsets()
     needs_graph = torch.is_grad_enabled() and (
         x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
