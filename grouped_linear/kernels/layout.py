@@ -19,7 +19,8 @@ from ._triton import tl, triton, use_triton
 from .bias import _row_group
 
 __all__ = ["relayout", "relayout_reference", "gather_rows", "gather_rows_reference",
-           "combine_rows", "combine_rows_reference", "routing_map", "routing_map_reference"]
+           "combine_rows", "combine_rows_reference", "spread_rows", "spread_rows_reference",
+           "routing_map", "routing_map_reference"]
 
 
 def _starts(ends: torch.Tensor) -> torch.Tensor:
@@ -115,17 +116,21 @@ def combine_rows_reference(src: torch.Tensor, row_map: torch.Tensor,
 
 @triton.jit
 def _gather_rows_kernel(src_ptr, dst_ptr, index_ptr, scale_ptr, R, R_src, H, stride_src,
-                        stride_dst, HAS_SCALE: tl.constexpr, BLOCK_R: tl.constexpr,
-                        BLOCK_H: tl.constexpr):
+                        stride_dst, slots_per_row, HAS_SCALE: tl.constexpr, BY_SLOT: tl.constexpr,
+                        BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr):
+    """``dst[r] = scale * src[i]``. Plain: ``i = index[r]``, ``scale[r]``. ``BY_SLOT``:
+    ``index[r]`` is a slot ``s``, ``i = s // slots_per_row`` and the scale is ``scale[s]``."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     col_mask = (cols < H)[None, :]
     index = tl.load(index_ptr + rows, mask=rows < R, other=-1).to(tl.int64)
-    valid = (index >= 0) & (index < R_src)
-    values = tl.load(src_ptr + index[:, None] * stride_src + cols[None, :],
+    source = index // slots_per_row if BY_SLOT else index
+    valid = (index >= 0) & (source < R_src)
+    values = tl.load(src_ptr + source[:, None] * stride_src + cols[None, :],
                      mask=valid[:, None] & col_mask, other=0.0)
     if HAS_SCALE:
-        scale = tl.load(scale_ptr + rows, mask=valid, other=0.0).to(tl.float32)
+        scale = tl.load(scale_ptr + (index if BY_SLOT else rows), mask=valid,
+                        other=0.0).to(tl.float32)
         values = values.to(tl.float32) * scale[:, None]
     tl.store(dst_ptr + rows.to(tl.int64)[:, None] * stride_dst + cols[None, :],
              values.to(dst_ptr.dtype.element_ty), mask=(rows < R)[:, None] & col_mask)
@@ -174,7 +179,55 @@ def gather_rows(src: torch.Tensor, index: torch.Tensor,
     block_r, block_h = 16, min(256, triton.next_power_of_2(H))
     _gather_rows_kernel[(triton.cdiv(R, block_r), triton.cdiv(H, block_h))](
         src, out, index.contiguous(), scale.contiguous() if scale is not None else src, R,
-        src.shape[0], H, src.stride(0), out.stride(0), HAS_SCALE=scale is not None,
+        src.shape[0], H, src.stride(0), out.stride(0), 1, HAS_SCALE=scale is not None,
+        BY_SLOT=False, BLOCK_R=block_r, BLOCK_H=block_h)
+    return out.to(src.dtype)
+
+
+def spread_rows_reference(src: torch.Tensor, row_map: torch.Tensor, num_rows: int,
+                          weights: torch.Tensor | None) -> torch.Tensor:
+    """``(T, H)`` -> ``(num_rows, H)``: ``out[row_map[t, j]] = weights[t, j] * src[t]`` (in
+    float32, or float64 when either input is) for the slots whose row lies in
+    ``[0, num_rows)``; rows no slot holds are 0. Rows held by a slot must be distinct."""
+    tokens, k = row_map.shape
+    wide = src.dtype == torch.float64 or (weights is not None and weights.dtype == torch.float64)
+    acc = torch.float64 if wide else torch.float32
+    flat = row_map.reshape(-1).to(torch.int64)
+    valid = (flat >= 0) & (flat < num_rows)
+    out = torch.zeros(num_rows + 1, *src.shape[1:], dtype=acc, device=src.device)
+    rows = src.to(acc).repeat_interleave(k, dim=0)
+    if weights is not None:
+        rows = rows * weights.reshape(-1, 1).to(acc)
+    out.index_copy_(0, torch.where(valid, flat, num_rows), rows)
+    return out[:num_rows].to(src.dtype)
+
+
+@triton.jit
+def _slot_of_row_kernel(map_ptr, slot_ptr, S, N, BLOCK: tl.constexpr):
+    """``slot[map[s]] = s`` for the slots ``s`` whose row is in ``[0, N)``."""
+    slots = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    rows = tl.load(map_ptr + slots, mask=slots < S, other=-1).to(tl.int64)
+    tl.store(slot_ptr + rows, slots.to(tl.int64), mask=(slots < S) & (rows >= 0) & (rows < N))
+
+
+def spread_rows(src: torch.Tensor, row_map: torch.Tensor, num_rows: int,
+                weights: torch.Tensor | None) -> torch.Tensor:
+    """:func:`spread_rows_reference` as an inverse slot map (one small kernel) and a
+    gather of whole rows (every output row written once, no zero-fill pass)."""
+    tokens, k = row_map.shape
+    if (not _rows_kernel_ok(src) or tokens == 0 or k == 0 or num_rows == 0
+            or (weights is not None and weights.dtype == torch.float64)):
+        return spread_rows_reference(src, row_map, num_rows, weights)
+    slot_of_row = torch.full((num_rows,), -1, device=src.device, dtype=torch.int64)
+    _slot_of_row_kernel[(triton.cdiv(tokens * k, 1024),)](
+        row_map.contiguous(), slot_of_row, tokens * k, num_rows, BLOCK=1024)
+    H = src.shape[1]
+    out_dtype = torch.float32 if weights is not None and src.device.type == "cpu" else src.dtype
+    out = torch.empty(num_rows, H, device=src.device, dtype=out_dtype)
+    block_r, block_h = 16, min(256, triton.next_power_of_2(H))
+    _gather_rows_kernel[(triton.cdiv(num_rows, block_r), triton.cdiv(H, block_h))](
+        src, out, slot_of_row, weights.contiguous() if weights is not None else src, num_rows,
+        tokens, H, src.stride(0), out.stride(0), k, HAS_SCALE=weights is not None, BY_SLOT=True,
         BLOCK_R=block_r, BLOCK_H=block_h)
     return out.to(src.dtype)
 

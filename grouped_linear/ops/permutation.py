@@ -79,28 +79,16 @@ class _Unpermute(torch.autograd.Function):
         acc = _compute_dtype(y.dtype, None if probs is None else probs.dtype)
         grad_y = grad_probs = None
         if ctx.needs_input_grad[0]:
-            # Slot (t, j) sends probs[t, j] * grad_out[t] to row row_map[t, j]. Valid rows
-            # are distinct, so this copy has unique destinations; dropped slots all go to
-            # an extra row that is cut off.
-            # As a gather: each row of y finds the slot that holds it (an inverse map built
-            # with unique destinations), then takes probs * grad_out of that slot's token.
-            dest = torch.where(valid, flat, num_rows)
-            slot_of_row = torch.full((num_rows + 1,), -1, dtype=torch.int64, device=flat.device)
-            slot_of_row.index_copy_(0, dest, torch.arange(tokens * k, device=flat.device))
-            slot_of_row = slot_of_row[:num_rows]
-            held = slot_of_row >= 0
-            token_of_row = torch.where(held, slot_of_row // k, -1)
-            scale = None
-            if probs is not None:
-                scale = probs.reshape(-1).to(acc).index_select(0, slot_of_row.clamp(min=0))
-                if acc != torch.float32:
-                    scale = None  # wide dtypes: the plain-PyTorch path below
-            if probs is None or scale is not None:
-                grad_y = layout_kernels.gather_rows(grad_out.contiguous(), token_of_row, scale)
-            else:
-                rows = _gather_rows(grad_out, token_of_row.clamp(min=0), held).to(acc)
-                weights = probs.reshape(-1).to(acc).index_select(0, slot_of_row.clamp(min=0))
-                grad_y = (rows * weights.masked_fill(~held, 0).unsqueeze(1)).to(y.dtype)
+            # Slot (t, j) sends probs[t, j] * grad_out[t] to row row_map[t, j] (valid rows
+            # are distinct); rows no slot holds get zeros. As a gather: an inverse slot map,
+            # then each row of y takes its slot's token row, scaled by its slot's weight.
+            if probs is None or acc == torch.float32:
+                weights = probs.to(acc) if probs is not None else None
+                grad_y = layout_kernels.spread_rows(grad_out.contiguous(), row_map, num_rows,
+                                                    weights)
+            else:  # wide dtypes: plain PyTorch
+                grad_y = layout_kernels.spread_rows_reference(grad_out, row_map, num_rows,
+                                                              probs.to(acc)).to(y.dtype)
         if probs is not None and ctx.needs_input_grad[2]:
             rows = _gather_rows(y, flat.clamp(min=0), valid).view(tokens, k, features)
             dots = (rows.to(acc) * grad_out.reshape(tokens, 1, features).to(acc)).sum(-1)

@@ -153,3 +153,26 @@ def test_routing_map_cuda_large(tokens, k, experts, multiple):
         torch.cuda.set_sync_debug_mode(0)
     want = layout.routing_map_reference(topk, experts, multiple, num_rows)
     assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+
+@pytest.mark.parametrize("k, weighted", [(1, False), (2, True), (8, True)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_spread_rows_against_reference(k, weighted, dtype):
+    tokens, H, padding = 37, 40, 13
+    num_rows = tokens * k + padding
+    gen = torch.Generator().manual_seed(k)
+    row_map = torch.randperm(num_rows, generator=gen)[: tokens * k].view(tokens, k)
+    row_map[3, 0] = -1  # a dropped slot
+    if k > 1:
+        row_map[5, 1] = num_rows + 4  # outside: dropped too
+    src = torch.randn(tokens, H, generator=gen).to(DEVICE, dtype)
+    weights = torch.rand(tokens, k, generator=gen).to(DEVICE) if weighted else None
+    row_map = row_map.to(DEVICE)
+    got = layout.spread_rows(src, row_map, num_rows, weights)
+    want = layout.spread_rows_reference(src, row_map, num_rows, weights)
+    assert got.dtype == dtype and got.shape == (num_rows, H)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    held = row_map[(row_map >= 0) & (row_map < num_rows)]
+    unheld = torch.ones(num_rows, dtype=torch.bool, device=DEVICE)
+    unheld[held] = False
+    assert torch.all(got[unheld] == 0)
