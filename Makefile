@@ -40,6 +40,8 @@ bench-details:
 	PYTHONPATH=. $(PYTHON) benchmarks/bias_kernels.py
 	PYTHONPATH=. $(PYTHON) benchmarks/triton_vs_grouped.py
 	PYTHONPATH=. $(PYTHON) benchmarks/compile_vs_eager.py
+	PYTHONPATH=. $(PYTHON) benchmarks/compile_overhead.py
+	PYTHONPATH=. $(PYTHON) benchmarks/fp8_quantize.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info
