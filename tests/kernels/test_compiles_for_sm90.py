@@ -1,0 +1,139 @@
+"""The GPU kernels compile for Hopper (sm90), here, without a GPU.
+
+Triton compiles ahead of time for a target it is given: each case builds a kernel with
+the pointer dtypes and launch constants its wrapper uses on CUDA (FP8 data, no
+interpreter upcasts); the FP8 GEMMs must lower their dots to Hopper's warp-group MMA.
+Compile errors that only a GPU run would otherwise reveal fail here, in CI. The
+compiling runs in a child process without ``TRITON_INTERPRET`` (under the interpreter the
+kernels are not compilable objects); ``python -m tests.kernels.test_compiles_for_sm90``
+prints one line per case.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from grouped_linear.kernels import fp8_triton_gemm as fg
+from grouped_linear.kernels import layout
+from grouped_linear.kernels import quantize as q
+from grouped_linear.kernels import quantize_blocks as qb
+from grouped_linear.kernels import quantize_transposed as qt
+from grouped_linear.kernels._triton import HAS_TRITON
+
+if HAS_TRITON:
+    import triton
+    from triton.backends import backends
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+pytestmark = pytest.mark.skipif(not HAS_TRITON or "nvidia" not in backends,
+                                reason="needs Triton's NVIDIA backend")
+MMA = "warp_group_dot"
+
+F8 = "*fp8e4nv"
+FP8_MAX = torch.finfo(torch.float8_e4m3fn).max
+
+
+def _compile(kernel, pointers, constants, num_warps=4):
+    signature = {}
+    for param in kernel.params:
+        if param.is_constexpr:
+            signature[param.name] = "constexpr"
+        elif param.name.endswith("_ptr"):
+            signature[param.name] = pointers.get(param.name, "*fp32")
+        else:
+            signature[param.name] = "i32"
+    source = ASTSource(kernel, signature, constants)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": num_warps, "num_stages": 3})
+
+
+def _mm_case(blockwise, reduction_contiguous):
+    constants = {"BLOCKWISE": blockwise, "UPCAST": False, "BLOCK_M": 128, "BLOCK_N": fg.BLOCK,
+                 "BLOCK_K": fg.BLOCK, "BLOCK_G": 16, "NUM_PROGRAMS": 132}
+    if reduction_contiguous:
+        constants["stride_br"] = 1
+    return (fg._fp8_grouped_mm_kernel,
+            {"a_ptr": F8, "b_ptr": F8, "out_ptr": "*bf16", "sizes_ptr": "*i64"}, constants, 8)
+
+
+CASES = {
+    "fp8 mm rowwise": _mm_case(False, True),
+    "fp8 mm blockwise": _mm_case(True, True),
+    "fp8 mm blockwise, reduction strided": _mm_case(True, False),
+    "fp8 blockwise wgrad": (fg._fp8_blockwise_wgrad_kernel,
+                            {"dy_ptr": F8, "x_ptr": F8, "dw_ptr": "*bf16", "sizes_ptr": "*i64"},
+                            {"UPCAST": False, "BLOCK_T": fg.BLOCK, "BLOCK_N": 128, "BLOCK_K": 128,
+                             "BLOCK_G": 16, "stride_dym": 1, "stride_xm": 1}, 8),
+    "rows": (q._quantize_rows_kernel, {"t_ptr": "*bf16", "q_ptr": F8},
+             {"FP8_MAX": FP8_MAX, "POW2": False, "GIVEN_SCALE": False, "BLOCK_R": q.ROWS_CONFIG[0],
+              "BLOCK_C": q.ROWS_CONFIG[1]}, q.ROWS_CONFIG[2]),
+    "group columns": (qt._quantize_group_columns_t_kernel,
+                      {"t_ptr": "*bf16", "offsets_ptr": "*i32", "dst_offsets_ptr": "*i32", "q_ptr": F8},
+                      {"FP8_MAX": FP8_MAX, "POW2": True, "GIVEN_SCALE": False, "LOCAL_ROWS": False,
+                       "PAD": 16, "BLOCK_R": 32, "BLOCK_C": 64}, 4),
+    "column amax (tiled)": (qt._group_column_amax_kernel, {"t_ptr": "*bf16", "offsets_ptr": "*i32"},
+                            {"BLOCK_R": 64, "BLOCK_C": 64, "BLOCK_G": 16}, 4),
+    "columns transposed (tiled)": (qt._quantize_columns_t_tiled_kernel,
+                                   {"t_ptr": "*bf16", "offsets_ptr": "*i32",
+                                    "dst_offsets_ptr": "*i32", "q_ptr": F8},
+                                   {"FP8_MAX": FP8_MAX, "PER_GROUP": False, "BLOCK_R": 64,
+                                    "BLOCK_C": 64, "BLOCK_G": 16}, 4),
+    "alignment zeros": (qt._zero_alignment_kernel,
+                        {"q_ptr": F8, "offsets_ptr": "*i32", "dst_offsets_ptr": "*i32"},
+                        {"PAD": 16, "BLOCK_C": 64}, 4),
+    "row tiles": (qb._quantize_row_tiles_kernel, {"t_ptr": "*bf16", "q_ptr": F8},
+                  {"FP8_MAX": FP8_MAX, "POW2": False, "TILE": 128, "BLOCK_R": 32, "BLOCK_T": 128}, 4),
+    "weight blocks": (qb._quantize_weight_blocks_kernel, {"w_ptr": "*bf16", "q_ptr": F8},
+                      {"FP8_MAX": FP8_MAX, "POW2": False, "BLOCK": 128, "BLOCK_P": 128}, 8),
+    "token blocks": (qb._quantize_token_blocks_kernel,
+                     {"t_ptr": "*bf16", "sizes_ptr": "*i64", "q_ptr": F8},
+                     {"FP8_MAX": FP8_MAX, "POW2": False, "TILE": 128, "BLOCK_T": 128, "BLOCK_C": 64,
+                      "BLOCK_G": 16}, 4),
+    "slot map": (layout._slot_of_row_kernel, {"map_ptr": "*i64", "slot_ptr": "*i64"},
+                 {"BLOCK": 1024}, 4),
+    "gather by slot": (layout._gather_rows_kernel,
+                       {"src_ptr": "*bf16", "dst_ptr": "*bf16", "index_ptr": "*i64"},
+                       {"HAS_SCALE": True, "BY_SLOT": True, "BLOCK_R": 16, "BLOCK_H": 256}, 4),
+}
+
+
+def _check(name: str) -> str:
+    kernel, pointers, constants, num_warps = CASES[name]
+    try:
+        compiled = _compile(kernel, pointers, constants, num_warps)
+    except Exception as error:  # noqa: BLE001 (reported per case)
+        return f"compile error: {type(error).__name__}: {str(error)[:500]}"
+    if not compiled.asm.get("cubin"):
+        return "no cubin"
+    if name.startswith("fp8 ") and MMA not in compiled.asm["ttgir"]:
+        return "the FP8 dot is not lowered to warp-group MMA"
+    return "ok"
+
+
+@pytest.fixture(scope="module")
+def results():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    child = subprocess.run([sys.executable, "-m", "tests.kernels.test_compiles_for_sm90", "--json"],
+                           capture_output=True, text=True, env=env, timeout=900,
+                           cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    assert child.returncode == 0, child.stderr[-2000:]
+    return json.loads(child.stdout.splitlines()[-1])
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_kernel_compiles_for_sm90(results, name):
+    assert results[name] == "ok", results[name]
+
+
+if __name__ == "__main__":
+    outcome = {name: _check(name) for name in CASES}
+    if "--json" in sys.argv:
+        print(json.dumps(outcome))
+    else:
+        for name, result in outcome.items():
+            print(f"{name:40s} {result}")
