@@ -32,13 +32,16 @@ __all__ = ["grouped_mm", "grouped_mm_reference", "blockwise_wgrad", "blockwise_w
            "BLOCK"]
 
 BLOCK = 128  # the scaling block: 1x128 token tiles, 128x128 weight blocks, 128x1 wgrad tiles
+# K step of the forward/dgrad kernel (divides BLOCK).
+MM_BLOCK_K = 64
 
 
 @triton.jit
-def _dot(a, b, UPCAST: tl.constexpr):
+def _dot(a, b, acc, UPCAST: tl.constexpr):
+    """``acc + a @ b`` in float32 (``UPCAST``: FP8 values held as float32, interpreter)."""
     if UPCAST:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    return tl.dot(a, b)
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    return tl.dot(a, b, acc)
 
 
 @triton.jit
@@ -47,7 +50,7 @@ def _fp8_grouped_mm_kernel(a_ptr, a_inv_ptr, b_ptr, b_inv_ptr, out_ptr, sizes_pt
                            stride_bir, stride_biw, stride_om, BLOCKWISE: tl.constexpr,
                            UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                            BLOCK_K: tl.constexpr, BLOCK_G: tl.constexpr,
-                           NUM_PROGRAMS: tl.constexpr):
+                           NUM_PROGRAMS: tl.constexpr, SCALE_BLOCK: tl.constexpr):
     gs, starts, ends = _group_rows(sizes_ptr, G, M, BLOCK_G)
     n_tiles = tl.cdiv(W, BLOCK_N)
     tiles = ((ends - starts + BLOCK_M - 1) // BLOCK_M) * n_tiles
@@ -59,38 +62,42 @@ def _fp8_grouped_mm_kernel(a_ptr, a_inv_ptr, b_ptr, b_inv_ptr, out_ptr, sizes_pt
         g = tl.sum(tl.where(owner, gs, 0), axis=0)
         local = tile - tl.sum(tl.where(owner, tile_begin, 0), axis=0)
         end = tl.sum(tl.where(owner, ends, 0), axis=0)
-        rows = tl.sum(tl.where(owner, starts, 0), axis=0) + (local // n_tiles) * BLOCK_M \
-            + tl.arange(0, BLOCK_M)
+        row0 = tl.sum(tl.where(owner, starts, 0), axis=0) + (local // n_tiles) * BLOCK_M
         col_tile = local % n_tiles
-        cols = col_tile * BLOCK_N + tl.arange(0, BLOCK_N)
-        row_mask = rows < end
-        col_mask = cols < W
+        col0 = col_tile * BLOCK_N
+        # int64 scalar bases, int32 offsets inside the tile: 64-bit pointer tensors live
+        # across the K loop would not fit in registers (ptxas spills; see NOTES.md).
+        rows = tl.arange(0, BLOCK_M)
+        cols = tl.arange(0, BLOCK_N)
+        row_mask = rows < (end - row0).to(tl.int32)
+        col_mask = cols < (W - col0).to(tl.int32)
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         if g < G:
-            a_rows = a_ptr + rows.to(tl.int64)[:, None] * stride_am
-            b_cols = b_ptr + g.to(tl.int64) * stride_bg + cols.to(tl.int64)[None, :] * stride_bw
+            a_base = a_ptr + row0.to(tl.int64) * stride_am
+            b_base = b_ptr + g.to(tl.int64) * stride_bg + col0.to(tl.int64) * stride_bw
             for k0 in range(0, R, BLOCK_K):
                 ks = k0 + tl.arange(0, BLOCK_K)
                 k_mask = ks < R
-                a = tl.load(a_rows + ks[None, :], mask=row_mask[:, None] & k_mask[None, :],
-                            other=0.0)
-                b = tl.load(b_cols + ks.to(tl.int64)[:, None] * stride_br,
+                a = tl.load(a_base + (rows[:, None] * stride_am + ks[None, :]),
+                            mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+                b = tl.load(b_base + (ks[:, None] * stride_br + cols[None, :] * stride_bw),
                             mask=k_mask[:, None] & col_mask[None, :], other=0.0)
-                if BLOCKWISE:  # BLOCK_K == BLOCK_N == 128: one weight factor per step
-                    kb = k0 // BLOCK_K
-                    a_scale = tl.load(a_inv_ptr + rows.to(tl.int64) * stride_ai + kb,
+                if BLOCKWISE:  # BLOCK_N == 128 == the weight block; BLOCK_K divides 128
+                    kb = k0 // SCALE_BLOCK
+                    a_scale = tl.load(a_inv_ptr + (row0 + rows).to(tl.int64) * stride_ai + kb,
                                       mask=row_mask, other=0.0)
                     b_scale = tl.load(b_inv_ptr + g.to(tl.int64) * stride_big + kb * stride_bir
                                       + col_tile * stride_biw)
-                    acc += _dot(a, b, UPCAST) * (a_scale[:, None] * b_scale)
+                    step = _dot(a, b, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), UPCAST)
+                    acc += step * (a_scale[:, None] * b_scale)
                 else:
-                    acc += _dot(a, b, UPCAST)
+                    acc = _dot(a, b, acc, UPCAST)
             if not BLOCKWISE:
-                a_scale = tl.load(a_inv_ptr + rows.to(tl.int64), mask=row_mask, other=0.0)
-                b_scale = tl.load(b_inv_ptr + g.to(tl.int64) * stride_big + cols * stride_biw,
+                a_scale = tl.load(a_inv_ptr + row0.to(tl.int64) + rows, mask=row_mask, other=0.0)
+                b_scale = tl.load(b_inv_ptr + g.to(tl.int64) * stride_big + (col0 + cols) * stride_biw,
                                   mask=col_mask, other=0.0)
                 acc = acc * a_scale[:, None] * b_scale[None, :]
-        out = out_ptr + rows.to(tl.int64)[:, None] * stride_om + cols[None, :]
+        out = out_ptr + row0.to(tl.int64) * stride_om + (rows[:, None] * stride_om + col0 + cols[None, :])
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
 
 
@@ -130,7 +137,8 @@ def _fp8_blockwise_wgrad_kernel(dy_ptr, dy_inv_ptr, x_ptr, x_inv_ptr, dw_ptr, si
                            other=0.0)
         x_scale = tl.load(x_inv_ptr + block.to(tl.int64) * stride_xi + cols_k, mask=k_mask,
                           other=0.0)
-        acc += _dot(dy_t, x, UPCAST) * (dy_scale[:, None] * x_scale[None, :])
+        step = _dot(dy_t, x, tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32), UPCAST)
+        acc += step * (dy_scale[:, None] * x_scale[None, :])
     dw = dw_ptr + g.to(tl.int64) * stride_dwg + cols_n.to(tl.int64)[:, None] * stride_dwn \
         + cols_k[None, :]
     tl.store(dw, acc.to(dw_ptr.dtype.element_ty), mask=n_mask[:, None] & k_mask[None, :])
@@ -180,8 +188,8 @@ def grouped_mm(a: torch.Tensor, a_inv: torch.Tensor, weight: torch.Tensor, w_inv
         a, a_inv, weight, w_inv, out, sizes, M, width, R, G,
         a.stride(0), a_inv.stride(0) if a_inv.dim() == 2 else 1, *b_strides, *s_strides,
         out.stride(0), BLOCKWISE=scaling == "blockwise", UPCAST=a.device.type == "cpu",
-        BLOCK_M=block_m, BLOCK_N=BLOCK, BLOCK_K=BLOCK, BLOCK_G=triton.next_power_of_2(G + 1),
-        NUM_PROGRAMS=programs, num_warps=8, num_stages=3,
+        BLOCK_M=block_m, BLOCK_N=BLOCK, BLOCK_K=MM_BLOCK_K, BLOCK_G=triton.next_power_of_2(G + 1),
+        NUM_PROGRAMS=programs, SCALE_BLOCK=BLOCK, num_warps=8, num_stages=3,
     )
     return out
 

@@ -54,7 +54,8 @@ def _compile(kernel, pointers, constants, num_warps=4):
 
 def _mm_case(blockwise, reduction_contiguous):
     constants = {"BLOCKWISE": blockwise, "UPCAST": False, "BLOCK_M": 128, "BLOCK_N": fg.BLOCK,
-                 "BLOCK_K": fg.BLOCK, "BLOCK_G": 16, "NUM_PROGRAMS": 132}
+                 "BLOCK_K": fg.MM_BLOCK_K, "BLOCK_G": 16, "NUM_PROGRAMS": 132,
+                 "SCALE_BLOCK": fg.BLOCK}
     if reduction_contiguous:
         constants["stride_br"] = 1
     return (fg._fp8_grouped_mm_kernel,
