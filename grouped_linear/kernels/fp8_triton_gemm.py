@@ -32,8 +32,11 @@ __all__ = ["grouped_mm", "grouped_mm_reference", "blockwise_wgrad", "blockwise_w
            "BLOCK"]
 
 BLOCK = 128  # the scaling block: 1x128 token tiles, 128x128 weight blocks, 128x1 wgrad tiles
-# K step of the forward/dgrad kernel (divides BLOCK).
+# K steps of the forward/dgrad and the wgrad kernels (each divides BLOCK): with them the
+# 128x128 tiles compile with (almost) no register spills on sm90
+# (benchmarks/kernel_resources.py).
 MM_BLOCK_K = 64
+WGRAD_BLOCK_T = 64
 
 
 @triton.jit
@@ -97,7 +100,7 @@ def _fp8_grouped_mm_kernel(a_ptr, a_inv_ptr, b_ptr, b_inv_ptr, out_ptr, sizes_pt
                 b_scale = tl.load(b_inv_ptr + g.to(tl.int64) * stride_big + (col0 + cols) * stride_biw,
                                   mask=col_mask, other=0.0)
                 acc = acc * a_scale[:, None] * b_scale[None, :]
-        out = out_ptr + row0.to(tl.int64) * stride_om + (rows[:, None] * stride_om + col0 + cols[None, :])
+        out = out_ptr + (row0.to(tl.int64) * stride_om + col0) + (rows[:, None] * stride_om + cols[None, :])
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
 
 
@@ -106,41 +109,46 @@ def _fp8_blockwise_wgrad_kernel(dy_ptr, dy_inv_ptr, x_ptr, x_inv_ptr, dw_ptr, si
                                 stride_dym, stride_dyn, stride_xm, stride_xk, stride_dyi, stride_xi,
                                 stride_dwg, stride_dwn, UPCAST: tl.constexpr, BLOCK_T: tl.constexpr,
                                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                                BLOCK_G: tl.constexpr):
-    """One (group, N tile, K tile): the group's tokens in blocks of ``BLOCK_T`` (= the
-    scaling block), each block's partial product rescaled by its factors."""
+                                BLOCK_G: tl.constexpr, SCALE_BLOCK: tl.constexpr):
+    """One (group, N tile, K tile): the group's tokens in steps of ``BLOCK_T`` (dividing
+    the scaling block ``SCALE_BLOCK``), each step's partial product rescaled by the
+    factors of its token block."""
     n_tiles = tl.cdiv(N, BLOCK_N)
     k_tiles = tl.cdiv(K, BLOCK_K)
     pid = tl.program_id(0)
     g = pid // (n_tiles * k_tiles)
-    cols_n = ((pid // k_tiles) % n_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
-    cols_k = (pid % k_tiles) * BLOCK_K + tl.arange(0, BLOCK_K)
-    n_mask = cols_n < N
-    k_mask = cols_k < K
+    n0 = ((pid // k_tiles) % n_tiles) * BLOCK_N
+    k0 = (pid % k_tiles) * BLOCK_K
+    offs_n = tl.arange(0, BLOCK_N)  # int32 offsets inside the tile, int64 bases
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_t = tl.arange(0, BLOCK_T)
+    n_mask = offs_n < N - n0
+    k_mask = offs_k < K - k0
     gs, starts, ends = _group_rows(sizes_ptr, G, M, BLOCK_G)
-    blocks = tl.where(gs < G, (ends - starts + BLOCK_T - 1) // BLOCK_T, 0)
+    blocks = tl.where(gs < G, (ends - starts + SCALE_BLOCK - 1) // SCALE_BLOCK, 0)
     first_block = tl.sum(tl.where(gs == g, tl.cumsum(blocks, axis=0) - blocks, 0), axis=0)
     start = tl.sum(tl.where(gs == g, starts, 0), axis=0)
     end = tl.sum(tl.where(gs == g, ends, 0), axis=0)
+    dy_cols = dy_ptr + n0.to(tl.int64) * stride_dyn
+    x_cols = x_ptr + k0.to(tl.int64) * stride_xk
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for t0 in range(start, end, BLOCK_T):
-        block = first_block + (t0 - start) // BLOCK_T
-        tokens = t0 + tl.arange(0, BLOCK_T)
-        t_mask = tokens < end
-        dy_t = tl.load(dy_ptr + tokens.to(tl.int64)[None, :] * stride_dym
-                       + cols_n.to(tl.int64)[:, None] * stride_dyn,
+        block = first_block + (t0 - start) // SCALE_BLOCK
+        t_mask = offs_t < (end - t0).to(tl.int32)
+        dy_t = tl.load(dy_cols + t0.to(tl.int64) * stride_dym
+                       + (offs_t[None, :] * stride_dym + offs_n[:, None] * stride_dyn),
                        mask=n_mask[:, None] & t_mask[None, :], other=0.0)
-        x = tl.load(x_ptr + tokens.to(tl.int64)[:, None] * stride_xm
-                    + cols_k.to(tl.int64)[None, :] * stride_xk,
+        x = tl.load(x_cols + t0.to(tl.int64) * stride_xm
+                    + (offs_t[:, None] * stride_xm + offs_k[None, :] * stride_xk),
                     mask=t_mask[:, None] & k_mask[None, :], other=0.0)
-        dy_scale = tl.load(dy_inv_ptr + block.to(tl.int64) * stride_dyi + cols_n, mask=n_mask,
-                           other=0.0)
-        x_scale = tl.load(x_inv_ptr + block.to(tl.int64) * stride_xi + cols_k, mask=k_mask,
-                          other=0.0)
+        dy_scale = tl.load(dy_inv_ptr + (block.to(tl.int64) * stride_dyi + n0) + offs_n,
+                           mask=n_mask, other=0.0)
+        x_scale = tl.load(x_inv_ptr + (block.to(tl.int64) * stride_xi + k0) + offs_k,
+                          mask=k_mask, other=0.0)
         step = _dot(dy_t, x, tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32), UPCAST)
         acc += step * (dy_scale[:, None] * x_scale[None, :])
-    dw = dw_ptr + g.to(tl.int64) * stride_dwg + cols_n.to(tl.int64)[:, None] * stride_dwn \
-        + cols_k[None, :]
+    dw = dw_ptr + (g.to(tl.int64) * stride_dwg + n0.to(tl.int64) * stride_dwn + k0) \
+        + (offs_n[:, None] * stride_dwn + offs_k[None, :])
     tl.store(dw, acc.to(dw_ptr.dtype.element_ty), mask=n_mask[:, None] & k_mask[None, :])
 
 
@@ -238,7 +246,8 @@ def blockwise_wgrad(dy: torch.Tensor, dy_inv: torch.Tensor, x: torch.Tensor, x_i
     _fp8_blockwise_wgrad_kernel[grid](
         dy, dy_inv, x, x_inv, dw, sizes, M, N, K, G, *dy.stride(), *x.stride(),
         dy_inv.stride(0), x_inv.stride(0), dw.stride(0), dw.stride(1),
-        UPCAST=dy.device.type == "cpu", BLOCK_T=BLOCK, BLOCK_N=block_n, BLOCK_K=block_k,
+        UPCAST=dy.device.type == "cpu", BLOCK_T=WGRAD_BLOCK_T, SCALE_BLOCK=BLOCK,
+        BLOCK_N=block_n, BLOCK_K=block_k,
         BLOCK_G=triton.next_power_of_2(G + 1), num_warps=8, num_stages=3,
     )
     return dw
