@@ -135,10 +135,10 @@ def _fp8_blockwise_wgrad_kernel(dy_ptr, dy_inv_ptr, x_ptr, x_inv_ptr, dw_ptr, si
     for t0 in range(start, end, BLOCK_T):
         block = first_block + (t0 - start) // SCALE_BLOCK
         t_mask = offs_t < (end - t0).to(tl.int32)
-        dy_t = tl.load(dy_cols + t0.to(tl.int64) * stride_dym
+        dy_t = tl.load(dy_cols + t0 * stride_dym  # t0: int64 (from the group bounds)
                        + (offs_t[None, :] * stride_dym + offs_n[:, None] * stride_dyn),
                        mask=n_mask[:, None] & t_mask[None, :], other=0.0)
-        x = tl.load(x_cols + t0.to(tl.int64) * stride_xm
+        x = tl.load(x_cols + t0 * stride_xm
                     + (offs_t[:, None] * stride_xm + offs_k[None, :] * stride_xk),
                     mask=t_mask[:, None] & k_mask[None, :], other=0.0)
         dy_scale = tl.load(dy_inv_ptr + (block.to(tl.int64) * stride_dyi + n0) + offs_n,
