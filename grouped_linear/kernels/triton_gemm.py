@@ -19,7 +19,7 @@ import torch
 
 from ._triton import tl, triton
 
-__all__ = ["forward", "dgrad", "wgrad", "supported"]
+__all__ = ["forward", "dgrad", "wgrad", "fits", "MAX_GROUPS"]
 
 
 @triton.jit
@@ -66,27 +66,30 @@ def _grouped_mm_kernel(a_ptr, b_ptr, bias_ptr, out_ptr, sizes_ptr, M, N, K, G,
         g = tl.sum(tl.where(owner, gs, 0), axis=0)
         local = tile - tl.sum(tl.where(owner, tile_begin, 0), axis=0)
         end = tl.sum(tl.where(owner, ends, 0), axis=0)
-        rows = tl.sum(tl.where(owner, starts, 0), axis=0) + (local // n_tiles) * BLOCK_M \
-            + tl.arange(0, BLOCK_M)
-        cols = (local % n_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
-        row_mask = rows < end
-        col_mask = cols < N
+        row0 = tl.sum(tl.where(owner, starts, 0), axis=0) + (local // n_tiles) * BLOCK_M
+        col0 = (local % n_tiles) * BLOCK_N
+        # int64 scalar bases, int32 offsets inside the tile: 64-bit pointer tensors live
+        # across the K loop spill registers on sm90 (benchmarks/kernel_resources.py).
+        rows = tl.arange(0, BLOCK_M)
+        cols = tl.arange(0, BLOCK_N)
+        row_mask = rows < (end - row0).to(tl.int32)
+        col_mask = cols < (N - col0).to(tl.int32)
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         if g < G:
-            a_rows = a_ptr + rows.to(tl.int64)[:, None] * stride_am
-            b_cols = b_ptr + g.to(tl.int64) * stride_bg + cols.to(tl.int64)[None, :] * stride_bn
+            a_base = a_ptr + row0.to(tl.int64) * stride_am
+            b_base = b_ptr + g.to(tl.int64) * stride_bg + col0.to(tl.int64) * stride_bn
             for k0 in range(0, K, BLOCK_K):
                 ks = k0 + tl.arange(0, BLOCK_K)
                 k_mask = ks < K
-                a = tl.load(a_rows + ks[None, :], mask=row_mask[:, None] & k_mask[None, :],
-                            other=0.0)
-                b = tl.load(b_cols + ks.to(tl.int64)[:, None] * stride_bk,
+                a = tl.load(a_base + (rows[:, None] * stride_am + ks[None, :]),
+                            mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+                b = tl.load(b_base + (ks[:, None] * stride_bk + cols[None, :] * stride_bn),
                             mask=k_mask[:, None] & col_mask[None, :], other=0.0)
                 acc = _mma(a, b, acc, PRECISION, UPCAST)
             if HAS_BIAS:
-                acc += tl.load(bias_ptr + g.to(tl.int64) * stride_bias + cols, mask=col_mask,
+                acc += tl.load(bias_ptr + g.to(tl.int64) * stride_bias + col0 + cols, mask=col_mask,
                                other=0.0).to(tl.float32)[None, :]
-        out = out_ptr + rows.to(tl.int64)[:, None] * stride_om + cols[None, :]
+        out = out_ptr + (row0.to(tl.int64) * stride_om + col0) + (rows[:, None] * stride_om + cols[None, :])
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
 
 
@@ -152,9 +155,13 @@ def _block_g(num_groups: int) -> int:
     return triton.next_power_of_2(num_groups + 1)
 
 
-def supported(x: torch.Tensor, num_groups: int) -> bool:
-    """Whether these kernels take this problem (dtype and group count)."""
-    return x.dtype in (torch.bfloat16, torch.float16, torch.float32) and num_groups + 1 <= 4096
+MAX_GROUPS = 4095
+
+
+def fits(num_groups: int, in_features: int, out_features: int) -> bool:
+    """Whether these kernels take this problem: the group schedule is a vector of
+    ``num_groups + 1`` slots, and offsets inside one expert's weight are int32."""
+    return num_groups <= MAX_GROUPS and in_features * out_features < 2**31
 
 
 def _rows_contiguous(t: torch.Tensor | None) -> torch.Tensor | None:

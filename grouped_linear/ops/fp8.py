@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from ..kernels import bias as bias_kernels
-from ..kernels import fp8_gemm, grouped_gemm
+from ..kernels import fp8_gemm, grouped_gemm, triton_gemm
 from ..kernels import quantize as q
 from ..kernels import quantize_blocks as qb
 from ..kernels import quantize_transposed as qt
@@ -59,7 +59,8 @@ def fp8_path(recipe: Float8Recipe, x: torch.Tensor, weight: torch.Tensor) -> str
     """
     G, N, K = weight.shape
     if (isinstance(recipe, Float8Blockwise) and recipe.fp8_format == "e4m3"
-            and x.dtype == torch.bfloat16 and _triton_fp8_available(x.device)):
+            and x.dtype == torch.bfloat16 and _triton_fp8_available(x.device)
+            and triton_gemm.fits(G, K, N)):
         return "triton"
     if (isinstance(recipe, (Float8Rowwise, Float8Tensorwise)) and x.dtype == torch.bfloat16
             and fp8_gemm.available(x.device) and fp8_gemm.shapes_supported(K, N)

@@ -183,7 +183,7 @@ class GroupedLinearFunction(torch.autograd.Function):
 
 # --------------------------------------------------------------------------- validation
 def resolve_backend(backend: str, device: torch.device, dtype: torch.dtype, in_features: int,
-                    out_features: int, num_rows: int = 0) -> str:
+                    out_features: int, num_rows: int = 0, num_groups: int = 1) -> str:
     """Map ``backend`` (``"auto"`` included) to the one that runs, or raise ``ValueError``.
 
     ``auto`` on CUDA, bf16/fp16: our Triton kernels for small problems (up to
@@ -202,6 +202,11 @@ def resolve_backend(backend: str, device: torch.device, dtype: torch.dtype, in_f
             )
         if dtype not in _TRITON_DTYPES:
             raise ValueError(f"backend='triton' does not support dtype {dtype}; use 'loop'")
+        if not triton_gemm.fits(num_groups, in_features, out_features):
+            raise ValueError(
+                f"backend='triton' takes at most {triton_gemm.MAX_GROUPS} groups of fewer than "
+                f"2**31 weights each; got {num_groups} groups of {out_features}x{in_features}"
+            )
         return backend
     grouped_ok = dtype in (torch.bfloat16, torch.float16, torch.float32) and (
         device.type == "cuda" or dtype != torch.float16
@@ -216,7 +221,8 @@ def resolve_backend(backend: str, device: torch.device, dtype: torch.dtype, in_f
         return backend
     aligned = in_features % 8 == 0 and out_features % 8 == 0
     if device.type == "cuda" and dtype in (torch.bfloat16, torch.float16):
-        if HAS_TRITON and num_rows <= TRITON_AUTO_MAX_ROWS:
+        if (HAS_TRITON and num_rows <= TRITON_AUTO_MAX_ROWS
+                and triton_gemm.fits(num_groups, in_features, out_features)):
             return "triton"
         if aligned:
             return "grouped"
@@ -320,7 +326,8 @@ def apply_grouped_linear(
     splits: GroupSplits = normalize_splits(
         m_splits, num_groups=num_groups, num_rows=num_rows, device=device
     )
-    resolved = resolve_backend(backend, device, dtype, in_features, out_features, num_rows)
+    resolved = resolve_backend(backend, device, dtype, in_features, out_features, num_rows,
+                               num_groups)
     if recipe is not None and check_recipe(recipe, device) is not None:
         fp8_config = Fp8Config(recipe, splits.may_have_tail, sink)
         path = cached_weight.path if cached_weight is not None else fp8_path(recipe, x, weight)

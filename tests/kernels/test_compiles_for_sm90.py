@@ -1,5 +1,7 @@
 """The GPU kernels compile for Hopper (sm90), here, without a GPU.
 
+benchmarks/kernel_resources.py reports the registers and spills of the same builds.
+
 Triton compiles ahead of time for a target it is given: each case builds a kernel with
 the pointer dtypes and launch constants its wrapper uses on CUDA (FP8 data, no
 interpreter upcasts); the FP8 GEMMs must lower their dots to Hopper's warp-group MMA.
@@ -22,6 +24,7 @@ from grouped_linear.kernels import layout
 from grouped_linear.kernels import quantize as q
 from grouped_linear.kernels import quantize_blocks as qb
 from grouped_linear.kernels import quantize_transposed as qt
+from grouped_linear.kernels import triton_gemm as tg
 from grouped_linear.kernels._triton import HAS_TRITON
 
 if HAS_TRITON:
@@ -71,6 +74,15 @@ CASES = {
                             {"UPCAST": False, "BLOCK_T": fg.WGRAD_BLOCK_T, "BLOCK_N": 128,
                              "BLOCK_K": 128, "BLOCK_G": 16, "SCALE_BLOCK": fg.BLOCK,
                              "stride_dym": 1, "stride_xm": 1}, 8),
+    "bf16 mm": (tg._grouped_mm_kernel,
+                {"a_ptr": "*bf16", "b_ptr": "*bf16", "bias_ptr": "*bf16", "out_ptr": "*bf16",
+                 "sizes_ptr": "*i64"},
+                {"HAS_BIAS": True, "PRECISION": "tf32", "UPCAST": False, "BLOCK_M": 64, "BLOCK_N": 128,
+                 "BLOCK_K": 64, "BLOCK_G": 16, "NUM_PROGRAMS": 132, "stride_bk": 1}, 4),
+    "bf16 wgrad": (tg._grouped_wgrad_kernel,
+                   {"dy_ptr": "*bf16", "x_ptr": "*bf16", "dw_ptr": "*bf16", "sizes_ptr": "*i64"},
+                   {"HAS_BIAS": True, "PRECISION": "tf32", "UPCAST": False, "BLOCK_M": 64,
+                    "BLOCK_N": 64, "BLOCK_K": 64, "BLOCK_G": 16}, 4),
     "rows": (q._quantize_rows_kernel, {"t_ptr": "*bf16", "q_ptr": F8},
              {"FP8_MAX": FP8_MAX, "POW2": False, "GIVEN_SCALE": False, "BLOCK_R": q.ROWS_CONFIG[0],
               "BLOCK_C": q.ROWS_CONFIG[1]}, q.ROWS_CONFIG[2]),
@@ -112,8 +124,8 @@ def _check(name: str) -> str:
         return f"compile error: {type(error).__name__}: {str(error)[:500]}"
     if not compiled.asm.get("cubin"):
         return "no cubin"
-    if name.startswith("fp8 ") and MMA not in compiled.asm["ttgir"]:
-        return "the FP8 dot is not lowered to warp-group MMA"
+    if name.startswith(("fp8 ", "bf16 ")) and MMA not in compiled.asm["ttgir"]:
+        return "the dot is not lowered to warp-group MMA"
     return "ok"
 
 

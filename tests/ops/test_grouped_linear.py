@@ -172,3 +172,19 @@ def test_inference_builds_no_graph_and_matches_training_path():
     y_train = gl.grouped_linear(x, w, b, sizes)
     assert y_nograd.grad_fn is None and y_plain.grad_fn is None and y_train.grad_fn is not None
     assert torch.equal(y_nograd, y_train) and torch.equal(y_plain, y_train)
+
+
+def test_triton_backend_limits():
+    from grouped_linear.kernels import triton_gemm
+    from grouped_linear.ops.grouped_linear import resolve_backend
+
+    cuda = torch.device("cuda")  # resolution only: no tensor is placed there
+    assert resolve_backend("auto", cuda, torch.bfloat16, 1024, 1024, 1024, 8) == "triton"
+    # one expert of 2**32 weights: int32 offsets inside it would overflow
+    assert resolve_backend("auto", cuda, torch.bfloat16, 2**16, 2**16, 1024, 8) == "grouped"
+    assert resolve_backend("auto", cuda, torch.bfloat16, 64, 64, 1024,
+                           triton_gemm.MAX_GROUPS + 1) == "grouped"
+    with pytest.raises(ValueError, match="2\\*\\*31"):
+        resolve_backend("triton", cuda, torch.bfloat16, 2**16, 2**16, 16, 8)
+    with pytest.raises(ValueError, match="groups"):
+        resolve_backend("triton", cuda, torch.bfloat16, 64, 64, 16, triton_gemm.MAX_GROUPS + 1)
