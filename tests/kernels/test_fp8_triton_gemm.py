@@ -8,6 +8,9 @@ from tests.reference import rel_err
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 E4M3 = torch.float8_e4m3fn
+# The interpreter multiplies in float32; FP8 tensor cores accumulate with fewer mantissa
+# bits (why the blockwise kernels add each K step's partial product in float32).
+TOL = 1e-5 if DEVICE == "cpu" else 2e-3
 
 
 def _fp8(*shape):
@@ -35,7 +38,7 @@ def test_grouped_mm_against_dequantized_float32(scaling, transpose_weight, sizes
     got = fg.grouped_mm(a, a_inv, w, w_inv, sizes_t, **kwargs)
     want = fg.grouped_mm_reference(a, a_inv, w, w_inv, sizes_t, **kwargs)
     assert got.shape == (M, W)
-    assert rel_err(got, want) < 1e-5
+    assert rel_err(got, want) < TOL
     assert torch.all(got[sum(sizes):] == 0)
 
 
@@ -51,7 +54,7 @@ def test_blockwise_scales_apply_per_block():
     w_inv2[0, 0, 1] *= 2
     second = a[:, 128:].float() * a_inv[:, 1:] @ (w[0, :, 128:].float() * w_inv[0, 0, 1]).t()
     changed = fg.grouped_mm(a, a_inv, w, w_inv2, sizes, **kwargs)
-    assert rel_err(changed - base, second) < 1e-5
+    assert rel_err(changed - base, second) < TOL
 
 
 @pytest.mark.parametrize("token_major", [False, True])
@@ -68,7 +71,7 @@ def test_blockwise_wgrad_against_dequantized_float32(sizes, tail, token_major):
     got = fg.blockwise_wgrad(dy, dy_inv, x, x_inv, sizes_t, out_dtype=torch.float32)
     want = fg.blockwise_wgrad_reference(dy, dy_inv, x, x_inv, sizes_t, out_dtype=torch.float32)
     assert got.shape == (G, N, K)
-    assert rel_err(got, want) < 1e-5
+    assert rel_err(got, want) < TOL
     for g, size in enumerate(sizes):
         if size == 0:
             assert torch.all(got[g] == 0)
