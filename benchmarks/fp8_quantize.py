@@ -42,8 +42,6 @@ def main():
     q.ROWS_CONFIG = (4, 1024, 4)
     report("weight rows (forward copy)", _ms(lambda: q.quantize_weight_rows(w, E4M3, False)),
            w.numel())
-    report("weight columns, transposed (dgrad copy)",
-           _ms(lambda: qt.quantize_weight_columns_t(w, E4M3, False)), w.numel())
     for config in ((32, 64, 4), (64, 64, 4), (64, 128, 8), (128, 64, 8), (32, 128, 4)):
         qt.GROUP_COLUMNS_CONFIG = config
         for name, t in (("x", x), ("dy", dy)):

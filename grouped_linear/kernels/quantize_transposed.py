@@ -185,8 +185,12 @@ def _zero_alignment_kernel(q_ptr, offsets_ptr, dst_offsets_ptr, C, stride_q, PAD
 
 
 def _quantize_group_columns_t_tiled(t, offsets, data_offsets, data, fp8_dtype, power_of_two,
-                                    group_scale, align):
+                                    group_scale, align, stride_q=None, width=None):
+    """Group ``g``'s row ``r`` lands at ``data_flat[c * stride_q + data_offsets[g-1] + r -
+    start_g]`` (``stride_q``/``width`` default to ``data``'s 2-D row stride and width)."""
     M, C = t.shape
+    stride_q = data.stride(0) if stride_q is None else stride_q
+    width = data.shape[1] if width is None else width
     G = offsets.shape[0]
     block_r, block_c, warps = TILED_CONFIG
     block_g = max(2, min(128, triton.next_power_of_2(G)))
@@ -199,7 +203,7 @@ def _quantize_group_columns_t_tiled(t, offsets, data_offsets, data, fp8_dtype, p
     else:
         scale = group_scale.float().contiguous()
     _quantize_columns_t_tiled_kernel[grid](
-        t, offsets, data_offsets, scale, data, M, C, G, t.stride(0), data.stride(0), data.shape[1],
+        t, offsets, data_offsets, scale, data, M, C, G, t.stride(0), stride_q, width,
         FP8_MAX=torch.finfo(fp8_dtype).max, PER_GROUP=group_scale is not None, BLOCK_R=block_r,
         BLOCK_C=block_c, BLOCK_G=block_g, num_warps=warps,
     )
@@ -300,8 +304,15 @@ def quantize_weight_columns_t(weight: torch.Tensor, fp8_dtype: torch.dtype, powe
     if not use_triton(weight) or not weight.is_contiguous() or weight.numel() == 0:
         return quantize_weight_columns_t_reference(weight, fp8_dtype, power_of_two, group_scale)
     data = _fp8_buffer((G, K, N), weight.device, fp8_dtype)
-    inv = torch.empty(G, K, device=weight.device, dtype=torch.float32)
     ends = torch.arange(1, G + 1, device=weight.device, dtype=torch.int32) * N
+    if GROUP_COLUMNS_METHOD == "tiled" and G * K < 2**31:
+        # rows of expert g go to data[g, k, n]: column stride N, expert g's base g*K*N
+        dst = torch.arange(1, G + 1, device=weight.device, dtype=torch.int64) * (K * N)
+        inv = _quantize_group_columns_t_tiled(weight.view(G * N, K), ends, dst, data, fp8_dtype,
+                                              power_of_two, group_scale, 1, stride_q=N,
+                                              width=G * K * N)
+        return _finish(data, fp8_dtype), inv
+    inv = torch.empty(G, K, device=weight.device, dtype=torch.float32)
     block_c = 64
     _quantize_group_columns_t_kernel[(G, triton.cdiv(K, block_c))](
         weight, ends, ends, data, inv, group_scale if group_scale is not None else inv, G * N, K,

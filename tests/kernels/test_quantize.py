@@ -169,9 +169,11 @@ def test_given_scales_replace_the_amax(pow2, method, monkeypatch):
     assert _codes_close(data_t, ref_t)
 
 
+@pytest.mark.parametrize("method", ["per_group", "tiled"])
 @pytest.mark.parametrize("fp8", [E4M3, E5M2])
 @pytest.mark.parametrize("tensorwise", [False, True])
-def test_weight_quantization_kernels(fp8, tensorwise):
+def test_weight_quantization_kernels(fp8, tensorwise, method, monkeypatch):
+    monkeypatch.setattr(qt, "GROUP_COLUMNS_METHOD", method)
     G, N, K = 3, 24, 40
     w = (torch.randn(G, N, K) * torch.logspace(-2, 2, K)).to(DEVICE)
     w[1] = 0  # an all-zero expert stays finite
