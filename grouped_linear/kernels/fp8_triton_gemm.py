@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from ._triton import tl, triton
-from .triton_gemm import _group_rows, _program_count
+from .triton_gemm import _group_rows, _program_count, _tile_list, _tile_origin
 
 __all__ = ["grouped_mm", "grouped_mm_reference", "blockwise_wgrad", "blockwise_wgrad_reference",
            "BLOCK"]
@@ -54,19 +54,11 @@ def _fp8_grouped_mm_kernel(a_ptr, a_inv_ptr, b_ptr, b_inv_ptr, out_ptr, sizes_pt
                            UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                            BLOCK_K: tl.constexpr, BLOCK_G: tl.constexpr,
                            NUM_PROGRAMS: tl.constexpr, SCALE_BLOCK: tl.constexpr):
-    gs, starts, ends = _group_rows(sizes_ptr, G, M, BLOCK_G)
-    n_tiles = tl.cdiv(W, BLOCK_N)
-    tiles = ((ends - starts + BLOCK_M - 1) // BLOCK_M) * n_tiles
-    tile_end = tl.cumsum(tiles, axis=0)
-    tile_begin = tile_end - tiles
-    total = tl.sum(tiles, axis=0)
+    gs, starts, ends, tile_begin, tile_end, total = _tile_list(sizes_ptr, G, M, W, BLOCK_M,
+                                                               BLOCK_N, BLOCK_G)
     for tile in range(tl.program_id(0), total, NUM_PROGRAMS):
-        owner = (tile_begin <= tile) & (tile < tile_end)
-        g = tl.sum(tl.where(owner, gs, 0), axis=0)
-        local = tile - tl.sum(tl.where(owner, tile_begin, 0), axis=0)
-        end = tl.sum(tl.where(owner, ends, 0), axis=0)
-        row0 = tl.sum(tl.where(owner, starts, 0), axis=0) + (local // n_tiles) * BLOCK_M
-        col_tile = local % n_tiles
+        g, end, row0, col_tile = _tile_origin(tile, gs, starts, ends, tile_begin, tile_end, W,
+                                              BLOCK_M, BLOCK_N)
         col0 = col_tile * BLOCK_N
         # int64 scalar bases, int32 offsets inside the tile: 64-bit pointer tensors live
         # across the K loop would not fit in registers (ptxas spills; see NOTES.md).

@@ -36,6 +36,33 @@ def _group_rows(sizes_ptr, G, M, BLOCK_G: tl.constexpr):
 
 
 @triton.jit
+def _tile_list(sizes_ptr, G, M, W, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_G: tl.constexpr):
+    """The persistent schedule: every group's (row tile, column tile) pairs of an ``(M, W)``
+    output, numbered group after group (slot ``G``, the tail, included). Returns the per-slot
+    vectors the tiles are looked up in, and the tile count."""
+    gs, starts, ends = _group_rows(sizes_ptr, G, M, BLOCK_G)
+    n_tiles = tl.cdiv(W, BLOCK_N)
+    tiles = ((ends - starts + BLOCK_M - 1) // BLOCK_M) * n_tiles
+    tile_end = tl.cumsum(tiles, axis=0)
+    return gs, starts, ends, tile_end - tiles, tile_end, tl.sum(tiles, axis=0)
+
+
+@triton.jit
+def _tile_origin(tile, gs, starts, ends, tile_begin, tile_end, W, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr):
+    """Tile ``tile`` of :func:`_tile_list`: its group (``G`` for the tail), the group's end
+    row, the tile's first row and its column-tile index."""
+    owner = (tile_begin <= tile) & (tile < tile_end)
+    n_tiles = tl.cdiv(W, BLOCK_N)
+    g = tl.sum(tl.where(owner, gs, 0), axis=0)
+    local = tile - tl.sum(tl.where(owner, tile_begin, 0), axis=0)
+    end = tl.sum(tl.where(owner, ends, 0), axis=0)
+    row0 = tl.sum(tl.where(owner, starts, 0), axis=0) + (local // n_tiles) * BLOCK_M
+    return g, end, row0, local % n_tiles
+
+
+@triton.jit
 def _mma(a, b, acc, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     """``acc + a @ b``; ``UPCAST`` multiplies in float32 (Triton's CPU interpreter
     gets 16-bit dots wrong)."""
@@ -55,19 +82,12 @@ def _grouped_mm_kernel(a_ptr, b_ptr, bias_ptr, out_ptr, sizes_ptr, M, N, K, G,
     ``B_g[k, n]`` lives at ``b_ptr + g*stride_bg + k*stride_bk + n*stride_bn``.
     Persistent: each program walks the (group, row tile, column tile) list.
     """
-    gs, starts, ends = _group_rows(sizes_ptr, G, M, BLOCK_G)
-    n_tiles = tl.cdiv(N, BLOCK_N)
-    tiles = ((ends - starts + BLOCK_M - 1) // BLOCK_M) * n_tiles
-    tile_end = tl.cumsum(tiles, axis=0)
-    tile_begin = tile_end - tiles
-    total = tl.sum(tiles, axis=0)
+    gs, starts, ends, tile_begin, tile_end, total = _tile_list(sizes_ptr, G, M, N, BLOCK_M,
+                                                               BLOCK_N, BLOCK_G)
     for tile in range(tl.program_id(0), total, NUM_PROGRAMS):
-        owner = (tile_begin <= tile) & (tile < tile_end)
-        g = tl.sum(tl.where(owner, gs, 0), axis=0)
-        local = tile - tl.sum(tl.where(owner, tile_begin, 0), axis=0)
-        end = tl.sum(tl.where(owner, ends, 0), axis=0)
-        row0 = tl.sum(tl.where(owner, starts, 0), axis=0) + (local // n_tiles) * BLOCK_M
-        col0 = (local % n_tiles) * BLOCK_N
+        g, end, row0, col_tile = _tile_origin(tile, gs, starts, ends, tile_begin, tile_end, N,
+                                              BLOCK_M, BLOCK_N)
+        col0 = col_tile * BLOCK_N
         # int64 scalar bases, int32 offsets inside the tile: 64-bit pointer tensors live
         # across the K loop spill registers on sm90 (benchmarks/kernel_resources.py).
         rows = tl.arange(0, BLOCK_M)
