@@ -18,6 +18,7 @@ rowwise and tensorwise recipes run real FP8 GEMMs instead
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -31,7 +32,8 @@ from ..kernels._triton import HAS_TRITON
 from ..recipes import Float8Blockwise, Float8Recipe, Float8Rowwise, Float8Tensorwise
 from .weight_grad import WeightGradSink, route_weight_grads
 
-__all__ = ["Fp8GroupedLinearFunction", "Fp8Weight", "Fp8Config", "fp8_path", "quantize_weight"]
+__all__ = ["Fp8GroupedLinearFunction", "Fp8Weight", "Fp8Config", "fp8_path", "quantize_weight",
+           "weight_and_bias_grads"]
 
 
 @dataclass(frozen=True)
@@ -46,6 +48,23 @@ def _triton_fp8_available(device: torch.device) -> bool:
         return False
     index = device.index if device.index is not None else torch.cuda.current_device()
     return torch.cuda.get_device_capability(index) >= (8, 9)
+
+
+def weight_and_bias_grads(ctx, grad_out: torch.Tensor, offsets: torch.Tensor,
+                          grad_weight: Callable[[], torch.Tensor]) -> tuple:
+    """The weight gradient (``grad_weight()``) and the bias gradient (summed per group in
+    high precision) that backward owes, routed through ``ctx.config.sink`` (delayed or
+    fused into ``main_grad``). ``ctx`` carries ``config`` and ``bias_dtype``."""
+    need_w = ctx.needs_input_grad[1]
+    need_b = ctx.bias_dtype is not None and ctx.needs_input_grad[2]
+    bias_dtype = ctx.bias_dtype
+
+    def compute():
+        grad_w = grad_weight() if need_w else None
+        grad_b = bias_kernels.bias_grad(grad_out, offsets, bias_dtype) if need_b else None
+        return grad_w, grad_b
+
+    return route_weight_grads(ctx.config.sink, need_w or need_b, compute)
 
 
 def fp8_path(recipe: Float8Recipe, x: torch.Tensor, weight: torch.Tensor) -> str:
@@ -182,19 +201,11 @@ class Fp8GroupedLinearFunction(torch.autograd.Function):
             dy_q = _quantize_tokens(grad_out, offsets, recipe.gradient_dtype, recipe)
             w_q = _quantize_weight(weight, recipe, dgrad=True)
             grad_x = grouped_gemm.dgrad(dy_q, w_q, offsets, None, "loop").to(x.dtype)
-        need_w = ctx.needs_input_grad[1]
-        need_b = ctx.bias_dtype is not None and ctx.needs_input_grad[2]
-        bias_dtype = ctx.bias_dtype
 
-        def weight_and_bias_grads():
-            grad_w = grad_b = None
-            if need_w:
-                dy_q = _quantize_for_wgrad(grad_out, offsets, recipe.gradient_dtype, recipe)
-                x_q = _quantize_for_wgrad(x, offsets, recipe.forward_dtype, recipe)
-                grad_w = grouped_gemm.wgrad(dy_q, x_q, offsets, None, "loop").to(weight.dtype)
-            if need_b:
-                grad_b = bias_kernels.bias_grad(grad_out, offsets, bias_dtype)
-            return grad_w, grad_b
+        def grad_weight():
+            dy_q = _quantize_for_wgrad(grad_out, offsets, recipe.gradient_dtype, recipe)
+            x_q = _quantize_for_wgrad(x, offsets, recipe.forward_dtype, recipe)
+            return grouped_gemm.wgrad(dy_q, x_q, offsets, None, "loop").to(weight.dtype)
 
-        grad_w, grad_b = route_weight_grads(config.sink, need_w or need_b, weight_and_bias_grads)
+        grad_w, grad_b = weight_and_bias_grads(ctx, grad_out, offsets, grad_weight)
         return grad_x, grad_w, grad_b, None, None, None

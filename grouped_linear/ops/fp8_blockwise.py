@@ -19,8 +19,7 @@ import torch
 from ..kernels import bias as bias_kernels
 from ..kernels import fp8_triton_gemm as fg
 from ..kernels import quantize_blocks as qb
-from .fp8 import Fp8Config, Fp8Weight, quantize_weight
-from .weight_grad import route_weight_grads
+from .fp8 import Fp8Config, Fp8Weight, quantize_weight, weight_and_bias_grads
 
 __all__ = ["Fp8BlockwiseFunction"]
 
@@ -54,22 +53,13 @@ class Fp8BlockwiseFunction(torch.autograd.Function):
             dy_data, dy_inv = qb.quantize_row_tiles(grad_out, fp8_grad, pow2)
             grad_x = fg.grouped_mm(dy_data, dy_inv, wt_data, wt_inv, sizes, transpose_weight=True,
                                    scaling="blockwise", out_dtype=x.dtype)
-        need_w = ctx.needs_input_grad[1]
-        need_b = ctx.bias_dtype is not None and ctx.needs_input_grad[2]
-        bias_dtype = ctx.bias_dtype
+        def grad_weight():
+            dy_t, dy_inv_blocks = qb.quantize_token_blocks(grad_out, sizes, fp8_grad, pow2,
+                                                           transpose=True)
+            x_t, x_inv_blocks = qb.quantize_token_blocks(x, sizes, recipe.forward_dtype, pow2,
+                                                         transpose=True)
+            return fg.blockwise_wgrad(dy_t.t(), dy_inv_blocks, x_t.t(), x_inv_blocks, sizes,
+                                      out_dtype=weight.dtype)
 
-        def weight_and_bias_grads():
-            grad_w = grad_b = None
-            if need_w:
-                dy_t, dy_inv_blocks = qb.quantize_token_blocks(grad_out, sizes, fp8_grad, pow2,
-                                                               transpose=True)
-                x_t, x_inv_blocks = qb.quantize_token_blocks(x, sizes, recipe.forward_dtype, pow2,
-                                                             transpose=True)
-                grad_w = fg.blockwise_wgrad(dy_t.t(), dy_inv_blocks, x_t.t(), x_inv_blocks, sizes,
-                                            out_dtype=weight.dtype)
-            if need_b:
-                grad_b = bias_kernels.bias_grad(grad_out, offsets, bias_dtype)
-            return grad_w, grad_b
-
-        grad_w, grad_b = route_weight_grads(config.sink, need_w or need_b, weight_and_bias_grads)
+        grad_w, grad_b = weight_and_bias_grads(ctx, grad_out, offsets, grad_weight)
         return grad_x, grad_w, grad_b, None, None, None, None

@@ -27,8 +27,7 @@ from ..kernels import fp8_gemm
 from ..kernels import quantize as q
 from ..kernels import quantize_transposed as qt
 from ..recipes import Float8Recipe, Float8Tensorwise
-from .fp8 import Fp8Config, Fp8Weight, quantize_weight
-from .weight_grad import route_weight_grads
+from .fp8 import Fp8Config, Fp8Weight, quantize_weight, weight_and_bias_grads
 
 __all__ = ["Fp8DeviceGroupedLinearFunction"]
 
@@ -82,22 +81,13 @@ class Fp8DeviceGroupedLinearFunction(torch.autograd.Function):
             grad_x = fp8_gemm.dgrad(dy_data, dy_inv, wt_data, wt_inv, offsets, x.dtype)
             if config.zero_tail:
                 grad_x = bias_kernels.zero_tail_(grad_x, offsets)
-        need_w = ctx.needs_input_grad[1]
-        need_b = ctx.bias_dtype is not None and ctx.needs_input_grad[2]
-        bias_dtype = ctx.bias_dtype
+        def grad_weight():
+            align = fp8_gemm.WGRAD_GROUP_ALIGN
+            dy_t, dy_t_inv, aligned = qt.quantize_group_columns_t(
+                grad_out, offsets, fp8_grad, pow2, dy_scale, align=align)
+            x_t, x_t_inv, _ = qt.quantize_group_columns_t(
+                x, offsets, recipe.forward_dtype, pow2, x_scale, align=align)
+            return fp8_gemm.wgrad(dy_t, dy_t_inv, x_t, x_t_inv, aligned, weight.dtype)
 
-        def weight_and_bias_grads():
-            grad_w = grad_b = None
-            if need_w:
-                align = fp8_gemm.WGRAD_GROUP_ALIGN
-                dy_t, dy_t_inv, aligned = qt.quantize_group_columns_t(
-                    grad_out, offsets, fp8_grad, pow2, dy_scale, align=align)
-                x_t, x_t_inv, _ = qt.quantize_group_columns_t(
-                    x, offsets, recipe.forward_dtype, pow2, x_scale, align=align)
-                grad_w = fp8_gemm.wgrad(dy_t, dy_t_inv, x_t, x_t_inv, aligned, weight.dtype)
-            if need_b:
-                grad_b = bias_kernels.bias_grad(grad_out, offsets, bias_dtype)
-            return grad_w, grad_b
-
-        grad_w, grad_b = route_weight_grads(config.sink, need_w or need_b, weight_and_bias_grads)
+        grad_w, grad_b = weight_and_bias_grads(ctx, grad_out, offsets, grad_weight)
         return grad_x, grad_w, grad_b, None, None, None
