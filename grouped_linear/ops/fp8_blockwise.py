@@ -53,6 +53,7 @@ class Fp8BlockwiseFunction(torch.autograd.Function):
             dy_data, dy_inv = qb.quantize_row_tiles(grad_out, fp8_grad, pow2)
             grad_x = fg.grouped_mm(dy_data, dy_inv, wt_data, wt_inv, sizes, transpose_weight=True,
                                    scaling="blockwise", out_dtype=x.dtype)
+
         def grad_weight():
             dy_t, dy_inv_blocks = qb.quantize_token_blocks(grad_out, sizes, fp8_grad, pow2,
                                                            transpose=True)

@@ -81,6 +81,7 @@ class Fp8DeviceGroupedLinearFunction(torch.autograd.Function):
             grad_x = fp8_gemm.dgrad(dy_data, dy_inv, wt_data, wt_inv, offsets, x.dtype)
             if config.zero_tail:
                 grad_x = bias_kernels.zero_tail_(grad_x, offsets)
+
         def grad_weight():
             align = fp8_gemm.WGRAD_GROUP_ALIGN
             dy_t, dy_t_inv, aligned = qt.quantize_group_columns_t(
