@@ -18,6 +18,15 @@ SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0
 RECIPES = [Float8Rowwise(), Float8Tensorwise(), Float8Rowwise(fp8_format="hybrid"),
            Float8Tensorwise(power_of_two_scales=True), Float8Rowwise(power_of_two_scales=True)]
 SIZES = [100, 0, 333, 79, 512]
+TRITON_FP8 = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
+# Rowwise and tensorwise on torch's FP8 GEMM, blockwise on the Triton one (tighter bound).
+DEVICE_RECIPES = [Float8Rowwise(), Float8Tensorwise(),
+                  pytest.param(Float8Blockwise(), marks=pytest.mark.skipif(
+                      not TRITON_FP8, reason="needs FP8 tensor cores (sm89+)"))]
+
+
+def _tolerance(recipe):
+    return 4e-2 if isinstance(recipe, Float8Blockwise) else 6e-2
 K, N = 256, 128
 
 
@@ -70,14 +79,14 @@ def test_fp8_scaling_far_from_unit_range(recipe):
         assert rel_err(a, b) < 6e-2, (name, rel_err(a, b))
 
 
-@pytest.mark.parametrize("recipe", [Float8Rowwise(), Float8Tensorwise()], ids=repr)
+@pytest.mark.parametrize("recipe", DEVICE_RECIPES, ids=repr)
 def test_fp8_unaligned_single_and_empty_groups(recipe):
     for sizes in ([1, 15, 17, 0, 33], [0, 0, 700, 0, 0], [0, 0, 0, 0, 0]):
         got, ref, _ = _step(recipe, sizes=sizes, tail=5)
         for name, a, b in zip(("y", "dx", "dW", "db"), got, ref):
             assert torch.isfinite(a).all()
             if sum(sizes):
-                assert rel_err(a, b) < 6e-2, (sizes, name, rel_err(a, b))
+                assert rel_err(a, b) < _tolerance(recipe), (sizes, name, rel_err(a, b))
             else:
                 assert torch.all(a == 0), (sizes, name)
         assert torch.all(got[2][[g for g, s in enumerate(sizes) if s == 0]] == 0)
@@ -136,8 +145,9 @@ def test_fp8_weight_cache_refreshes_in_place():
     assert [t.data_ptr() for t in cache.buffers()] == pointers
 
 
-@pytest.mark.parametrize("recipe", [Float8Rowwise(), Float8Tensorwise()], ids=repr)
+@pytest.mark.parametrize("recipe", DEVICE_RECIPES, ids=repr)
 def test_fp8_step_in_cuda_graph(recipe):
+    tolerance = _tolerance(recipe)
     G, M = 6, 900
     layer = gl.GroupedLinear(G, K, N, params_dtype=torch.bfloat16, device="cuda", recipe=recipe)
     x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -163,12 +173,9 @@ def test_fp8_step_in_cuda_graph(recipe):
         for name, a, b in zip(("y", "dx", "dW", "db"), (y, x.grad, layer.weight.grad,
                                                          layer.bias.grad), ref):
             if sum(sizes):
-                assert rel_err(a, b) < 6e-2, (sizes, name, rel_err(a, b))
+                assert rel_err(a, b) < tolerance, (sizes, name, rel_err(a, b))
             else:
                 assert torch.all(a == 0)
-
-
-TRITON_FP8 = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
 
 
 @pytest.mark.skipif(not TRITON_FP8, reason="needs FP8 tensor cores (sm89+)")
@@ -198,34 +205,3 @@ def test_blockwise_beats_rowwise_on_outlier_channels_on_cuda():
            for r in (Float8Rowwise(), Float8Blockwise())}
     print("outlier channels x1e4:", err)
     assert err["Float8Blockwise"] < 4e-2 and err["Float8Blockwise"] < 0.85 * err["Float8Rowwise"]
-
-
-@pytest.mark.skipif(not TRITON_FP8, reason="needs FP8 tensor cores (sm89+)")
-def test_blockwise_unaligned_and_empty_groups_and_cuda_graph():
-    for sizes in ([1, 15, 17, 0, 33], [0, 0, 700, 0, 0], [0, 0, 0, 0, 0]):
-        got, ref, _ = _step(Float8Blockwise(), sizes=sizes, tail=5)
-        for name, a, b in zip(("y", "dx", "dW", "db"), got, ref):
-            assert torch.isfinite(a).all()
-            assert rel_err(a, b) < 4e-2 if sum(sizes) else torch.all(a == 0), (sizes, name)
-    G, M = 6, 900
-    layer = gl.GroupedLinear(G, K, N, params_dtype=torch.bfloat16, device="cuda",
-                             recipe=Float8Blockwise())
-    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    grad_out = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
-    splits = torch.tensor([M // G] * G, device="cuda")
-
-    def step():
-        layer.zero_grad(set_to_none=True)
-        x.grad = None
-        y = layer(x, splits, is_first_microbatch=True)
-        y.backward(grad_out)
-        return y
-
-    graph, y = _capture(step)
-    for sizes in NEW_SPLITS[:3]:
-        splits.copy_(torch.tensor(sizes))
-        graph.replay()
-        torch.cuda.synchronize()
-        ref = reference_grads(x, layer.weight, layer.bias, sizes, grad_out)
-        for name, a, b in zip(("y", "dx", "dW"), (y, x.grad, layer.weight.grad), ref):
-            assert rel_err(a, b) < 4e-2, (sizes, name, rel_err(a, b))
