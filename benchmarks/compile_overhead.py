@@ -8,24 +8,13 @@ entries of ten compiled steps.
 """
 
 import copy
-import time
 import warnings
 
 import torch
+from overhead import wall_us  # benchmarks/overhead.py: synchronized wall time per call
 from torch.profiler import ProfilerActivity, profile
 
 import grouped_linear as gl
-
-
-def _host_ms(fn, iters=200):
-    for _ in range(20):
-        fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / iters * 1e3
 
 
 def main():
@@ -41,7 +30,7 @@ def main():
         module(x, splits).sum().backward()
 
     for name, module in (("eager", layer), ("compiled", compiled)):
-        print(f"{name:9s} {_host_ms(lambda m=module: step(m)):.3f} ms per forward+backward "
+        print(f"{name:9s} {wall_us(lambda m=module: step(m), 200) / 1e3:.3f} ms per forward+backward "
               "(wall clock, synchronized)")
     torch.cuda.set_sync_debug_mode("warn")
     with warnings.catch_warnings(record=True) as caught:
