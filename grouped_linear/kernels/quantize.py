@@ -21,7 +21,7 @@ import torch
 from ._triton import tl, triton, use_triton
 from .bias import row_groups
 
-__all__ = ["scale_from_amax", "fake_quant", "fake_quant_rows", "fake_quant_group_columns",
+__all__ = ["scale_from_amax", "saturate", "fake_quant", "fake_quant_rows", "fake_quant_group_columns",
            "fake_quant_groups", "fake_quant_weight", "quantize_rows", "quantize_rows_reference",
            "quantize_weight_rows", "group_amax_scales", "weight_group_scales",
            "fake_quant_column_tiles", "fake_quant_weight_blocks", "fake_quant_row_tiles"]
@@ -43,11 +43,15 @@ def scale_from_amax(amax: torch.Tensor, fp8_dtype: torch.dtype, power_of_two: bo
     return scale
 
 
+def saturate(t: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
+    """``round_fp8(clamp(t * scale, -fp8_max, fp8_max))`` (``scale`` broadcasts)."""
+    fp8_max = torch.finfo(fp8_dtype).max
+    return (t.float() * scale).clamp(-fp8_max, fp8_max).to(fp8_dtype)
+
+
 def fake_quant(t: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
     """``round_fp8(saturate(t * scale)) / scale`` in float32 (``scale`` broadcasts)."""
-    fp8_max = torch.finfo(fp8_dtype).max
-    quantized = (t.float() * scale).clamp(-fp8_max, fp8_max).to(fp8_dtype)
-    return quantized.float() / scale
+    return saturate(t, scale, fp8_dtype).float() / scale
 
 
 def fake_quant_rows(t: torch.Tensor, fp8_dtype: torch.dtype, power_of_two: bool) -> torch.Tensor:
@@ -103,9 +107,7 @@ def quantize_rows_reference(t: torch.Tensor, fp8_dtype: torch.dtype, power_of_tw
     if scale is None:
         amax = t.abs().amax(dim=1) if t.shape[1] else t.new_zeros(t.shape[0])
         scale = scale_from_amax(amax, fp8_dtype, power_of_two)
-    fp8_max = torch.finfo(fp8_dtype).max
-    data = (t.float() * scale[:, None]).clamp(-fp8_max, fp8_max).to(fp8_dtype)
-    return data, 1.0 / scale
+    return saturate(t, scale[:, None], fp8_dtype), 1.0 / scale
 
 
 @triton.jit

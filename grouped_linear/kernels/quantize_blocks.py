@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 
 from ._triton import tl, triton, use_triton
-from .quantize import _finish, _fp8_buffer, _scale, scale_from_amax
+from .quantize import _finish, _fp8_buffer, _pad_to, _scale, saturate, scale_from_amax
 from .triton_gemm import _group_rows
 
 __all__ = ["quantize_row_tiles", "quantize_row_tiles_reference", "quantize_weight_blocks",
@@ -44,22 +44,6 @@ WEIGHT_BLOCKS_CONFIG = (8,)
 TOKEN_BLOCKS_CONFIG = (64, 4)
 
 
-def _saturate(t: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
-    """``clamp(t * scale, -fp8_max, fp8_max)`` rounded to ``fp8_dtype``."""
-    fp8_max = torch.finfo(fp8_dtype).max
-    return (t.float() * scale).clamp(-fp8_max, fp8_max).to(fp8_dtype)
-
-
-def _pad_dim(t: torch.Tensor, dim: int, multiple: int) -> torch.Tensor:
-    """``t`` with zeros appended along ``dim`` up to a multiple of ``multiple``."""
-    extra = (-t.shape[dim]) % multiple
-    if extra == 0:
-        return t
-    shape = list(t.shape)
-    shape[dim] = extra
-    return torch.cat([t, t.new_zeros(shape)], dim=dim)
-
-
 # --------------------------------------------------------------------------- row tiles
 def quantize_row_tiles_reference(t: torch.Tensor, fp8_dtype: torch.dtype, power_of_two: bool,
                                  tile: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
@@ -67,10 +51,10 @@ def quantize_row_tiles_reference(t: torch.Tensor, fp8_dtype: torch.dtype, power_
     scale per row and block of ``tile`` columns (the last block may be partial)."""
     M, C = t.shape
     blocks = triton.cdiv(C, tile)
-    padded = _pad_dim(t.float(), 1, tile).view(M, blocks, tile)
+    padded = _pad_to(t.float(), 1, tile).view(M, blocks, tile)
     amax = padded.abs().amax(dim=2) if padded.numel() else padded.new_zeros(M, blocks)
     scale = scale_from_amax(amax, fp8_dtype, power_of_two)
-    data = _saturate(padded, scale[:, :, None], fp8_dtype).view(M, blocks * tile)[:, :C]
+    data = saturate(padded, scale[:, :, None], fp8_dtype).view(M, blocks * tile)[:, :C]
     return data.contiguous(), 1.0 / scale
 
 
@@ -123,11 +107,11 @@ def quantize_weight_blocks_reference(weight: torch.Tensor, fp8_dtype: torch.dtyp
     factors: one scale per ``block x block`` tile of each expert (edge tiles partial)."""
     G, N, K = weight.shape
     nb, kb = triton.cdiv(N, block), triton.cdiv(K, block)
-    padded = _pad_dim(_pad_dim(weight.float(), 1, block), 2, block)
+    padded = _pad_to(_pad_to(weight.float(), 1, block), 2, block)
     tiles = padded.view(G, nb, block, kb, block)
     amax = tiles.abs().amax(dim=(2, 4)) if tiles.numel() else tiles.new_zeros(G, nb, kb)
     scale = scale_from_amax(amax, fp8_dtype, power_of_two)
-    data = _saturate(tiles, scale[:, :, None, :, None], fp8_dtype)
+    data = saturate(tiles, scale[:, :, None, :, None], fp8_dtype)
     return data.view(G, nb * block, kb * block)[:, :N, :K].contiguous(), 1.0 / scale
 
 

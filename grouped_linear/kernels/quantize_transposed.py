@@ -18,7 +18,7 @@ import torch
 from ._triton import tl, triton, use_triton
 from .bias import _row_group, row_groups
 from .offsets import aligned_offsets
-from .quantize import _finish, _fp8_buffer, _group_amax, _scale, scale_from_amax
+from .quantize import _finish, _fp8_buffer, _group_amax, _scale, saturate, scale_from_amax
 
 __all__ = ["quantize_group_columns_t", "quantize_group_columns_t_reference",
            "quantize_weight_columns_t", "quantize_weight_columns_t_reference",
@@ -290,8 +290,7 @@ def quantize_weight_columns_t_reference(weight: torch.Tensor, fp8_dtype: torch.d
         scale = scale_from_amax(amax, fp8_dtype, power_of_two)  # (G, K)
     else:
         scale = group_scale[:, None].expand(weight.shape[0], weight.shape[2])
-    fp8_max = torch.finfo(fp8_dtype).max
-    data = (weight.float() * scale[:, None, :]).clamp(-fp8_max, fp8_max).to(fp8_dtype)
+    data = saturate(weight, scale[:, None, :], fp8_dtype)
     return data.transpose(1, 2).contiguous(), (1.0 / scale).contiguous()
 
 
