@@ -4,14 +4,15 @@
 (x 65536 x 7168, dy 65536 x 4096, W 8 x 4096 x 7168, bf16), times each kernel
 (do_bench median) and prints GB/s counting one read of the input and one write of
 the FP8 output (the one-pass floor) and that as a fraction of a bf16 copy's GB/s.
-The group-column quantization is timed per method ("per_group", "tiled") under several
-(rows, columns, warps) launch shapes.
+The transposing quantization (wgrad operands, dgrad weight copy) is timed per method
+("per_group", "tiled") and launch shape, and the block-scaling quantizers per launch shape.
 """
 
 import torch
 import triton.testing
 
 from grouped_linear.kernels import quantize as q
+from grouped_linear.kernels import quantize_blocks as qb
 from grouped_linear.kernels import quantize_transposed as qt
 
 E4M3 = torch.float8_e4m3fn
@@ -39,16 +40,43 @@ def main():
     for rows in ((4, 1024, 4), (8, 1024, 8), (2, 2048, 4), (1, 4096, 8)):
         q.ROWS_CONFIG = rows
         report(f"rows x {rows}", _ms(lambda: q.quantize_rows(x, E4M3, False)), x.numel())
-    q.ROWS_CONFIG = (4, 1024, 4)
+    q.ROWS_CONFIG = (1, 4096, 8)
     report("weight rows (forward copy)", _ms(lambda: q.quantize_weight_rows(w, E4M3, False)),
            w.numel())
-    for config in ((32, 64, 4), (64, 64, 4), (64, 128, 8), (128, 64, 8), (32, 128, 4)):
+    for method in ("per_group", "tiled"):
+        qt.GROUP_COLUMNS_METHOD = method
+        report(f"weight columns transposed, {method}",
+               _ms(lambda: qt.quantize_weight_columns_t(w, E4M3, False)), w.numel())
+    qt.GROUP_COLUMNS_METHOD = "per_group"
+    for config in ((32, 64, 4), (64, 64, 4), (64, 128, 8)):
         qt.GROUP_COLUMNS_CONFIG = config
         for name, t in (("x", x), ("dy", dy)):
-            report(f"group columns {name} {config}",
+            report(f"group columns {name} per_group {config}",
                    _ms(lambda t=t: qt.quantize_group_columns_t(t, offsets, E4M3, False, align=16)),
                    t.numel())
-
+    qt.GROUP_COLUMNS_METHOD = "tiled"
+    for config in ((64, 64, 4), (128, 64, 4), (64, 128, 8), (128, 128, 8)):
+        qt.TILED_CONFIG = config
+        for name, t in (("x", x), ("dy", dy)):
+            report(f"group columns {name} tiled {config}",
+                   _ms(lambda t=t: qt.quantize_group_columns_t(t, offsets, E4M3, False, align=16)),
+                   t.numel())
+    qt.GROUP_COLUMNS_METHOD = "per_group"
+    sizes = torch.diff(offsets, prepend=offsets.new_zeros(1))
+    for config in ((32, 4), (64, 4), (16, 4)):
+        qb.ROW_TILES_CONFIG = config
+        report(f"blockwise row tiles x {config}",
+               _ms(lambda: qb.quantize_row_tiles(x, E4M3, False)), x.numel())
+    for config in ((4,), (8,)):
+        qb.WEIGHT_BLOCKS_CONFIG = config
+        report(f"blockwise weight blocks {config}",
+               _ms(lambda: qb.quantize_weight_blocks(w, E4M3, False)), w.numel())
+    for config in ((64, 4), (32, 4), (128, 8)):
+        qb.TOKEN_BLOCKS_CONFIG = config
+        for name, t in (("x", x), ("dy", dy)):
+            report(f"blockwise token blocks {name} transposed {config}",
+                   _ms(lambda t=t: qb.quantize_token_blocks(t, sizes, E4M3, False,
+                                                            transpose=True)), t.numel())
 
 if __name__ == "__main__":
     main()

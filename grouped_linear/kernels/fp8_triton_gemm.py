@@ -37,6 +37,10 @@ BLOCK = 128  # the scaling block: 1x128 token tiles, 128x128 weight blocks, 128x
 # (benchmarks/kernel_resources.py).
 MM_BLOCK_K = 64
 WGRAD_BLOCK_T = 64
+# Launch shapes on GPUs: (rows per tile, warps, pipeline stages) of forward/dgrad and
+# (warps, stages) of the wgrad; module-level so benchmarks/fp8_gemm.py can sweep them.
+MM_CONFIG = (128, 8, 3)
+WGRAD_CONFIG = (8, 3)
 
 
 @triton.jit
@@ -180,7 +184,7 @@ def grouped_mm(a: torch.Tensor, a_inv: torch.Tensor, weight: torch.Tensor, w_inv
         b_strides = (weight.stride(0), weight.stride(1), weight.stride(2))
         s_strides = (w_inv.stride(0), w_inv.stride(1), w_inv.stride(2)) if scaling == "blockwise" \
             else (w_inv.stride(0), 0, w_inv.stride(1))
-    block_m = 64 if a.device.type == "cpu" else 128
+    block_m, warps, stages = (64, 4, 1) if a.device.type == "cpu" else MM_CONFIG
     upper_tiles = (triton.cdiv(M, block_m) + G + 1) * triton.cdiv(width, BLOCK)
     programs = max(1, min(_program_count(a.device), upper_tiles))
     a_inv = a_inv.contiguous()
@@ -189,7 +193,7 @@ def grouped_mm(a: torch.Tensor, a_inv: torch.Tensor, weight: torch.Tensor, w_inv
         a.stride(0), a_inv.stride(0) if a_inv.dim() == 2 else 1, *b_strides, *s_strides,
         out.stride(0), BLOCKWISE=scaling == "blockwise", UPCAST=a.device.type == "cpu",
         BLOCK_M=block_m, BLOCK_N=BLOCK, BLOCK_K=MM_BLOCK_K, BLOCK_G=triton.next_power_of_2(G + 1),
-        NUM_PROGRAMS=programs, SCALE_BLOCK=BLOCK, num_warps=8, num_stages=3,
+        NUM_PROGRAMS=programs, SCALE_BLOCK=BLOCK, num_warps=warps, num_stages=stages,
     )
     return out
 
@@ -233,6 +237,7 @@ def blockwise_wgrad(dy: torch.Tensor, dy_inv: torch.Tensor, x: torch.Tensor, x_i
     if N == 0 or K == 0:
         return dw
     block_n = block_k = 64 if dy.device.type == "cpu" else 128
+    warps, stages = (4, 1) if dy.device.type == "cpu" else WGRAD_CONFIG
     grid = (G * triton.cdiv(N, block_n) * triton.cdiv(K, block_k),)
     dy, x = _operand(dy), _operand(x)
     _fp8_blockwise_wgrad_kernel[grid](
@@ -240,7 +245,7 @@ def blockwise_wgrad(dy: torch.Tensor, dy_inv: torch.Tensor, x: torch.Tensor, x_i
         dy_inv.stride(0), x_inv.stride(0), dw.stride(0), dw.stride(1),
         UPCAST=dy.device.type == "cpu", BLOCK_T=WGRAD_BLOCK_T, SCALE_BLOCK=BLOCK,
         BLOCK_N=block_n, BLOCK_K=block_k,
-        BLOCK_G=triton.next_power_of_2(G + 1), num_warps=8, num_stages=3,
+        BLOCK_G=triton.next_power_of_2(G + 1), num_warps=warps, num_stages=stages,
     )
     return dw
 

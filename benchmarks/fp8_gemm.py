@@ -1,0 +1,101 @@
+"""FP8 grouped GEMMs alone, per launch shape, against bf16 ``F.grouped_mm`` (CUDA).
+
+``PYTHONPATH=. python benchmarks/fp8_gemm.py [shape ...]``: on the bench shapes, the
+forward GEMM of bf16 ``F.grouped_mm``, of ``torch._scaled_grouped_mm`` (rowwise), of the
+Triton FP8 kernel (rowwise and blockwise, per ``MM_CONFIG``), and the blockwise dgrad and
+wgrad (per ``WGRAD_CONFIG``), on already-quantized operands. do_bench medians, TFLOP/s
+counting ``2 M K N`` per GEMM.
+"""
+
+import sys
+
+import torch
+import torch.nn.functional as F
+import triton.testing
+
+import grouped_linear as gl
+from grouped_linear.cli.bench import load_shapes
+from grouped_linear.kernels import fp8_gemm
+from grouped_linear.kernels import fp8_triton_gemm as fg
+from grouped_linear.kernels import quantize as q
+from grouped_linear.kernels import quantize_blocks as qb
+from grouped_linear.ops.fp8 import quantize_weight
+
+E4M3 = torch.float8_e4m3fn
+MM_CONFIGS = [(128, 8, 3), (128, 8, 4), (128, 4, 3), (64, 4, 4), (256, 8, 3)]
+WGRAD_CONFIGS = [(8, 3), (8, 4), (4, 3)]
+
+
+def _tflops(fn, flops):
+    ms = triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median")
+    return flops / ms / 1e9
+
+
+def _sweep(name, attr, configs, fn, flops, row):
+    best = None
+    for config in configs:
+        setattr(fg, attr, config)
+        try:
+            value = _tflops(fn, flops)
+        except Exception as error:  # a launch shape that does not fit (shared memory)
+            print(f"  {name} {config}: {type(error).__name__}")
+            continue
+        row[f"{name} {config}"] = value
+        best = max(best or 0.0, value)
+    row[f"{name} best"] = best
+
+
+def _shape_row(shape) -> dict:
+    """TFLOP/s of every GEMM form on one shape."""
+    block_recipe = gl.recipes.Float8Blockwise()
+    sizes_list = list(shape.splits)
+    G, M, K, N = len(sizes_list), sum(sizes_list), shape.K, shape.N
+    flops = 2 * M * K * N
+    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(G, N, K, device="cuda", dtype=torch.bfloat16) * K ** -0.5
+    sizes = torch.tensor(sizes_list, device="cuda", dtype=torch.int32)
+    offsets = sizes.cumsum(0).to(torch.int32)
+    row = {"bf16 grouped_mm": _tflops(lambda: F.grouped_mm(x, w.transpose(-2, -1),
+                                                           offs=offsets), flops)}
+    x_row, x_row_inv = q.quantize_rows(x, E4M3, False)
+    w_row, w_row_inv = q.quantize_weight_rows(w, E4M3, False)
+    if fp8_gemm.shapes_supported(K, N):
+        row["torch scaled rowwise"] = _tflops(
+            lambda: fp8_gemm.forward(x_row, x_row_inv, w_row, w_row_inv, offsets,
+                                     torch.bfloat16), flops)
+    _sweep("triton rowwise fwd", "MM_CONFIG", MM_CONFIGS,
+           lambda: fg.grouped_mm(x_row, x_row_inv, w_row, w_row_inv, sizes,
+                                 transpose_weight=True, scaling="rowwise"), flops, row)
+    x_blk, x_blk_inv = qb.quantize_row_tiles(x, E4M3, False)
+    dy_blk, dy_blk_inv = qb.quantize_row_tiles(dy, E4M3, False)
+    w_blk = quantize_weight(w, block_recipe, "triton")
+    _sweep("triton blockwise fwd", "MM_CONFIG", MM_CONFIGS,
+           lambda: fg.grouped_mm(x_blk, x_blk_inv, w_blk.forward_data, w_blk.forward_inv,
+                                 sizes, transpose_weight=True, scaling="blockwise"), flops, row)
+    _sweep("triton blockwise dgrad", "MM_CONFIG", MM_CONFIGS[:3],
+           lambda: fg.grouped_mm(dy_blk, dy_blk_inv, w_blk.dgrad_data, w_blk.dgrad_inv,
+                                 sizes, transpose_weight=True, scaling="blockwise"), flops, row)
+    fg.MM_CONFIG = MM_CONFIGS[0]
+    dy_t, dy_t_inv = qb.quantize_token_blocks(dy, sizes, E4M3, False, transpose=True)
+    x_t, x_t_inv = qb.quantize_token_blocks(x, sizes, E4M3, False, transpose=True)
+    _sweep("triton blockwise wgrad", "WGRAD_CONFIG", WGRAD_CONFIGS,
+           lambda: fg.blockwise_wgrad(dy_t.t(), dy_t_inv, x_t.t(), x_t_inv, sizes), flops, row)
+    fg.WGRAD_CONFIG = WGRAD_CONFIGS[0]
+    return row
+
+
+def main(names):
+    torch.manual_seed(0)
+    shapes = load_shapes()
+    for name in names or list(shapes):
+        shape = shapes[name]
+        row = _shape_row(shape)
+        print(f"{name} (G={shape.G}, M={shape.M}, K={shape.K}, N={shape.N}) TFLOP/s:")
+        for key, value in row.items():
+            print(f"  {key:42s} {value:7.0f}" if value else f"  {key:42s}       -")
+        sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
