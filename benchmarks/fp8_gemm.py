@@ -80,7 +80,7 @@ def _shape_row(shape) -> dict:
     dy_t, dy_t_inv = qb.quantize_token_blocks(dy, sizes, E4M3, False, transpose=True)
     x_t, x_t_inv = qb.quantize_token_blocks(x, sizes, E4M3, False, transpose=True)
     _sweep("triton blockwise wgrad", "WGRAD_CONFIG", WGRAD_CONFIGS,
-           lambda: fg.blockwise_wgrad(dy_t.t(), dy_t_inv, x_t.t(), x_t_inv, sizes), flops, row)
+           lambda: fg.blockwise_wgrad(dy_t, dy_t_inv, x_t, x_t_inv, sizes, M), flops, row)
     fg.WGRAD_CONFIG = WGRAD_CONFIGS[0]
     return row
 

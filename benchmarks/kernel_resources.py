@@ -1,8 +1,8 @@
 """Registers and spills of the Triton GEMM kernels on Hopper, without a GPU.
 
 ``PYTHONPATH=. python benchmarks/kernel_resources.py``: compiles each kernel ahead of
-time for sm90 (Triton's NVIDIA backend; the kernels and launch constants of
-``tests/kernels/test_compiles_for_sm90.py``) and runs the PTX
+time for sm90 (Triton's NVIDIA backend; the kernels, launch constants and alignment
+assumptions of ``tests/kernels/test_compiles_for_sm90.py``) and runs the PTX
 through ``ptxas -v``, printing registers per thread and spill bytes. Spills in a GEMM's
 main loop cost far more than the arithmetic: check here before timing on a GPU.
 """
@@ -13,20 +13,15 @@ import sys
 import tempfile
 
 import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 
 sys.argv = sys.argv[:1]
 from tests.kernels import test_compiles_for_sm90 as cases  # noqa: E402
 
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+
+
 def ptxas_report(kernel, pointers, constants, num_warps) -> str:
-    signature = {p.name: "constexpr" if p.is_constexpr else
-                 pointers.get(p.name, "*fp32") if p.name.endswith("_ptr") else "i32"
-                 for p in kernel.params}
-    compiled = triton.compile(ASTSource(kernel, signature, constants),
-                              target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": num_warps, "num_stages": 3})
+    compiled = cases._compile(kernel, pointers, constants, num_warps)
     with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
         f.write(compiled.asm["ptx"])
     run = subprocess.run([PTXAS, "-arch=sm_90a", "-v", f.name, "-o", os.devnull],

@@ -1,7 +1,12 @@
 """torch.profiler summary of one small and one large GroupedLinear step next to raw grouped_mm.
 
-Run on a CUDA machine: ``PYTHONPATH=. python benchmarks/profile_step.py``.
+Run on a CUDA machine: ``PYTHONPATH=. python benchmarks/profile_step.py``, or
+``... profile_step.py RECIPE SHAPE [SHAPE ...]`` (RECIPE: rowwise, tensorwise, blockwise)
+for the kernels of one FP8 training step of ``GroupedLinear`` (bias, CUDA splits) on
+bench shapes.
 """
+
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +41,33 @@ def run(name, G, m, K, N, bias):
                                         max_name_column_width=60))
 
 
-if __name__ == "__main__":
+def run_fp8(recipe_name, shape_name):
+    from grouped_linear.cli.bench import load_shapes
+
+    recipe = {"rowwise": gl.recipes.Float8Rowwise, "tensorwise": gl.recipes.Float8Tensorwise,
+              "blockwise": gl.recipes.Float8Blockwise}[recipe_name]()
+    shape = load_shapes()[shape_name]
+    dt = torch.bfloat16
+    x = torch.randn(shape.M, shape.K, device="cuda", dtype=dt, requires_grad=True)
+    grad = torch.randn(shape.M, shape.N, device="cuda", dtype=dt)
+    splits = torch.tensor(shape.splits, device="cuda")
+    layer = gl.GroupedLinear(shape.G, shape.K, shape.N, params_dtype=dt, device="cuda",
+                             recipe=recipe)
+    for _ in range(3):
+        layer(x, splits).backward(grad)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            layer(x, splits).backward(grad)
+        torch.cuda.synchronize()
+    print(f"===== {shape_name} {recipe_name}, 5 steps")
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=16,
+                                    max_name_column_width=50))
+
+
+if __name__ == "__main__" and len(sys.argv) > 2:
+    for name in sys.argv[2:]:
+        run_fp8(sys.argv[1], name)
+elif __name__ == "__main__":
     run("small 8x128 1024->1024", 8, 128, 1024, 1024, bias=False)
     run("qwen fc2 8x10240 1024->4096", 8, 10240, 1024, 4096, bias=True)

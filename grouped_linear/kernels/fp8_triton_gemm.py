@@ -14,7 +14,9 @@ Operands are FP8 data with float32 dequantization factors (``1 / scale``):
   Persistent over the (group, row tile, column tile) list, so skewed and empty groups
   cost nothing; rows past the last group are written as zeros.
 * :func:`blockwise_wgrad`: ``dW_g = dy_g^T @ x_g`` with both operands scaled per (block of
-  128 tokens of the group, column), blocks numbered across groups in order.
+  128 tokens of the group, column), blocks numbered across groups in order and stored
+  token-contiguous, one whole zero-padded block each (the token-block layout): the
+  GEMM reads whole blocks without masks along the tokens it reduces over.
 
 The references are float32 matmuls of the dequantized operands
 (:func:`grouped_mm_reference`, :func:`blockwise_wgrad_reference`). On CPU (Triton's
@@ -52,11 +54,21 @@ def _dot(a, b, acc, UPCAST: tl.constexpr):
 
 
 @triton.jit
+def _load_k_tile(base, offsets, mask, k_mask, EVEN_K: tl.constexpr):
+    """One operand tile; ``EVEN_K``: the reduced dimension has no ragged end, so only the
+    row/column mask applies (a load masked along both dimensions is not software-pipelined
+    by Triton 3.6 on sm90)."""
+    if EVEN_K:
+        return tl.load(base + offsets, mask=mask, other=0.0)
+    return tl.load(base + offsets, mask=mask & k_mask, other=0.0)
+
+
+@triton.jit
 def _fp8_grouped_mm_kernel(a_ptr, a_inv_ptr, b_ptr, b_inv_ptr, out_ptr, sizes_ptr, M, W, R, G,
                            stride_am, stride_ai, stride_bg, stride_br, stride_bw, stride_big,
                            stride_bir, stride_biw, stride_om, BLOCKWISE: tl.constexpr,
-                           UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                           BLOCK_K: tl.constexpr, BLOCK_G: tl.constexpr,
+                           UPCAST: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr,
+                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_G: tl.constexpr,
                            NUM_PROGRAMS: tl.constexpr, SCALE_BLOCK: tl.constexpr):
     gs, starts, ends, tile_begin, tile_end, total = _tile_list(sizes_ptr, G, M, W, BLOCK_M,
                                                                BLOCK_N, BLOCK_G)
@@ -68,30 +80,38 @@ def _fp8_grouped_mm_kernel(a_ptr, a_inv_ptr, b_ptr, b_inv_ptr, out_ptr, sizes_pt
         # across the K loop would not fit in registers (ptxas spills; see NOTES.md).
         rows = tl.arange(0, BLOCK_M)
         cols = tl.arange(0, BLOCK_N)
+        ks = tl.arange(0, BLOCK_K)
         row_mask = rows < (end - row0).to(tl.int32)
         col_mask = cols < (W - col0).to(tl.int32)
+        a_offsets = rows[:, None] * stride_am + ks[None, :]
+        b_offsets = ks[:, None] * stride_br + cols[None, :] * stride_bw
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         if g < G:
             a_base = a_ptr + row0.to(tl.int64) * stride_am
             b_base = b_ptr + g.to(tl.int64) * stride_bg + col0.to(tl.int64) * stride_bw
-            for k0 in range(0, R, BLOCK_K):
-                ks = k0 + tl.arange(0, BLOCK_K)
-                k_mask = ks < R
-                a = tl.load(a_base + (rows[:, None] * stride_am + ks[None, :]),
-                            mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-                b = tl.load(b_base + (ks[:, None] * stride_br + cols[None, :] * stride_bw),
-                            mask=k_mask[:, None] & col_mask[None, :], other=0.0)
-                if BLOCKWISE:  # BLOCK_N == 128 == the weight block; BLOCK_K divides 128
-                    kb = k0 // SCALE_BLOCK
+            if BLOCKWISE:  # BLOCK_N == SCALE_BLOCK == the weight block; BLOCK_K divides it
+                for kb in range(0, tl.cdiv(R, SCALE_BLOCK)):
+                    # the block's partial product in float32, rescaled once per block
+                    step = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+                    for j in tl.static_range(0, SCALE_BLOCK, BLOCK_K):
+                        k0 = kb * SCALE_BLOCK + j
+                        a = _load_k_tile(a_base + k0, a_offsets, row_mask[:, None],
+                                         (k0 + ks < R)[None, :], EVEN_K)
+                        b = _load_k_tile(b_base + k0 * stride_br, b_offsets, col_mask[None, :],
+                                         (k0 + ks < R)[:, None], EVEN_K)
+                        step = _dot(a, b, step, UPCAST)
                     a_scale = tl.load(a_inv_ptr + (row0 + rows).to(tl.int64) * stride_ai + kb,
                                       mask=row_mask, other=0.0)
                     b_scale = tl.load(b_inv_ptr + g.to(tl.int64) * stride_big + kb * stride_bir
                                       + col_tile * stride_biw)
-                    step = _dot(a, b, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), UPCAST)
                     acc += step * (a_scale[:, None] * b_scale)
-                else:
+            else:
+                for k0 in range(0, R, BLOCK_K):
+                    a = _load_k_tile(a_base + k0, a_offsets, row_mask[:, None],
+                                     (k0 + ks < R)[None, :], EVEN_K)
+                    b = _load_k_tile(b_base + k0 * stride_br, b_offsets, col_mask[None, :],
+                                     (k0 + ks < R)[:, None], EVEN_K)
                     acc = _dot(a, b, acc, UPCAST)
-            if not BLOCKWISE:
                 a_scale = tl.load(a_inv_ptr + row0.to(tl.int64) + rows, mask=row_mask, other=0.0)
                 b_scale = tl.load(b_inv_ptr + g.to(tl.int64) * stride_big + (col0 + cols) * stride_biw,
                                   mask=col_mask, other=0.0)
@@ -102,13 +122,14 @@ def _fp8_grouped_mm_kernel(a_ptr, a_inv_ptr, b_ptr, b_inv_ptr, out_ptr, sizes_pt
 
 @triton.jit
 def _fp8_blockwise_wgrad_kernel(dy_ptr, dy_inv_ptr, x_ptr, x_inv_ptr, dw_ptr, sizes_ptr, M, N, K, G,
-                                stride_dym, stride_dyn, stride_xm, stride_xk, stride_dyi, stride_xi,
-                                stride_dwg, stride_dwn, UPCAST: tl.constexpr, BLOCK_T: tl.constexpr,
+                                stride_dyn, stride_xk, stride_dyi, stride_xi, stride_dwg,
+                                stride_dwn, UPCAST: tl.constexpr, BLOCK_T: tl.constexpr,
                                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                                 BLOCK_G: tl.constexpr, SCALE_BLOCK: tl.constexpr):
-    """One (group, N tile, K tile): the group's tokens in steps of ``BLOCK_T`` (dividing
-    the scaling block ``SCALE_BLOCK``), each step's partial product rescaled by the
-    factors of its token block."""
+    """One (group, N tile, K tile) of ``dW_g = dy_g^T x_g`` from operands in the token-block
+    layout (``(C, blocks * SCALE_BLOCK)``, block ``b`` at columns ``[b, b + 1) * SCALE_BLOCK``,
+    zero past each group's end): whole blocks, no mask along the tokens. Each block's
+    partial product (steps of ``BLOCK_T`` tokens) is rescaled once by its factors."""
     n_tiles = tl.cdiv(N, BLOCK_N)
     k_tiles = tl.cdiv(K, BLOCK_K)
     pid = tl.program_id(0)
@@ -123,25 +144,22 @@ def _fp8_blockwise_wgrad_kernel(dy_ptr, dy_inv_ptr, x_ptr, x_inv_ptr, dw_ptr, si
     gs, starts, ends = _group_rows(sizes_ptr, G, M, BLOCK_G)
     blocks = tl.where(gs < G, (ends - starts + SCALE_BLOCK - 1) // SCALE_BLOCK, 0)
     first_block = tl.sum(tl.where(gs == g, tl.cumsum(blocks, axis=0) - blocks, 0), axis=0)
-    start = tl.sum(tl.where(gs == g, starts, 0), axis=0)
-    end = tl.sum(tl.where(gs == g, ends, 0), axis=0)
-    dy_cols = dy_ptr + n0.to(tl.int64) * stride_dyn
-    x_cols = x_ptr + k0.to(tl.int64) * stride_xk
+    n_blocks = tl.sum(tl.where(gs == g, blocks, 0), axis=0).to(tl.int32)
+    dy_rows = dy_ptr + n0.to(tl.int64) * stride_dyn
+    x_rows = x_ptr + k0.to(tl.int64) * stride_xk
+    dy_offsets = offs_n[:, None] * stride_dyn + offs_t[None, :]  # (BLOCK_N, BLOCK_T)
+    x_offsets = offs_t[:, None] + offs_k[None, :] * stride_xk  # (BLOCK_T, BLOCK_K)
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for t0 in range(start, end, BLOCK_T):
-        block = first_block + (t0 - start) // SCALE_BLOCK
-        t_mask = offs_t < (end - t0).to(tl.int32)
-        dy_t = tl.load(dy_cols + t0 * stride_dym  # t0: int64 (from the group bounds)
-                       + (offs_t[None, :] * stride_dym + offs_n[:, None] * stride_dyn),
-                       mask=n_mask[:, None] & t_mask[None, :], other=0.0)
-        x = tl.load(x_cols + t0 * stride_xm
-                    + (offs_t[:, None] * stride_xm + offs_k[None, :] * stride_xk),
-                    mask=t_mask[:, None] & k_mask[None, :], other=0.0)
-        dy_scale = tl.load(dy_inv_ptr + (block.to(tl.int64) * stride_dyi + n0) + offs_n,
-                           mask=n_mask, other=0.0)
-        x_scale = tl.load(x_inv_ptr + (block.to(tl.int64) * stride_xi + k0) + offs_k,
-                          mask=k_mask, other=0.0)
-        step = _dot(dy_t, x, tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32), UPCAST)
+    for i in range(0, n_blocks):  # an int32 counter: Triton pipelines this loop
+        block = (first_block + i).to(tl.int64)
+        t0 = block * SCALE_BLOCK
+        step = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        for j in tl.static_range(0, SCALE_BLOCK, BLOCK_T):
+            dy_t = tl.load(dy_rows + (t0 + j) + dy_offsets, mask=n_mask[:, None], other=0.0)
+            x = tl.load(x_rows + (t0 + j) + x_offsets, mask=k_mask[None, :], other=0.0)
+            step = _dot(dy_t, x, step, UPCAST)
+        dy_scale = tl.load(dy_inv_ptr + (block * stride_dyi + n0) + offs_n, mask=n_mask, other=0.0)
+        x_scale = tl.load(x_inv_ptr + (block * stride_xi + k0) + offs_k, mask=k_mask, other=0.0)
         acc += step * (dy_scale[:, None] * x_scale[None, :])
     dw = dw_ptr + (g.to(tl.int64) * stride_dwg + n0.to(tl.int64) * stride_dwn + k0) \
         + (offs_n[:, None] * stride_dwn + offs_k[None, :])
@@ -192,6 +210,7 @@ def grouped_mm(a: torch.Tensor, a_inv: torch.Tensor, weight: torch.Tensor, w_inv
         a, a_inv, weight, w_inv, out, sizes, M, width, R, G,
         a.stride(0), a_inv.stride(0) if a_inv.dim() == 2 else 1, *b_strides, *s_strides,
         out.stride(0), BLOCKWISE=scaling == "blockwise", UPCAST=a.device.type == "cpu",
+        EVEN_K=R % (BLOCK if scaling == "blockwise" else MM_BLOCK_K) == 0,
         BLOCK_M=block_m, BLOCK_N=BLOCK, BLOCK_K=MM_BLOCK_K, BLOCK_G=triton.next_power_of_2(G + 1),
         NUM_PROGRAMS=programs, SCALE_BLOCK=BLOCK, num_warps=warps, num_stages=stages,
     )
@@ -223,44 +242,53 @@ def grouped_mm_reference(a, a_inv, weight, w_inv, sizes, *, transpose_weight: bo
     return out.to(out_dtype)
 
 
-def blockwise_wgrad(dy: torch.Tensor, dy_inv: torch.Tensor, x: torch.Tensor, x_inv: torch.Tensor,
-                    sizes: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """``(G, N, K)``: ``dW_g = dy_g^T @ x_g`` from FP8 ``dy`` ``(M, N)`` and ``x`` ``(M, K)``
-    with factors ``(blocks, N)`` / ``(blocks, K)`` per 128-token block of each group
-    (block ``i`` of group ``g`` is number ``sum_{h<g} cdiv(size_h, 128) + i``). Any
-    strides: token-contiguous operands (``.t()`` of ``(C, M)`` data) are what FP8 tensor
-    cores read without a transpose."""
-    M, N = dy.shape
-    K = x.shape[1]
-    G = sizes.shape[0]
-    dw = torch.empty(G, N, K, device=dy.device, dtype=out_dtype)
-    if N == 0 or K == 0:
-        return dw
-    block_n = block_k = 64 if dy.device.type == "cpu" else 128
-    warps, stages = (4, 1) if dy.device.type == "cpu" else WGRAD_CONFIG
+def blockwise_wgrad(dy_blocks: torch.Tensor, dy_inv: torch.Tensor, x_blocks: torch.Tensor,
+                    x_inv: torch.Tensor, sizes: torch.Tensor, num_rows: int,
+                    out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """``(G, N, K)``: ``dW_g = dy_g^T @ x_g`` from FP8 operands in the token-block layout of
+    :func:`grouped_linear.kernels.quantize_blocks.quantize_token_blocks` (``transpose=True``):
+
+    Args:
+        dy_blocks, x_blocks: ``(N, T)`` / ``(K, T)``, unit stride along ``T``; block ``b``
+            (numbered group after group: ``sum_{h<g} cdiv(size_h, 128) + i`` for block ``i``
+            of group ``g``) at columns ``[128 b, 128 b + 128)``, zeros past a group's end.
+        dy_inv, x_inv: ``(blocks, N)`` / ``(blocks, K)`` float32 factors per block and row.
+        sizes: ``(G,)`` group sizes on the device, clamped to ``num_rows`` tokens in all.
+    """
+    N, K, G = dy_blocks.shape[0], x_blocks.shape[0], sizes.shape[0]
+    dw = torch.empty(G, N, K, device=dy_blocks.device, dtype=out_dtype)
+    if N == 0 or K == 0 or G == 0:
+        return dw.zero_()
+    for name, t in (("dy_blocks", dy_blocks), ("x_blocks", x_blocks)):
+        if t.stride(1) != 1 and t.shape[1] > 1:
+            raise ValueError(f"{name} must have unit stride along the tokens, got strides "
+                             f"{tuple(t.stride())}")
+    cpu = dy_blocks.device.type == "cpu"
+    block_n = block_k = 64 if cpu else 128
+    warps, stages = (4, 1) if cpu else WGRAD_CONFIG
     grid = (G * triton.cdiv(N, block_n) * triton.cdiv(K, block_k),)
-    dy, x = _operand(dy), _operand(x)
+    dy_blocks, x_blocks = _operand(dy_blocks), _operand(x_blocks)
     _fp8_blockwise_wgrad_kernel[grid](
-        dy, dy_inv, x, x_inv, dw, sizes, M, N, K, G, *dy.stride(), *x.stride(),
-        dy_inv.stride(0), x_inv.stride(0), dw.stride(0), dw.stride(1),
-        UPCAST=dy.device.type == "cpu", BLOCK_T=WGRAD_BLOCK_T, SCALE_BLOCK=BLOCK,
-        BLOCK_N=block_n, BLOCK_K=block_k,
+        dy_blocks, dy_inv, x_blocks, x_inv, dw, sizes, num_rows, N, K, G, dy_blocks.stride(0),
+        x_blocks.stride(0), dy_inv.stride(0), x_inv.stride(0), dw.stride(0), dw.stride(1),
+        UPCAST=cpu, BLOCK_T=WGRAD_BLOCK_T, SCALE_BLOCK=BLOCK, BLOCK_N=block_n, BLOCK_K=block_k,
         BLOCK_G=triton.next_power_of_2(G + 1), num_warps=warps, num_stages=stages,
     )
     return dw
 
 
-def blockwise_wgrad_reference(dy, dy_inv, x, x_inv, sizes, out_dtype=torch.bfloat16):
-    ends = sizes.to(torch.int64).clamp(min=0).cumsum(0).clamp(max=dy.shape[0]).tolist()
-    out = torch.zeros(sizes.shape[0], dy.shape[1], x.shape[1], dtype=torch.float32,
-                      device=dy.device)
+def blockwise_wgrad_reference(dy_blocks, dy_inv, x_blocks, x_inv, sizes, num_rows,
+                              out_dtype=torch.bfloat16):
+    ends = sizes.to(torch.int64).clamp(min=0).cumsum(0).clamp(max=num_rows).tolist()
+    out = torch.zeros(sizes.shape[0], dy_blocks.shape[0], x_blocks.shape[0],
+                      dtype=torch.float32, device=dy_blocks.device)
     start, block = 0, 0
     for g, end in enumerate(ends):
-        for t0 in range(start, end, BLOCK):
-            t1 = min(t0 + BLOCK, end)
-            dy_b = dy[t0:t1].float() * dy_inv[block]
-            x_b = x[t0:t1].float() * x_inv[block]
-            out[g] += dy_b.t() @ x_b
+        for _ in range(start, end, BLOCK):
+            cols = slice(block * BLOCK, (block + 1) * BLOCK)
+            dy_b = dy_blocks[:, cols].float() * dy_inv[block][:, None]
+            x_b = x_blocks[:, cols].float() * x_inv[block][:, None]
+            out[g] += dy_b @ x_b.t()
             block += 1
         start = end
     return out.to(out_dtype)

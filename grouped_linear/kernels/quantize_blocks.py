@@ -34,7 +34,8 @@ from .triton_gemm import _group_rows
 
 __all__ = ["quantize_row_tiles", "quantize_row_tiles_reference", "quantize_weight_blocks",
            "quantize_weight_blocks_reference", "quantize_token_blocks",
-           "quantize_token_blocks_reference", "token_block_index", "num_token_blocks",
+           "quantize_token_blocks_reference", "token_block_index", "token_block_columns",
+           "num_token_blocks",
            "ROW_TILES_CONFIG", "WEIGHT_BLOCKS_CONFIG", "TOKEN_BLOCKS_CONFIG"]
 
 # Launch shapes: (rows per program, warps) for row tiles, (warps,) for weight blocks,
@@ -215,14 +216,15 @@ def _quantize_token_blocks_kernel(t_ptr, sizes_ptr, q_ptr, inv_ptr, M, C, G, str
                                   stride_qm, stride_qc, FP8_MAX: tl.constexpr,
                                   POW2: tl.constexpr, TILE: tl.constexpr,
                                   BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
-                                  BLOCK_G: tl.constexpr):
+                                  BLOCK_G: tl.constexpr, BLOCK_LAYOUT: tl.constexpr):
     """Global block ``pid0`` x columns ``[pid1 * BLOCK_C, +BLOCK_C)``.
 
     Blocks are numbered group after group, then the tail (rows past the last group,
     cut into ``TILE`` rows too), then unused ones: a group's block gets one scale per
     column; a tail block writes zeros and ``inv`` 1; an unused block only ``inv`` 1.
     ``q[m, c]`` is at ``q_ptr + m * stride_qm + c * stride_qc``, ``inv``
-    ``(cdiv(M, TILE) + G, C)``, ``BLOCK_G > G``."""
+    ``(cdiv(M, TILE) + G, C)``, ``BLOCK_G > G``. ``BLOCK_LAYOUT``: block ``b``'s rows go to
+    ``b * TILE + [0, TILE)`` instead, all ``TILE`` of them (zeros past the group's end)."""
     b = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     col_mask = cols < C
@@ -244,8 +246,13 @@ def _quantize_token_blocks_kernel(t_ptr, sizes_ptr, q_ptr, inv_ptr, M, C, G, str
                      other=0.0).to(tl.float32)
     scale = _scale(tl.max(tl.abs(values), axis=0), FP8_MAX, POW2)  # 1 outside groups
     scaled = tl.clamp(values * scale[None, :], -FP8_MAX, FP8_MAX)
-    tl.store(q_ptr + rows64 * stride_qm + cols64 * stride_qc, scaled.to(q_ptr.dtype.element_ty),
-             mask=mask)
+    if BLOCK_LAYOUT:
+        slots = (b.to(tl.int64) * TILE + offs)[:, None]
+        tl.store(q_ptr + slots * stride_qm + cols64 * stride_qc, scaled.to(q_ptr.dtype.element_ty),
+                 mask=(offs < TILE)[:, None] & col_mask[None, :])
+    else:
+        tl.store(q_ptr + rows64 * stride_qm + cols64 * stride_qc,
+                 scaled.to(q_ptr.dtype.element_ty), mask=mask)
     tl.store(inv_ptr + b.to(tl.int64) * C + cols, 1.0 / scale, mask=col_mask)
 
 
@@ -253,25 +260,30 @@ def quantize_token_blocks(t: torch.Tensor, sizes: torch.Tensor, fp8_dtype: torch
                           power_of_two: bool, tile: int = 128, transpose: bool = False
                           ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(M, C)`` (any float dtype, any strides) with rows split into groups by ``sizes``
-    (``(G,)`` integers on ``t``'s device, never read on the host) -> contiguous FP8
-    ``(M, C)`` and float32 ``(cdiv(M, tile) + G, C)`` factors:
-    ``t[m, c] ~= data[m, c] * inv[token_block_index(sizes, M, tile)[m], c]`` for rows of a
-    group; rows past the last group are 0, unused rows of ``inv`` are 1.
+    (``(G,)`` integers on ``t``'s device, never read on the host) -> FP8 data and float32
+    ``(cdiv(M, tile) + G, C)`` factors, ``t[m, c] ~= data[m, c] * inv[b, c]`` with ``b =
+    token_block_index(sizes, M, tile)[m]`` for rows of a group; unused rows of ``inv`` are 1.
 
-    ``transpose=True`` returns the data as ``(C, M)`` instead (token-contiguous, row
-    stride a multiple of 16 on GPUs): the layout FP8 tensor cores read the weight
-    gradient's operands in, since that GEMM reduces over the tokens."""
+    * ``transpose=False``: data ``(M, C)``, rows past the last group 0;
+    * ``transpose=True``: the token-block layout the weight-gradient GEMM reads (it reduces
+      over the tokens, which FP8 tensor cores want contiguous): data ``(C, (cdiv(M, tile)
+      + G) * tile)``, block ``b`` at columns ``[b * tile, (b + 1) * tile)``, zeros past each
+      group's end and in unused blocks (:func:`token_block_columns` maps rows to columns).
+    """
     M, C = t.shape
     G = sizes.shape[0]
+    blocks = num_token_blocks(M, G, tile)
     if not use_triton(t) or t.numel() == 0:
         data, inv = quantize_token_blocks_reference(t, sizes, fp8_dtype, power_of_two, tile)
-        return (data.t().contiguous() if transpose else data), inv
+        if not transpose:
+            return data, inv
+        blocked = torch.zeros(C, blocks * tile, device=t.device, dtype=torch.float32)
+        columns = token_block_columns(sizes.to(t.device), M, tile)
+        used = columns >= 0
+        blocked[:, columns[used]] = data[used].float().t()
+        return blocked.to(fp8_dtype), inv
     sizes = sizes.to(t.device).contiguous()  # no-ops for sizes already on the device
-    blocks = num_token_blocks(M, G, tile)
-    if transpose and t.device.type != "cpu":
-        data = torch.empty(C, -(-M // 16) * 16, device=t.device, dtype=fp8_dtype)[:, :M]
-    else:
-        data = _fp8_buffer((C, M) if transpose else (M, C), t.device, fp8_dtype)
+    data = _fp8_buffer((C, blocks * tile) if transpose else (M, C), t.device, fp8_dtype)
     stride_qm, stride_qc = (data.stride(1), data.stride(0)) if transpose else data.stride()
     inv = torch.empty(blocks, C, device=t.device, dtype=torch.float32)
     block_c, warps = TOKEN_BLOCKS_CONFIG
@@ -279,6 +291,19 @@ def quantize_token_blocks(t: torch.Tensor, sizes: torch.Tensor, fp8_dtype: torch
         t, sizes, data, inv, M, C, G, t.stride(0), t.stride(1), stride_qm, stride_qc,
         FP8_MAX=torch.finfo(fp8_dtype).max, POW2=power_of_two, TILE=tile,
         BLOCK_T=triton.next_power_of_2(tile), BLOCK_C=block_c,
-        BLOCK_G=max(2, triton.next_power_of_2(G + 1)), num_warps=warps,
+        BLOCK_G=max(2, triton.next_power_of_2(G + 1)), BLOCK_LAYOUT=transpose, num_warps=warps,
     )
     return _finish(data, fp8_dtype), inv
+
+
+def token_block_columns(sizes: torch.Tensor, num_rows: int, tile: int = 128) -> torch.Tensor:
+    """``(M,)`` int64: the column of each row in the token-block layout
+    (``quantize_token_blocks(transpose=True)``), -1 for rows past the last group."""
+    index = token_block_index(sizes, num_rows, tile)
+    sizes64 = sizes.to(torch.int64).clamp(min=0)
+    ends = sizes64.cumsum(0).clamp(max=num_rows)
+    rows = torch.arange(num_rows, device=sizes.device, dtype=torch.int64)
+    groups = torch.searchsorted(ends, rows, right=True)
+    starts = torch.cat([ends.new_zeros(1), ends])  # slot G: rows past the last group
+    within = (rows - starts[groups]) % tile
+    return torch.where(groups < sizes.shape[0], index * tile + within, -1)

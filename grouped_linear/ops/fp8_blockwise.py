@@ -5,7 +5,8 @@
 * dgrad: ``dy`` in 1x128 tiles times the same FP8 weight blocks, transposed once per
   step (a 128x128 block serves both orientations, so the weight is quantized once);
 * wgrad: ``dy`` and ``x`` in blocks of 128 tokens of each group, per column, written
-  token-contiguous by their quantization kernel (the GEMM reduces over the tokens).
+  token-contiguous, one zero-padded block each, by their quantization kernel (the GEMM
+  reduces over the tokens and reads whole blocks).
 
 One fused quantization pass per operand (:mod:`grouped_linear.kernels.quantize_blocks`),
 GEMMs from :mod:`grouped_linear.kernels.fp8_triton_gemm`; any group size, rows past the
@@ -59,7 +60,7 @@ class Fp8BlockwiseFunction(torch.autograd.Function):
                                                            transpose=True)
             x_t, x_inv_blocks = qb.quantize_token_blocks(x, sizes, recipe.forward_dtype, pow2,
                                                          transpose=True)
-            return fg.blockwise_wgrad(dy_t.t(), dy_inv_blocks, x_t.t(), x_inv_blocks, sizes,
+            return fg.blockwise_wgrad(dy_t, dy_inv_blocks, x_t, x_inv_blocks, sizes, x.shape[0],
                                       out_dtype=weight.dtype)
 
         grad_w, grad_b = weight_and_bias_grads(ctx, grad_out, offsets, grad_weight)

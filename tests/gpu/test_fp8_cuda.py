@@ -47,7 +47,7 @@ def _step(recipe, split_kind="cuda", x_scale=1.0, grad_scale=1.0, sizes=SIZES, t
 
 
 @pytest.mark.skipif(not SM90, reason="the FP8 grouped GEMM is sm90's")
-def test_rowwise_and_tensorwise_take_the_fp8_gemm_path():
+def test_each_recipe_takes_its_fp8_gemm_path():
     x = torch.randn(4, K, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(2, N, K, device="cuda", dtype=torch.bfloat16)
     takes_e5m2 = fp8_gemm.gemm_accepts(torch.float8_e5m2, torch.float8_e4m3fn,
@@ -55,7 +55,8 @@ def test_rowwise_and_tensorwise_take_the_fp8_gemm_path():
     for recipe in RECIPES:
         want = "device" if recipe.fp8_format == "e4m3" or takes_e5m2 else "emulated"
         assert fp8_path(recipe, x, w) == want, recipe
-    assert fp8_path(Float8Blockwise(), x, w) == "emulated"
+    assert fp8_path(Float8Blockwise(), x, w) == "triton"
+    assert fp8_path(Float8Blockwise(fp8_format="hybrid"), x, w) == "emulated"
     assert fp8_path(Float8Rowwise(), x.float(), w.float()) == "emulated"
     assert fp8_path(Float8Rowwise(), x[:, :40], w[:, :, :40]) == "emulated"  # K % 16 != 0
 

@@ -57,24 +57,43 @@ def test_blockwise_scales_apply_per_block():
     assert rel_err(changed - base, second) < TOL
 
 
-@pytest.mark.parametrize("token_major", [False, True])
-@pytest.mark.parametrize("sizes, tail", [([130, 0, 5, 257], 3), ([0], 2), ([128, 128], 0)])
-def test_blockwise_wgrad_against_dequantized_float32(sizes, tail, token_major):
+@pytest.mark.parametrize("sizes, tail", [([130, 0, 5, 257], 3), ([0], 2), ([128, 128], 0),
+                                         ([300, 40], -100)])
+def test_blockwise_wgrad_against_dequantized_float32(sizes, tail):
+    """Operands in the token-block layout; a negative tail: sizes summing past the rows."""
     G, N, K = len(sizes), 72, 136
     M = sum(sizes) + tail
-    dy, x = _fp8(M, N), _fp8(M, K)
-    if token_major:  # (C, M) storage read through .t() views, as the layer passes them
-        dy, x = dy.t().contiguous().t(), x.t().contiguous().t()
     blocks = -(-M // 128) + G
+    dy, x = _fp8(N, blocks * 128), _fp8(K, blocks * 128)
     dy_inv, x_inv = _factors(blocks, N), _factors(blocks, K)
     sizes_t = torch.tensor(sizes, device=DEVICE)
-    got = fg.blockwise_wgrad(dy, dy_inv, x, x_inv, sizes_t, out_dtype=torch.float32)
-    want = fg.blockwise_wgrad_reference(dy, dy_inv, x, x_inv, sizes_t, out_dtype=torch.float32)
+    got = fg.blockwise_wgrad(dy, dy_inv, x, x_inv, sizes_t, M, out_dtype=torch.float32)
+    want = fg.blockwise_wgrad_reference(dy, dy_inv, x, x_inv, sizes_t, M, out_dtype=torch.float32)
     assert got.shape == (G, N, K)
     assert rel_err(got, want) < TOL
     for g, size in enumerate(sizes):
         if size == 0:
             assert torch.all(got[g] == 0)
+
+
+def test_blockwise_wgrad_reads_only_its_groups_blocks():
+    """Blocks past the groups' (unused upper-bound blocks) never reach the result."""
+    sizes, M, N, K = [200, 56], 256, 64, 128
+    blocks = -(-M // 128) + 2
+    dy, x = _fp8(N, blocks * 128), _fp8(K, blocks * 128)
+    dy_inv, x_inv = _factors(blocks, N), _factors(blocks, K)
+    sizes_t = torch.tensor(sizes, device=DEVICE)
+    base = fg.blockwise_wgrad(dy, dy_inv, x, x_inv, sizes_t, M, out_dtype=torch.float32)
+    dy[:, 3 * 128:] = float("nan")  # group 0: blocks 0-1, group 1: block 2
+    changed = fg.blockwise_wgrad(dy, dy_inv, x, x_inv, sizes_t, M, out_dtype=torch.float32)
+    assert torch.equal(base, changed)
+
+
+def test_blockwise_wgrad_rejects_strided_tokens():
+    sizes_t = torch.tensor([4], device=DEVICE)
+    dy = _fp8(256, 16).t()  # (16, 256) with token stride 16
+    with pytest.raises(ValueError, match="dy_blocks"):
+        fg.blockwise_wgrad(dy, _factors(3, 16), _fp8(8, 256), _factors(3, 8), sizes_t, 4)
 
 
 def test_bad_scaling_name():

@@ -211,13 +211,26 @@ def test_token_blocks_degenerate():
     assert torch.all(data.float() == 0) and inv.shape == (1, 8) and torch.all(inv == 1)
 
 
-@pytest.mark.parametrize("sizes, tail", [([0, 1, 129, 130, 0], 5), ([300], 0)])
+@pytest.mark.parametrize("sizes, tail", [([0, 1, 129, 130, 0], 5), ([300], 0), ([50, 90], -20),
+                                         ([0, 0], 7)])
 def test_token_blocks_transposed_layout(sizes, tail):
+    """Each row of a group at its block's column, every other column zero."""
     M, C = sum(sizes) + tail, 70
     t = (torch.randn(M, C) * 7).to(DEVICE)
     size_tensor = torch.tensor(sizes, device=DEVICE)
     data, inv = qb.quantize_token_blocks(t, size_tensor, E4M3, False)
     data_t, inv_t = qb.quantize_token_blocks(t, size_tensor, E4M3, False, transpose=True)
-    assert data_t.shape == (C, M) and data_t.stride(1) == 1
+    blocks = qb.num_token_blocks(M, len(sizes))
+    assert data_t.shape == (C, blocks * 128) and data_t.stride(1) == 1
     assert torch.equal(inv_t, inv)
-    assert torch.equal(data_t.t().float(), data.float())
+    columns = qb.token_block_columns(size_tensor, M).cpu()
+    blocks_loop = _token_blocks_loop(sizes, M, 128)
+    expected = torch.full((M,), -1, dtype=torch.int64)
+    for b, (r0, r1) in enumerate(blocks_loop):
+        expected[r0:r1] = torch.arange(b * 128, b * 128 + r1 - r0)
+    assert torch.equal(columns, expected)
+    used = columns >= 0
+    assert torch.equal(data_t.float().cpu()[:, columns[used]], data.float().cpu()[used].t())
+    rest = torch.ones(blocks * 128, dtype=torch.bool)
+    rest[columns[used]] = False
+    assert torch.all(data_t.float().cpu()[:, rest] == 0)
