@@ -43,6 +43,7 @@ def main():
     q.ROWS_CONFIG = (1, 4096, 8)
     report("weight rows (forward copy)", _ms(lambda: q.quantize_weight_rows(w, E4M3, False)),
            w.numel())
+    default_method, default_tiled = qt.GROUP_COLUMNS_METHOD, qt.TILED_CONFIG
     for method in ("per_group", "tiled"):
         qt.GROUP_COLUMNS_METHOD = method
         report(f"weight columns transposed, {method}",
@@ -61,7 +62,7 @@ def main():
             report(f"group columns {name} tiled {config}",
                    _ms(lambda t=t: qt.quantize_group_columns_t(t, offsets, E4M3, False, align=16)),
                    t.numel())
-    qt.GROUP_COLUMNS_METHOD = "per_group"
+    qt.GROUP_COLUMNS_METHOD, qt.TILED_CONFIG = default_method, default_tiled
     sizes = torch.diff(offsets, prepend=offsets.new_zeros(1))
     for config in ((32, 4), (64, 4), (16, 4)):
         qb.ROW_TILES_CONFIG = config

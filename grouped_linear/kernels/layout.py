@@ -20,7 +20,13 @@ from .bias import _row_group
 
 __all__ = ["relayout", "relayout_reference", "gather_rows", "gather_rows_reference",
            "combine_rows", "combine_rows_reference", "spread_rows", "spread_rows_reference",
-           "routing_map", "routing_map_reference"]
+           "scatter_rows", "routing_map", "routing_map_reference", "SCATTER_CONFIG",
+           "COMBINE_CONFIG"]
+
+# Launch shapes (rows per program, columns per program) of scatter_rows (permute forward)
+# and combine_rows (unpermute forward, permute backward); the layouts bench times them.
+SCATTER_CONFIG = (16, 256)
+COMBINE_CONFIG = (16, 256)
 
 
 def _starts(ends: torch.Tensor) -> torch.Tensor:
@@ -184,6 +190,59 @@ def gather_rows(src: torch.Tensor, index: torch.Tensor,
     return out.to(src.dtype)
 
 
+@triton.jit
+def _scatter_rows_kernel(src_ptr, dst_ptr, map_ptr, token_ptr, T, K, N, H, stride_src,
+                         stride_dst, token_programs, BLOCK_T: tl.constexpr,
+                         BLOCK_H: tl.constexpr):
+    """Programs ``< token_programs``: ``BLOCK_T`` source rows, read once and written to each
+    of their ``K`` slots' rows ``map[t, j]`` (those in ``[0, N)``). The others: one block of
+    ``BLOCK_T`` destination rows each, zeros where ``token[r] < 0`` (rows no slot holds)."""
+    pid = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    col_mask = (cols < H)[None, :]
+    lanes = tl.arange(0, BLOCK_T)
+    if pid < token_programs:
+        tokens = pid * BLOCK_T + lanes
+        token_mask = tokens < T
+        values = tl.load(src_ptr + tokens.to(tl.int64)[:, None] * stride_src + cols[None, :],
+                         mask=token_mask[:, None] & col_mask, other=0.0)
+        for j in range(0, K):
+            row = tl.load(map_ptr + tokens.to(tl.int64) * K + j, mask=token_mask,
+                          other=-1).to(tl.int64)
+            valid = (row >= 0) & (row < N)
+            tl.store(dst_ptr + row[:, None] * stride_dst + cols[None, :], values,
+                     mask=valid[:, None] & col_mask)
+    else:
+        rows = (pid - token_programs) * BLOCK_T + lanes
+        token = tl.load(token_ptr + rows, mask=rows < N, other=0)
+        zeros = tl.zeros([BLOCK_T, BLOCK_H], dtype=dst_ptr.dtype.element_ty)
+        tl.store(dst_ptr + rows.to(tl.int64)[:, None] * stride_dst + cols[None, :], zeros,
+                 mask=((rows < N) & (token < 0))[:, None] & col_mask)
+
+
+def scatter_rows(src: torch.Tensor, row_map: torch.Tensor, token_of_row: torch.Tensor
+                 ) -> torch.Tensor:
+    """``(T, H)`` -> ``(N, H)`` with ``N = len(token_of_row)``: ``out[row_map[t, j]] = src[t]``,
+    zero rows where ``token_of_row`` is negative. ``row_map`` ``(T, k)`` and ``token_of_row``
+    must describe the same placement (as :func:`routing_map` returns them); the result
+    equals ``gather_rows(src, token_of_row)`` but reads each source row once, however many
+    slots use it."""
+    tokens, k = row_map.shape
+    num_rows = token_of_row.shape[0]
+    if not _rows_kernel_ok(src) or tokens == 0 or k == 0 or num_rows == 0:
+        return gather_rows_reference(src, token_of_row)
+    H = src.shape[1]
+    out = torch.empty(num_rows, H, device=src.device, dtype=src.dtype)
+    block_t, block_h = SCATTER_CONFIG
+    block_h = min(block_h, triton.next_power_of_2(H))
+    token_programs = triton.cdiv(tokens, block_t)
+    grid = (token_programs + triton.cdiv(num_rows, block_t), triton.cdiv(H, block_h))
+    _scatter_rows_kernel[grid](
+        src, out, row_map.contiguous(), token_of_row.contiguous(), tokens, k, num_rows, H,
+        src.stride(0), out.stride(0), token_programs, BLOCK_T=block_t, BLOCK_H=block_h)
+    return out
+
+
 def spread_rows_reference(src: torch.Tensor, row_map: torch.Tensor, num_rows: int,
                           weights: torch.Tensor | None) -> torch.Tensor:
     """``(T, H)`` -> ``(num_rows, H)``: ``out[row_map[t, j]] = weights[t, j] * src[t]`` (in
@@ -246,7 +305,8 @@ def combine_rows(src: torch.Tensor, row_map: torch.Tensor,
     # kernel writes float32 and torch rounds.
     out_dtype = torch.float32 if src.device.type == "cpu" else src.dtype
     out = torch.empty(tokens, H, device=src.device, dtype=out_dtype)
-    block_t, block_h = 16, min(256, triton.next_power_of_2(H))
+    block_t, block_h = COMBINE_CONFIG
+    block_h = min(block_h, triton.next_power_of_2(H))
     _combine_rows_kernel[(triton.cdiv(tokens, block_t), triton.cdiv(H, block_h))](
         src, out, row_map.contiguous(), weights.contiguous() if weights is not None else src,
         tokens, k, src.shape[0], H, src.stride(0), out.stride(0),

@@ -55,7 +55,7 @@ class _PermuteRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, token_of_row, row_map):  # type: ignore[override]
         ctx.save_for_backward(row_map)
-        return layout_kernels.gather_rows(x, token_of_row)  # -1: a zero row
+        return layout_kernels.scatter_rows(x, row_map, token_of_row)  # each x row read once
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]

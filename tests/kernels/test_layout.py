@@ -176,3 +176,23 @@ def test_spread_rows_against_reference(k, weighted, dtype):
     unheld = torch.ones(num_rows, dtype=torch.bool, device=DEVICE)
     unheld[held] = False
     assert torch.all(got[unheld] == 0)
+
+
+@pytest.mark.parametrize("k, multiple, experts", [(1, 1, 4), (2, 16, 5), (8, 128, 16), (3, 4, 1)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_scatter_rows_equals_gather_by_token(k, multiple, experts, dtype):
+    """The permute layout written source-row by source-row (each read once) equals the
+    gather by each row's token, padding and dropped slots included."""
+    tokens, H = 45, 300
+    gen = torch.Generator().manual_seed(k * 100 + multiple)
+    topk = torch.stack([torch.randperm(max(experts, k), generator=gen)[:k] % experts
+                        for _ in range(tokens)])
+    topk[2, 0] = -1  # a dropped slot
+    topk = topk.to(DEVICE)
+    num_rows = tokens * k + experts * (multiple - 1) + 7  # an upper bound with a tail
+    _, row_map, token_of_row = layout.routing_map_reference(topk, experts, multiple, num_rows)
+    src = torch.randn(tokens, H, generator=gen).to(DEVICE, dtype)
+    got = layout.scatter_rows(src, row_map, token_of_row)
+    assert got.shape == (num_rows, H)
+    assert torch.equal(got, layout.gather_rows_reference(src, token_of_row))
+    assert torch.all(got[token_of_row.cpu() < 0] == 0)
