@@ -63,6 +63,16 @@ def main():
                    _ms(lambda t=t: qt.quantize_group_columns_t(t, offsets, E4M3, False, align=16)),
                    t.numel())
     qt.GROUP_COLUMNS_METHOD, qt.TILED_CONFIG = default_method, default_tiled
+    for sub_tiles in (1, 2, 4, 8):
+        qt.AMAX_SUB_TILES = sub_tiles
+        for name, t in (("x", x), ("dy", dy)):
+            report(f"group columns {name} tiled, amax sub-tiles {sub_tiles}",
+                   _ms(lambda t=t: qt.quantize_group_columns_t(t, offsets, E4M3, False, align=16)),
+                   t.numel())
+    qt.AMAX_SUB_TILES = 4
+    x_narrow = x[:, :1024].contiguous()
+    report("rows x[:, :1024] (several rows per program)",
+           _ms(lambda: q.quantize_rows(x_narrow, E4M3, False)), x_narrow.numel())
     sizes = torch.diff(offsets, prepend=offsets.new_zeros(1))
     for config in ((32, 4), (64, 4), (16, 4)):
         qb.ROW_TILES_CONFIG = config

@@ -3,7 +3,8 @@
 ``PYTHONPATH=. python benchmarks/layout_kernels.py``: 8192 tokens, top-8 of 64 experts,
 hidden 4096 and 7168, bf16. ``scatter_rows`` (permute forward) moves ``(T + M) * H``
 elements, ``combine_rows`` (permute backward, unpermute forward) ``(M + T) * H``; GB/s
-count 2 bytes each, as a fraction of a bf16 copy's GB/s.
+count 2 bytes each, as a fraction of a bf16 copy's GB/s; ``spread_rows`` with weights
+(unpermute backward) moves what ``scatter_rows`` does.
 """
 
 import torch
@@ -29,14 +30,18 @@ def main():
         copy = 2 * y.numel() * 2 / _ms(lambda y=y, dst=dst: dst.copy_(y)) / 1e6
         moved = (tokens + num_rows) * hidden * 2
         ms = _ms(lambda x=x: layout.gather_rows(x, token_of_row))
+        probs = torch.rand(tokens, k, device="cuda")
         print(f"H={hidden} copy {copy:.0f} GB/s; gather by token (before): "
               f"{moved / ms / 1e6 / copy:.2f} of copy")
-        for config in ((16, 256), (8, 512), (32, 256), (4, 1024), (16, 512)):
+        for config in ((16, 256, 4), (32, 256, 4), (16, 512, 8), (8, 1024, 8), (4, 1024, 4),
+                       (4, 2048, 8), (2, 2048, 4)):
             layout.SCATTER_CONFIG = layout.COMBINE_CONFIG = config
             scatter = _ms(lambda x=x: layout.scatter_rows(x, row_map, token_of_row))
             combine = _ms(lambda y=y: layout.combine_rows(y, row_map, None))
+            spread = _ms(lambda x=x, p=probs: layout.spread_rows(x, row_map, num_rows, p))
             print(f"  {config}: scatter {moved / scatter / 1e6 / copy:.2f}, "
-                  f"combine {moved / combine / 1e6 / copy:.2f} of copy")
+                  f"combine {moved / combine / 1e6 / copy:.2f}, "
+                  f"weighted spread {moved / spread / 1e6 / copy:.2f} of copy")
 
 
 if __name__ == "__main__":

@@ -23,10 +23,10 @@ __all__ = ["relayout", "relayout_reference", "gather_rows", "gather_rows_referen
            "scatter_rows", "routing_map", "routing_map_reference", "SCATTER_CONFIG",
            "COMBINE_CONFIG"]
 
-# Launch shapes (rows per program, columns per program) of scatter_rows (permute forward)
+# Launch shapes (rows per program, columns per program, warps) of scatter_rows (permute forward)
 # and combine_rows (unpermute forward, permute backward); the layouts bench times them.
-SCATTER_CONFIG = (16, 256)
-COMBINE_CONFIG = (16, 256)
+SCATTER_CONFIG = (16, 256, 4)
+COMBINE_CONFIG = (4, 1024, 4)
 
 
 def _starts(ends: torch.Tensor) -> torch.Tensor:
@@ -122,21 +122,18 @@ def combine_rows_reference(src: torch.Tensor, row_map: torch.Tensor,
 
 @triton.jit
 def _gather_rows_kernel(src_ptr, dst_ptr, index_ptr, scale_ptr, R, R_src, H, stride_src,
-                        stride_dst, slots_per_row, HAS_SCALE: tl.constexpr, BY_SLOT: tl.constexpr,
-                        BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr):
-    """``dst[r] = scale * src[i]``. Plain: ``i = index[r]``, ``scale[r]``. ``BY_SLOT``:
-    ``index[r]`` is a slot ``s``, ``i = s // slots_per_row`` and the scale is ``scale[s]``."""
+                        stride_dst, HAS_SCALE: tl.constexpr, BLOCK_R: tl.constexpr,
+                        BLOCK_H: tl.constexpr):
+    """``dst[r] = scale[r] * src[index[r]]``, zeros where the index is outside ``src``."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     col_mask = (cols < H)[None, :]
     index = tl.load(index_ptr + rows, mask=rows < R, other=-1).to(tl.int64)
-    source = index // slots_per_row if BY_SLOT else index
-    valid = (index >= 0) & (source < R_src)
-    values = tl.load(src_ptr + source[:, None] * stride_src + cols[None, :],
+    valid = (index >= 0) & (index < R_src)
+    values = tl.load(src_ptr + index[:, None] * stride_src + cols[None, :],
                      mask=valid[:, None] & col_mask, other=0.0)
     if HAS_SCALE:
-        scale = tl.load(scale_ptr + (index if BY_SLOT else rows), mask=valid,
-                        other=0.0).to(tl.float32)
+        scale = tl.load(scale_ptr + rows, mask=valid, other=0.0).to(tl.float32)
         values = values.to(tl.float32) * scale[:, None]
     tl.store(dst_ptr + rows.to(tl.int64)[:, None] * stride_dst + cols[None, :],
              values.to(dst_ptr.dtype.element_ty), mask=(rows < R)[:, None] & col_mask)
@@ -185,18 +182,19 @@ def gather_rows(src: torch.Tensor, index: torch.Tensor,
     block_r, block_h = 16, min(256, triton.next_power_of_2(H))
     _gather_rows_kernel[(triton.cdiv(R, block_r), triton.cdiv(H, block_h))](
         src, out, index.contiguous(), scale.contiguous() if scale is not None else src, R,
-        src.shape[0], H, src.stride(0), out.stride(0), 1, HAS_SCALE=scale is not None,
-        BY_SLOT=False, BLOCK_R=block_r, BLOCK_H=block_h)
+        src.shape[0], H, src.stride(0), out.stride(0), HAS_SCALE=scale is not None,
+        BLOCK_R=block_r, BLOCK_H=block_h)
     return out.to(src.dtype)
 
 
 @triton.jit
-def _scatter_rows_kernel(src_ptr, dst_ptr, map_ptr, token_ptr, T, K, N, H, stride_src,
-                         stride_dst, token_programs, BLOCK_T: tl.constexpr,
-                         BLOCK_H: tl.constexpr):
+def _scatter_rows_kernel(src_ptr, dst_ptr, map_ptr, token_ptr, weights_ptr, T, K, N, H,
+                         stride_src, stride_dst, token_programs, HAS_WEIGHTS: tl.constexpr,
+                         BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
     """Programs ``< token_programs``: ``BLOCK_T`` source rows, read once and written to each
-    of their ``K`` slots' rows ``map[t, j]`` (those in ``[0, N)``). The others: one block of
-    ``BLOCK_T`` destination rows each, zeros where ``token[r] < 0`` (rows no slot holds)."""
+    of their ``K`` slots' rows ``map[t, j]`` (those in ``[0, N)``), times ``weights[t, j]``
+    (float32) with ``HAS_WEIGHTS``. The others: one block of ``BLOCK_T`` destination rows
+    each, zeros where ``token[r] < 0`` (rows no slot holds)."""
     pid = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     col_mask = (cols < H)[None, :]
@@ -207,10 +205,15 @@ def _scatter_rows_kernel(src_ptr, dst_ptr, map_ptr, token_ptr, T, K, N, H, strid
         values = tl.load(src_ptr + tokens.to(tl.int64)[:, None] * stride_src + cols[None, :],
                          mask=token_mask[:, None] & col_mask, other=0.0)
         for j in range(0, K):
-            row = tl.load(map_ptr + tokens.to(tl.int64) * K + j, mask=token_mask,
-                          other=-1).to(tl.int64)
+            slot = tokens.to(tl.int64) * K + j
+            row = tl.load(map_ptr + slot, mask=token_mask, other=-1).to(tl.int64)
             valid = (row >= 0) & (row < N)
-            tl.store(dst_ptr + row[:, None] * stride_dst + cols[None, :], values,
+            if HAS_WEIGHTS:
+                weight = tl.load(weights_ptr + slot, mask=valid, other=0.0).to(tl.float32)
+                out = (values.to(tl.float32) * weight[:, None]).to(dst_ptr.dtype.element_ty)
+            else:
+                out = values
+            tl.store(dst_ptr + row[:, None] * stride_dst + cols[None, :], out,
                      mask=valid[:, None] & col_mask)
     else:
         rows = (pid - token_programs) * BLOCK_T + lanes
@@ -218,6 +221,24 @@ def _scatter_rows_kernel(src_ptr, dst_ptr, map_ptr, token_ptr, T, K, N, H, strid
         zeros = tl.zeros([BLOCK_T, BLOCK_H], dtype=dst_ptr.dtype.element_ty)
         tl.store(dst_ptr + rows.to(tl.int64)[:, None] * stride_dst + cols[None, :], zeros,
                  mask=((rows < N) & (token < 0))[:, None] & col_mask)
+
+
+def _scatter(src: torch.Tensor, row_map: torch.Tensor, held: torch.Tensor,
+             weights: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+    """Launch :func:`_scatter_rows_kernel`: ``held`` ``(N,)``, negative for rows no slot holds."""
+    tokens, k = row_map.shape
+    num_rows, H = held.shape[0], src.shape[1]
+    out = torch.empty(num_rows, H, device=src.device, dtype=out_dtype)
+    block_t, block_h, warps = SCATTER_CONFIG
+    block_h = min(block_h, triton.next_power_of_2(H))
+    token_programs = triton.cdiv(tokens, block_t)
+    grid = (token_programs + triton.cdiv(num_rows, block_t), triton.cdiv(H, block_h))
+    _scatter_rows_kernel[grid](
+        src, out, row_map.contiguous(), held.contiguous(),
+        weights.contiguous() if weights is not None else src, tokens, k, num_rows, H,
+        src.stride(0), out.stride(0), token_programs, HAS_WEIGHTS=weights is not None,
+        BLOCK_T=block_t, BLOCK_H=block_h, num_warps=warps)
+    return out
 
 
 def scatter_rows(src: torch.Tensor, row_map: torch.Tensor, token_of_row: torch.Tensor
@@ -231,16 +252,7 @@ def scatter_rows(src: torch.Tensor, row_map: torch.Tensor, token_of_row: torch.T
     num_rows = token_of_row.shape[0]
     if not _rows_kernel_ok(src) or tokens == 0 or k == 0 or num_rows == 0:
         return gather_rows_reference(src, token_of_row)
-    H = src.shape[1]
-    out = torch.empty(num_rows, H, device=src.device, dtype=src.dtype)
-    block_t, block_h = SCATTER_CONFIG
-    block_h = min(block_h, triton.next_power_of_2(H))
-    token_programs = triton.cdiv(tokens, block_t)
-    grid = (token_programs + triton.cdiv(num_rows, block_t), triton.cdiv(H, block_h))
-    _scatter_rows_kernel[grid](
-        src, out, row_map.contiguous(), token_of_row.contiguous(), tokens, k, num_rows, H,
-        src.stride(0), out.stride(0), token_programs, BLOCK_T=block_t, BLOCK_H=block_h)
-    return out
+    return _scatter(src, row_map, token_of_row, None, src.dtype)
 
 
 def spread_rows_reference(src: torch.Tensor, row_map: torch.Tensor, num_rows: int,
@@ -271,8 +283,9 @@ def _slot_of_row_kernel(map_ptr, slot_ptr, S, N, BLOCK: tl.constexpr):
 
 def spread_rows(src: torch.Tensor, row_map: torch.Tensor, num_rows: int,
                 weights: torch.Tensor | None) -> torch.Tensor:
-    """:func:`spread_rows_reference` as an inverse slot map (one small kernel) and a
-    gather of whole rows (every output row written once, no zero-fill pass)."""
+    """:func:`spread_rows_reference` as an inverse slot map (one small kernel, to know the
+    rows no slot holds) and a scatter of the source rows, each read once and written to
+    its slots' rows, scaled by their weights; unheld rows written as zeros."""
     tokens, k = row_map.shape
     if (not _rows_kernel_ok(src) or tokens == 0 or k == 0 or num_rows == 0
             or (weights is not None and weights.dtype == torch.float64)):
@@ -280,15 +293,9 @@ def spread_rows(src: torch.Tensor, row_map: torch.Tensor, num_rows: int,
     slot_of_row = torch.full((num_rows,), -1, device=src.device, dtype=torch.int64)
     _slot_of_row_kernel[(triton.cdiv(tokens * k, 1024),)](
         row_map.contiguous(), slot_of_row, tokens * k, num_rows, BLOCK=1024)
-    H = src.shape[1]
+    # The CPU interpreter truncates float32 -> bf16: with weights, torch does the rounding.
     out_dtype = torch.float32 if weights is not None and src.device.type == "cpu" else src.dtype
-    out = torch.empty(num_rows, H, device=src.device, dtype=out_dtype)
-    block_r, block_h = 16, min(256, triton.next_power_of_2(H))
-    _gather_rows_kernel[(triton.cdiv(num_rows, block_r), triton.cdiv(H, block_h))](
-        src, out, slot_of_row, weights.contiguous() if weights is not None else src, num_rows,
-        tokens, H, src.stride(0), out.stride(0), k, HAS_SCALE=weights is not None, BY_SLOT=True,
-        BLOCK_R=block_r, BLOCK_H=block_h)
-    return out.to(src.dtype)
+    return _scatter(src, row_map, slot_of_row, weights, out_dtype).to(src.dtype)
 
 
 def combine_rows(src: torch.Tensor, row_map: torch.Tensor,
@@ -305,12 +312,12 @@ def combine_rows(src: torch.Tensor, row_map: torch.Tensor,
     # kernel writes float32 and torch rounds.
     out_dtype = torch.float32 if src.device.type == "cpu" else src.dtype
     out = torch.empty(tokens, H, device=src.device, dtype=out_dtype)
-    block_t, block_h = COMBINE_CONFIG
+    block_t, block_h, warps = COMBINE_CONFIG
     block_h = min(block_h, triton.next_power_of_2(H))
     _combine_rows_kernel[(triton.cdiv(tokens, block_t), triton.cdiv(H, block_h))](
         src, out, row_map.contiguous(), weights.contiguous() if weights is not None else src,
         tokens, k, src.shape[0], H, src.stride(0), out.stride(0),
-        HAS_WEIGHTS=weights is not None, BLOCK_T=block_t, BLOCK_H=block_h)
+        HAS_WEIGHTS=weights is not None, BLOCK_T=block_t, BLOCK_H=block_h, num_warps=warps)
     return out.to(src.dtype)
 
 

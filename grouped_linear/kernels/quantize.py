@@ -170,6 +170,7 @@ def quantize_rows(t: torch.Tensor, fp8_dtype: torch.dtype, power_of_two: bool,
     inv = torch.empty(R, device=t.device, dtype=torch.float32)
     block_r, max_block_c, warps = ROWS_CONFIG
     block_c = min(max_block_c, triton.next_power_of_2(max(C, 16)))
+    block_r = max(block_r, max_block_c // block_c)  # narrow rows: several per program
     _quantize_rows_kernel[(triton.cdiv(R, block_r),)](
         t, data, inv, scale if scale is not None else inv, R, C, t.stride(0), data.stride(0),
         FP8_MAX=torch.finfo(fp8_dtype).max, POW2=power_of_two, GIVEN_SCALE=scale is not None,

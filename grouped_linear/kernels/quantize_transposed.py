@@ -22,7 +22,7 @@ from .quantize import _finish, _fp8_buffer, _group_amax, _scale, saturate, scale
 
 __all__ = ["quantize_group_columns_t", "quantize_group_columns_t_reference",
            "quantize_weight_columns_t", "quantize_weight_columns_t_reference",
-           "GROUP_COLUMNS_METHOD", "GROUP_COLUMNS_CONFIG", "TILED_CONFIG"]
+           "GROUP_COLUMNS_METHOD", "GROUP_COLUMNS_CONFIG", "TILED_CONFIG", "AMAX_SUB_TILES"]
 
 # How quantize_group_columns_t runs on GPUs: "per_group" (one program per group and
 # column block walks the group's rows twice) or "tiled" (a column-amax kernel over row
@@ -33,6 +33,7 @@ __all__ = ["quantize_group_columns_t", "quantize_group_columns_t_reference",
 GROUP_COLUMNS_METHOD = "tiled"
 GROUP_COLUMNS_CONFIG = (32, 64, 4)
 TILED_CONFIG = (128, 64, 4)
+AMAX_SUB_TILES = 4  # row tiles per program of the tiled method's column-amax pass
 
 
 def quantize_group_columns_t_reference(t: torch.Tensor, offsets: torch.Tensor,
@@ -145,19 +146,26 @@ def _column_tile(tile, offsets_ptr, dst_offsets_ptr, G, width, ALIGN: tl.constex
 
 @triton.jit
 def _group_column_amax_kernel(t_ptr, offsets_ptr, amax_ptr, M, C, G, stride_t,
-                              BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr):
+                              BLOCK_R: tl.constexpr, SUB_TILES: tl.constexpr,
+                              BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr):
     """``amax[g, c] = max |t[r, c]|`` over the rows ``r`` of group ``g`` (``amax`` starts at
-    0): one tile of one group's rows per program, one atomic max per column."""
+    0): ``SUB_TILES`` tiles of ``BLOCK_R`` rows of one group per program, then one atomic
+    max per column."""
     g, src0, end, _, _, total = _column_tile(tl.program_id(0), offsets_ptr, offsets_ptr, G, 0,
-                                             1, BLOCK_R, BLOCK_S)
+                                             1, BLOCK_R * SUB_TILES, BLOCK_S)
     if (tl.program_id(0) < total) & (g < G):
         rows = tl.arange(0, BLOCK_R)
         cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
         col_mask = cols < C
-        row_mask = rows < (end - src0).to(tl.int32)
-        values = tl.load(t_ptr + src0 * stride_t + (rows[:, None] * stride_t + cols[None, :]),
-                         mask=row_mask[:, None] & col_mask[None, :], other=0.0)
-        group_max = tl.max(tl.abs(values.to(tl.float32)), axis=0)
+        left = (end - src0).to(tl.int32)
+        running = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32)
+        for i in tl.static_range(SUB_TILES):
+            values = tl.load(t_ptr + src0 * stride_t + ((rows[:, None] + i * BLOCK_R) * stride_t
+                                                        + cols[None, :]),
+                             mask=(rows < left - i * BLOCK_R)[:, None] & col_mask[None, :],
+                             other=0.0)
+            running = tl.maximum(running, tl.abs(values.to(tl.float32)))
+        group_max = tl.max(running, axis=0)
         tl.atomic_max(amax_ptr + g * C + cols, group_max, mask=col_mask)  # G * C < 2**31
 
 
@@ -219,8 +227,10 @@ def _quantize_group_columns_t_tiled(t, offsets, data_offsets, data, fp8_dtype, p
     grid = (triton.cdiv(covered, block_r) + G + 1, triton.cdiv(C, block_c))
     if group_scale is None:
         amax = torch.zeros(G, C, device=t.device, dtype=torch.float32)
-        _group_column_amax_kernel[grid](t, offsets, amax, M, C, G, t.stride(0), BLOCK_R=block_r,
-                                        BLOCK_C=block_c, BLOCK_S=block_s, num_warps=warps)
+        amax_grid = (triton.cdiv(M, block_r * AMAX_SUB_TILES) + G + 1, grid[1])
+        _group_column_amax_kernel[amax_grid](
+            t, offsets, amax, M, C, G, t.stride(0), BLOCK_R=block_r, SUB_TILES=AMAX_SUB_TILES,
+            BLOCK_C=block_c, BLOCK_S=block_s, num_warps=warps)
         scale = scale_from_amax(amax, fp8_dtype, power_of_two)
     else:
         scale = group_scale.float().contiguous()

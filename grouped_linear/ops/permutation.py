@@ -74,14 +74,12 @@ class _Unpermute(torch.autograd.Function):
         y, row_map, probs = ctx.saved_tensors
         tokens, k = row_map.shape
         num_rows, features = y.shape
-        flat = row_map.reshape(-1)
-        valid = (flat >= 0) & (flat < num_rows)
         acc = _compute_dtype(y.dtype, None if probs is None else probs.dtype)
         grad_y = grad_probs = None
         if ctx.needs_input_grad[0]:
             # Slot (t, j) sends probs[t, j] * grad_out[t] to row row_map[t, j] (valid rows
-            # are distinct); rows no slot holds get zeros. As a gather: an inverse slot map,
-            # then each row of y takes its slot's token row, scaled by its slot's weight.
+            # are distinct); rows no slot holds get zeros: each token row read once and
+            # scattered to its slots' rows (an inverse slot map finds the unheld rows).
             if probs is None or acc == torch.float32:
                 weights = probs.to(acc) if probs is not None else None
                 grad_y = layout_kernels.spread_rows(grad_out.contiguous(), row_map, num_rows,
@@ -90,6 +88,8 @@ class _Unpermute(torch.autograd.Function):
                 grad_y = layout_kernels.spread_rows_reference(grad_out, row_map, num_rows,
                                                               probs.to(acc)).to(y.dtype)
         if probs is not None and ctx.needs_input_grad[2]:
+            flat = row_map.reshape(-1)
+            valid = (flat >= 0) & (flat < num_rows)
             rows = _gather_rows(y, flat.clamp(min=0), valid).view(tokens, k, features)
             dots = (rows.to(acc) * grad_out.reshape(tokens, 1, features).to(acc)).sum(-1)
             grad_probs = dots.masked_fill_(~valid.view(tokens, k), 0).to(probs.dtype)

@@ -99,8 +99,8 @@ CASES = {
                       {"FP8_MAX": FP8_MAX, "POW2": True, "GIVEN_SCALE": False, "LOCAL_ROWS": False,
                        "PAD": 16, "BLOCK_R": 32, "BLOCK_C": 64}, 4),
     "column amax (tiled)": (qt._group_column_amax_kernel, {"t_ptr": "*bf16", "offsets_ptr": "*i32"},
-                            {"BLOCK_R": qt.TILED_CONFIG[0], "BLOCK_C": qt.TILED_CONFIG[1], "BLOCK_S": 16},
-                            qt.TILED_CONFIG[2]),
+                            {"BLOCK_R": qt.TILED_CONFIG[0], "BLOCK_C": qt.TILED_CONFIG[1], "BLOCK_S": 16,
+                             "SUB_TILES": qt.AMAX_SUB_TILES}, qt.TILED_CONFIG[2]),
     "columns transposed (tiled)": (qt._quantize_columns_t_tiled_kernel,
                                    {"t_ptr": "*bf16", "offsets_ptr": "*i32",
                                     "dst_offsets_ptr": "*i32", "q_ptr": F8},
@@ -118,12 +118,13 @@ CASES = {
                       "BLOCK_G": 16, "BLOCK_LAYOUT": True, "stride_qm": 1, "stride_tc": 1}, 4),
     "scatter rows": (layout._scatter_rows_kernel,
                      {"src_ptr": "*bf16", "dst_ptr": "*bf16", "map_ptr": "*i64", "token_ptr": "*i64"},
-                     {"BLOCK_T": layout.SCATTER_CONFIG[0], "BLOCK_H": layout.SCATTER_CONFIG[1]}, 4),
+                     {"HAS_WEIGHTS": True, "BLOCK_T": layout.SCATTER_CONFIG[0],
+                      "BLOCK_H": layout.SCATTER_CONFIG[1]}, 4),
     "slot map": (layout._slot_of_row_kernel, {"map_ptr": "*i64", "slot_ptr": "*i64"},
                  {"BLOCK": 1024}, 4),
-    "gather by slot": (layout._gather_rows_kernel,
+    "gather rows": (layout._gather_rows_kernel,
                        {"src_ptr": "*bf16", "dst_ptr": "*bf16", "index_ptr": "*i64"},
-                       {"HAS_SCALE": True, "BY_SLOT": True, "BLOCK_R": 16, "BLOCK_H": 256}, 4),
+                       {"HAS_SCALE": True, "BLOCK_R": 16, "BLOCK_H": 256}, 4),
 }
 
 PIPELINED = {"fp8 mm rowwise", "fp8 mm blockwise", "fp8 blockwise wgrad", "bf16 mm", "bf16 wgrad"}

@@ -124,6 +124,30 @@ def test_quantize_group_columns_transposed_kernel(sizes, tail, method, monkeypat
         assert torch.allclose(block, t[bounds[g]:bounds[g + 1]].t().float(), rtol=0.07, atol=1e-6)
 
 
+@pytest.mark.parametrize("tiled_config, sub_tiles", [((16, 16, 4), 1), ((16, 32, 4), 3),
+                                                     ((32, 16, 4), 4)])
+@pytest.mark.parametrize("align", [1, 16])
+def test_tiled_columns_with_groups_over_many_tiles(tiled_config, sub_tiles, align, monkeypatch):
+    """Small tiles: groups span several row tiles and amax sub-tiles, alignment padding and
+    the tail span tiles of their own; the tiled method equals the per-group one."""
+    monkeypatch.setattr(qt, "TILED_CONFIG", tiled_config)
+    monkeypatch.setattr(qt, "AMAX_SUB_TILES", sub_tiles)
+    sizes, tail = [37, 0, 5, 70, 16], 9
+    M, C = sum(sizes) + tail, 40
+    t = (torch.randn(M, C) * torch.logspace(-2, 2, C)).to(DEVICE)
+    offsets = torch.tensor(sizes, device=DEVICE).cumsum(0).to(torch.int32)
+    results = {}
+    for method in ("tiled", "per_group"):
+        monkeypatch.setattr(qt, "GROUP_COLUMNS_METHOD", method)
+        results[method] = qt.quantize_group_columns_t(t, offsets, E4M3, False, align=align)
+    (data, inv, data_offsets), (ref_data, ref_inv, _) = results["tiled"], results["per_group"]
+    end = int(data_offsets[-1])
+    assert torch.equal(inv, ref_inv)
+    assert torch.equal(data[:, :end].float(), ref_data[:, :end].float())
+    if align == 1:
+        assert torch.all(data[:, end:].float() == 0)
+
+
 def test_block_tiles_against_loops():
     t = torch.randn(5, 300) * torch.logspace(-3, 3, 300)
     got = q.fake_quant_column_tiles(t, E4M3, False)
