@@ -142,8 +142,8 @@ def test_tiled_columns_with_groups_over_many_tiles(tiled_config, sub_tiles, alig
         results[method] = qt.quantize_group_columns_t(t, offsets, E4M3, False, align=align)
     (data, inv, data_offsets), (ref_data, ref_inv, _) = results["tiled"], results["per_group"]
     end = int(data_offsets[-1])
-    assert torch.equal(inv, ref_inv)
-    assert torch.equal(data[:, :end].float(), ref_data[:, :end].float())
+    assert torch.allclose(inv, ref_inv, rtol=1e-6)  # scales computed by torch or in-kernel
+    assert _codes_close(data[:, :end], ref_data[:, :end])
     if align == 1:
         assert torch.all(data[:, end:].float() == 0)
 
