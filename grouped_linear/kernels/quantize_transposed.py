@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from ._triton import tl, triton, use_triton
-from .bias import row_groups
+from .bias import bias_grad, row_groups
 from .offsets import aligned_offsets
 from .quantize import _finish, _fp8_buffer, _group_amax, _scale, saturate, scale_from_amax
 
@@ -145,12 +145,13 @@ def _column_tile(tile, offsets_ptr, dst_offsets_ptr, G, width, ALIGN: tl.constex
 
 
 @triton.jit
-def _group_column_amax_kernel(t_ptr, offsets_ptr, amax_ptr, M, C, G, stride_t,
-                              BLOCK_R: tl.constexpr, SUB_TILES: tl.constexpr,
+def _group_column_amax_kernel(t_ptr, offsets_ptr, amax_ptr, sums_ptr, M, C, G, stride_t,
+                              SUMS: tl.constexpr, BLOCK_R: tl.constexpr, SUB_TILES: tl.constexpr,
                               BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr):
     """``amax[g, c] = max |t[r, c]|`` over the rows ``r`` of group ``g`` (``amax`` starts at
     0): ``SUB_TILES`` tiles of ``BLOCK_R`` rows of one group per program, then one atomic
-    max per column."""
+    max per column. ``SUMS``: also the program's float32 column sums, at row ``program``
+    of ``sums`` ``(programs, C)`` (summed per group, in order, by the reduce kernel)."""
     g, src0, end, _, _, total = _column_tile(tl.program_id(0), offsets_ptr, offsets_ptr, G, 0,
                                              1, BLOCK_R * SUB_TILES, BLOCK_S)
     if (tl.program_id(0) < total) & (g < G):
@@ -159,14 +160,39 @@ def _group_column_amax_kernel(t_ptr, offsets_ptr, amax_ptr, M, C, G, stride_t,
         col_mask = cols < C
         left = (end - src0).to(tl.int32)
         running = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32)
+        total_sum = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32)
         for i in tl.static_range(SUB_TILES):
             values = tl.load(t_ptr + src0 * stride_t + ((rows[:, None] + i * BLOCK_R) * stride_t
                                                         + cols[None, :]),
                              mask=(rows < left - i * BLOCK_R)[:, None] & col_mask[None, :],
-                             other=0.0)
-            running = tl.maximum(running, tl.abs(values.to(tl.float32)))
+                             other=0.0).to(tl.float32)
+            running = tl.maximum(running, tl.abs(values))
+            if SUMS:
+                total_sum += values
         group_max = tl.max(running, axis=0)
         tl.atomic_max(amax_ptr + g * C + cols, group_max, mask=col_mask)  # G * C < 2**31
+        if SUMS:
+            tl.store(sums_ptr + tl.program_id(0).to(tl.int64) * C + cols, tl.sum(total_sum, axis=0),
+                     mask=col_mask)
+
+
+@triton.jit
+def _reduce_group_sums_kernel(sums_ptr, offsets_ptr, out_ptr, C, G, ROWS_PER_TILE: tl.constexpr,
+                              BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr):
+    """``out[g, c]``: the partial sums of group ``g``'s column-amax programs, added in
+    program order (deterministic)."""
+    g = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    slots = tl.arange(0, BLOCK_S)
+    ends = tl.load(offsets_ptr + slots, mask=slots < G, other=0).to(tl.int64)
+    starts = tl.load(offsets_ptr + slots - 1, mask=(slots > 0) & (slots < G), other=0).to(tl.int64)
+    tiles = tl.where(slots < G, (ends - starts + ROWS_PER_TILE - 1) // ROWS_PER_TILE, 0)
+    first = tl.sum(tl.where(slots == g, tl.cumsum(tiles, axis=0) - tiles, 0), axis=0)
+    count = tl.sum(tl.where(slots == g, tiles, 0), axis=0)
+    acc = tl.zeros([BLOCK_C], dtype=tl.float32)
+    for i in range(0, count):
+        acc += tl.load(sums_ptr + (first + i) * C + cols, mask=cols < C, other=0.0)
+    tl.store(out_ptr + g.to(tl.int64) * C + cols, acc, mask=cols < C)
 
 
 @triton.jit
@@ -210,12 +236,14 @@ def _quantize_columns_t_tiled_kernel(t_ptr, offsets_ptr, dst_offsets_ptr, scale_
 
 def _quantize_group_columns_t_tiled(t, offsets, data_offsets, data, fp8_dtype, power_of_two,
                                     group_scale, align, stride_q=None, width=None,
-                                    dst_multiple=1):
+                                    dst_multiple=1, sums=None):
     """Group ``g``'s row ``r`` lands at ``data_flat[c * stride_q + data_offsets[g-1] + r -
     start_g]``, followed by zeros up to ``round_up(size_g, align)`` columns; columns from
     ``data_offsets[-1]`` to ``width`` are zeros (``stride_q``/``width`` default to
     ``data``'s 2-D row stride and width). ``dst_multiple``: 16 when every ``data_offsets``
-    entry is a multiple of 16 (the transposed stores are then 16-byte vectors)."""
+    entry is a multiple of 16 (the transposed stores are then 16-byte vectors). ``sums``:
+    a ``(G, C)`` float32 tensor that receives the per-group column sums of ``t`` (computed
+    by the column-amax pass; needs ``group_scale=None``)."""
     M, C = t.shape
     stride_q = data.stride(0) if stride_q is None else stride_q
     width = data.shape[1] if width is None else width
@@ -228,9 +256,16 @@ def _quantize_group_columns_t_tiled(t, offsets, data_offsets, data, fp8_dtype, p
     if group_scale is None:
         amax = torch.zeros(G, C, device=t.device, dtype=torch.float32)
         amax_grid = (triton.cdiv(M, block_r * AMAX_SUB_TILES) + G + 1, grid[1])
+        partial = torch.empty(amax_grid[0], C, device=t.device, dtype=torch.float32) \
+            if sums is not None else amax
         _group_column_amax_kernel[amax_grid](
-            t, offsets, amax, M, C, G, t.stride(0), BLOCK_R=block_r, SUB_TILES=AMAX_SUB_TILES,
-            BLOCK_C=block_c, BLOCK_S=block_s, num_warps=warps)
+            t, offsets, amax, partial, M, C, G, t.stride(0), SUMS=sums is not None,
+            BLOCK_R=block_r, SUB_TILES=AMAX_SUB_TILES, BLOCK_C=block_c, BLOCK_S=block_s,
+            num_warps=warps)
+        if sums is not None:
+            _reduce_group_sums_kernel[(G, triton.cdiv(C, 256))](
+                partial, offsets, sums, C, G, ROWS_PER_TILE=block_r * AMAX_SUB_TILES,
+                BLOCK_C=256, BLOCK_S=block_s)
         scale = scale_from_amax(amax, fp8_dtype, power_of_two)
     else:
         scale = group_scale.float().contiguous()
@@ -252,7 +287,8 @@ def _transposed_buffer(C: int, M: int, device: torch.device, dtype: torch.dtype)
 
 def quantize_group_columns_t(t: torch.Tensor, offsets: torch.Tensor, fp8_dtype: torch.dtype,
                              power_of_two: bool, group_scale: torch.Tensor | None = None,
-                             align: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                             align: int = 1, column_sums: torch.Tensor | None = None
+                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The wgrad operand: ``(M, C)`` -> FP8 transposed, scaled per (group, column) along
     the group's rows (or per group with ``group_scale`` ``(G,)`` float32).
 
@@ -263,12 +299,18 @@ def quantize_group_columns_t(t: torch.Tensor, offsets: torch.Tensor, fp8_dtype: 
     ``data`` has ``M + (align - 1) * G`` columns rounded up to a multiple of 16 (FP8
     GEMMs need 16-element rows), those past ``data_offsets[-1]`` unspecified. On GPUs
     the row stride is a multiple of 16. ``inv`` is ``(G, C)``.
+
+    ``column_sums``: an optional ``(G, C)`` float32 tensor filled with the per-group column
+    sums of ``t`` (a bias gradient), from the same read of ``t`` where the kernels allow
+    it, else by :func:`grouped_linear.kernels.bias.bias_grad`.
     """
     M, C = t.shape
     G = offsets.shape[0]
     data_offsets = offsets if align == 1 else aligned_offsets(offsets, align)
     width = -(-(M + (align - 1) * G) // 16) * 16 if align > 1 else M
     if not use_triton(t) or t.stride(-1) != 1 or t.shape[0] == 0:
+        if column_sums is not None:
+            column_sums.copy_(bias_grad(t, offsets, torch.float32))
         data, inv = quantize_group_columns_t_reference(t, offsets, fp8_dtype, power_of_two,
                                                        group_scale)
         if align > 1:
@@ -277,10 +319,15 @@ def quantize_group_columns_t(t: torch.Tensor, offsets: torch.Tensor, fp8_dtype: 
     data = _fp8_buffer((C, width), t.device, fp8_dtype) if t.device.type == "cpu" \
         else _transposed_buffer(C, width, t.device, fp8_dtype)
     if GROUP_COLUMNS_METHOD == "tiled" and G * C < 2**31:
+        fused = column_sums if group_scale is None else None
         inv = _quantize_group_columns_t_tiled(t, offsets, data_offsets, data, fp8_dtype,
                                               power_of_two, group_scale, align,
-                                              dst_multiple=align)
+                                              dst_multiple=align, sums=fused)
+        if column_sums is not None and fused is None:
+            column_sums.copy_(bias_grad(t, offsets, torch.float32))
         return _finish(data, fp8_dtype), inv, data_offsets
+    if column_sums is not None:
+        column_sums.copy_(bias_grad(t, offsets, torch.float32))
     inv = torch.empty(G, C, device=t.device, dtype=torch.float32)
     block_r, block_c, warps = GROUP_COLUMNS_CONFIG
     _quantize_group_columns_t_kernel[(G, triton.cdiv(C, block_c))](

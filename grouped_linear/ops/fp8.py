@@ -51,15 +51,21 @@ def _triton_fp8_available(device: torch.device) -> bool:
 
 
 def weight_and_bias_grads(ctx, grad_out: torch.Tensor, offsets: torch.Tensor,
-                          grad_weight: Callable[[], torch.Tensor]) -> tuple:
+                          grad_weight: Callable[..., torch.Tensor],
+                          fuses_bias: bool = False) -> tuple:
     """The weight gradient (``grad_weight()``) and the bias gradient (summed per group in
     high precision) that backward owes, routed through ``ctx.config.sink`` (delayed or
-    fused into ``main_grad``). ``ctx`` carries ``config`` and ``bias_dtype``."""
+    fused into ``main_grad``). ``ctx`` carries ``config`` and ``bias_dtype``.
+    ``fuses_bias``: ``grad_weight(bias_sums)`` fills a ``(G, N)`` float32 ``bias_sums`` from
+    its own pass over ``grad_out`` when both gradients are needed."""
     need_w = ctx.needs_input_grad[1]
     need_b = ctx.bias_dtype is not None and ctx.needs_input_grad[2]
     bias_dtype = ctx.bias_dtype
 
     def compute():
+        if need_w and need_b and fuses_bias:
+            sums = grad_out.new_empty(offsets.shape[0], grad_out.shape[1], dtype=torch.float32)
+            return grad_weight(sums), sums.to(bias_dtype)
         grad_w = grad_weight() if need_w else None
         grad_b = bias_kernels.bias_grad(grad_out, offsets, bias_dtype) if need_b else None
         return grad_w, grad_b

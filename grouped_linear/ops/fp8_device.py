@@ -82,13 +82,14 @@ class Fp8DeviceGroupedLinearFunction(torch.autograd.Function):
             if config.zero_tail:
                 grad_x = bias_kernels.zero_tail_(grad_x, offsets)
 
-        def grad_weight():
+        def grad_weight(bias_sums=None):
             align = fp8_gemm.WGRAD_GROUP_ALIGN
             dy_t, dy_t_inv, aligned = qt.quantize_group_columns_t(
-                grad_out, offsets, fp8_grad, pow2, dy_scale, align=align)
+                grad_out, offsets, fp8_grad, pow2, dy_scale, align=align, column_sums=bias_sums)
             x_t, x_t_inv, _ = qt.quantize_group_columns_t(
                 x, offsets, recipe.forward_dtype, pow2, x_scale, align=align)
             return fp8_gemm.wgrad(dy_t, dy_t_inv, x_t, x_t_inv, aligned, weight.dtype)
 
-        grad_w, grad_b = weight_and_bias_grads(ctx, grad_out, offsets, grad_weight)
+        grad_w, grad_b = weight_and_bias_grads(ctx, grad_out, offsets, grad_weight,
+                                               fuses_bias=True)
         return grad_x, grad_w, grad_b, None, None, None

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from grouped_linear.kernels import bias as bias_kernels
 from grouped_linear.kernels import quantize as q
 from grouped_linear.kernels import quantize_transposed as qt
 from tests.reference import rel_err
@@ -136,11 +137,16 @@ def test_tiled_columns_with_groups_over_many_tiles(tiled_config, sub_tiles, alig
     M, C = sum(sizes) + tail, 40
     t = (torch.randn(M, C) * torch.logspace(-2, 2, C)).to(DEVICE)
     offsets = torch.tensor(sizes, device=DEVICE).cumsum(0).to(torch.int32)
-    results = {}
+    results, sums = {}, {}
     for method in ("tiled", "per_group"):
         monkeypatch.setattr(qt, "GROUP_COLUMNS_METHOD", method)
-        results[method] = qt.quantize_group_columns_t(t, offsets, E4M3, False, align=align)
+        sums[method] = torch.full((len(sizes), C), float("nan"), device=DEVICE)
+        results[method] = qt.quantize_group_columns_t(t, offsets, E4M3, False, align=align,
+                                                      column_sums=sums[method])
     (data, inv, data_offsets), (ref_data, ref_inv, _) = results["tiled"], results["per_group"]
+    want_sums = bias_kernels.bias_grad_reference(t, offsets, torch.float64).float()
+    for method in sums:  # the tiled method's come from its column-amax pass
+        torch.testing.assert_close(sums[method], want_sums, rtol=1e-5, atol=1e-4)
     end = int(data_offsets[-1])
     assert torch.allclose(inv, ref_inv, rtol=1e-6)  # scales computed by torch or in-kernel
     assert _codes_close(data[:, :end], ref_data[:, :end])
