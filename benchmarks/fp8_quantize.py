@@ -69,7 +69,7 @@ def main():
             report(f"group columns {name} tiled, amax sub-tiles {sub_tiles}",
                    _ms(lambda t=t: qt.quantize_group_columns_t(t, offsets, E4M3, False, align=16)),
                    t.numel())
-    qt.AMAX_SUB_TILES = 4
+    qt.AMAX_SUB_TILES = 2
     x_narrow = x[:, :1024].contiguous()
     report("rows x[:, :1024] (several rows per program)",
            _ms(lambda: q.quantize_rows(x_narrow, E4M3, False)), x_narrow.numel())

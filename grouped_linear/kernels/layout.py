@@ -26,7 +26,7 @@ __all__ = ["relayout", "relayout_reference", "gather_rows", "gather_rows_referen
 # Launch shapes (rows per program, columns per program, warps) of scatter_rows (permute forward)
 # and combine_rows (unpermute forward, permute backward); the layouts bench times them.
 SCATTER_CONFIG = (16, 256, 4)
-COMBINE_CONFIG = (4, 1024, 4)
+COMBINE_CONFIG = (2, 2048, 4)
 
 
 def _starts(ends: torch.Tensor) -> torch.Tensor:

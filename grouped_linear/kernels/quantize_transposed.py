@@ -33,7 +33,7 @@ __all__ = ["quantize_group_columns_t", "quantize_group_columns_t_reference",
 GROUP_COLUMNS_METHOD = "tiled"
 GROUP_COLUMNS_CONFIG = (32, 64, 4)
 TILED_CONFIG = (128, 64, 4)
-AMAX_SUB_TILES = 4  # row tiles per program of the tiled method's column-amax pass
+AMAX_SUB_TILES = 2  # row tiles per program of the tiled method's column-amax pass
 
 
 def quantize_group_columns_t_reference(t: torch.Tensor, offsets: torch.Tensor,
