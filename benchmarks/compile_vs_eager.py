@@ -26,8 +26,11 @@ def _time_step(module, x, splits) -> float:
     leaves = [x, *module.parameters()]
 
     def step():
-        # A training step starts here: lets reduce-overhead reuse its CUDA-graph memory
-        # (a no-op for the other modes).
+        # A training step starts here: gradients from the last step are dropped (as
+        # zero_grad(set_to_none=True) does; do_bench's warm-up calls do not reset them) and
+        # reduce-overhead may reuse its CUDA-graph memory (a no-op for the other modes).
+        for leaf in leaves:
+            leaf.grad = None
         torch.compiler.cudagraph_mark_step_begin()
         module(x, splits).sum().backward()
 
