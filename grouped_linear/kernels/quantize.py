@@ -23,6 +23,7 @@ from .bias import row_groups
 
 __all__ = ["scale_from_amax", "saturate", "fake_quant", "fake_quant_rows", "fake_quant_group_columns",
            "fake_quant_groups", "fake_quant_weight", "quantize_rows", "quantize_rows_reference",
+           "quantize_rows_pieces",
            "quantize_weight_rows", "group_amax_scales", "weight_group_scales",
            "fake_quant_column_tiles", "fake_quant_weight_blocks", "fake_quant_row_tiles"]
 
@@ -159,15 +160,28 @@ def _finish(buffer: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
 
 
 def quantize_rows(t: torch.Tensor, fp8_dtype: torch.dtype, power_of_two: bool,
-                  scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  scale: torch.Tensor | None = None,
+                  out: tuple[torch.Tensor, torch.Tensor] | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(R, C)`` -> FP8 ``(R, C)`` and ``(R,)`` dequantization factors, one read pass
     per row block (two when a row is wider than one block). ``scale`` ``(R,)`` float32
-    gives the rows' scales instead of deriving them from the rows' amax."""
-    if not use_triton(t) or t.stride(-1) != 1 or t.shape[0] == 0:
-        return quantize_rows_reference(t, fp8_dtype, power_of_two, scale)
+    gives the rows' scales instead of deriving them from the rows' amax. ``out``: an FP8
+    ``(R, C)`` tensor with unit column stride and a float32 ``(R,)`` one to write into
+    (views of larger buffers: see :func:`quantize_rows_pieces`)."""
+    if not use_triton(t) or t.stride(-1) != 1 or t.shape[0] == 0 or (
+            out is not None and t.device.type == "cpu"):
+        if out is None:
+            return quantize_rows_reference(t, fp8_dtype, power_of_two, scale)
+        data, inv = quantize_rows(t, fp8_dtype, power_of_two, scale)  # CPU: torch rounds
+        out[0].copy_(data)
+        out[1].copy_(inv)
+        return out
     R, C = t.shape
-    data = _fp8_buffer((R, C), t.device, fp8_dtype)
-    inv = torch.empty(R, device=t.device, dtype=torch.float32)
+    if out is not None:
+        data, inv = out
+    else:
+        data = _fp8_buffer((R, C), t.device, fp8_dtype)
+        inv = torch.empty(R, device=t.device, dtype=torch.float32)
     block_r, max_block_c, warps = ROWS_CONFIG
     block_c = min(max_block_c, triton.next_power_of_2(max(C, 16)))
     block_r = max(block_r, max_block_c // block_c)  # narrow rows: several per program
@@ -177,6 +191,30 @@ def quantize_rows(t: torch.Tensor, fp8_dtype: torch.dtype, power_of_two: bool,
         BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps,
     )
     return _finish(data, fp8_dtype), inv
+
+
+def quantize_rows_pieces(pieces: list[torch.Tensor], fp8_dtype: torch.dtype, power_of_two: bool,
+                         group_scale: torch.Tensor | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`quantize_rows` of ``torch.cat(pieces)`` without the concatenation: each
+    ``(m_g, C)`` piece is quantized straight into its rows of one FP8 ``(M, C)`` buffer
+    (one read of each piece). ``group_scale`` ``(G,)``: piece ``g``'s rows all take scale
+    ``group_scale[g]`` (tensorwise) instead of their own amax."""
+    rows = sum(piece.shape[0] for piece in pieces)
+    C = pieces[0].shape[1]
+    device = pieces[0].device
+    data = torch.empty(rows, C, device=device, dtype=fp8_dtype)
+    inv = torch.empty(rows, device=device, dtype=torch.float32)
+    start = 0
+    for g, piece in enumerate(pieces):
+        end = start + piece.shape[0]
+        if end > start:
+            scale = group_scale[g:g + 1].float().expand(piece.shape[0]).contiguous() \
+                if group_scale is not None else None
+            quantize_rows(piece, fp8_dtype, power_of_two, scale, out=(data[start:end],
+                                                                      inv[start:end]))
+        start = end
+    return data, inv
 
 
 # --------------------------------------------------------------------------- weights

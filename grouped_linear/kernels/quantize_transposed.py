@@ -22,6 +22,7 @@ from .quantize import _finish, _fp8_buffer, _group_amax, _scale, saturate, scale
 
 __all__ = ["quantize_group_columns_t", "quantize_group_columns_t_reference",
            "quantize_weight_columns_t", "quantize_weight_columns_t_reference",
+           "quantize_group_columns_t_pieces",
            "GROUP_COLUMNS_METHOD", "GROUP_COLUMNS_CONFIG", "TILED_CONFIG", "AMAX_SUB_TILES"]
 
 # How quantize_group_columns_t runs on GPUs: "per_group" (one program per group and
@@ -342,6 +343,54 @@ def quantize_group_columns_t(t: torch.Tensor, offsets: torch.Tensor, fp8_dtype: 
             data, offsets, G, C, M, data.stride(0), BLOCK_C=64, BLOCK_M=32,
         )
     return _finish(data, fp8_dtype), inv, data_offsets
+
+
+def quantize_group_columns_t_pieces(pieces: list[torch.Tensor], fp8_dtype: torch.dtype,
+                                    power_of_two: bool, group_scale: torch.Tensor | None = None,
+                                    align: int = 16, width: int | None = None
+                                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`quantize_group_columns_t` of ``torch.cat(pieces)`` with ``align`` (one group
+    per piece) without the concatenation: each ``(m_g, C)`` piece is quantized straight into
+    its aligned columns of one transposed FP8 buffer. Returns ``(data, inv)``: ``data``
+    ``(C, width)`` (``width`` defaults to the one :func:`quantize_group_columns_t` uses),
+    group ``g`` at columns from ``sum_{h<g} round_up(m_h, align)``, zero-padded to
+    ``round_up(m_g, align)``; ``inv`` ``(G, C)``."""
+    sizes = [piece.shape[0] for piece in pieces]
+    G, C = len(pieces), pieces[0].shape[1]
+    device = pieces[0].device
+    rows = sum(sizes)
+    if width is None:
+        width = -(-(rows + (align - 1) * G) // 16) * 16 if align > 1 else rows
+    padded = [-(-size // align) * align for size in sizes]
+    if not use_triton(pieces[0]) or GROUP_COLUMNS_METHOD != "tiled" or any(
+            piece.stride(-1) != 1 for piece in pieces):
+        offsets = torch.tensor(sizes, device=device).cumsum(0).to(torch.int32)
+        data, inv, _ = quantize_group_columns_t(torch.cat(pieces), offsets, fp8_dtype,
+                                                power_of_two, group_scale, align)
+        if data.shape[1] < width:
+            data = torch.cat([data, data.new_zeros(C, width - data.shape[1])], dim=1)
+        return data[:, :width], inv
+    data = _fp8_buffer((C, width), device, fp8_dtype) if device.type == "cpu" \
+        else _transposed_buffer(C, width, device, fp8_dtype)
+    invs, start = [], 0
+    for g, piece in enumerate(pieces):
+        one_group = torch.tensor([sizes[g]], device=device, dtype=torch.int32)
+        one_padded = torch.tensor([padded[g]], device=device, dtype=torch.int32)
+        scale = group_scale[g:g + 1] if group_scale is not None else None
+        if sizes[g] == 0:  # nothing to write; the factors of an empty group
+            invs.append(quantize_group_columns_t_reference(piece, one_group, fp8_dtype,
+                                                           power_of_two, scale)[1])
+            continue
+        # The piece's columns as a view: its group starts at column 0 of it.
+        view = data[:, start:start + padded[g]]
+        invs.append(_quantize_group_columns_t_tiled(
+            piece, one_group, one_padded, view, fp8_dtype, power_of_two, scale, align,
+            stride_q=data.stride(0), width=padded[g],
+            dst_multiple=align if start % 16 == 0 else 1))
+        start += padded[g]
+    if start < width:
+        data[:, start:].zero_()
+    return _finish(data, fp8_dtype), torch.cat(invs)
 
 
 def _realign_columns(data: torch.Tensor, offsets: torch.Tensor, data_offsets: torch.Tensor,

@@ -14,7 +14,8 @@ Per call, one fused quantization kernel per operand and direction
   alignment zeros written by the same kernel.
 
 ``x`` is saved in its own dtype (wgrad needs it scaled along the tokens, which the
-forward's FP8 copy is not). Any group size works (0 and unaligned included);
+forward's FP8 copy is not). A list input (one tensor per group) is quantized piece by piece
+in both directions, never concatenated. Any group size works (0 and unaligned included);
 nothing is read back to the host, so a step can be captured in a CUDA graph.
 """
 
@@ -40,6 +41,17 @@ def _group_scales(t: torch.Tensor, offsets: torch.Tensor, fp8_dtype: torch.dtype
     return q.group_amax_scales(t, offsets, fp8_dtype, recipe.power_of_two_scales)
 
 
+def _piece_scales(pieces: tuple[torch.Tensor, ...], fp8_dtype: torch.dtype,
+                  recipe: Float8Recipe) -> torch.Tensor | None:
+    """Tensorwise: ``(G,)`` scales, one per input piece (group); rowwise: ``None``."""
+    if not isinstance(recipe, Float8Tensorwise):
+        return None
+    amax = torch.stack([torch.linalg.vector_norm(piece, ord=float("inf")).float()
+                        if piece.numel() else piece.new_zeros((), dtype=torch.float32)
+                        for piece in pieces])
+    return q.scale_from_amax(amax, fp8_dtype, recipe.power_of_two_scales)
+
+
 def _quantize_tokens(t: torch.Tensor, offsets: torch.Tensor, fp8_dtype: torch.dtype,
                      recipe: Float8Recipe, group_scale: torch.Tensor | None):
     """``(M, C)`` -> FP8 ``(M, C)`` and ``(M,)`` factors: per row, or the row's group's."""
@@ -54,31 +66,43 @@ class Fp8DeviceGroupedLinearFunction(torch.autograd.Function):
     """``y = x @ W_g^T + b_g`` per group with the three GEMMs in FP8 (see module doc)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, offsets, config: Fp8Config, cached: Fp8Weight | None):
+    def forward(ctx, x, weight, bias, offsets, config: Fp8Config, cached: Fp8Weight | None,
+                *pieces):
+        """``x`` ``(M, K)``, or ``None`` with the input as ``pieces``: one ``(m_g, K)`` tensor
+        per group, quantized piece by piece (never concatenated)."""
         recipe = config.recipe
         fp8 = recipe.forward_dtype
-        x_scale = _group_scales(x, offsets, fp8, recipe)
-        x_data, x_inv = _quantize_tokens(x, offsets, fp8, recipe, x_scale)
+        if pieces:
+            x_scale = _piece_scales(pieces, fp8, recipe)
+            x_data, x_inv = q.quantize_rows_pieces(list(pieces), fp8, recipe.power_of_two_scales,
+                                                   x_scale)
+            dtype = pieces[0].dtype
+        else:
+            x_scale = _group_scales(x, offsets, fp8, recipe)
+            x_data, x_inv = _quantize_tokens(x, offsets, fp8, recipe, x_scale)
+            dtype = x.dtype
         w = cached if cached is not None else quantize_weight(weight.detach(), recipe, "device")
-        out = fp8_gemm.forward(x_data, x_inv, w.forward_data, w.forward_inv, offsets, x.dtype)
+        out = fp8_gemm.forward(x_data, x_inv, w.forward_data, w.forward_inv, offsets, dtype)
         out = bias_kernels.bias_epilogue_(out, bias, offsets, config.zero_tail)
-        ctx.save_for_backward(x, weight, offsets, w.dgrad_data, w.dgrad_inv, x_scale)
+        ctx.save_for_backward(x, weight, offsets, w.dgrad_data, w.dgrad_inv, x_scale, *pieces)
+        ctx.piece_sizes = [piece.shape[0] for piece in pieces]
         ctx.config = config
         ctx.bias_dtype = bias.dtype if bias is not None else None
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        x, weight, offsets, wt_data, wt_inv, x_scale = ctx.saved_tensors
+        x, weight, offsets, wt_data, wt_inv, x_scale, *pieces = ctx.saved_tensors
+        dtype = pieces[0].dtype if pieces else x.dtype
         config: Fp8Config = ctx.config
         recipe = config.recipe
         fp8_grad, pow2 = recipe.gradient_dtype, recipe.power_of_two_scales
         grad_out = grad_out.contiguous()
         dy_scale = _group_scales(grad_out, offsets, fp8_grad, recipe)
         grad_x = None
-        if ctx.needs_input_grad[0]:
+        if ctx.needs_input_grad[0] or any(ctx.needs_input_grad[6:]):
             dy_data, dy_inv = _quantize_tokens(grad_out, offsets, fp8_grad, recipe, dy_scale)
-            grad_x = fp8_gemm.dgrad(dy_data, dy_inv, wt_data, wt_inv, offsets, x.dtype)
+            grad_x = fp8_gemm.dgrad(dy_data, dy_inv, wt_data, wt_inv, offsets, dtype)
             if config.zero_tail:
                 grad_x = bias_kernels.zero_tail_(grad_x, offsets)
 
@@ -86,10 +110,18 @@ class Fp8DeviceGroupedLinearFunction(torch.autograd.Function):
             align = fp8_gemm.WGRAD_GROUP_ALIGN
             dy_t, dy_t_inv, aligned = qt.quantize_group_columns_t(
                 grad_out, offsets, fp8_grad, pow2, dy_scale, align=align, column_sums=bias_sums)
-            x_t, x_t_inv, _ = qt.quantize_group_columns_t(
-                x, offsets, recipe.forward_dtype, pow2, x_scale, align=align)
+            if pieces:  # each piece into its aligned columns, same width as dy's
+                x_t, x_t_inv = qt.quantize_group_columns_t_pieces(
+                    pieces, recipe.forward_dtype, pow2, x_scale, align, width=dy_t.shape[1])
+            else:
+                x_t, x_t_inv, _ = qt.quantize_group_columns_t(
+                    x, offsets, recipe.forward_dtype, pow2, x_scale, align=align)
             return fp8_gemm.wgrad(dy_t, dy_t_inv, x_t, x_t_inv, aligned, weight.dtype)
 
         grad_w, grad_b = weight_and_bias_grads(ctx, grad_out, offsets, grad_weight,
                                                fuses_bias=True)
+        if pieces:  # views of the one dgrad output, no copy
+            grad_pieces = grad_x.split(ctx.piece_sizes) if grad_x is not None else \
+                (None,) * len(pieces)
+            return None, grad_w, grad_b, None, None, None, *grad_pieces
         return grad_x, grad_w, grad_b, None, None, None

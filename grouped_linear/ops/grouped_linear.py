@@ -239,8 +239,11 @@ def join_inputs(
     x: torch.Tensor | Sequence[torch.Tensor],
     m_splits: Sequence[int] | torch.Tensor | None,
     in_features: int,
-) -> tuple[torch.Tensor, Sequence[int] | torch.Tensor]:
-    """Turn a tensor or a per-group list of tensors into one ``(M, in)`` tensor and its splits."""
+    *,
+    keep_list: bool = False,
+) -> tuple[torch.Tensor | list[torch.Tensor], Sequence[int] | torch.Tensor]:
+    """Turn a tensor or a per-group list of tensors into one ``(M, in)`` tensor and its splits
+    (``keep_list``: a list is checked but returned as the list, not concatenated)."""
     if isinstance(x, (list, tuple)):
         pieces = [_check_tensor(f"x[{i}]", piece) for i, piece in enumerate(x)]
         if not pieces:
@@ -264,7 +267,7 @@ def join_inputs(
                 raise ValueError(
                     f"m_splits={given} disagrees with the sizes of the list x: {list_sizes}"
                 )
-        return torch.cat(pieces), m_splits
+        return (pieces if keep_list else torch.cat(pieces)), m_splits
     x = _check_tensor("x", x)
     if x.dim() != 2:
         raise ValueError(f"x has shape {tuple(x.shape)}: expected a 2-D (rows, {in_features}) tensor")
@@ -273,6 +276,22 @@ def join_inputs(
     if m_splits is None:
         raise ValueError("m_splits is required when x is a single tensor")
     return x, m_splits
+
+
+def _fp8_pieces_path(pieces: list[torch.Tensor], weight: torch.Tensor,
+                     recipe: Float8Recipe | None, cached_weight: Fp8Weight | None) -> bool:
+    """Whether a list input goes to the FP8 device path as a list: the recipe's GEMMs run
+    there, no autocast recasts the pieces, and there are rows to compute."""
+    first = pieces[0]
+    device_type = first.device.type
+    if recipe is None or torch.is_autocast_enabled(device_type) or first.dtype != weight.dtype:
+        return False
+    if sum(piece.shape[0] for piece in pieces) == 0 or first.device != weight.device:
+        return False
+    if check_recipe(recipe, first.device) is None:
+        return False
+    path = cached_weight.path if cached_weight is not None else fp8_path(recipe, first, weight)
+    return path == "device"
 
 
 def _cast_for_autocast(x, weight, bias, device_type: str):
@@ -300,7 +319,16 @@ def apply_grouped_linear(
     if weight.dim() != 3:
         raise ValueError(f"weight has shape {tuple(weight.shape)}: expected (G, out, in)")
     num_groups, out_features, in_features = weight.shape
-    x, m_splits = join_inputs(x, m_splits, in_features)
+    # A list input stays a list only for the FP8 device path, which quantizes it piece by
+    # piece (no concatenation pass); every other path concatenates it here.
+    x, m_splits = join_inputs(x, m_splits, in_features, keep_list=recipe is not None)
+    pieces = None
+    if isinstance(x, list):
+        pieces = x
+        if not _fp8_pieces_path(pieces, weight, recipe, cached_weight):
+            x, pieces = torch.cat(pieces), None
+        else:
+            x = pieces[0]  # stands in for the input in the checks below
     if bias is not None:
         bias = _check_tensor("bias", bias)
         if bias.shape != (num_groups, out_features):
@@ -310,7 +338,8 @@ def apply_grouped_linear(
     device = x.device  # read once: every read builds a new torch.device
     device_type = device.type
     x, weight, bias = _cast_for_autocast(x, weight, bias, device_type)
-    dtype, num_rows = x.dtype, x.shape[0]
+    dtype = x.dtype
+    num_rows = x.shape[0] if pieces is None else sum(piece.shape[0] for piece in pieces)
     for name, tensor in (("weight", weight), ("bias", bias)):
         if tensor is None:
             continue
@@ -331,6 +360,9 @@ def apply_grouped_linear(
     if recipe is not None and check_recipe(recipe, device) is not None:
         fp8_config = Fp8Config(recipe, splits.may_have_tail, sink)
         path = cached_weight.path if cached_weight is not None else fp8_path(recipe, x, weight)
+        if pieces is not None:  # path "device", checked by _fp8_pieces_path
+            return Fp8DeviceGroupedLinearFunction.apply(None, weight, bias, splits.offsets,
+                                                        fp8_config, cached_weight, *pieces)
         if path == "device" and x.shape[0] > 0:
             return Fp8DeviceGroupedLinearFunction.apply(x, weight, bias, splits.offsets,
                                                         fp8_config, cached_weight)

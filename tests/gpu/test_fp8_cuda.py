@@ -206,3 +206,41 @@ def test_blockwise_beats_rowwise_on_outlier_channels_on_cuda():
            for r in (Float8Rowwise(), Float8Blockwise())}
     print("outlier channels x1e4:", err)
     assert err["Float8Blockwise"] < 4e-2 and err["Float8Blockwise"] < 0.85 * err["Float8Rowwise"]
+
+
+@pytest.mark.skipif(not SM90, reason="the FP8 grouped GEMM is sm90's")
+@pytest.mark.parametrize("recipe", [Float8Rowwise(), Float8Tensorwise()])
+def test_list_input_is_quantized_piece_by_piece(recipe, monkeypatch):
+    """A list input takes the piece-by-piece quantization (no concatenation) and gives the
+    tensor input's output and gradients; the pieces' gradients are views of one tensor."""
+    from grouped_linear.kernels import quantize as q
+    from grouped_linear.kernels import quantize_transposed as qt
+
+    calls = []
+    for module, name in ((q, "quantize_rows_pieces"), (qt, "quantize_group_columns_t_pieces")):
+        original = getattr(module, name)
+        monkeypatch.setattr(module, name,
+                            lambda *a, _f=original, _n=name, **k: calls.append(_n) or _f(*a, **k))
+    G = len(SIZES)
+    x = (torch.randn(sum(SIZES), K, device="cuda")).to(torch.bfloat16)
+    w = (torch.randn(G, N, K, device="cuda") / 16).to(torch.bfloat16)
+    b = torch.randn(G, N, device="cuda", dtype=torch.bfloat16)
+    grad_out = torch.randn(sum(SIZES), N, device="cuda").to(torch.bfloat16)
+    results = []
+    for as_list in (False, True):
+        leaves = [t.detach().clone().requires_grad_() for t in (x, w, b)]
+        inp = list(leaves[0].detach().split(SIZES)) if as_list else leaves[0]
+        if as_list:
+            inp = [piece.clone().requires_grad_() for piece in inp]
+        y = gl.grouped_linear(inp, leaves[1], leaves[2], None if as_list else SIZES,
+                              recipe=recipe)
+        y.backward(grad_out)
+        grad_x = torch.cat([piece.grad for piece in inp]) if as_list else leaves[0].grad
+        results.append((y, grad_x, leaves[1].grad, leaves[2].grad))
+    assert calls.count("quantize_rows_pieces") == 1
+    assert calls.count("quantize_group_columns_t_pieces") == 1
+    for tensor_value, list_value in zip(*results, strict=True):
+        assert rel_err(list_value, tensor_value) < 1e-6
+    ref = reference_grads(x, w, b, SIZES, grad_out)
+    for got, want in zip(results[1], ref, strict=True):
+        assert rel_err(got, want) < _tolerance(recipe)

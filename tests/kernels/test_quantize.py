@@ -247,3 +247,28 @@ def test_group_columns_aligned_layout(sizes, method, monkeypatch):
                             exact[:, start:start + size])
         assert torch.all(data[:, aligned_start + size:aligned_start + padded].float() == 0)
         start, aligned_start = start + size, aligned_start + padded
+
+
+@pytest.mark.parametrize("align", [1, 16])
+@pytest.mark.parametrize("tensorwise", [False, True])
+def test_quantizing_pieces_equals_quantizing_their_concatenation(align, tensorwise, monkeypatch):
+    """A list input quantized piece by piece (no concatenation) gives the same FP8 data and
+    factors as the concatenated tensor: rows for forward, transposed group columns for wgrad."""
+    monkeypatch.setattr(qt, "TILED_CONFIG", (16, 32, 4))  # groups over several tiles
+    sizes, C = [37, 0, 5, 70], 40
+    pieces = [(torch.randn(m, C) * torch.logspace(-2, 2, C)).to(DEVICE) for m in sizes]
+    whole = torch.cat(pieces)
+    offsets = torch.tensor(sizes, device=DEVICE).cumsum(0).to(torch.int32)
+    group_scale = q.group_amax_scales(whole, offsets, E4M3, False) if tensorwise else None
+    rows, rows_inv = q.quantize_rows_pieces(pieces, E4M3, False, group_scale)
+    row_scale = group_scale.repeat_interleave(torch.tensor(sizes, device=DEVICE)) \
+        if tensorwise else None
+    want_rows, want_rows_inv = q.quantize_rows(whole, E4M3, False, row_scale)
+    assert torch.allclose(rows_inv, want_rows_inv, rtol=1e-6)
+    assert _codes_close(rows, want_rows)
+    data, inv = qt.quantize_group_columns_t_pieces(pieces, E4M3, False, group_scale, align)
+    want, want_inv, data_offsets = qt.quantize_group_columns_t(whole, offsets, E4M3, False,
+                                                               group_scale, align)
+    end = int(data_offsets[-1])
+    assert data.shape == want.shape and torch.allclose(inv, want_inv, rtol=1e-6)
+    assert _codes_close(data[:, :end], want[:, :end])
