@@ -347,14 +347,17 @@ def quantize_group_columns_t(t: torch.Tensor, offsets: torch.Tensor, fp8_dtype: 
 
 def quantize_group_columns_t_pieces(pieces: list[torch.Tensor], fp8_dtype: torch.dtype,
                                     power_of_two: bool, group_scale: torch.Tensor | None = None,
-                                    align: int = 16, width: int | None = None
+                                    align: int = 16, width: int | None = None,
+                                    offsets: torch.Tensor | None = None
                                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`quantize_group_columns_t` of ``torch.cat(pieces)`` with ``align`` (one group
     per piece) without the concatenation: each ``(m_g, C)`` piece is quantized straight into
     its aligned columns of one transposed FP8 buffer. Returns ``(data, inv)``: ``data``
     ``(C, width)`` (``width`` defaults to the one :func:`quantize_group_columns_t` uses),
     group ``g`` at columns from ``sum_{h<g} round_up(m_h, align)``, zero-padded to
-    ``round_up(m_g, align)``; ``inv`` ``(G, C)``."""
+    ``round_up(m_g, align)``; ``inv`` ``(G, C)``. ``offsets``: the pieces' ``(G,)`` int32
+    row ends already on the device, so nothing is copied from the host per call (a
+    host-to-device copy waits for the queued GPU work)."""
     sizes = [piece.shape[0] for piece in pieces]
     G, C = len(pieces), pieces[0].shape[1]
     device = pieces[0].device
@@ -372,10 +375,13 @@ def quantize_group_columns_t_pieces(pieces: list[torch.Tensor], fp8_dtype: torch
         return data[:, :width], inv
     data = _fp8_buffer((C, width), device, fp8_dtype) if device.type == "cpu" \
         else _transposed_buffer(C, width, device, fp8_dtype)
+    if offsets is None:
+        offsets = torch.tensor(sizes, device=device).cumsum(0)
+    group_sizes = torch.diff(offsets.to(torch.int32), prepend=offsets.new_zeros(1, dtype=torch.int32))
+    padded_sizes = (group_sizes + (align - 1)) // align * align
     invs, start = [], 0
     for g, piece in enumerate(pieces):
-        one_group = torch.tensor([sizes[g]], device=device, dtype=torch.int32)
-        one_padded = torch.tensor([padded[g]], device=device, dtype=torch.int32)
+        one_group, one_padded = group_sizes[g:g + 1], padded_sizes[g:g + 1]
         scale = group_scale[g:g + 1] if group_scale is not None else None
         if sizes[g] == 0:  # nothing to write; the factors of an empty group
             invs.append(quantize_group_columns_t_reference(piece, one_group, fp8_dtype,

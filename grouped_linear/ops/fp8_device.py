@@ -112,7 +112,8 @@ class Fp8DeviceGroupedLinearFunction(torch.autograd.Function):
                 grad_out, offsets, fp8_grad, pow2, dy_scale, align=align, column_sums=bias_sums)
             if pieces:  # each piece into its aligned columns, same width as dy's
                 x_t, x_t_inv = qt.quantize_group_columns_t_pieces(
-                    pieces, recipe.forward_dtype, pow2, x_scale, align, width=dy_t.shape[1])
+                    pieces, recipe.forward_dtype, pow2, x_scale, align, width=dy_t.shape[1],
+                    offsets=offsets)
             else:
                 x_t, x_t_inv, _ = qt.quantize_group_columns_t(
                     x, offsets, recipe.forward_dtype, pow2, x_scale, align=align)
