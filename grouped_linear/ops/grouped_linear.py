@@ -278,10 +278,20 @@ def join_inputs(
     return x, m_splits
 
 
+# A list input on the FP8 device path is quantized piece by piece instead of concatenated.
+# Off by default until its speed is measured in its present form: its outputs and gradients
+# equal the tensor input's on the H200, but its first version copied each piece's size to
+# the device (a wait for the queued GPU work, per piece) and ran 1.09x / 2.4x the tensor
+# input's step (dsv3_ep32_fc1 / qwen35_397b_ep64_fc2); those copies are gone since.
+FP8_LIST_WITHOUT_CAT = False
+
+
 def _fp8_pieces_path(pieces: list[torch.Tensor], weight: torch.Tensor,
                      recipe: Float8Recipe | None, cached_weight: Fp8Weight | None) -> bool:
-    """Whether a list input goes to the FP8 device path as a list: the recipe's GEMMs run
-    there, no autocast recasts the pieces, and there are rows to compute."""
+    """Whether a list input goes to the FP8 device path as a list (``FP8_LIST_WITHOUT_CAT``):
+    the recipe's GEMMs run there, no autocast recasts the pieces, and there are rows."""
+    if not FP8_LIST_WITHOUT_CAT:
+        return False
     first = pieces[0]
     device_type = first.device.type
     if recipe is None or torch.is_autocast_enabled(device_type) or first.dtype != weight.dtype:

@@ -215,7 +215,9 @@ def test_list_input_is_quantized_piece_by_piece(recipe, monkeypatch):
     tensor input's output and gradients; the pieces' gradients are views of one tensor."""
     from grouped_linear.kernels import quantize as q
     from grouped_linear.kernels import quantize_transposed as qt
+    from grouped_linear.ops import grouped_linear as ops_grouped_linear
 
+    monkeypatch.setattr(ops_grouped_linear, "FP8_LIST_WITHOUT_CAT", True)
     calls = []
     for module, name in ((q, "quantize_rows_pieces"), (qt, "quantize_group_columns_t_pieces")):
         original = getattr(module, name)

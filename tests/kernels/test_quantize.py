@@ -266,7 +266,8 @@ def test_quantizing_pieces_equals_quantizing_their_concatenation(align, tensorwi
     want_rows, want_rows_inv = q.quantize_rows(whole, E4M3, False, row_scale)
     assert torch.allclose(rows_inv, want_rows_inv, rtol=1e-6)
     assert _codes_close(rows, want_rows)
-    data, inv = qt.quantize_group_columns_t_pieces(pieces, E4M3, False, group_scale, align)
+    data, inv = qt.quantize_group_columns_t_pieces(pieces, E4M3, False, group_scale, align,
+                                                   offsets=offsets)
     want, want_inv, data_offsets = qt.quantize_group_columns_t(whole, offsets, E4M3, False,
                                                                group_scale, align)
     end = int(data_offsets[-1])
