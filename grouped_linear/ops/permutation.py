@@ -4,7 +4,7 @@
 :class:`~grouped_linear.GroupedLinear` consumes); ``unpermute`` sums each
 token's expert outputs back into token order. On CUDA the routing map (every
 slot's row, every row's token, the padded group sizes) is one kernel launch
-without host synchronization (:func:`~grouped_linear.kernels.layout.routing_map`),
+without host synchronization (:func:`~grouped_linear.kernels.routing.routing_map`),
 and the rows move in a second; on CPU it is a stable sort of the slot keys. Data
 moves by gathers, or by a copy into unique destinations, so forward and backward
 are deterministic.
@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from grouped_linear.kernels import layout as layout_kernels
+from grouped_linear.kernels import routing
 from grouped_linear.ops.checks import check_int
 from grouped_linear.ops.padding import _check_matrix, _gather_rows
 from grouped_linear.ops.splits import debug_checks_enabled
@@ -168,11 +169,11 @@ def permute(
 
     with torch.no_grad():
         if on_host:  # exact size: N = sum(m_splits), read on the host
-            m_splits, row_map, token_of_row = layout_kernels.routing_map_reference(
+            m_splits, row_map, token_of_row = routing.routing_map_reference(
                 topk_indices, num_experts, multiple, None)
         else:  # one kernel, no sync: N is the upper bound
             num_rows = topk_indices.numel() + num_experts * (multiple - 1)
-            m_splits, row_map, token_of_row = layout_kernels.routing_map(
+            m_splits, row_map, token_of_row = routing.routing_map(
                 topk_indices, num_experts, multiple, num_rows)
 
     x_perm = _PermuteRows.apply(x, token_of_row, row_map)
