@@ -309,9 +309,12 @@ def quantize_group_columns_t(t: torch.Tensor, offsets: torch.Tensor, fp8_dtype: 
     G = offsets.shape[0]
     data_offsets = offsets if align == 1 else aligned_offsets(offsets, align)
     width = -(-(M + (align - 1) * G) // 16) * 16 if align > 1 else M
-    if not use_triton(t) or t.stride(-1) != 1 or t.shape[0] == 0:
-        if column_sums is not None:
-            column_sums.copy_(bias_grad(t, offsets, torch.float32))
+    kernels = use_triton(t) and t.stride(-1) == 1 and t.shape[0] > 0
+    tiled = kernels and GROUP_COLUMNS_METHOD == "tiled" and G * C < 2**31
+    fused_sums = column_sums if tiled and group_scale is None else None
+    if column_sums is not None and fused_sums is None:  # no column-amax pass to share
+        column_sums.copy_(bias_grad(t, offsets, torch.float32))
+    if not kernels:
         data, inv = quantize_group_columns_t_reference(t, offsets, fp8_dtype, power_of_two,
                                                        group_scale)
         if align > 1:
@@ -319,16 +322,11 @@ def quantize_group_columns_t(t: torch.Tensor, offsets: torch.Tensor, fp8_dtype: 
         return data, inv, data_offsets
     data = _fp8_buffer((C, width), t.device, fp8_dtype) if t.device.type == "cpu" \
         else _transposed_buffer(C, width, t.device, fp8_dtype)
-    if GROUP_COLUMNS_METHOD == "tiled" and G * C < 2**31:
-        fused = column_sums if group_scale is None else None
+    if tiled:
         inv = _quantize_group_columns_t_tiled(t, offsets, data_offsets, data, fp8_dtype,
                                               power_of_two, group_scale, align,
-                                              dst_multiple=align, sums=fused)
-        if column_sums is not None and fused is None:
-            column_sums.copy_(bias_grad(t, offsets, torch.float32))
+                                              dst_multiple=align, sums=fused_sums)
         return _finish(data, fp8_dtype), inv, data_offsets
-    if column_sums is not None:
-        column_sums.copy_(bias_grad(t, offsets, torch.float32))
     inv = torch.empty(G, C, device=t.device, dtype=torch.float32)
     block_r, block_c, warps = GROUP_COLUMNS_CONFIG
     _quantize_group_columns_t_kernel[(G, triton.cdiv(C, block_c))](
@@ -365,9 +363,10 @@ def quantize_group_columns_t_pieces(pieces: list[torch.Tensor], fp8_dtype: torch
     if width is None:
         width = -(-(rows + (align - 1) * G) // 16) * 16 if align > 1 else rows
     padded = [-(-size // align) * align for size in sizes]
+    if offsets is None:
+        offsets = torch.tensor(sizes, device=device).cumsum(0).to(torch.int32)
     if not use_triton(pieces[0]) or GROUP_COLUMNS_METHOD != "tiled" or any(
             piece.stride(-1) != 1 for piece in pieces):
-        offsets = torch.tensor(sizes, device=device).cumsum(0).to(torch.int32)
         data, inv, _ = quantize_group_columns_t(torch.cat(pieces), offsets, fp8_dtype,
                                                 power_of_two, group_scale, align)
         if data.shape[1] < width:
@@ -375,8 +374,6 @@ def quantize_group_columns_t_pieces(pieces: list[torch.Tensor], fp8_dtype: torch
         return data[:, :width], inv
     data = _fp8_buffer((C, width), device, fp8_dtype) if device.type == "cpu" \
         else _transposed_buffer(C, width, device, fp8_dtype)
-    if offsets is None:
-        offsets = torch.tensor(sizes, device=device).cumsum(0)
     group_sizes = torch.diff(offsets.to(torch.int32), prepend=offsets.new_zeros(1, dtype=torch.int32))
     padded_sizes = (group_sizes + (align - 1)) // align * align
     invs, start = [], 0

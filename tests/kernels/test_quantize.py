@@ -6,6 +6,7 @@ import torch
 from grouped_linear.kernels import bias as bias_kernels
 from grouped_linear.kernels import quantize as q
 from grouped_linear.kernels import quantize_transposed as qt
+from grouped_linear.kernels.offsets import aligned_offsets_reference
 from tests.reference import rel_err
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -125,12 +126,23 @@ def test_quantize_group_columns_transposed_kernel(sizes, tail, method, monkeypat
         assert torch.allclose(block, t[bounds[g]:bounds[g + 1]].t().float(), rtol=0.07, atol=1e-6)
 
 
+def _reference_columns(t, offsets, group_scale, align):
+    """The plain-PyTorch transposed group-column quantization, each group moved to its
+    ``align``-ed column start (as the kernels lay it out)."""
+    data, inv = qt.quantize_group_columns_t_reference(t, offsets, E4M3, False, group_scale)
+    if align == 1:
+        return data, inv, offsets
+    data_offsets = aligned_offsets_reference(offsets, align).to(offsets.device)
+    width = -(-(t.shape[0] + (align - 1) * offsets.shape[0]) // 16) * 16
+    return qt._realign_columns(data, offsets, data_offsets, width), inv, data_offsets
+
+
 @pytest.mark.parametrize("tiled_config, sub_tiles", [((16, 16, 4), 1), ((16, 32, 4), 3),
                                                      ((32, 16, 4), 4)])
 @pytest.mark.parametrize("align", [1, 16])
 def test_tiled_columns_with_groups_over_many_tiles(tiled_config, sub_tiles, align, monkeypatch):
     """Small tiles: groups span several row tiles and amax sub-tiles, alignment padding and
-    the tail span tiles of their own; the tiled method equals the per-group one."""
+    the tail span tiles of their own; the tiled method equals the plain-PyTorch reference."""
     monkeypatch.setattr(qt, "TILED_CONFIG", tiled_config)
     monkeypatch.setattr(qt, "AMAX_SUB_TILES", sub_tiles)
     sizes, tail = [37, 0, 5, 70, 16], 9
@@ -143,7 +155,9 @@ def test_tiled_columns_with_groups_over_many_tiles(tiled_config, sub_tiles, alig
         sums[method] = torch.full((len(sizes), C), float("nan"), device=DEVICE)
         results[method] = qt.quantize_group_columns_t(t, offsets, E4M3, False, align=align,
                                                       column_sums=sums[method])
-    (data, inv, data_offsets), (ref_data, ref_inv, _) = results["tiled"], results["per_group"]
+    data, inv, data_offsets = results["tiled"]
+    ref_data, ref_inv, ref_offsets = _reference_columns(t, offsets, None, align)
+    assert torch.equal(data_offsets.cpu(), ref_offsets.cpu())
     want_sums = bias_kernels.bias_grad_reference(t, offsets, torch.float64).float()
     for method in sums:  # the tiled method's come from its column-amax pass
         torch.testing.assert_close(sums[method], want_sums, rtol=1e-5, atol=1e-4)
@@ -252,8 +266,9 @@ def test_group_columns_aligned_layout(sizes, method, monkeypatch):
 @pytest.mark.parametrize("align", [1, 16])
 @pytest.mark.parametrize("tensorwise", [False, True])
 def test_quantizing_pieces_equals_quantizing_their_concatenation(align, tensorwise, monkeypatch):
-    """A list input quantized piece by piece (no concatenation) gives the same FP8 data and
-    factors as the concatenated tensor: rows for forward, transposed group columns for wgrad."""
+    """A list input quantized piece by piece (no concatenation) gives the plain-PyTorch
+    quantization of the concatenated tensor: rows for forward, transposed group columns for
+    wgrad."""
     monkeypatch.setattr(qt, "TILED_CONFIG", (16, 32, 4))  # groups over several tiles
     sizes, C = [37, 0, 5, 70], 40
     pieces = [(torch.randn(m, C) * torch.logspace(-2, 2, C)).to(DEVICE) for m in sizes]
@@ -263,13 +278,12 @@ def test_quantizing_pieces_equals_quantizing_their_concatenation(align, tensorwi
     rows, rows_inv = q.quantize_rows_pieces(pieces, E4M3, False, group_scale)
     row_scale = group_scale.repeat_interleave(torch.tensor(sizes, device=DEVICE)) \
         if tensorwise else None
-    want_rows, want_rows_inv = q.quantize_rows(whole, E4M3, False, row_scale)
+    want_rows, want_rows_inv = q.quantize_rows_reference(whole, E4M3, False, row_scale)
     assert torch.allclose(rows_inv, want_rows_inv, rtol=1e-6)
     assert _codes_close(rows, want_rows)
     data, inv = qt.quantize_group_columns_t_pieces(pieces, E4M3, False, group_scale, align,
                                                    offsets=offsets)
-    want, want_inv, data_offsets = qt.quantize_group_columns_t(whole, offsets, E4M3, False,
-                                                               group_scale, align)
+    want, want_inv, data_offsets = _reference_columns(whole, offsets, group_scale, align)
     end = int(data_offsets[-1])
     assert data.shape == want.shape and torch.allclose(inv, want_inv, rtol=1e-6)
     assert _codes_close(data[:, :end], want[:, :end])
