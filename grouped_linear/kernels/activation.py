@@ -11,7 +11,7 @@ write of ``grad_h``. A Triton kernel each way, the PyTorch reference beside it.
 import torch
 import torch.nn.functional as F
 
-from ._triton import tl, triton, use_triton
+from ._triton import kernel, tl, triton, use_triton
 from .bias import _row_group, row_groups
 
 __all__ = ["ACTIVATION_KINDS", "GATED_KINDS", "bias_act_forward", "bias_act_backward",
@@ -121,6 +121,7 @@ def _load_input(h_ptr, bias_ptr, rows, cols, groups, in_group, mask, stride_h, s
     return value
 
 
+@kernel
 @triton.jit
 def _bias_act_kernel(h_ptr, bias_ptr, offsets_ptr, grad_a_ptr, out_ptr, M, F, G,
                      stride_h, stride_bias, stride_grad_a, stride_out,

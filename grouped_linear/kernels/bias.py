@@ -9,7 +9,7 @@ cumulative ``offsets``.
 
 import torch
 
-from ._triton import tl, triton, use_triton
+from ._triton import kernel, tl, triton, use_triton
 
 __all__ = [
     "row_groups",
@@ -65,6 +65,7 @@ def _row_group(offsets_ptr, rows, G, BLOCK_G: tl.constexpr):
     return count
 
 
+@kernel
 @triton.jit
 def _bias_epilogue_kernel(out_ptr, bias_ptr, offsets_ptr, M, N, G, stride_out, stride_bias,
                           ZERO_TAIL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -83,6 +84,7 @@ def _bias_epilogue_kernel(out_ptr, bias_ptr, offsets_ptr, M, N, G, stride_out, s
     tl.store(ptrs, value.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@kernel
 @triton.jit
 def _zero_tail_kernel(out_ptr, offsets_ptr, M, N, G, stride_out,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -110,6 +112,7 @@ def _group_chunks(offsets_ptr, G, CHUNK: tl.constexpr, BLOCK_G: tl.constexpr):
     return gs, starts, ends, chunks, first_chunk
 
 
+@kernel
 @triton.jit
 def _bias_grad_partial_kernel(grad_ptr, offsets_ptr, partial_ptr, N, G, stride_grad,
                               CHUNK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -131,6 +134,7 @@ def _bias_grad_partial_kernel(grad_ptr, offsets_ptr, partial_ptr, N, G, stride_g
         tl.store(partial_ptr + item.to(tl.int64) * N + cols, tl.sum(acc, axis=0), mask=col_mask)
 
 
+@kernel
 @triton.jit
 def _bias_grad_reduce_kernel(partial_ptr, offsets_ptr, out_ptr, N, G, CHUNK: tl.constexpr,
                              BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr):

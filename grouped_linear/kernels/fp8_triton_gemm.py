@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from ._triton import tl, triton
+from ._triton import kernel, tl, triton
 from .triton_gemm import _group_rows, _program_count, _tile_list, _tile_origin
 
 __all__ = ["grouped_mm", "grouped_mm_reference", "blockwise_wgrad", "blockwise_wgrad_reference",
@@ -63,6 +63,7 @@ def _load_k_tile(base, offsets, mask, k_mask, EVEN_K: tl.constexpr):
     return tl.load(base + offsets, mask=mask & k_mask, other=0.0)
 
 
+@kernel
 @triton.jit
 def _fp8_grouped_mm_kernel(a_ptr, a_inv_ptr, b_ptr, b_inv_ptr, out_ptr, sizes_ptr, M, W, R, G,
                            stride_am, stride_ai, stride_bg, stride_br, stride_bw, stride_big,
@@ -120,6 +121,7 @@ def _fp8_grouped_mm_kernel(a_ptr, a_inv_ptr, b_ptr, b_inv_ptr, out_ptr, sizes_pt
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
 
 
+@kernel
 @triton.jit
 def _fp8_blockwise_wgrad_kernel(dy_ptr, dy_inv_ptr, x_ptr, x_inv_ptr, dw_ptr, sizes_ptr, M, N, K, G,
                                 stride_dyn, stride_xk, stride_dyi, stride_xi, stride_dwg,

@@ -12,7 +12,7 @@ permute/unpermute moves; their routing map is in :mod:`grouped_linear.kernels.ro
 
 import torch
 
-from ._triton import tl, triton, use_triton
+from ._triton import kernel, tl, triton, use_triton
 from .bias import _row_group
 
 __all__ = ["relayout", "relayout_reference", "gather_rows", "gather_rows_reference",
@@ -47,6 +47,7 @@ def relayout_reference(src: torch.Tensor, src_ends: torch.Tensor, dst_ends: torc
     return src.index_select(0, index).masked_fill_(~valid.unsqueeze(1), 0)
 
 
+@kernel
 @triton.jit
 def _relayout_kernel(src_ptr, dst_ptr, src_ends_ptr, dst_ends_ptr, R_dst, H, G,
                      stride_src, stride_dst, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
@@ -116,6 +117,7 @@ def combine_rows_reference(src: torch.Tensor, row_map: torch.Tensor,
     return rows.sum(dim=1).to(src.dtype)
 
 
+@kernel
 @triton.jit
 def _gather_rows_kernel(src_ptr, dst_ptr, index_ptr, scale_ptr, R, R_src, H, stride_src,
                         stride_dst, HAS_SCALE: tl.constexpr, BLOCK_R: tl.constexpr,
@@ -135,6 +137,7 @@ def _gather_rows_kernel(src_ptr, dst_ptr, index_ptr, scale_ptr, R, R_src, H, str
              values.to(dst_ptr.dtype.element_ty), mask=(rows < R)[:, None] & col_mask)
 
 
+@kernel
 @triton.jit
 def _combine_rows_kernel(src_ptr, dst_ptr, map_ptr, weights_ptr, T, K, R_src, H, stride_src,
                          stride_dst, HAS_WEIGHTS: tl.constexpr, BLOCK_T: tl.constexpr,
@@ -183,6 +186,7 @@ def gather_rows(src: torch.Tensor, index: torch.Tensor,
     return out.to(src.dtype)
 
 
+@kernel
 @triton.jit
 def _scatter_rows_kernel(src_ptr, dst_ptr, map_ptr, token_ptr, weights_ptr, T, K, N, H,
                          stride_src, stride_dst, token_programs, HAS_WEIGHTS: tl.constexpr,
@@ -269,6 +273,7 @@ def spread_rows_reference(src: torch.Tensor, row_map: torch.Tensor, num_rows: in
     return out[:num_rows].to(src.dtype)
 
 
+@kernel
 @triton.jit
 def _slot_of_row_kernel(map_ptr, slot_ptr, S, N, BLOCK: tl.constexpr):
     """``slot[map[s]] = s`` for the slots ``s`` whose row is in ``[0, N)``."""

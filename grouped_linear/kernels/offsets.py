@@ -7,7 +7,7 @@ can leave the tensor. Never reads the splits back to the host.
 
 import torch
 
-from ._triton import tl, triton, use_triton
+from ._triton import kernel, tl, triton, use_triton
 
 __all__ = ["group_offsets", "group_offsets_reference", "aligned_offsets", "aligned_offsets_reference"]
 
@@ -18,6 +18,7 @@ def group_offsets_reference(splits: torch.Tensor, num_rows: int) -> torch.Tensor
     return splits.to(torch.int64).clamp(min=0).cumsum(0).clamp(max=num_rows).to(torch.int32)
 
 
+@kernel
 @triton.jit
 def _group_offsets_kernel(splits_ptr, offsets_ptr, G, M, BLOCK_G: tl.constexpr):
     idx = tl.arange(0, BLOCK_G)
@@ -43,6 +44,7 @@ def aligned_offsets_reference(offsets: torch.Tensor, align: int) -> torch.Tensor
     return ((sizes + align - 1) // align * align).cumsum(0).to(torch.int32)
 
 
+@kernel
 @triton.jit
 def _aligned_offsets_kernel(ends_ptr, out_ptr, G, ALIGN: tl.constexpr, BLOCK_G: tl.constexpr):
     idx = tl.arange(0, BLOCK_G)

@@ -18,7 +18,7 @@ the same numerics as the device path.
 
 import torch
 
-from ._triton import tl, triton, use_triton
+from ._triton import kernel, tl, triton, use_triton
 from .bias import row_groups
 
 __all__ = ["scale_from_amax", "saturate", "fake_quant", "fake_quant_rows", "fake_quant_group_columns",
@@ -120,6 +120,7 @@ def _scale(amax, FP8_MAX: tl.constexpr, POW2: tl.constexpr):
     return scale
 
 
+@kernel
 @triton.jit
 def _quantize_rows_kernel(t_ptr, q_ptr, inv_ptr, scale_ptr, R, C, stride_t, stride_q,
                           FP8_MAX: tl.constexpr, POW2: tl.constexpr, GIVEN_SCALE: tl.constexpr,

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from ._triton import tl, triton, use_triton
+from ._triton import kernel, tl, triton, use_triton
 from .quantize import _finish, _fp8_buffer, _pad_to, _scale, saturate, scale_from_amax
 from .triton_gemm import _group_rows
 
@@ -59,6 +59,7 @@ def quantize_row_tiles_reference(t: torch.Tensor, fp8_dtype: torch.dtype, power_
     return data.contiguous(), 1.0 / scale
 
 
+@kernel
 @triton.jit
 def _quantize_row_tiles_kernel(t_ptr, q_ptr, inv_ptr, M, C, stride_tm, stride_tc, n_blocks,
                                FP8_MAX: tl.constexpr, POW2: tl.constexpr, TILE: tl.constexpr,
@@ -116,6 +117,7 @@ def quantize_weight_blocks_reference(weight: torch.Tensor, fp8_dtype: torch.dtyp
     return data.view(G, nb * block, kb * block)[:, :N, :K].contiguous(), 1.0 / scale
 
 
+@kernel
 @triton.jit
 def _quantize_weight_blocks_kernel(w_ptr, q_ptr, inv_ptr, N, K, stride_wg, stride_wn, stride_wk,
                                    FP8_MAX: tl.constexpr, POW2: tl.constexpr,
@@ -211,6 +213,7 @@ def quantize_token_blocks_reference(t: torch.Tensor, sizes: torch.Tensor, fp8_dt
     return data, 1.0 / scale
 
 
+@kernel
 @triton.jit
 def _quantize_token_blocks_kernel(t_ptr, sizes_ptr, q_ptr, inv_ptr, M, C, G, stride_tm, stride_tc,
                                   stride_qm, stride_qc, FP8_MAX: tl.constexpr,

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from ._triton import tl, triton, use_triton
+from ._triton import kernel, tl, triton, use_triton
 from .bias import bias_grad, row_groups
 from .offsets import aligned_offsets
 from .quantize import _finish, _fp8_buffer, _group_amax, _scale, saturate, scale_from_amax
@@ -56,6 +56,7 @@ def quantize_group_columns_t_reference(t: torch.Tensor, offsets: torch.Tensor,
     return data.t().contiguous(), 1.0 / scale
 
 
+@kernel
 @triton.jit
 def _quantize_group_columns_t_kernel(t_ptr, offsets_ptr, dst_offsets_ptr, q_ptr, inv_ptr, scale_ptr,
                                      M, C, stride_t, stride_q, stride_q_group,
@@ -105,6 +106,7 @@ def _quantize_group_columns_t_kernel(t_ptr, offsets_ptr, dst_offsets_ptr, q_ptr,
     tl.store(inv_ptr + group.to(tl.int64) * C + cols, 1.0 / scale, mask=col_mask)
 
 
+@kernel
 @triton.jit
 def _zero_columns_from_kernel(q_ptr, offsets_ptr, G, C, M, stride_q, BLOCK_C: tl.constexpr,
                               BLOCK_M: tl.constexpr):
@@ -145,6 +147,7 @@ def _column_tile(tile, offsets_ptr, dst_offsets_ptr, G, width, ALIGN: tl.constex
     return g, src0, end, dst_start + local * BLOCK_R, dst_end, tl.sum(tiles, axis=0)
 
 
+@kernel
 @triton.jit
 def _group_column_amax_kernel(t_ptr, offsets_ptr, amax_ptr, sums_ptr, M, C, G, stride_t,
                               SUMS: tl.constexpr, BLOCK_R: tl.constexpr, SUB_TILES: tl.constexpr,
@@ -177,6 +180,7 @@ def _group_column_amax_kernel(t_ptr, offsets_ptr, amax_ptr, sums_ptr, M, C, G, s
                      mask=col_mask)
 
 
+@kernel
 @triton.jit
 def _reduce_group_sums_kernel(sums_ptr, offsets_ptr, out_ptr, C, G, ROWS_PER_TILE: tl.constexpr,
                               BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr):
@@ -196,6 +200,7 @@ def _reduce_group_sums_kernel(sums_ptr, offsets_ptr, out_ptr, C, G, ROWS_PER_TIL
     tl.store(out_ptr + g.to(tl.int64) * C + cols, acc, mask=cols < C)
 
 
+@kernel
 @triton.jit
 def _quantize_columns_t_tiled_kernel(t_ptr, offsets_ptr, dst_offsets_ptr, scale_ptr, q_ptr, C, G,
                                      stride_t, stride_q, width, FP8_MAX: tl.constexpr,

@@ -11,7 +11,7 @@ import functools
 
 import torch
 
-from ._triton import tl, triton, use_triton
+from ._triton import kernel, tl, triton, use_triton
 from .layout import _starts
 
 __all__ = ["routing_map", "routing_map_reference"]
@@ -81,6 +81,7 @@ def routing_map_reference(topk_indices: torch.Tensor, num_experts: int, multiple
     return m_splits, row_map, token_of_row
 
 
+@kernel
 @triton.jit
 def _routing_kernel(topk_ptr, row_map_ptr, token_ptr, splits_ptr, work_ptr, S, K, E, N,
                     multiple, chunk, num_programs, PHASE: tl.constexpr, BLOCK: tl.constexpr,

@@ -17,7 +17,7 @@ import functools
 
 import torch
 
-from ._triton import tl, triton
+from ._triton import kernel, tl, triton
 
 __all__ = ["forward", "dgrad", "wgrad", "fits", "MAX_GROUPS"]
 
@@ -71,6 +71,7 @@ def _mma(a, b, acc, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     return tl.dot(a, b, acc, input_precision=PRECISION)
 
 
+@kernel
 @triton.jit
 def _grouped_mm_kernel(a_ptr, b_ptr, bias_ptr, out_ptr, sizes_ptr, M, N, K, G,
                        stride_am, stride_bg, stride_bk, stride_bn, stride_om, stride_bias,
@@ -113,6 +114,7 @@ def _grouped_mm_kernel(a_ptr, b_ptr, bias_ptr, out_ptr, sizes_ptr, M, N, K, G,
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
 
 
+@kernel
 @triton.jit
 def _grouped_wgrad_kernel(dy_ptr, x_ptr, dw_ptr, db_ptr, sizes_ptr, M, N, K, G,
                           stride_dym, stride_xm, stride_dwg, stride_dwn,

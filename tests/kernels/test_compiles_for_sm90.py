@@ -46,6 +46,7 @@ FP8_MAX = torch.finfo(torch.float8_e4m3fn).max
 
 
 def _compile(kernel, pointers, constants, num_warps=4):
+    kernel = getattr(kernel, "jit_fn", kernel)  # the JIT function under the launch wrapper
     signature = {}
     for param in kernel.params:
         if param.is_constexpr:
