@@ -190,11 +190,13 @@ def gather_rows(src: torch.Tensor, index: torch.Tensor,
 @triton.jit
 def _scatter_rows_kernel(src_ptr, dst_ptr, map_ptr, token_ptr, weights_ptr, T, K, N, H,
                          stride_src, stride_dst, token_programs, HAS_WEIGHTS: tl.constexpr,
-                         BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
+                         SLOTS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
     """Programs ``< token_programs``: ``BLOCK_T`` source rows, read once and written to each
     of their ``K`` slots' rows ``map[t, j]`` (those in ``[0, N)``), times ``weights[t, j]``
     (float32) with ``HAS_WEIGHTS``. The others: one block of ``BLOCK_T`` destination rows
-    each, zeros where ``token[r] < 0`` (rows no slot holds)."""
+    each, zeros where ``token[r] < 0`` (rows no slot holds). With ``SLOTS``, ``token_ptr``
+    holds a slot per row, trusted only where ``map`` sends that slot back to the row (so
+    the rows no slot holds may contain anything: the buffer needs no fill)."""
     pid = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     col_mask = (cols < H)[None, :]
@@ -218,14 +220,21 @@ def _scatter_rows_kernel(src_ptr, dst_ptr, map_ptr, token_ptr, weights_ptr, T, K
     else:
         rows = (pid - token_programs) * BLOCK_T + lanes
         token = tl.load(token_ptr + rows, mask=rows < N, other=0)
+        unheld = token < 0
+        if SLOTS:
+            real = (token >= 0) & (token < T * K)
+            back = tl.load(map_ptr + token, mask=(rows < N) & real, other=-1)
+            unheld = (~real) | (back != rows)
         zeros = tl.zeros([BLOCK_T, BLOCK_H], dtype=dst_ptr.dtype.element_ty)
         tl.store(dst_ptr + rows.to(tl.int64)[:, None] * stride_dst + cols[None, :], zeros,
-                 mask=((rows < N) & (token < 0))[:, None] & col_mask)
+                 mask=((rows < N) & unheld)[:, None] & col_mask)
 
 
 def _scatter(src: torch.Tensor, row_map: torch.Tensor, held: torch.Tensor,
-             weights: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
-    """Launch :func:`_scatter_rows_kernel`: ``held`` ``(N,)``, negative for rows no slot holds."""
+             weights: torch.Tensor | None, out_dtype: torch.dtype, slots: bool = False
+             ) -> torch.Tensor:
+    """Launch :func:`_scatter_rows_kernel`: ``held`` ``(N,)``, negative for rows no slot holds
+    (``slots``: the slot of each held row, anything for the others)."""
     tokens, k = row_map.shape
     num_rows, H = held.shape[0], src.shape[1]
     out = torch.empty(num_rows, H, device=src.device, dtype=out_dtype)
@@ -237,7 +246,7 @@ def _scatter(src: torch.Tensor, row_map: torch.Tensor, held: torch.Tensor,
         src, out, row_map.contiguous(), held.contiguous(),
         weights.contiguous() if weights is not None else src, tokens, k, num_rows, H,
         src.stride(0), out.stride(0), token_programs, HAS_WEIGHTS=weights is not None,
-        BLOCK_T=block_t, BLOCK_H=block_h, num_warps=warps)
+        SLOTS=slots, BLOCK_T=block_t, BLOCK_H=block_h, num_warps=warps)
     return out
 
 
@@ -291,12 +300,13 @@ def spread_rows(src: torch.Tensor, row_map: torch.Tensor, num_rows: int,
     if (not _rows_kernel_ok(src) or tokens == 0 or k == 0 or num_rows == 0
             or (weights is not None and weights.dtype == torch.float64)):
         return spread_rows_reference(src, row_map, num_rows, weights)
-    slot_of_row = torch.full((num_rows,), -1, device=src.device, dtype=torch.int64)
+    # No fill: the scatter trusts an entry only where row_map leads back to its row.
+    slot_of_row = torch.empty(num_rows, device=src.device, dtype=torch.int64)
     _slot_of_row_kernel[(triton.cdiv(tokens * k, 1024),)](
         row_map.contiguous(), slot_of_row, tokens * k, num_rows, BLOCK=1024)
     # The CPU interpreter truncates float32 -> bf16: with weights, torch does the rounding.
     out_dtype = torch.float32 if weights is not None and src.device.type == "cpu" else src.dtype
-    return _scatter(src, row_map, slot_of_row, weights, out_dtype).to(src.dtype)
+    return _scatter(src, row_map, slot_of_row, weights, out_dtype, slots=True).to(src.dtype)
 
 
 def combine_rows(src: torch.Tensor, row_map: torch.Tensor,

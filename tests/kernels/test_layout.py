@@ -81,6 +81,31 @@ def test_spread_rows_against_reference(k, weighted, dtype):
     assert torch.all(got[unheld] == 0)
 
 
+def test_spread_rows_ignores_stale_slot_entries(monkeypatch):
+    """The inverse slot map is not filled before the slots are written: whatever an unheld
+    row's entry holds (a stale slot of another row, a negative or out-of-range number), the
+    row comes out zero, and held rows are unaffected."""
+    tokens, k, H, padding = 20, 3, 24, 9
+    num_rows = tokens * k + padding
+    gen = torch.Generator().manual_seed(7)
+    row_map = torch.randperm(num_rows, generator=gen)[: tokens * k].view(tokens, k).to(DEVICE)
+    src = torch.randn(tokens, H, generator=gen).to(DEVICE)
+    stale = torch.randint(-3, tokens * k + 3, (num_rows,), generator=gen).to(DEVICE)
+    original_empty = torch.empty
+
+    def stale_empty(*size, **kwargs):
+        out = original_empty(*size, **kwargs)
+        if out.dtype == torch.int64 and out.shape == (num_rows,):
+            out.copy_(stale)
+        return out
+
+    monkeypatch.setattr(layout.torch, "empty", stale_empty)
+    got = layout.spread_rows(src, row_map, num_rows, None)
+    monkeypatch.undo()
+    want = layout.spread_rows_reference(src, row_map, num_rows, None)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("k, multiple, experts", [(1, 1, 4), (2, 16, 5), (8, 128, 16), (3, 4, 1)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_scatter_rows_equals_gather_by_token(k, multiple, experts, dtype):
