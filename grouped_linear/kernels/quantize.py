@@ -16,14 +16,16 @@ float32: the exact values an FP8 GEMM multiplies, so CPU emulation and tests see
 the same numerics as the device path.
 """
 
+from dataclasses import dataclass
+
 import torch
 
-from ._triton import kernel, tl, triton, use_triton
+from ._triton import interpreting, kernel, tl, triton, use_triton
 from .bias import row_groups
 
 __all__ = ["scale_from_amax", "saturate", "fake_quant", "fake_quant_rows", "fake_quant_group_columns",
            "fake_quant_groups", "fake_quant_weight", "quantize_rows", "quantize_rows_reference",
-           "quantize_rows_pieces",
+           "quantize_rows_pieces", "piece_shifts", "PieceShifts",
            "quantize_weight_rows", "group_amax_scales", "weight_group_scales",
            "fake_quant_column_tiles", "fake_quant_weight_blocks", "fake_quant_row_tiles"]
 
@@ -120,31 +122,52 @@ def _scale(amax, FP8_MAX: tl.constexpr, POW2: tl.constexpr):
     return scale
 
 
+@triton.jit
+def piece_shift(shifts_ptr, g, MULTIPLE: tl.constexpr):
+    """Element offset from the first piece's data to where group ``g``'s rows would start if
+    the pieces were one tensor: ``t_ptr + piece_shift + row * stride`` addresses row ``row``
+    (numbered in the concatenation). ``MULTIPLE``: what every shift is a multiple of."""
+    return tl.multiple_of(tl.load(shifts_ptr + g), MULTIPLE)
+
+
 @kernel
 @triton.jit
-def _quantize_rows_kernel(t_ptr, q_ptr, inv_ptr, scale_ptr, R, C, stride_t, stride_q,
-                          FP8_MAX: tl.constexpr, POW2: tl.constexpr, GIVEN_SCALE: tl.constexpr,
-                          BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+def _quantize_rows_kernel(t_ptr, q_ptr, inv_ptr, scale_ptr, shifts_ptr, ends_ptr, R, C, G,
+                          stride_t, stride_q, FP8_MAX: tl.constexpr, POW2: tl.constexpr,
+                          GIVEN_SCALE: tl.constexpr, PIECES: tl.constexpr,
+                          SHIFT_MULTIPLE: tl.constexpr, BLOCK_R: tl.constexpr,
+                          BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr):
+    """Rows of ``t`` (``PIECES``: of the concatenation of pieces, see :func:`piece_shift`;
+    ``ends`` ``(G,)`` their row ends, and a given scale is per piece, not per row)."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_mask = rows < R
-    base = rows.to(tl.int64)[:, None]
-    if GIVEN_SCALE:  # one scale per row from the caller (tensorwise: the group's)
-        scale = tl.load(scale_ptr + rows, mask=row_mask, other=1.0)
+    base = rows.to(tl.int64)[:, None] * stride_t
+    if PIECES:
+        slots = tl.arange(0, BLOCK_S)
+        ends = tl.load(ends_ptr + slots, mask=slots < G, other=R)
+        piece = tl.sum((ends[None, :] <= rows[:, None]).to(tl.int32), axis=1)
+        piece = tl.minimum(piece, G - 1)
+        base += piece_shift(shifts_ptr, piece, SHIFT_MULTIPLE)[:, None]
+    if GIVEN_SCALE:  # the caller's scales (tensorwise: the group's)
+        if PIECES:
+            scale = tl.load(scale_ptr + piece)
+        else:
+            scale = tl.load(scale_ptr + rows, mask=row_mask, other=1.0)
     else:
         amax = tl.zeros([BLOCK_R], dtype=tl.float32)
         for c0 in range(0, C, BLOCK_C):  # pass 1: row amax
             cols = c0 + tl.arange(0, BLOCK_C)
             mask = row_mask[:, None] & (cols < C)[None, :]
-            values = tl.load(t_ptr + base * stride_t + cols[None, :], mask=mask, other=0.0)
+            values = tl.load(t_ptr + base + cols[None, :], mask=mask, other=0.0)
             amax = tl.maximum(amax, tl.max(tl.abs(values.to(tl.float32)), axis=1))
         scale = _scale(amax, FP8_MAX, POW2)
     for c0 in range(0, C, BLOCK_C):  # pass 2: scale, saturate, round
         cols = c0 + tl.arange(0, BLOCK_C)
         mask = row_mask[:, None] & (cols < C)[None, :]
-        values = tl.load(t_ptr + base * stride_t + cols[None, :], mask=mask, other=0.0)
+        values = tl.load(t_ptr + base + cols[None, :], mask=mask, other=0.0)
         scaled = tl.clamp(values.to(tl.float32) * scale[:, None], -FP8_MAX, FP8_MAX)
-        tl.store(q_ptr + base * stride_q + cols[None, :], scaled.to(q_ptr.dtype.element_ty),
-                 mask=mask)
+        tl.store(q_ptr + rows.to(tl.int64)[:, None] * stride_q + cols[None, :],
+                 scaled.to(q_ptr.dtype.element_ty), mask=mask)
     tl.store(inv_ptr + rows, 1.0 / scale, mask=row_mask)
 
 
@@ -187,23 +210,88 @@ def quantize_rows(t: torch.Tensor, fp8_dtype: torch.dtype, power_of_two: bool,
     block_c = min(max_block_c, triton.next_power_of_2(max(C, 16)))
     block_r = max(block_r, max_block_c // block_c)  # narrow rows: several per program
     _quantize_rows_kernel[(triton.cdiv(R, block_r),)](
-        t, data, inv, scale if scale is not None else inv, R, C, t.stride(0), data.stride(0),
-        FP8_MAX=torch.finfo(fp8_dtype).max, POW2=power_of_two, GIVEN_SCALE=scale is not None,
-        BLOCK_R=block_r, BLOCK_C=block_c, num_warps=warps,
+        t, data, inv, scale if scale is not None else inv, inv, inv, R, C, 1, t.stride(0),
+        data.stride(0), FP8_MAX=torch.finfo(fp8_dtype).max, POW2=power_of_two,
+        GIVEN_SCALE=scale is not None, PIECES=False, SHIFT_MULTIPLE=1, BLOCK_R=block_r,
+        BLOCK_C=block_c, BLOCK_S=2, num_warps=warps,
     )
     return _finish(data, fp8_dtype), inv
 
 
+@dataclass(frozen=True)
+class PieceShifts:
+    """How one kernel launch reads a list of ``(m_g, C)`` pieces as their concatenation:
+    the kernel gets ``base`` (the first non-empty piece) and ``shifts`` ``(G,)`` int64 on
+    the device (see :func:`piece_shift`), all multiples of ``multiple`` elements."""
+
+    base: torch.Tensor
+    shifts: torch.Tensor
+    multiple: int
+
+
+def piece_shifts(pieces: list[torch.Tensor]) -> PieceShifts | None:
+    """:class:`PieceShifts` of ``pieces``, or ``None`` where one launch cannot read them:
+    no rows, pieces of different strides, dtypes or devices, or a CUDA graph being captured
+    (the ``(G,)`` shifts go to the device with an asynchronous copy from pageable memory,
+    which capture does not allow). Empty pieces take the previous piece's shift."""
+    filled = [piece for piece in pieces if piece.shape[0]]
+    if not filled:
+        return None
+    base = filled[0]
+    if not base.is_cuda and not interpreting():
+        return None
+    if base.is_cuda and torch.cuda.is_current_stream_capturing():
+        return None
+    stride, size = base.stride(0), base.element_size()
+    for piece in filled:
+        if (piece.dtype != base.dtype or piece.device != base.device or piece.stride(-1) != 1
+                or piece.stride(0) != stride or (piece.data_ptr() - base.data_ptr()) % size):
+            return None
+    start, shifts = 0, []
+    for piece in pieces:
+        if piece.shape[0]:
+            shifts.append((piece.data_ptr() - base.data_ptr()) // size - start * stride)
+        else:
+            shifts.append(shifts[-1] if shifts else 0)
+        start += piece.shape[0]
+    multiple = 16
+    while multiple > 1 and any(shift % multiple for shift in shifts):
+        multiple //= 2
+    host = torch.tensor(shifts, dtype=torch.int64)
+    return PieceShifts(base, host.to(base.device, non_blocking=True), multiple)
+
+
 def quantize_rows_pieces(pieces: list[torch.Tensor], fp8_dtype: torch.dtype, power_of_two: bool,
-                         group_scale: torch.Tensor | None = None
+                         group_scale: torch.Tensor | None = None,
+                         offsets: torch.Tensor | None = None
                          ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`quantize_rows` of ``torch.cat(pieces)`` without the concatenation: each
     ``(m_g, C)`` piece is quantized straight into its rows of one FP8 ``(M, C)`` buffer
     (one read of each piece). ``group_scale`` ``(G,)``: piece ``g``'s rows all take scale
-    ``group_scale[g]`` (tensorwise) instead of their own amax."""
+    ``group_scale[g]`` (tensorwise) instead of their own amax. ``offsets``: the pieces'
+    ``(G,)`` row ends on the device; with them, one launch reads all the pieces (see
+    :func:`piece_shifts`), else one launch per piece."""
     rows = sum(piece.shape[0] for piece in pieces)
     C = pieces[0].shape[1]
     device = pieces[0].device
+    shifts = piece_shifts(pieces) if use_triton(pieces[0]) and rows and offsets is not None \
+        else None
+    if shifts is not None:  # one launch over all the pieces
+        data = _fp8_buffer((rows, C), device, fp8_dtype)
+        inv = torch.empty(rows, device=device, dtype=torch.float32)
+        G = len(pieces)
+        block_r, max_block_c, warps = ROWS_CONFIG
+        block_c = min(max_block_c, triton.next_power_of_2(max(C, 16)))
+        block_r = max(block_r, max_block_c // block_c)
+        scale = group_scale.float().contiguous() if group_scale is not None else None
+        _quantize_rows_kernel[(triton.cdiv(rows, block_r),)](
+            shifts.base, data, inv, scale if scale is not None else inv, shifts.shifts, offsets,
+            rows, C, G, shifts.base.stride(0), data.stride(0), FP8_MAX=torch.finfo(fp8_dtype).max,
+            POW2=power_of_two, GIVEN_SCALE=scale is not None, PIECES=True,
+            SHIFT_MULTIPLE=shifts.multiple, BLOCK_R=block_r, BLOCK_C=block_c,
+            BLOCK_S=triton.next_power_of_2(G + 1), num_warps=warps,
+        )
+        return _finish(data, fp8_dtype), inv
     data = torch.empty(rows, C, device=device, dtype=fp8_dtype)
     inv = torch.empty(rows, device=device, dtype=torch.float32)
     start = 0

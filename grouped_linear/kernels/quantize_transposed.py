@@ -18,7 +18,16 @@ import torch
 from ._triton import kernel, tl, triton, use_triton
 from .bias import bias_grad, row_groups
 from .offsets import aligned_offsets
-from .quantize import _finish, _fp8_buffer, _group_amax, _scale, saturate, scale_from_amax
+from .quantize import (
+    _finish,
+    _fp8_buffer,
+    _group_amax,
+    _scale,
+    piece_shift,
+    piece_shifts,
+    saturate,
+    scale_from_amax,
+)
 
 __all__ = ["quantize_group_columns_t", "quantize_group_columns_t_reference",
            "quantize_weight_columns_t", "quantize_weight_columns_t_reference",
@@ -149,13 +158,17 @@ def _column_tile(tile, offsets_ptr, dst_offsets_ptr, G, width, ALIGN: tl.constex
 
 @kernel
 @triton.jit
-def _group_column_amax_kernel(t_ptr, offsets_ptr, amax_ptr, sums_ptr, M, C, G, stride_t,
-                              SUMS: tl.constexpr, BLOCK_R: tl.constexpr, SUB_TILES: tl.constexpr,
-                              BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr):
+def _group_column_amax_kernel(t_ptr, offsets_ptr, amax_ptr, sums_ptr, shifts_ptr, M, C, G,
+                              stride_t, SUMS: tl.constexpr, PIECES: tl.constexpr,
+                              SHIFT_MULTIPLE: tl.constexpr, BLOCK_R: tl.constexpr,
+                              SUB_TILES: tl.constexpr, BLOCK_C: tl.constexpr,
+                              BLOCK_S: tl.constexpr):
     """``amax[g, c] = max |t[r, c]|`` over the rows ``r`` of group ``g`` (``amax`` starts at
     0): ``SUB_TILES`` tiles of ``BLOCK_R`` rows of one group per program, then one atomic
     max per column. ``SUMS``: also the program's float32 column sums, at row ``program``
-    of ``sums`` ``(programs, C)`` (summed per group, in order, by the reduce kernel)."""
+    of ``sums`` ``(programs, C)`` (summed per group, in order, by the reduce kernel).
+    ``PIECES``: ``t`` is the first of a list of pieces read as one tensor (see
+    :func:`~grouped_linear.kernels.quantize.piece_shift`)."""
     g, src0, end, _, _, total = _column_tile(tl.program_id(0), offsets_ptr, offsets_ptr, G, 0,
                                              1, BLOCK_R * SUB_TILES, BLOCK_S)
     if (tl.program_id(0) < total) & (g < G):
@@ -165,9 +178,12 @@ def _group_column_amax_kernel(t_ptr, offsets_ptr, amax_ptr, sums_ptr, M, C, G, s
         left = (end - src0).to(tl.int32)
         running = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32)
         total_sum = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32)
+        row_base = src0 * stride_t
+        if PIECES:
+            row_base += piece_shift(shifts_ptr, g, SHIFT_MULTIPLE)
         for i in tl.static_range(SUB_TILES):
-            values = tl.load(t_ptr + src0 * stride_t + ((rows[:, None] + i * BLOCK_R) * stride_t
-                                                        + cols[None, :]),
+            values = tl.load(t_ptr + row_base + ((rows[:, None] + i * BLOCK_R) * stride_t
+                                                 + cols[None, :]),
                              mask=(rows < left - i * BLOCK_R)[:, None] & col_mask[None, :],
                              other=0.0).to(tl.float32)
             running = tl.maximum(running, tl.abs(values))
@@ -202,9 +218,11 @@ def _reduce_group_sums_kernel(sums_ptr, offsets_ptr, out_ptr, C, G, ROWS_PER_TIL
 
 @kernel
 @triton.jit
-def _quantize_columns_t_tiled_kernel(t_ptr, offsets_ptr, dst_offsets_ptr, scale_ptr, q_ptr, C, G,
-                                     stride_t, stride_q, width, FP8_MAX: tl.constexpr,
-                                     PER_GROUP: tl.constexpr, ALIGN: tl.constexpr,
+def _quantize_columns_t_tiled_kernel(t_ptr, offsets_ptr, dst_offsets_ptr, scale_ptr, q_ptr,
+                                     shifts_ptr, C, G, stride_t, stride_q, width,
+                                     FP8_MAX: tl.constexpr, PER_GROUP: tl.constexpr,
+                                     PIECES: tl.constexpr, SHIFT_MULTIPLE: tl.constexpr,
+                                     ALIGN: tl.constexpr,
                                      DST_MULTIPLE: tl.constexpr, BLOCK_R: tl.constexpr,
                                      BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr):
     """One tile of destination columns (row ``r`` of group ``g`` lands at column
@@ -221,9 +239,12 @@ def _quantize_columns_t_tiled_kernel(t_ptr, offsets_ptr, dst_offsets_ptr, scale_
         cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
         col_mask = cols < C
         row_mask = (rows < (end - src0).to(tl.int32)) & (g < G)
-        values = tl.load(t_ptr + src0 * stride_t + (rows[:, None] * stride_t + cols[None, :]),
-                         mask=row_mask[:, None] & col_mask[None, :], other=0.0)
         clamped = tl.minimum(g, G - 1)
+        row_base = src0 * stride_t
+        if PIECES:  # a list read as one tensor (quantize.piece_shift)
+            row_base += piece_shift(shifts_ptr, clamped, SHIFT_MULTIPLE)
+        values = tl.load(t_ptr + row_base + (rows[:, None] * stride_t + cols[None, :]),
+                         mask=row_mask[:, None] & col_mask[None, :], other=0.0)
         if PER_GROUP:
             scale = tl.load(scale_ptr + clamped)
             scaled = values.to(tl.float32) * scale
@@ -242,15 +263,19 @@ def _quantize_columns_t_tiled_kernel(t_ptr, offsets_ptr, dst_offsets_ptr, scale_
 
 def _quantize_group_columns_t_tiled(t, offsets, data_offsets, data, fp8_dtype, power_of_two,
                                     group_scale, align, stride_q=None, width=None,
-                                    dst_multiple=1, sums=None):
+                                    dst_multiple=1, sums=None, shifts=None, num_rows=None):
     """Group ``g``'s row ``r`` lands at ``data_flat[c * stride_q + data_offsets[g-1] + r -
     start_g]``, followed by zeros up to ``round_up(size_g, align)`` columns; columns from
     ``data_offsets[-1]`` to ``width`` are zeros (``stride_q``/``width`` default to
     ``data``'s 2-D row stride and width). ``dst_multiple``: 16 when every ``data_offsets``
     entry is a multiple of 16 (the transposed stores are then 16-byte vectors). ``sums``:
     a ``(G, C)`` float32 tensor that receives the per-group column sums of ``t`` (computed
-    by the column-amax pass; needs ``group_scale=None``)."""
+    by the column-amax pass; needs ``group_scale=None``). ``shifts``: a
+    :class:`~grouped_linear.kernels.quantize.PieceShifts`; ``t`` is then the first of the
+    pieces and ``num_rows`` their total rows."""
     M, C = t.shape
+    M = M if num_rows is None else num_rows
+    shift_args = (shifts.shifts, True, shifts.multiple) if shifts is not None else (t, False, 1)
     stride_q = data.stride(0) if stride_q is None else stride_q
     width = data.shape[1] if width is None else width
     G = offsets.shape[0]
@@ -265,9 +290,9 @@ def _quantize_group_columns_t_tiled(t, offsets, data_offsets, data, fp8_dtype, p
         partial = torch.empty(amax_grid[0], C, device=t.device, dtype=torch.float32) \
             if sums is not None else amax
         _group_column_amax_kernel[amax_grid](
-            t, offsets, amax, partial, M, C, G, t.stride(0), SUMS=sums is not None,
-            BLOCK_R=block_r, SUB_TILES=AMAX_SUB_TILES, BLOCK_C=block_c, BLOCK_S=block_s,
-            num_warps=warps)
+            t, offsets, amax, partial, shift_args[0], M, C, G, t.stride(0), SUMS=sums is not None,
+            PIECES=shift_args[1], SHIFT_MULTIPLE=shift_args[2], BLOCK_R=block_r,
+            SUB_TILES=AMAX_SUB_TILES, BLOCK_C=block_c, BLOCK_S=block_s, num_warps=warps)
         if sums is not None:
             _reduce_group_sums_kernel[(G, triton.cdiv(C, 256))](
                 partial, offsets, sums, C, G, ROWS_PER_TILE=block_r * AMAX_SUB_TILES,
@@ -276,8 +301,9 @@ def _quantize_group_columns_t_tiled(t, offsets, data_offsets, data, fp8_dtype, p
     else:
         scale = group_scale.float().contiguous()
     _quantize_columns_t_tiled_kernel[grid](
-        t, offsets, data_offsets, scale, data, C, G, t.stride(0), stride_q, width,
-        FP8_MAX=torch.finfo(fp8_dtype).max, PER_GROUP=group_scale is not None, ALIGN=align,
+        t, offsets, data_offsets, scale, data, shift_args[0], C, G, t.stride(0), stride_q, width,
+        FP8_MAX=torch.finfo(fp8_dtype).max, PER_GROUP=group_scale is not None,
+        PIECES=shift_args[1], SHIFT_MULTIPLE=shift_args[2], ALIGN=align,
         DST_MULTIPLE=16 if dst_multiple % 16 == 0 and block_r % 16 == 0 else 1, BLOCK_R=block_r,
         BLOCK_C=block_c, BLOCK_S=block_s, num_warps=warps,
     )
@@ -379,6 +405,13 @@ def quantize_group_columns_t_pieces(pieces: list[torch.Tensor], fp8_dtype: torch
         return data[:, :width], inv
     data = _fp8_buffer((C, width), device, fp8_dtype) if device.type == "cpu" \
         else _transposed_buffer(C, width, device, fp8_dtype)
+    shifts = piece_shifts(pieces) if rows and G * C < 2**31 else None
+    if shifts is not None:  # one launch per pass over all the pieces
+        data_offsets = aligned_offsets(offsets, align) if align > 1 else offsets
+        inv = _quantize_group_columns_t_tiled(
+            shifts.base, offsets, data_offsets, data, fp8_dtype, power_of_two, group_scale, align,
+            width=width, dst_multiple=align, shifts=shifts, num_rows=rows)
+        return _finish(data, fp8_dtype), inv
     group_sizes = torch.diff(offsets.to(torch.int32), prepend=offsets.new_zeros(1, dtype=torch.int32))
     padded_sizes = (group_sizes + (align - 1)) // align * align
     invs, start = [], 0

@@ -75,7 +75,7 @@ class Fp8DeviceGroupedLinearFunction(torch.autograd.Function):
         if pieces:
             x_scale = _piece_scales(pieces, fp8, recipe)
             x_data, x_inv = q.quantize_rows_pieces(list(pieces), fp8, recipe.power_of_two_scales,
-                                                   x_scale)
+                                                   x_scale, offsets=offsets)
             dtype = pieces[0].dtype
         else:
             x_scale = _group_scales(x, offsets, fp8, recipe)

@@ -278,12 +278,10 @@ def join_inputs(
     return x, m_splits
 
 
-# A list input on the FP8 device path is quantized piece by piece instead of concatenated.
-# Off by default until its speed is measured in its present form: its outputs and gradients
-# equal the tensor input's on the H200, but its first version copied each piece's size to
-# the device (a wait for the queued GPU work, per piece) and ran 1.09x / 2.4x the tensor
-# input's step (dsv3_ep32_fc1 / qwen35_397b_ep64_fc2); those copies are gone since.
-FP8_LIST_WITHOUT_CAT = False
+# A list input on the FP8 device path is not concatenated: its quantization kernels read
+# the pieces where they lie (one launch per pass, see kernels.quantize.piece_shifts).
+# ``False`` concatenates the list first, as every other path does.
+FP8_LIST_WITHOUT_CAT = True
 
 
 def _fp8_pieces_path(pieces: list[torch.Tensor], weight: torch.Tensor,

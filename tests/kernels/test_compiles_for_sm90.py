@@ -93,8 +93,14 @@ CASES = {
                    {"HAS_BIAS": True, "PRECISION": "tf32", "UPCAST": False, "BLOCK_M": 64,
                     "BLOCK_N": 64, "BLOCK_K": 64, "BLOCK_G": 16}, 4),
     "rows": (q._quantize_rows_kernel, {"t_ptr": "*bf16", "q_ptr": F8},
-             {"FP8_MAX": FP8_MAX, "POW2": False, "GIVEN_SCALE": False, "BLOCK_R": q.ROWS_CONFIG[0],
-              "BLOCK_C": q.ROWS_CONFIG[1]}, q.ROWS_CONFIG[2]),
+             {"FP8_MAX": FP8_MAX, "POW2": False, "GIVEN_SCALE": False, "PIECES": False,
+              "SHIFT_MULTIPLE": 1, "BLOCK_R": q.ROWS_CONFIG[0], "BLOCK_C": q.ROWS_CONFIG[1],
+              "BLOCK_S": 2}, q.ROWS_CONFIG[2]),
+    "rows of pieces": (q._quantize_rows_kernel,
+                       {"t_ptr": "*bf16", "q_ptr": F8, "shifts_ptr": "*i64", "ends_ptr": "*i32"},
+                       {"FP8_MAX": FP8_MAX, "POW2": False, "GIVEN_SCALE": False, "PIECES": True,
+                        "SHIFT_MULTIPLE": 8, "BLOCK_R": q.ROWS_CONFIG[0],
+                        "BLOCK_C": q.ROWS_CONFIG[1], "BLOCK_S": 16}, q.ROWS_CONFIG[2]),
     "group columns": (qt._quantize_group_columns_t_kernel,
                       {"t_ptr": "*bf16", "offsets_ptr": "*i32", "dst_offsets_ptr": "*i32", "q_ptr": F8},
                       {"FP8_MAX": FP8_MAX, "POW2": True, "GIVEN_SCALE": False, "LOCAL_ROWS": False,
@@ -131,6 +137,8 @@ CASES = {
 }
 
 PIPELINED = {"fp8 mm rowwise", "fp8 mm blockwise", "fp8 blockwise wgrad", "bf16 mm", "bf16 wgrad"}
+# Streaming kernels whose bf16 loads must stay 16-byte vectors (one read at copy speed).
+VECTOR_LOADS = {"rows", "rows of pieces"}
 
 
 def _check(name: str) -> str:
@@ -145,6 +153,9 @@ def _check(name: str) -> str:
         return "the dot is not lowered to warp-group MMA"
     if name in PIPELINED and ASYNC_LOAD not in compiled.asm["ttgir"]:
         return "the main loop is not software-pipelined"
+    if name in VECTOR_LOADS and ("ld.global.b16" in compiled.asm["ptx"]
+                                 or "ld.global.v4" not in compiled.asm["ptx"]):
+        return "the bf16 loads are not 16-byte vectors"
     return "ok"
 
 

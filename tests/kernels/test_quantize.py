@@ -265,17 +265,38 @@ def test_group_columns_aligned_layout(sizes, method, monkeypatch):
 
 @pytest.mark.parametrize("align", [1, 16])
 @pytest.mark.parametrize("tensorwise", [False, True])
-def test_quantizing_pieces_equals_quantizing_their_concatenation(align, tensorwise, monkeypatch):
-    """A list input quantized piece by piece (no concatenation) gives the plain-PyTorch
-    quantization of the concatenated tensor: rows for forward, transposed group columns for
-    wgrad."""
+@pytest.mark.parametrize("one_launch", [True, False])
+def test_quantizing_pieces_equals_quantizing_their_concatenation(align, tensorwise, one_launch,
+                                                                 monkeypatch):
+    """A list input quantized without concatenation (one launch reading every piece, or one
+    launch per piece) gives the plain-PyTorch quantization of the concatenated tensor: rows
+    for forward, transposed group columns for wgrad. The pieces are views of one buffer in
+    another order (so some lie before the first) and a separate tensor."""
     monkeypatch.setattr(qt, "TILED_CONFIG", (16, 32, 4))  # groups over several tiles
+    if not one_launch:
+        monkeypatch.setattr(q, "piece_shifts", lambda pieces: None)
+        monkeypatch.setattr(qt, "piece_shifts", lambda pieces: None)
     sizes, C = [37, 0, 5, 70], 40
-    pieces = [(torch.randn(m, C) * torch.logspace(-2, 2, C)).to(DEVICE) for m in sizes]
+    scales = torch.logspace(-2, 2, C)
+    buffer = torch.randn(5 + 37, C) * scales
+    on_device = buffer.to(DEVICE)
+    pieces = [on_device[5:], on_device[5:5], on_device[:5], (torch.randn(70, C) * scales).to(DEVICE)]
+    assert [piece.shape[0] for piece in pieces] == sizes
     whole = torch.cat(pieces)
     offsets = torch.tensor(sizes, device=DEVICE).cumsum(0).to(torch.int32)
     group_scale = q.group_amax_scales(whole, offsets, E4M3, False) if tensorwise else None
-    rows, rows_inv = q.quantize_rows_pieces(pieces, E4M3, False, group_scale)
+    launches = []
+
+    def counted(function, name):
+        def wrapper(*args, **kwargs):
+            if name != "quantize_rows" or "out" in kwargs:  # not quantize_rows' inner CPU call
+                launches.append(name)
+            return function(*args, **kwargs)
+        return wrapper
+
+    for module, name in ((q, "quantize_rows"), (qt, "_quantize_group_columns_t_tiled")):
+        monkeypatch.setattr(module, name, counted(getattr(module, name), name))
+    rows, rows_inv = q.quantize_rows_pieces(pieces, E4M3, False, group_scale, offsets=offsets)
     row_scale = group_scale.repeat_interleave(torch.tensor(sizes, device=DEVICE)) \
         if tensorwise else None
     want_rows, want_rows_inv = q.quantize_rows_reference(whole, E4M3, False, row_scale)
@@ -283,6 +304,10 @@ def test_quantizing_pieces_equals_quantizing_their_concatenation(align, tensorwi
     assert _codes_close(rows, want_rows)
     data, inv = qt.quantize_group_columns_t_pieces(pieces, E4M3, False, group_scale, align,
                                                    offsets=offsets)
+    # one launch: no per-piece calls, and one tiled column quantization for all the pieces
+    per_piece = 3 if not one_launch else 0
+    assert launches.count("quantize_rows") == per_piece
+    assert launches.count("_quantize_group_columns_t_tiled") == (per_piece or 1)
     want, want_inv, data_offsets = _reference_columns(whole, offsets, group_scale, align)
     end = int(data_offsets[-1])
     assert data.shape == want.shape and torch.allclose(inv, want_inv, rtol=1e-6)
