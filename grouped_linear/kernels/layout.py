@@ -22,6 +22,9 @@ __all__ = ["relayout", "relayout_reference", "gather_rows", "gather_rows_referen
 # Launch shapes (rows per program, columns per program, warps) of scatter_rows (permute forward)
 # and combine_rows (unpermute forward, permute backward); the layouts bench times them.
 SCATTER_CONFIG = (16, 256, 4)
+# Destination rows per program of the scatter's zero-fill part (it reads their slot entries,
+# then writes zeros across all columns only where a row holds no slot).
+ZERO_ROWS = 32
 COMBINE_CONFIG = (2, 2048, 4)
 
 
@@ -190,19 +193,22 @@ def gather_rows(src: torch.Tensor, index: torch.Tensor,
 @triton.jit
 def _scatter_rows_kernel(src_ptr, dst_ptr, map_ptr, token_ptr, weights_ptr, T, K, N, H,
                          stride_src, stride_dst, token_programs, HAS_WEIGHTS: tl.constexpr,
-                         SLOTS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
-    """Programs ``< token_programs``: ``BLOCK_T`` source rows, read once and written to each
-    of their ``K`` slots' rows ``map[t, j]`` (those in ``[0, N)``), times ``weights[t, j]``
-    (float32) with ``HAS_WEIGHTS``. The others: one block of ``BLOCK_T`` destination rows
-    each, zeros where ``token[r] < 0`` (rows no slot holds). With ``SLOTS``, ``token_ptr``
-    holds a slot per row, trusted only where ``map`` sends that slot back to the row (so
-    the rows no slot holds may contain anything: the buffer needs no fill)."""
+                         SLOTS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
+                         ZERO_ROWS: tl.constexpr):
+    """A 1-D grid. The first ``token_programs * cdiv(H, BLOCK_H)`` programs: ``BLOCK_T``
+    source rows by ``BLOCK_H`` columns each, read once and written to each of their ``K``
+    slots' rows ``map[t, j]`` (those in ``[0, N)``), times ``weights[t, j]`` (float32) with
+    ``HAS_WEIGHTS``. The others: ``ZERO_ROWS`` destination rows each, all their columns
+    written as zeros where ``token[r] < 0`` (rows no slot holds); most blocks hold every
+    row and return after one look. With ``SLOTS``, ``token_ptr`` holds a slot per row,
+    trusted only where ``map`` sends that slot back to the row (so the rows no slot holds
+    may contain anything: the buffer needs no fill)."""
     pid = tl.program_id(0)
-    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    col_mask = (cols < H)[None, :]
-    lanes = tl.arange(0, BLOCK_T)
-    if pid < token_programs:
-        tokens = pid * BLOCK_T + lanes
+    column_blocks = tl.cdiv(H, BLOCK_H)
+    if pid < token_programs * column_blocks:
+        cols = (pid % column_blocks) * BLOCK_H + tl.arange(0, BLOCK_H)
+        col_mask = (cols < H)[None, :]
+        tokens = (pid // column_blocks) * BLOCK_T + tl.arange(0, BLOCK_T)
         token_mask = tokens < T
         values = tl.load(src_ptr + tokens.to(tl.int64)[:, None] * stride_src + cols[None, :],
                          mask=token_mask[:, None] & col_mask, other=0.0)
@@ -218,16 +224,21 @@ def _scatter_rows_kernel(src_ptr, dst_ptr, map_ptr, token_ptr, weights_ptr, T, K
             tl.store(dst_ptr + row[:, None] * stride_dst + cols[None, :], out,
                      mask=valid[:, None] & col_mask)
     else:
-        rows = (pid - token_programs) * BLOCK_T + lanes
-        token = tl.load(token_ptr + rows, mask=rows < N, other=0)
+        rows = (pid - token_programs * column_blocks) * ZERO_ROWS + tl.arange(0, ZERO_ROWS)
+        in_range = rows < N
+        token = tl.load(token_ptr + rows, mask=in_range, other=0)
         unheld = token < 0
         if SLOTS:
             real = (token >= 0) & (token < T * K)
-            back = tl.load(map_ptr + token, mask=(rows < N) & real, other=-1)
+            back = tl.load(map_ptr + token, mask=in_range & real, other=-1)
             unheld = (~real) | (back != rows)
-        zeros = tl.zeros([BLOCK_T, BLOCK_H], dtype=dst_ptr.dtype.element_ty)
-        tl.store(dst_ptr + rows.to(tl.int64)[:, None] * stride_dst + cols[None, :], zeros,
-                 mask=((rows < N) & unheld)[:, None] & col_mask)
+        unheld = unheld & in_range
+        if tl.max(unheld.to(tl.int32), axis=0) > 0:
+            zeros = tl.zeros([ZERO_ROWS, BLOCK_H], dtype=dst_ptr.dtype.element_ty)
+            base = dst_ptr + rows.to(tl.int64)[:, None] * stride_dst
+            for c0 in range(0, H, BLOCK_H):
+                cols = c0 + tl.arange(0, BLOCK_H)
+                tl.store(base + cols[None, :], zeros, mask=unheld[:, None] & (cols < H)[None, :])
 
 
 def _scatter(src: torch.Tensor, row_map: torch.Tensor, held: torch.Tensor,
@@ -241,12 +252,12 @@ def _scatter(src: torch.Tensor, row_map: torch.Tensor, held: torch.Tensor,
     block_t, block_h, warps = SCATTER_CONFIG
     block_h = min(block_h, triton.next_power_of_2(H))
     token_programs = triton.cdiv(tokens, block_t)
-    grid = (token_programs + triton.cdiv(num_rows, block_t), triton.cdiv(H, block_h))
+    grid = (token_programs * triton.cdiv(H, block_h) + triton.cdiv(num_rows, ZERO_ROWS),)
     _scatter_rows_kernel[grid](
         src, out, row_map.contiguous(), held.contiguous(),
         weights.contiguous() if weights is not None else src, tokens, k, num_rows, H,
         src.stride(0), out.stride(0), token_programs, HAS_WEIGHTS=weights is not None,
-        SLOTS=slots, BLOCK_T=block_t, BLOCK_H=block_h, num_warps=warps)
+        SLOTS=slots, BLOCK_T=block_t, BLOCK_H=block_h, ZERO_ROWS=ZERO_ROWS, num_warps=warps)
     return out
 
 
