@@ -153,7 +153,8 @@ def _grouped_wgrad_kernel(dy_ptr, x_ptr, dw_ptr, db_ptr, sizes_ptr, M, N, K, G,
     tl.store(dw, acc.to(dw_ptr.dtype.element_ty), mask=n_mask[:, None] & k_mask[None, :])
     if HAS_BIAS:
         if k_tile == 0:
-            tl.store(db_ptr + g.to(tl.int64) * N + cols_n, bias_acc, mask=n_mask)
+            tl.store(db_ptr + g.to(tl.int64) * N + cols_n, bias_acc.to(db_ptr.dtype.element_ty),
+                     mask=n_mask)
 
 
 @functools.lru_cache(maxsize=8)
@@ -229,14 +230,16 @@ def dgrad(grad_out: torch.Tensor, weight: torch.Tensor, sizes: torch.Tensor) -> 
 
 def wgrad(grad_out: torch.Tensor, x: torch.Tensor, sizes: torch.Tensor,
           with_bias: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``(G, N, K)`` weight gradient and, with ``with_bias``, the ``(G, N)`` float32
-    bias gradient, in one launch; empty groups give zeros."""
+    """``(G, N, K)`` weight gradient and, with ``with_bias``, the ``(G, N)`` bias gradient
+    (summed in float32, stored in ``x``'s dtype), in one launch; empty groups give zeros."""
     grad_out, x = _rows_contiguous(grad_out), _rows_contiguous(x)
     M, N = grad_out.shape
     K = x.shape[1]
     G = sizes.shape[0]
     grad_w = torch.empty(G, N, K, device=x.device, dtype=x.dtype)
-    grad_b = torch.empty(G, N, device=x.device, dtype=torch.float32) if with_bias else None
+    # The CPU interpreter truncates float32 -> 16-bit stores: there torch rounds the sums.
+    sums_dtype = torch.float32 if x.device.type == "cpu" else x.dtype
+    grad_b = torch.empty(G, N, device=x.device, dtype=sums_dtype) if with_bias else None
     if N == 0 or K == 0:
         return grad_w, grad_b
     block_m, block_n, block_k = 64, 64, 64
@@ -248,4 +251,4 @@ def wgrad(grad_out: torch.Tensor, x: torch.Tensor, sizes: torch.Tensor,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_G=_block_g(G),
         num_warps=4, num_stages=3,
     )
-    return grad_w, grad_b
+    return grad_w, (grad_b.to(x.dtype) if grad_b is not None else None)

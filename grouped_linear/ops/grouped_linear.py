@@ -113,8 +113,7 @@ def _(grad_out, x, offsets, host_offsets, backend):
 @_triton_wgrad_op.register_fake
 def _(grad_out, x, sizes, with_bias):
     grad_w = x.new_empty(sizes.shape[0], grad_out.shape[1], x.shape[1])
-    grad_b = x.new_empty((sizes.shape[0], grad_out.shape[1]) if with_bias else (0,),
-                         dtype=torch.float32 if with_bias else x.dtype)
+    grad_b = x.new_empty((sizes.shape[0], grad_out.shape[1]) if with_bias else (0,))
     return grad_w, grad_b
 
 
