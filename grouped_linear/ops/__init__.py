@@ -1,4 +1,4 @@
-"""Differentiable ops composed from the kernels (autograd functions, custom ops)."""
+"""Differentiable ops composed from the kernels (autograd functions, torch.library operators)."""
 
 from .grouped_linear import grouped_linear
 from .splits import GroupSplits, normalize_splits

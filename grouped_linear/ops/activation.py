@@ -6,6 +6,7 @@ import torch
 
 from ..kernels import activation as act_kernels
 from .grouped_linear import _bias_grad_impl, _bias_grad_op, _step
+from .registry import compute_op, register_fake
 
 __all__ = ["bias_activation"]
 
@@ -20,18 +21,17 @@ def _backward_impl(grad_a: torch.Tensor, h: torch.Tensor, bias: torch.Tensor | N
     return act_kernels.bias_act_backward(grad_a, h, bias, offsets, kind, zero_tail)
 
 
-_forward_op = torch.library.custom_op("grouped_linear::bias_act", _forward_impl, mutates_args=())
-_backward_op = torch.library.custom_op("grouped_linear::bias_act_backward", _backward_impl,
-                                       mutates_args=())
+_forward_op = compute_op("bias_act", _forward_impl)
+_backward_op = compute_op("bias_act_backward", _backward_impl)
 
 
-@_forward_op.register_fake
+@register_fake("bias_act")
 def _(h, bias, offsets, kind, zero_tail):
     width = h.shape[1] // 2 if kind in act_kernels.GATED_KINDS else h.shape[1]
     return h.new_empty(h.shape[0], width)
 
 
-@_backward_op.register_fake
+@register_fake("bias_act_backward")
 def _(grad_a, h, bias, offsets, kind, zero_tail):
     return torch.empty_like(h)
 

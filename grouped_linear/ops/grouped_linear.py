@@ -1,6 +1,6 @@
 """``grouped_linear``: the differentiable grouped GEMM with per-group bias.
 
-The compute steps are ``torch.library`` custom ops (``grouped_linear::forward``,
+The compute steps are ``torch.library`` operators (``grouped_linear::forward``,
 ``::dgrad``, ``::wgrad``, ``::bias_grad``) so that ``torch.compile`` can trace
 them; :class:`GroupedLinearFunction` composes them into forward and backward.
 """
@@ -19,6 +19,7 @@ from ..recipes import Float8Recipe, check_recipe, current_recipe
 from .fp8 import Fp8Config, Fp8GroupedLinearFunction, Fp8Weight, fp8_path
 from .fp8_blockwise import Fp8BlockwiseFunction
 from .fp8_device import Fp8DeviceGroupedLinearFunction
+from .registry import compute_op, register_fake
 from .splits import GroupSplits, normalize_splits
 from .weight_grad import WeightGradSink, route_weight_grads
 
@@ -30,9 +31,9 @@ _TRITON_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 TRITON_AUTO_MAX_ROWS = 4096
 
 
-# --------------------------------------------------------------------------- custom ops
-# Each compute step is a plain function, registered as a torch.library custom op for
-# torch.compile; eager calls go straight to the function (no dispatcher round trip).
+# --------------------------------------------------------------------------- operators
+# Each compute step is a plain function, registered as a torch.library operator for
+# torch.compile (ops/registry.py); eager calls go straight to the function.
 # ``offsets`` is the (G,) group tensor on the device: cumulative group ends for the
 # ``loop`` and ``grouped`` backends, the raw split sizes for ``triton`` (whose kernels
 # clamp them, zero the tail and fuse the bias themselves).
@@ -86,44 +87,42 @@ def _bias_grad_impl(grad_out: torch.Tensor, offsets: torch.Tensor, dtype: torch.
     return bias_kernels.bias_grad(grad_out, offsets, dtype)
 
 
-_forward_op = torch.library.custom_op("grouped_linear::forward", _forward_impl, mutates_args=())
-_dgrad_op = torch.library.custom_op("grouped_linear::dgrad", _dgrad_impl, mutates_args=())
-_wgrad_op = torch.library.custom_op("grouped_linear::wgrad", _wgrad_impl, mutates_args=())
-_bias_grad_op = torch.library.custom_op("grouped_linear::bias_grad", _bias_grad_impl, mutates_args=())
-_triton_wgrad_op = torch.library.custom_op(
-    "grouped_linear::triton_wgrad", _triton_wgrad_impl, mutates_args=()
-)
+_forward_op = compute_op("forward", _forward_impl)
+_dgrad_op = compute_op("dgrad", _dgrad_impl)
+_wgrad_op = compute_op("wgrad", _wgrad_impl)
+_bias_grad_op = compute_op("bias_grad", _bias_grad_impl)
+_triton_wgrad_op = compute_op("triton_wgrad", _triton_wgrad_impl)
 
 
-@_forward_op.register_fake
+@register_fake("forward")
 def _(x, weight, bias, offsets, host_offsets, backend, zero_tail):
     return x.new_empty(x.shape[0], weight.shape[1])
 
 
-@_dgrad_op.register_fake
+@register_fake("dgrad")
 def _(grad_out, weight, offsets, host_offsets, backend, zero_tail):
     return grad_out.new_empty(grad_out.shape[0], weight.shape[2])
 
 
-@_wgrad_op.register_fake
+@register_fake("wgrad")
 def _(grad_out, x, offsets, host_offsets, backend):
     return x.new_empty(offsets.shape[0], grad_out.shape[1], x.shape[1])
 
 
-@_triton_wgrad_op.register_fake
+@register_fake("triton_wgrad")
 def _(grad_out, x, sizes, with_bias):
     grad_w = x.new_empty(sizes.shape[0], grad_out.shape[1], x.shape[1])
     grad_b = x.new_empty((sizes.shape[0], grad_out.shape[1]) if with_bias else (0,))
     return grad_w, grad_b
 
 
-@_bias_grad_op.register_fake
+@register_fake("bias_grad")
 def _(grad_out, offsets, dtype):
     return grad_out.new_empty(offsets.shape[0], grad_out.shape[1], dtype=dtype)
 
 
 def _step(op, impl):
-    """The custom op while torch.compile traces, the plain function in eager mode."""
+    """The operator while torch.compile traces, the plain function in eager mode."""
     return op if torch.compiler.is_compiling() else impl
 
 
