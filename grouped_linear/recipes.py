@@ -75,12 +75,16 @@ class Float8Blockwise(Float8Recipe):
 
 
 _RECIPES = (Float8Rowwise, Float8Tensorwise, Float8Blockwise)
-_state = threading.local()
+class _AutocastState(threading.local):
+    recipe: Float8Recipe | None = None  # per thread; a class default, so reads never miss
+
+
+_state = _AutocastState()
 
 
 def current_recipe() -> Float8Recipe | None:
     """The recipe of the innermost ``gl.autocast`` region, or ``None``."""
-    return getattr(_state, "recipe", None)
+    return _state.recipe
 
 
 def check_recipe(recipe: object, device: torch.device | None = None) -> Float8Recipe | None:
