@@ -85,10 +85,21 @@ class _Kernel:
                 self._compiled[key] = compiled
             return compiled
         size = len(grid)
-        compiled.run(grid[0], grid[1] if size > 1 else 1, grid[2] if size > 2 else 1,
-                     torch._C._cuda_getCurrentRawStream(device), compiled.function,
-                     compiled.packed_metadata, None, None, None, *bound.values())
+        try:
+            compiled.run(grid[0], grid[1] if size > 1 else 1, grid[2] if size > 2 else 1,
+                         torch._C._cuda_getCurrentRawStream(device), compiled.function,
+                         compiled.packed_metadata, None, None, None, *bound.values())
+        except TypeError:
+            # A Triton whose launcher takes other arguments (it checks them before
+            # launching anything): use Triton's own path from now on.
+            _disable_fast_launch()
+            return self.jit_fn[grid](*args, **meta)
         return compiled
+
+
+def _disable_fast_launch() -> None:
+    global FAST_LAUNCH
+    FAST_LAUNCH = False
 
 
 def kernel(jit_fn):
