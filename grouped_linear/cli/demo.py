@@ -199,6 +199,7 @@ def _ep_worker(rank, ep, port, results, steps, seed, quiet, cfg) -> None:
         result = _train(steps, "cpu", seed, quiet or rank > 0, cfg, rank=rank, world=ep)
         if rank == 0:
             results.put(result)
+        dist.barrier()  # no rank tears its process group down while another still talks
     finally:
         dist.destroy_process_group()
 

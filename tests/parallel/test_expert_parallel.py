@@ -45,6 +45,7 @@ def _worker(rank, world, port):
         router_grad = ep.router.weight.grad.clone()
         dist.all_reduce(router_grad)  # replicated router: data-parallel reduction
         assert rel_err(router_grad, ref.router.weight.grad) < 1e-6
+        dist.barrier()  # neither rank tears down while the other still talks
     finally:
         dist.destroy_process_group()
 

@@ -61,6 +61,7 @@ def _worker(rank, world, port, checkpoint_dir):
         set_model_state_dict(restored, state)
         x = torch.randn(12, H)
         assert torch.equal(restored(x, SIZES), sharded(x, SIZES))
+        dist.barrier()  # neither rank tears its process group down while the other still talks
     finally:
         dist.destroy_process_group()
 

@@ -112,6 +112,7 @@ def _worker(rank, world, port):
         _check_column(rank)
         _check_row(rank)
         _check_mlp(rank)
+        dist.barrier()  # neither rank tears down while the other still talks
     finally:
         dist.destroy_process_group()
 
