@@ -2,8 +2,9 @@
 
 ``PYTHONPATH=. python benchmarks/fp8_gemm.py [shape ...]``: on the bench shapes, the
 forward GEMM of bf16 ``F.grouped_mm``, of ``torch._scaled_grouped_mm`` (rowwise), of the
-Triton FP8 kernel (rowwise and blockwise, per ``MM_CONFIG``), and the blockwise dgrad and
-wgrad (per ``WGRAD_CONFIG``), on already-quantized operands. do_bench medians, TFLOP/s
+Triton FP8 kernel (rowwise and blockwise, per ``MM_CONFIG``), the blockwise dgrad and
+wgrad (per ``WGRAD_CONFIG``), and the rowwise wgrad in torch's GEMM and in the group-scaled
+Triton kernel, on already-quantized operands. do_bench medians, TFLOP/s
 counting ``2 M K N`` per GEMM.
 """
 
@@ -19,6 +20,7 @@ from grouped_linear.kernels import fp8_gemm
 from grouped_linear.kernels import fp8_triton_gemm as fg
 from grouped_linear.kernels import quantize as q
 from grouped_linear.kernels import quantize_blocks as qb
+from grouped_linear.kernels import quantize_transposed as qt
 from grouped_linear.ops.fp8 import quantize_weight
 
 E4M3 = torch.float8_e4m3fn
@@ -81,6 +83,23 @@ def _shape_row(shape) -> dict:
     x_t, x_t_inv = qb.quantize_token_blocks(x, sizes, E4M3, False, transpose=True)
     _sweep("triton blockwise wgrad", "WGRAD_CONFIG", WGRAD_CONFIGS,
            lambda: fg.blockwise_wgrad(dy_t, dy_t_inv, x_t, x_t_inv, sizes, M), flops, row)
+    fg.WGRAD_CONFIG = WGRAD_CONFIGS[0]
+    # Rowwise wgrad: torch's FP8 grouped GEMM (16-token group alignment) against the
+    # group-scaled Triton kernel (128-token group blocks), same quantized values.
+    for align, name in ((fp8_gemm.WGRAD_GROUP_ALIGN, "torch scaled rowwise wgrad"),
+                        (fg.BLOCK, "triton group-scaled wgrad")):
+        dy_c, dy_c_inv, aligned = qt.quantize_group_columns_t(dy, offsets, E4M3, False,
+                                                              align=align)
+        x_c, x_c_inv, _ = qt.quantize_group_columns_t(x, offsets, E4M3, False, align=align)
+        if align == fg.BLOCK:
+            _sweep(name, "WGRAD_CONFIG", WGRAD_CONFIGS,
+                   lambda dy_c=dy_c, dy_c_inv=dy_c_inv, x_c=x_c, x_c_inv=x_c_inv:
+                   fg.blockwise_wgrad(dy_c, dy_c_inv, x_c, x_c_inv, sizes, M,
+                                      group_scales=True), flops, row)
+        else:
+            row[name] = _tflops(
+                lambda dy_c=dy_c, dy_c_inv=dy_c_inv, x_c=x_c, x_c_inv=x_c_inv, aligned=aligned:
+                fp8_gemm.wgrad(dy_c, dy_c_inv, x_c, x_c_inv, aligned, torch.bfloat16), flops)
     fg.WGRAD_CONFIG = WGRAD_CONFIGS[0]
     return row
 

@@ -16,7 +16,9 @@ Operands are FP8 data with float32 dequantization factors (``1 / scale``):
 * :func:`blockwise_wgrad`: ``dW_g = dy_g^T @ x_g`` with both operands scaled per (block of
   128 tokens of the group, column), blocks numbered across groups in order and stored
   token-contiguous, one whole zero-padded block each (the token-block layout): the
-  GEMM reads whole blocks without masks along the tokens it reduces over.
+  GEMM reads whole blocks without masks along the tokens it reduces over. With
+  ``group_scales`` the factors are per (group, column) (the rowwise recipes' wgrad
+  operands quantized with 128-token group alignment), applied once after the reduction.
 
 The references are float32 matmuls of the dequantized operands
 (:func:`grouped_mm_reference`, :func:`blockwise_wgrad_reference`). On CPU (Triton's
@@ -125,13 +127,16 @@ def _fp8_grouped_mm_kernel(a_ptr, a_inv_ptr, b_ptr, b_inv_ptr, out_ptr, sizes_pt
 @triton.jit
 def _fp8_blockwise_wgrad_kernel(dy_ptr, dy_inv_ptr, x_ptr, x_inv_ptr, dw_ptr, sizes_ptr, M, N, K, G,
                                 stride_dyn, stride_xk, stride_dyi, stride_xi, stride_dwg,
-                                stride_dwn, UPCAST: tl.constexpr, BLOCK_T: tl.constexpr,
-                                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                                BLOCK_G: tl.constexpr, SCALE_BLOCK: tl.constexpr):
+                                stride_dwn, UPCAST: tl.constexpr, GROUP_SCALES: tl.constexpr,
+                                BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
+                                BLOCK_K: tl.constexpr, BLOCK_G: tl.constexpr,
+                                SCALE_BLOCK: tl.constexpr):
     """One (group, N tile, K tile) of ``dW_g = dy_g^T x_g`` from operands in the token-block
     layout (``(C, blocks * SCALE_BLOCK)``, block ``b`` at columns ``[b, b + 1) * SCALE_BLOCK``,
     zero past each group's end): whole blocks, no mask along the tokens. Each block's
-    partial product (steps of ``BLOCK_T`` tokens) is rescaled once by its factors."""
+    partial product (steps of ``BLOCK_T`` tokens) is rescaled once by its factors; with
+    ``GROUP_SCALES`` the factors are per (group, column) (rowwise recipes: ``dy_inv``
+    ``(G, N)``, ``x_inv`` ``(G, K)``), constant along the reduction, applied once at the end."""
     n_tiles = tl.cdiv(N, BLOCK_N)
     k_tiles = tl.cdiv(K, BLOCK_K)
     pid = tl.program_id(0)
@@ -152,17 +157,31 @@ def _fp8_blockwise_wgrad_kernel(dy_ptr, dy_inv_ptr, x_ptr, x_inv_ptr, dw_ptr, si
     dy_offsets = offs_n[:, None] * stride_dyn + offs_t[None, :]  # (BLOCK_N, BLOCK_T)
     x_offsets = offs_t[:, None] + offs_k[None, :] * stride_xk  # (BLOCK_T, BLOCK_K)
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for i in range(0, n_blocks):  # an int32 counter: Triton pipelines this loop
-        block = (first_block + i).to(tl.int64)
-        t0 = block * SCALE_BLOCK
-        step = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        for j in tl.static_range(0, SCALE_BLOCK, BLOCK_T):
-            dy_t = tl.load(dy_rows + (t0 + j) + dy_offsets, mask=n_mask[:, None], other=0.0)
-            x = tl.load(x_rows + (t0 + j) + x_offsets, mask=k_mask[None, :], other=0.0)
-            step = _dot(dy_t, x, step, UPCAST)
-        dy_scale = tl.load(dy_inv_ptr + (block * stride_dyi + n0) + offs_n, mask=n_mask, other=0.0)
-        x_scale = tl.load(x_inv_ptr + (block * stride_xi + k0) + offs_k, mask=k_mask, other=0.0)
-        acc += step * (dy_scale[:, None] * x_scale[None, :])
+    if GROUP_SCALES:
+        for i in range(0, n_blocks):  # an int32 counter: Triton pipelines this loop
+            t0 = (first_block + i).to(tl.int64) * SCALE_BLOCK
+            for j in tl.static_range(0, SCALE_BLOCK, BLOCK_T):
+                dy_t = tl.load(dy_rows + (t0 + j) + dy_offsets, mask=n_mask[:, None], other=0.0)
+                x = tl.load(x_rows + (t0 + j) + x_offsets, mask=k_mask[None, :], other=0.0)
+                acc = _dot(dy_t, x, acc, UPCAST)
+        row = g.to(tl.int64)
+        dy_scale = tl.load(dy_inv_ptr + (row * stride_dyi + n0) + offs_n, mask=n_mask, other=0.0)
+        x_scale = tl.load(x_inv_ptr + (row * stride_xi + k0) + offs_k, mask=k_mask, other=0.0)
+        acc = acc * (dy_scale[:, None] * x_scale[None, :])
+    else:
+        for i in range(0, n_blocks):  # an int32 counter: Triton pipelines this loop
+            block = (first_block + i).to(tl.int64)
+            t0 = block * SCALE_BLOCK
+            step = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+            for j in tl.static_range(0, SCALE_BLOCK, BLOCK_T):
+                dy_t = tl.load(dy_rows + (t0 + j) + dy_offsets, mask=n_mask[:, None], other=0.0)
+                x = tl.load(x_rows + (t0 + j) + x_offsets, mask=k_mask[None, :], other=0.0)
+                step = _dot(dy_t, x, step, UPCAST)
+            dy_scale = tl.load(dy_inv_ptr + (block * stride_dyi + n0) + offs_n, mask=n_mask,
+                               other=0.0)
+            x_scale = tl.load(x_inv_ptr + (block * stride_xi + k0) + offs_k, mask=k_mask,
+                              other=0.0)
+            acc += step * (dy_scale[:, None] * x_scale[None, :])
     dw = dw_ptr + (g.to(tl.int64) * stride_dwg + n0.to(tl.int64) * stride_dwn + k0) \
         + (offs_n[:, None] * stride_dwn + offs_k[None, :])
     tl.store(dw, acc.to(dw_ptr.dtype.element_ty), mask=n_mask[:, None] & k_mask[None, :])
@@ -246,15 +265,20 @@ def grouped_mm_reference(a, a_inv, weight, w_inv, sizes, *, transpose_weight: bo
 
 def blockwise_wgrad(dy_blocks: torch.Tensor, dy_inv: torch.Tensor, x_blocks: torch.Tensor,
                     x_inv: torch.Tensor, sizes: torch.Tensor, num_rows: int,
-                    out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+                    out_dtype: torch.dtype = torch.bfloat16, *,
+                    group_scales: bool = False) -> torch.Tensor:
     """``(G, N, K)``: ``dW_g = dy_g^T @ x_g`` from FP8 operands in the token-block layout of
-    :func:`grouped_linear.kernels.quantize_blocks.quantize_token_blocks` (``transpose=True``):
+    :func:`grouped_linear.kernels.quantize_blocks.quantize_token_blocks` (``transpose=True``)
+    or, with ``group_scales``, of
+    :func:`grouped_linear.kernels.quantize_transposed.quantize_group_columns_t` with
+    ``align=128`` (the same layout, one factor per group and row):
 
     Args:
         dy_blocks, x_blocks: ``(N, T)`` / ``(K, T)``, unit stride along ``T``; block ``b``
             (numbered group after group: ``sum_{h<g} cdiv(size_h, 128) + i`` for block ``i``
             of group ``g``) at columns ``[128 b, 128 b + 128)``, zeros past a group's end.
-        dy_inv, x_inv: ``(blocks, N)`` / ``(blocks, K)`` float32 factors per block and row.
+        dy_inv, x_inv: ``(blocks, N)`` / ``(blocks, K)`` float32 factors per block and row,
+            or ``(G, N)`` / ``(G, K)`` per group and row with ``group_scales``.
         sizes: ``(G,)`` group sizes on the device, clamped to ``num_rows`` tokens in all.
     """
     N, K, G = dy_blocks.shape[0], x_blocks.shape[0], sizes.shape[0]
@@ -273,14 +297,15 @@ def blockwise_wgrad(dy_blocks: torch.Tensor, dy_inv: torch.Tensor, x_blocks: tor
     _fp8_blockwise_wgrad_kernel[grid](
         dy_blocks, dy_inv, x_blocks, x_inv, dw, sizes, num_rows, N, K, G, dy_blocks.stride(0),
         x_blocks.stride(0), dy_inv.stride(0), x_inv.stride(0), dw.stride(0), dw.stride(1),
-        UPCAST=cpu, BLOCK_T=WGRAD_BLOCK_T, SCALE_BLOCK=BLOCK, BLOCK_N=block_n, BLOCK_K=block_k,
+        UPCAST=cpu, GROUP_SCALES=group_scales, BLOCK_T=WGRAD_BLOCK_T, SCALE_BLOCK=BLOCK,
+        BLOCK_N=block_n, BLOCK_K=block_k,
         BLOCK_G=triton.next_power_of_2(G + 1), num_warps=warps, num_stages=stages,
     )
     return dw
 
 
 def blockwise_wgrad_reference(dy_blocks, dy_inv, x_blocks, x_inv, sizes, num_rows,
-                              out_dtype=torch.bfloat16):
+                              out_dtype=torch.bfloat16, *, group_scales=False):
     ends = sizes.to(torch.int64).clamp(min=0).cumsum(0).clamp(max=num_rows).tolist()
     out = torch.zeros(sizes.shape[0], dy_blocks.shape[0], x_blocks.shape[0],
                       dtype=torch.float32, device=dy_blocks.device)
@@ -288,8 +313,9 @@ def blockwise_wgrad_reference(dy_blocks, dy_inv, x_blocks, x_inv, sizes, num_row
     for g, end in enumerate(ends):
         for _ in range(start, end, BLOCK):
             cols = slice(block * BLOCK, (block + 1) * BLOCK)
-            dy_b = dy_blocks[:, cols].float() * dy_inv[block][:, None]
-            x_b = x_blocks[:, cols].float() * x_inv[block][:, None]
+            factor = g if group_scales else block
+            dy_b = dy_blocks[:, cols].float() * dy_inv[factor][:, None]
+            x_b = x_blocks[:, cols].float() * x_inv[factor][:, None]
             out[g] += dy_b @ x_b.t()
             block += 1
         start = end

@@ -10,8 +10,9 @@ Per call, one fused quantization kernel per operand and direction
   once when it is quantized;
 * wgrad: ``dy`` and ``x`` per (group, column) or per group along each group's tokens,
   written transposed by the quantization kernel itself, each group starting on a
-  16-column boundary (the GEMM's requirement along the reduced dimension), with the
-  alignment zeros written by the same kernel.
+  16-column boundary (the GEMM's requirement along the reduced dimension; 128 for this
+  library's Triton wgrad, see ``TRITON_WGRAD_MIN_GROUPS``), with the alignment zeros
+  written by the same kernel.
 
 ``x`` is saved in its own dtype (wgrad needs it scaled along the tokens, which the
 forward's FP8 copy is not). A list input (one tensor per group) is quantized piece by piece
@@ -24,13 +25,19 @@ from __future__ import annotations
 import torch
 
 from ..kernels import bias as bias_kernels
-from ..kernels import fp8_gemm
+from ..kernels import fp8_gemm, fp8_triton_gemm
 from ..kernels import quantize as q
 from ..kernels import quantize_transposed as qt
 from ..recipes import Float8Recipe, Float8Tensorwise
 from .fp8 import Fp8Config, Fp8Weight, quantize_weight, weight_and_bias_grads
 
-__all__ = ["Fp8DeviceGroupedLinearFunction"]
+__all__ = ["Fp8DeviceGroupedLinearFunction", "TRITON_WGRAD_MIN_GROUPS"]
+
+# From this many groups on, the wgrad GEMM runs in this library's Triton kernel (operands
+# aligned to 128-token group blocks) instead of torch's FP8 grouped GEMM, whose 2-D x 2-D
+# form slows down with many groups (~260 TFLOP/s at 128 groups on an H200). ``None``: always
+# torch's, until the Triton kernel's speed on these operands has been measured.
+TRITON_WGRAD_MIN_GROUPS: int | None = None
 
 
 def _group_scales(t: torch.Tensor, offsets: torch.Tensor, fp8_dtype: torch.dtype,
@@ -107,7 +114,9 @@ class Fp8DeviceGroupedLinearFunction(torch.autograd.Function):
                 grad_x = bias_kernels.zero_tail_(grad_x, offsets)
 
         def grad_weight(bias_sums=None):
-            align = fp8_gemm.WGRAD_GROUP_ALIGN
+            triton_wgrad = (TRITON_WGRAD_MIN_GROUPS is not None
+                            and offsets.shape[0] >= TRITON_WGRAD_MIN_GROUPS)
+            align = fp8_triton_gemm.BLOCK if triton_wgrad else fp8_gemm.WGRAD_GROUP_ALIGN
             dy_t, dy_t_inv, aligned = qt.quantize_group_columns_t(
                 grad_out, offsets, fp8_grad, pow2, dy_scale, align=align, column_sums=bias_sums)
             if pieces:  # each piece into its aligned columns, same width as dy's
@@ -117,6 +126,11 @@ class Fp8DeviceGroupedLinearFunction(torch.autograd.Function):
             else:
                 x_t, x_t_inv, _ = qt.quantize_group_columns_t(
                     x, offsets, recipe.forward_dtype, pow2, x_scale, align=align)
+            if triton_wgrad:  # 128-token group blocks, one factor per (group, column)
+                sizes = torch.diff(offsets, prepend=offsets.new_zeros(1))
+                return fp8_triton_gemm.blockwise_wgrad(dy_t, dy_t_inv, x_t, x_t_inv, sizes,
+                                                       grad_out.shape[0], weight.dtype,
+                                                       group_scales=True)
             return fp8_gemm.wgrad(dy_t, dy_t_inv, x_t, x_t_inv, aligned, weight.dtype)
 
         grad_w, grad_b = weight_and_bias_grads(ctx, grad_out, offsets, grad_weight,

@@ -63,6 +63,26 @@ def test_each_recipe_takes_its_fp8_gemm_path():
     assert fp8_path(Float8Rowwise(), x[:, :40], w[:, :, :40]) == "emulated"  # K % 16 != 0
 
 
+@pytest.mark.skipif(not SM90, reason="the FP8 grouped GEMM is sm90's")
+@pytest.mark.parametrize("recipe", [Float8Rowwise(), Float8Tensorwise()], ids=repr)
+@pytest.mark.parametrize("split_kind", ["list", "cuda"])
+def test_triton_wgrad_of_the_rowwise_recipes(recipe, split_kind, monkeypatch):
+    """The wgrad GEMM in the group-scaled Triton kernel (128-token group blocks) instead of
+    torch's: every gradient still matches float64, and the kernel is the one that ran."""
+    from grouped_linear.kernels import fp8_triton_gemm
+    from grouped_linear.ops import fp8_device
+
+    monkeypatch.setattr(fp8_device, "TRITON_WGRAD_MIN_GROUPS", 1)
+    calls = []
+    original = fp8_triton_gemm.blockwise_wgrad
+    monkeypatch.setattr(fp8_triton_gemm, "blockwise_wgrad",
+                        lambda *a, **k: calls.append(k.get("group_scales")) or original(*a, **k))
+    got, ref, _ = _step(recipe, split_kind)
+    assert calls == [True]
+    for name, a, b in zip(("y", "dx", "dW", "db"), got, ref):
+        assert rel_err(a, b) < 6e-2, (name, rel_err(a, b))
+
+
 @pytest.mark.parametrize("recipe", RECIPES, ids=repr)
 @pytest.mark.parametrize("split_kind", ["list", "cuda"])
 def test_fp8_matches_float64_on_cuda(recipe, split_kind):

@@ -81,8 +81,14 @@ CASES = {
     "fp8 mm blockwise, reduction strided": _mm_case(True, False),
     "fp8 blockwise wgrad": (fg._fp8_blockwise_wgrad_kernel,
                             {"dy_ptr": F8, "x_ptr": F8, "dw_ptr": "*bf16", "sizes_ptr": "*i64"},
-                            {"UPCAST": False, "BLOCK_T": fg.WGRAD_BLOCK_T, "BLOCK_N": 128,
-                             "BLOCK_K": 128, "BLOCK_G": 16, "SCALE_BLOCK": fg.BLOCK}, 8),
+                            {"UPCAST": False, "GROUP_SCALES": False, "BLOCK_T": fg.WGRAD_BLOCK_T,
+                             "BLOCK_N": 128, "BLOCK_K": 128, "BLOCK_G": 16,
+                             "SCALE_BLOCK": fg.BLOCK}, 8),
+    "fp8 group-scaled wgrad": (fg._fp8_blockwise_wgrad_kernel,
+                               {"dy_ptr": F8, "x_ptr": F8, "dw_ptr": "*bf16", "sizes_ptr": "*i64"},
+                               {"UPCAST": False, "GROUP_SCALES": True,
+                                "BLOCK_T": fg.WGRAD_BLOCK_T, "BLOCK_N": 128, "BLOCK_K": 128,
+                                "BLOCK_G": 256, "SCALE_BLOCK": fg.BLOCK}, 8),
     "bf16 mm": (tg._grouped_mm_kernel,
                 {"a_ptr": "*bf16", "b_ptr": "*bf16", "bias_ptr": "*bf16", "out_ptr": "*bf16",
                  "sizes_ptr": "*i64"},
@@ -136,7 +142,8 @@ CASES = {
                        {"HAS_SCALE": True, "BLOCK_R": 16, "BLOCK_H": 256}, 4),
 }
 
-PIPELINED = {"fp8 mm rowwise", "fp8 mm blockwise", "fp8 blockwise wgrad", "bf16 mm", "bf16 wgrad"}
+PIPELINED = {"fp8 mm rowwise", "fp8 mm blockwise", "fp8 blockwise wgrad", "fp8 group-scaled wgrad",
+             "bf16 mm", "bf16 wgrad"}
 # Streaming kernels whose bf16 loads must stay 16-byte vectors (one read at copy speed).
 VECTOR_LOADS = {"rows", "rows of pieces"}
 

@@ -76,6 +76,46 @@ def test_blockwise_wgrad_against_dequantized_float32(sizes, tail):
             assert torch.all(got[g] == 0)
 
 
+@pytest.mark.parametrize("sizes, tail", [([130, 0, 5, 257], 3), ([0], 2), ([300, 40], -100)])
+def test_group_scaled_wgrad_against_dequantized_float32(sizes, tail):
+    """One factor per (group, row) instead of per (block, row): applied after the reduction."""
+    G, N, K = len(sizes), 72, 136
+    M = sum(sizes) + tail
+    blocks = -(-M // 128) + G
+    dy, x = _fp8(N, blocks * 128), _fp8(K, blocks * 128)
+    dy_inv, x_inv = _factors(G, N), _factors(G, K)
+    sizes_t = torch.tensor(sizes, device=DEVICE)
+    kwargs = {"out_dtype": torch.float32, "group_scales": True}
+    got = fg.blockwise_wgrad(dy, dy_inv, x, x_inv, sizes_t, M, **kwargs)
+    want = fg.blockwise_wgrad_reference(dy, dy_inv, x, x_inv, sizes_t, M, **kwargs)
+    assert rel_err(got, want) < TOL
+    for g, size in enumerate(sizes):
+        if size == 0:
+            assert torch.all(got[g] == 0)
+
+
+def test_group_scaled_wgrad_reads_the_rowwise_wgrad_operands():
+    """The rowwise recipes' wgrad operands, quantized with 128-token group alignment, are the
+    layout the group-scaled kernel reads: dW matches float64 within FP8 error."""
+    from grouped_linear.kernels import quantize_transposed as qt
+
+    sizes, N, K = [130, 0, 5, 257, 64], 48, 80
+    M = sum(sizes)
+    gen = torch.Generator().manual_seed(3)
+    dy = torch.randn(M, N, generator=gen).to(DEVICE)
+    x = torch.randn(M, K, generator=gen).to(DEVICE)
+    offsets = torch.tensor(sizes, device=DEVICE).cumsum(0).to(torch.int32)
+    dy_t, dy_inv, _ = qt.quantize_group_columns_t(dy, offsets, E4M3, False, align=fg.BLOCK)
+    x_t, x_inv, _ = qt.quantize_group_columns_t(x, offsets, E4M3, False, align=fg.BLOCK)
+    got = fg.blockwise_wgrad(dy_t, dy_inv, x_t, x_inv, torch.tensor(sizes, device=DEVICE), M,
+                             out_dtype=torch.float32, group_scales=True)
+    bounds = [0, *torch.tensor(sizes).cumsum(0).tolist()]
+    want = torch.stack([dy[a:b].double().t() @ x[a:b].double()
+                        for a, b in zip(bounds[:-1], bounds[1:], strict=True)])
+    assert rel_err(got, want) < 6e-2
+    assert torch.all(got[1] == 0)
+
+
 def test_blockwise_wgrad_reads_only_its_groups_blocks():
     """Blocks past the groups' (unused upper-bound blocks) never reach the result."""
     sizes, M, N, K = [200, 56], 256, 64, 128
