@@ -14,6 +14,7 @@ import triton.testing
 from grouped_linear.kernels import quantize as q
 from grouped_linear.kernels import quantize_blocks as qb
 from grouped_linear.kernels import quantize_transposed as qt
+from grouped_linear.kernels import quantize_weight as qw
 
 E4M3 = torch.float8_e4m3fn
 
@@ -47,7 +48,13 @@ def main():
     for method in ("per_group", "tiled"):
         qt.GROUP_COLUMNS_METHOD = method
         report(f"weight columns transposed, {method}",
-               _ms(lambda: qt.quantize_weight_columns_t(w, E4M3, False)), w.numel())
+               _ms(lambda: qw.quantize_weight_columns_t(w, E4M3, False)), w.numel())
+    qt.GROUP_COLUMNS_METHOD = "tiled"
+    separate = _ms(lambda: (q.quantize_weight_rows(w, E4M3, False),
+                            qw.quantize_weight_columns_t(w, E4M3, False)))
+    both = _ms(lambda: qw.quantize_weight_both(w, E4M3, False))
+    print(f"{'weight, both copies: separate passes / one pass':48s} {separate:8.3f} ms "
+          f"{both:8.3f} ms  (one pass / separate {both / separate:.2f})")
     qt.GROUP_COLUMNS_METHOD = "per_group"
     for config in ((32, 64, 4), (64, 64, 4), (64, 128, 8)):
         qt.GROUP_COLUMNS_CONFIG = config

@@ -4,8 +4,7 @@ GEMM and the dgrad GEMM's weight.
 * :func:`quantize_group_columns_t`: ``(M, C)`` rows split into groups -> FP8 ``(C, M')``,
   one scale per (group, column) along the group's rows (or per group), each group
   optionally starting on an aligned column;
-* :func:`quantize_weight_columns_t`: ``(G, N, K)`` -> FP8 ``(G, K, N)``, one scale per
-  input channel (or per group).
+* the same tiles serve the weights of :mod:`grouped_linear.kernels.quantize_weight`.
 
 Each has its plain-PyTorch reference beside it; scales follow
 :func:`grouped_linear.kernels.quantize.scale_from_amax`.
@@ -25,12 +24,10 @@ from .quantize import (
     _scale,
     piece_shift,
     piece_shifts,
-    saturate,
     scale_from_amax,
 )
 
 __all__ = ["quantize_group_columns_t", "quantize_group_columns_t_reference",
-           "quantize_weight_columns_t", "quantize_weight_columns_t_reference",
            "quantize_group_columns_t_pieces",
            "GROUP_COLUMNS_METHOD", "GROUP_COLUMNS_CONFIG", "TILED_CONFIG", "AMAX_SUB_TILES"]
 
@@ -158,8 +155,9 @@ def _column_tile(tile, offsets_ptr, dst_offsets_ptr, G, width, ALIGN: tl.constex
 
 @kernel
 @triton.jit
-def _group_column_amax_kernel(t_ptr, offsets_ptr, amax_ptr, sums_ptr, shifts_ptr, M, C, G,
-                              stride_t, SUMS: tl.constexpr, PIECES: tl.constexpr,
+def _group_column_amax_kernel(t_ptr, offsets_ptr, amax_ptr, sums_ptr, shifts_ptr, row_amax_ptr,
+                              M, C, G, stride_t, SUMS: tl.constexpr, ROW_AMAX: tl.constexpr,
+                              PIECES: tl.constexpr,
                               SHIFT_MULTIPLE: tl.constexpr, BLOCK_R: tl.constexpr,
                               SUB_TILES: tl.constexpr, BLOCK_C: tl.constexpr,
                               BLOCK_S: tl.constexpr):
@@ -168,7 +166,8 @@ def _group_column_amax_kernel(t_ptr, offsets_ptr, amax_ptr, sums_ptr, shifts_ptr
     max per column. ``SUMS``: also the program's float32 column sums, at row ``program``
     of ``sums`` ``(programs, C)`` (summed per group, in order, by the reduce kernel).
     ``PIECES``: ``t`` is the first of a list of pieces read as one tensor (see
-    :func:`~grouped_linear.kernels.quantize.piece_shift`)."""
+    :func:`~grouped_linear.kernels.quantize.piece_shift`). ``ROW_AMAX``: also each row's
+    amax, one atomic max per row and column block into ``row_amax`` (starts at 0)."""
     g, src0, end, _, _, total = _column_tile(tl.program_id(0), offsets_ptr, offsets_ptr, G, 0,
                                              1, BLOCK_R * SUB_TILES, BLOCK_S)
     if (tl.program_id(0) < total) & (g < G):
@@ -189,6 +188,10 @@ def _group_column_amax_kernel(t_ptr, offsets_ptr, amax_ptr, sums_ptr, shifts_ptr
             running = tl.maximum(running, tl.abs(values))
             if SUMS:
                 total_sum += values
+            if ROW_AMAX:
+                sub_rows = src0 + i * BLOCK_R + rows
+                tl.atomic_max(row_amax_ptr + sub_rows, tl.max(tl.abs(values), axis=1),
+                              mask=rows < left - i * BLOCK_R)
         group_max = tl.max(running, axis=0)
         tl.atomic_max(amax_ptr + g * C + cols, group_max, mask=col_mask)  # G * C < 2**31
         if SUMS:
@@ -219,8 +222,9 @@ def _reduce_group_sums_kernel(sums_ptr, offsets_ptr, out_ptr, C, G, ROWS_PER_TIL
 @kernel
 @triton.jit
 def _quantize_columns_t_tiled_kernel(t_ptr, offsets_ptr, dst_offsets_ptr, scale_ptr, q_ptr,
-                                     shifts_ptr, C, G, stride_t, stride_q, width,
-                                     FP8_MAX: tl.constexpr, PER_GROUP: tl.constexpr,
+                                     shifts_ptr, rows_q_ptr, row_scale_ptr, C, G, stride_t,
+                                     stride_q, width, FP8_MAX: tl.constexpr,
+                                     PER_GROUP: tl.constexpr, ROWS_OUT: tl.constexpr,
                                      PIECES: tl.constexpr, SHIFT_MULTIPLE: tl.constexpr,
                                      ALIGN: tl.constexpr,
                                      DST_MULTIPLE: tl.constexpr, BLOCK_R: tl.constexpr,
@@ -230,7 +234,9 @@ def _quantize_columns_t_tiled_kernel(t_ptr, offsets_ptr, dst_offsets_ptr, scale_
     group's (column) scales and stored transposed; the group's alignment padding and the
     columns past the last group are written as zeros by the tiles that cover them.
     ``DST_MULTIPLE``: every tile's first destination column is a multiple of it (16 lets
-    the transposed stores be 16-byte vectors)."""
+    the transposed stores be 16-byte vectors). ``ROWS_OUT``: the tile also goes, not
+    transposed, to ``rows_q`` (``(M, C)``, unit column stride) scaled per row by
+    ``row_scale`` (or by the group's scale with ``PER_GROUP``)."""
     g, src0, end, dst0, dst_end, total = _column_tile(tl.program_id(0), offsets_ptr,
                                                       dst_offsets_ptr, G, width, ALIGN, BLOCK_R,
                                                       BLOCK_S)
@@ -252,6 +258,15 @@ def _quantize_columns_t_tiled_kernel(t_ptr, offsets_ptr, dst_offsets_ptr, scale_
             scale = tl.load(scale_ptr + clamped * C + cols, mask=col_mask, other=1.0)
             scaled = values.to(tl.float32) * scale[None, :]
         scaled = tl.clamp(scaled, -FP8_MAX, FP8_MAX)
+        if ROWS_OUT:
+            if PER_GROUP:
+                by_row = tl.clamp(values.to(tl.float32) * scale, -FP8_MAX, FP8_MAX)
+            else:
+                row_scale = tl.load(row_scale_ptr + src0 + rows, mask=row_mask, other=1.0)
+                by_row = tl.clamp(values.to(tl.float32) * row_scale[:, None], -FP8_MAX, FP8_MAX)
+            tl.store(rows_q_ptr + src0 * C + (rows[:, None] * C + cols[None, :]),
+                     by_row.to(rows_q_ptr.dtype.element_ty),
+                     mask=row_mask[:, None] & col_mask[None, :])
         # No-ops that tell the compiler what DST_MULTIPLE promises (the tile's start and the
         # columns left in its slot are multiples of it), so the stores can be vectors.
         dst0 = dst0 // DST_MULTIPLE * DST_MULTIPLE
@@ -263,7 +278,8 @@ def _quantize_columns_t_tiled_kernel(t_ptr, offsets_ptr, dst_offsets_ptr, scale_
 
 def _quantize_group_columns_t_tiled(t, offsets, data_offsets, data, fp8_dtype, power_of_two,
                                     group_scale, align, stride_q=None, width=None,
-                                    dst_multiple=1, sums=None, shifts=None, num_rows=None):
+                                    dst_multiple=1, sums=None, shifts=None, num_rows=None,
+                                    rows_data=None):
     """Group ``g``'s row ``r`` lands at ``data_flat[c * stride_q + data_offsets[g-1] + r -
     start_g]``, followed by zeros up to ``round_up(size_g, align)`` columns; columns from
     ``data_offsets[-1]`` to ``width`` are zeros (``stride_q``/``width`` default to
@@ -272,7 +288,10 @@ def _quantize_group_columns_t_tiled(t, offsets, data_offsets, data, fp8_dtype, p
     a ``(G, C)`` float32 tensor that receives the per-group column sums of ``t`` (computed
     by the column-amax pass; needs ``group_scale=None``). ``shifts``: a
     :class:`~grouped_linear.kernels.quantize.PieceShifts`; ``t`` is then the first of the
-    pieces and ``num_rows`` their total rows."""
+    pieces and ``num_rows`` their total rows. ``rows_data``: an ``(M, C)`` buffer that also
+    receives ``t`` quantized per row (row amax from the same column-amax pass, or the
+    group's scale); the row factors ``(M,)`` are then returned after the column ones
+    (``None`` with ``group_scale``: the group's factor)."""
     M, C = t.shape
     M = M if num_rows is None else num_rows
     shift_args = (shifts.shifts, True, shifts.multiple) if shifts is not None else (t, False, 1)
@@ -286,11 +305,14 @@ def _quantize_group_columns_t_tiled(t, offsets, data_offsets, data, fp8_dtype, p
     grid = (triton.cdiv(covered, block_r) + G + 1, triton.cdiv(C, block_c))
     if group_scale is None:
         amax = torch.zeros(G, C, device=t.device, dtype=torch.float32)
+        row_amax = torch.zeros(M, device=t.device, dtype=torch.float32) \
+            if rows_data is not None else amax
         amax_grid = (triton.cdiv(M, block_r * AMAX_SUB_TILES) + G + 1, grid[1])
         partial = torch.empty(amax_grid[0], C, device=t.device, dtype=torch.float32) \
             if sums is not None else amax
         _group_column_amax_kernel[amax_grid](
-            t, offsets, amax, partial, shift_args[0], M, C, G, t.stride(0), SUMS=sums is not None,
+            t, offsets, amax, partial, shift_args[0], row_amax, M, C, G, t.stride(0),
+            SUMS=sums is not None, ROW_AMAX=rows_data is not None,
             PIECES=shift_args[1], SHIFT_MULTIPLE=shift_args[2], BLOCK_R=block_r,
             SUB_TILES=AMAX_SUB_TILES, BLOCK_C=block_c, BLOCK_S=block_s, num_warps=warps)
         if sums is not None:
@@ -298,17 +320,24 @@ def _quantize_group_columns_t_tiled(t, offsets, data_offsets, data, fp8_dtype, p
                 partial, offsets, sums, C, G, ROWS_PER_TILE=block_r * AMAX_SUB_TILES,
                 BLOCK_C=256, BLOCK_S=block_s)
         scale = scale_from_amax(amax, fp8_dtype, power_of_two)
+        row_scale = scale_from_amax(row_amax, fp8_dtype, power_of_two) \
+            if rows_data is not None else scale
     else:
-        scale = group_scale.float().contiguous()
+        scale = row_scale = group_scale.float().contiguous()
     _quantize_columns_t_tiled_kernel[grid](
-        t, offsets, data_offsets, scale, data, shift_args[0], C, G, t.stride(0), stride_q, width,
-        FP8_MAX=torch.finfo(fp8_dtype).max, PER_GROUP=group_scale is not None,
+        t, offsets, data_offsets, scale, data, shift_args[0],
+        rows_data if rows_data is not None else data, row_scale, C, G, t.stride(0), stride_q,
+        width, FP8_MAX=torch.finfo(fp8_dtype).max, PER_GROUP=group_scale is not None,
+        ROWS_OUT=rows_data is not None,
         PIECES=shift_args[1], SHIFT_MULTIPLE=shift_args[2], ALIGN=align,
         DST_MULTIPLE=16 if dst_multiple % 16 == 0 and block_r % 16 == 0 else 1, BLOCK_R=block_r,
         BLOCK_C=block_c, BLOCK_S=block_s, num_warps=warps,
     )
     inv = 1.0 / scale
-    return inv if group_scale is None else inv[:, None].expand(G, C).contiguous()
+    inv = inv if group_scale is None else inv[:, None].expand(G, C).contiguous()
+    if rows_data is None:
+        return inv
+    return inv, (1.0 / row_scale if group_scale is None else None)
 
 
 def _transposed_buffer(C: int, M: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
@@ -444,45 +473,3 @@ def _realign_columns(data: torch.Tensor, offsets: torch.Tensor, data_offsets: to
         aligned_start = aligned_ends[g - 1] if g else 0
         out[:, aligned_start:aligned_start + end - start] = data[:, start:end]
     return out
-
-
-def quantize_weight_columns_t_reference(weight: torch.Tensor, fp8_dtype: torch.dtype,
-                                        power_of_two: bool,
-                                        group_scale: torch.Tensor | None = None
-                                        ) -> tuple[torch.Tensor, torch.Tensor]:
-    if group_scale is None:
-        amax = weight.abs().amax(dim=1).float() if weight.shape[1] else \
-            weight.new_zeros(weight.shape[0], weight.shape[2], dtype=torch.float32)
-        scale = scale_from_amax(amax, fp8_dtype, power_of_two)  # (G, K)
-    else:
-        scale = group_scale[:, None].expand(weight.shape[0], weight.shape[2])
-    data = saturate(weight, scale[:, None, :], fp8_dtype)
-    return data.transpose(1, 2).contiguous(), (1.0 / scale).contiguous()
-
-
-def quantize_weight_columns_t(weight: torch.Tensor, fp8_dtype: torch.dtype, power_of_two: bool,
-                              group_scale: torch.Tensor | None = None
-                              ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The dgrad GEMM's weight: ``(G, N, K)`` -> FP8 ``(G, K, N)`` (each expert's
-    transpose) scaled per input channel (or per group), and ``(G, K)`` factors."""
-    G, N, K = weight.shape
-    if not use_triton(weight) or not weight.is_contiguous() or weight.numel() == 0:
-        return quantize_weight_columns_t_reference(weight, fp8_dtype, power_of_two, group_scale)
-    data = _fp8_buffer((G, K, N), weight.device, fp8_dtype)
-    ends = torch.arange(1, G + 1, device=weight.device, dtype=torch.int32) * N
-    if GROUP_COLUMNS_METHOD == "tiled" and G * K < 2**31:
-        # rows of expert g go to data[g, k, n]: column stride N, expert g's base g*K*N
-        dst = torch.arange(1, G + 1, device=weight.device, dtype=torch.int64) * (K * N)
-        inv = _quantize_group_columns_t_tiled(weight.view(G * N, K), ends, dst, data, fp8_dtype,
-                                              power_of_two, group_scale, 1, stride_q=N,
-                                              width=G * K * N, dst_multiple=N)
-        return _finish(data, fp8_dtype), inv
-    inv = torch.empty(G, K, device=weight.device, dtype=torch.float32)
-    block_c = 64
-    _quantize_group_columns_t_kernel[(G, triton.cdiv(K, block_c))](
-        weight, ends, ends, data, inv, group_scale if group_scale is not None else inv, G * N, K,
-        K, N, K * N, FP8_MAX=torch.finfo(fp8_dtype).max, POW2=power_of_two,
-        GIVEN_SCALE=group_scale is not None, LOCAL_ROWS=True, PAD=1, BLOCK_R=32,
-        BLOCK_C=block_c,
-    )
-    return _finish(data, fp8_dtype), inv

@@ -6,6 +6,7 @@ import torch
 from grouped_linear.kernels import fp8_gemm
 from grouped_linear.kernels import quantize as q
 from grouped_linear.kernels import quantize_transposed as qt
+from grouped_linear.kernels import quantize_weight as qw
 from tests.reference import rel_err
 
 pytestmark = [
@@ -32,7 +33,7 @@ def test_forward_dgrad_wgrad_against_dequantized_float32(sizes, tail):
     rows = sum(sizes)
     assert rel_err(y[:rows], want[:rows]) < 1e-2
     dy_data, dy_inv = q.quantize_rows(dy, E4M3, False)
-    wt_data, wt_inv = qt.quantize_weight_columns_t(w, E4M3, False)
+    wt_data, wt_inv = qw.quantize_weight_columns_t(w, E4M3, False)
     dx = fp8_gemm.dgrad(dy_data, dy_inv, wt_data, wt_inv, offsets, torch.bfloat16)
     want = fp8_gemm.dequantized_reference(dy_data, dy_inv, wt_data, wt_inv, offsets, "forward")
     assert rel_err(dx[:rows], want[:rows]) < 1e-2

@@ -6,6 +6,7 @@ import torch
 from grouped_linear.kernels import bias as bias_kernels
 from grouped_linear.kernels import quantize as q
 from grouped_linear.kernels import quantize_transposed as qt
+from grouped_linear.kernels import quantize_weight as qw
 from grouped_linear.kernels.offsets import aligned_offsets_reference
 from tests.reference import rel_err
 
@@ -229,14 +230,22 @@ def test_weight_quantization_kernels(fp8, tensorwise, method, monkeypatch):
     assert fwd.shape == (G, N, K) and fwd_inv.shape == (G, N)
     assert torch.allclose(fwd_inv.reshape(-1), ref_fwd_inv) and _codes_close(fwd.reshape(G * N, K),
                                                                              ref_fwd)
-    dgrad, dgrad_inv = qt.quantize_weight_columns_t(w, fp8, False, group_scale)
-    ref_dgrad, ref_dgrad_inv = qt.quantize_weight_columns_t_reference(w, fp8, False, group_scale)
+    dgrad, dgrad_inv = qw.quantize_weight_columns_t(w, fp8, False, group_scale)
+    ref_dgrad, ref_dgrad_inv = qw.quantize_weight_columns_t_reference(w, fp8, False, group_scale)
     assert dgrad.shape == (G, K, N) and dgrad_inv.shape == (G, K)
     assert torch.allclose(dgrad_inv, ref_dgrad_inv, rtol=1e-6) and _codes_close(dgrad, ref_dgrad)
     # dequantized, each copy reproduces the weight within FP8 precision
     tol = 0.07 if fp8 == E5M2 else 0.04
     assert rel_err(fwd.float() * fwd_inv[..., None], w) < tol
     assert rel_err((dgrad.float() * dgrad_inv[..., None]).transpose(1, 2), w) < tol
+    # both copies from one amax pass and one quantization pass: the same values
+    both = qw.quantize_weight_both(w, fp8, False, group_scale)
+    for got, want in zip(both, (fwd, fwd_inv, dgrad, dgrad_inv), strict=True):
+        assert got.shape == want.shape and got.dtype == want.dtype
+        if got.dtype == fp8:
+            assert _codes_close(got, want)
+        else:
+            assert torch.allclose(got, want, rtol=1e-6)
     if tensorwise:
         assert torch.allclose(fwd_inv, (1 / group_scale)[:, None].expand(G, N))
     assert torch.isfinite(fwd_inv).all() and torch.isfinite(dgrad_inv).all()
