@@ -7,13 +7,12 @@ one empty autograd node up to the whole layer; then torch.profiler's host table 
 layer's forward+backward.
 """
 
-import time
-
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 import triton.testing
+from overhead import small_step_case, wall_us  # benchmarks/overhead.py
 from torch.profiler import ProfilerActivity, profile
 
 import grouped_linear as gl
@@ -36,31 +35,6 @@ class _Identity(torch.autograd.Function):
         return grad
 
 
-def wall_us(fn, n=400):
-    for _ in range(30):
-        fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(n):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / n * 1e6
-
-
-def host_us(fn, n=40):
-    """Host time per call: ``n`` calls queued without waiting for the GPU (the queue does not
-    fill at these sizes), after a synchronized warm-up."""
-    for _ in range(5):
-        fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(n):
-        fn()
-    elapsed = time.perf_counter() - start
-    torch.cuda.synchronize()
-    return elapsed / n * 1e6
-
-
 def layout_host_times():
     """Host and GPU time of the layout ops at the smallest layouts-bench size (hidden 4096,
     65536 routed rows): an op whose host time exceeds its GPU time is launch-bound there."""
@@ -80,22 +54,15 @@ def layout_host_times():
     print(f"{'layout op (4096 x 65536)':30s} {'host µs':>9s} {'do_bench µs':>12s}")
     for name, fn in cases.items():
         gpu = triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median") * 1e3
-        print(f"{name:30s} {host_us(fn):9.1f} {gpu:12.1f}")
+        host = wall_us(fn, n=40, warmup=5, host_only=True)  # the queue does not fill
+        print(f"{name:30s} {host:9.1f} {gpu:12.1f}")
 
 
 def main():
-    torch.manual_seed(0)
-    G, m, K, N = 8, 128, 1024, 1024
-    M = G * m
-    dt = torch.bfloat16
-    x = torch.randn(M, K, device="cuda", dtype=dt, requires_grad=True)
-    w = (torch.randn(G, N, K, device="cuda", dtype=dt) / 32).requires_grad_()
-    b = torch.randn(G, N, device="cuda", dtype=dt, requires_grad=True)
-    splits = torch.full((G,), m, device="cuda")
-    offs = torch.arange(1, G + 1, device="cuda", dtype=torch.int32) * m
-    grad = torch.randn(M, N, device="cuda", dtype=dt)
-    layer = gl.GroupedLinear(G, K, N, params_dtype=dt, device="cuda")
-    layer_nb = gl.GroupedLinear(G, K, N, bias=False, params_dtype=dt, device="cuda")
+    case = small_step_case()
+    G, M, K, N, dt = case.G, case.M, case.K, case.N, case.dtype
+    x, w, b, splits, offs, grad = case.x, case.w, case.b, case.splits, case.offs, case.grad
+    layer, layer_nb = case.layer, case.layer_nb
     xd, wd, bd = x.detach(), w.detach(), b.detach()
     args = (xd, wd, bd, grad, M, N, K, G, 1024, 1024, 1024, 1024)
     compiled = _empty_kernel[(132,)](*args, FLAG=True, BLOCK=64)
@@ -132,7 +99,7 @@ def main():
     }
     print(f"{'case':44s} {'wall µs/call':>12s}")
     for name, fn in cases.items():
-        print(f"{name:44s} {wall_us(fn):12.1f}")
+        print(f"{name:44s} {wall_us(fn, n=400, warmup=30):12.1f}")
     layout_host_times()
     for label, module in (("no bias", layer_nb), ("bias", layer)):
         with profile(activities=[ProfilerActivity.CPU]) as prof:
