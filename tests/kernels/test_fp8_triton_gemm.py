@@ -57,37 +57,23 @@ def test_blockwise_scales_apply_per_block():
     assert rel_err(changed - base, second) < TOL
 
 
+@pytest.mark.parametrize("group_scales", [False, True])
 @pytest.mark.parametrize("sizes, tail", [([130, 0, 5, 257], 3), ([0], 2), ([128, 128], 0),
                                          ([300, 40], -100)])
-def test_blockwise_wgrad_against_dequantized_float32(sizes, tail):
-    """Operands in the token-block layout; a negative tail: sizes summing past the rows."""
+def test_blockwise_wgrad_against_dequantized_float32(sizes, tail, group_scales):
+    """Operands in the token-block layout; a negative tail: sizes summing past the rows.
+    Factors per (block, row), or per (group, row) applied after the reduction."""
     G, N, K = len(sizes), 72, 136
     M = sum(sizes) + tail
     blocks = -(-M // 128) + G
     dy, x = _fp8(N, blocks * 128), _fp8(K, blocks * 128)
-    dy_inv, x_inv = _factors(blocks, N), _factors(blocks, K)
+    factor_rows = G if group_scales else blocks
+    dy_inv, x_inv = _factors(factor_rows, N), _factors(factor_rows, K)
     sizes_t = torch.tensor(sizes, device=DEVICE)
-    got = fg.blockwise_wgrad(dy, dy_inv, x, x_inv, sizes_t, M, out_dtype=torch.float32)
-    want = fg.blockwise_wgrad_reference(dy, dy_inv, x, x_inv, sizes_t, M, out_dtype=torch.float32)
-    assert got.shape == (G, N, K)
-    assert rel_err(got, want) < TOL
-    for g, size in enumerate(sizes):
-        if size == 0:
-            assert torch.all(got[g] == 0)
-
-
-@pytest.mark.parametrize("sizes, tail", [([130, 0, 5, 257], 3), ([0], 2), ([300, 40], -100)])
-def test_group_scaled_wgrad_against_dequantized_float32(sizes, tail):
-    """One factor per (group, row) instead of per (block, row): applied after the reduction."""
-    G, N, K = len(sizes), 72, 136
-    M = sum(sizes) + tail
-    blocks = -(-M // 128) + G
-    dy, x = _fp8(N, blocks * 128), _fp8(K, blocks * 128)
-    dy_inv, x_inv = _factors(G, N), _factors(G, K)
-    sizes_t = torch.tensor(sizes, device=DEVICE)
-    kwargs = {"out_dtype": torch.float32, "group_scales": True}
+    kwargs = {"out_dtype": torch.float32, "group_scales": group_scales}
     got = fg.blockwise_wgrad(dy, dy_inv, x, x_inv, sizes_t, M, **kwargs)
     want = fg.blockwise_wgrad_reference(dy, dy_inv, x, x_inv, sizes_t, M, **kwargs)
+    assert got.shape == (G, N, K)
     assert rel_err(got, want) < TOL
     for g, size in enumerate(sizes):
         if size == 0:
