@@ -183,6 +183,14 @@ def _finish(buffer: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
     return buffer if buffer.dtype == fp8_dtype else buffer.to(fp8_dtype)
 
 
+def _rows_launch_shape(C: int) -> tuple[int, int, int]:
+    """(rows per program, columns per block, warps) of :func:`_quantize_rows_kernel` for
+    rows of ``C``: ``ROWS_CONFIG``, with several narrow rows per program."""
+    block_r, max_block_c, warps = ROWS_CONFIG
+    block_c = min(max_block_c, triton.next_power_of_2(max(C, 16)))
+    return max(block_r, max_block_c // block_c), block_c, warps
+
+
 def quantize_rows(t: torch.Tensor, fp8_dtype: torch.dtype, power_of_two: bool,
                   scale: torch.Tensor | None = None,
                   out: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -206,9 +214,7 @@ def quantize_rows(t: torch.Tensor, fp8_dtype: torch.dtype, power_of_two: bool,
     else:
         data = _fp8_buffer((R, C), t.device, fp8_dtype)
         inv = torch.empty(R, device=t.device, dtype=torch.float32)
-    block_r, max_block_c, warps = ROWS_CONFIG
-    block_c = min(max_block_c, triton.next_power_of_2(max(C, 16)))
-    block_r = max(block_r, max_block_c // block_c)  # narrow rows: several per program
+    block_r, block_c, warps = _rows_launch_shape(C)
     _quantize_rows_kernel[(triton.cdiv(R, block_r),)](
         t, data, inv, scale if scale is not None else inv, inv, inv, R, C, 1, t.stride(0),
         data.stride(0), FP8_MAX=torch.finfo(fp8_dtype).max, POW2=power_of_two,
@@ -280,9 +286,7 @@ def quantize_rows_pieces(pieces: list[torch.Tensor], fp8_dtype: torch.dtype, pow
         data = _fp8_buffer((rows, C), device, fp8_dtype)
         inv = torch.empty(rows, device=device, dtype=torch.float32)
         G = len(pieces)
-        block_r, max_block_c, warps = ROWS_CONFIG
-        block_c = min(max_block_c, triton.next_power_of_2(max(C, 16)))
-        block_r = max(block_r, max_block_c // block_c)
+        block_r, block_c, warps = _rows_launch_shape(C)
         scale = group_scale.float().contiguous() if group_scale is not None else None
         _quantize_rows_kernel[(triton.cdiv(rows, block_r),)](
             shifts.base, data, inv, scale if scale is not None else inv, shifts.shifts, offsets,
