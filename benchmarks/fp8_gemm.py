@@ -1,6 +1,7 @@
 """FP8 grouped GEMMs alone, per launch shape, against bf16 ``F.grouped_mm`` (CUDA).
 
-``PYTHONPATH=. python benchmarks/fp8_gemm.py [shape ...]``: on the bench shapes, the
+``PYTHONPATH=. python benchmarks/fp8_gemm.py [shape ...]``: on the bench shapes (or
+``uniform:G:M:K:N``), the
 forward GEMM of bf16 ``F.grouped_mm``, of ``torch._scaled_grouped_mm`` (rowwise), of the
 Triton FP8 kernel (rowwise and blockwise, per ``MM_CONFIG``), the blockwise dgrad and
 wgrad (per ``WGRAD_CONFIG``), and the rowwise wgrad in torch's GEMM and in the group-scaled
@@ -15,7 +16,7 @@ import torch.nn.functional as F
 import triton.testing
 
 import grouped_linear as gl
-from grouped_linear.cli.bench import load_shapes
+from grouped_linear.cli.bench import Shape, load_shapes
 from grouped_linear.kernels import fp8_gemm
 from grouped_linear.kernels import fp8_triton_gemm as fg
 from grouped_linear.kernels import quantize as q
@@ -92,7 +93,7 @@ def _shape_row(shape) -> dict:
                                                               align=align)
         x_c, x_c_inv, _ = qt.quantize_group_columns_t(x, offsets, E4M3, False, align=align)
         if align == fg.BLOCK:
-            _sweep(name, "WGRAD_CONFIG", WGRAD_CONFIGS,
+            _sweep(name, "GROUP_SCALED_WGRAD_CONFIG", WGRAD_CONFIGS,
                    lambda dy_c=dy_c, dy_c_inv=dy_c_inv, x_c=x_c, x_c_inv=x_c_inv:
                    fg.blockwise_wgrad(dy_c, dy_c_inv, x_c, x_c_inv, sizes, M,
                                       group_scales=True), flops, row)
@@ -100,15 +101,23 @@ def _shape_row(shape) -> dict:
             row[name] = _tflops(
                 lambda dy_c=dy_c, dy_c_inv=dy_c_inv, x_c=x_c, x_c_inv=x_c_inv, aligned=aligned:
                 fp8_gemm.wgrad(dy_c, dy_c_inv, x_c, x_c_inv, aligned, torch.bfloat16), flops)
-    fg.WGRAD_CONFIG = WGRAD_CONFIGS[0]
+    fg.GROUP_SCALED_WGRAD_CONFIG = (4, 3)
     return row
+
+
+def _shape(name: str, shapes: dict) -> Shape:
+    """A bench shape by name, or ``uniform:G:M:K:N`` (``G`` equal groups of ``M / G`` rows)."""
+    if not name.startswith("uniform:"):
+        return shapes[name]
+    G, M, K, N = (int(v) for v in name.split(":")[1:])
+    return Shape(name, (M // G,) * G, K, N, "")
 
 
 def main(names):
     torch.manual_seed(0)
     shapes = load_shapes()
     for name in names or list(shapes):
-        shape = shapes[name]
+        shape = _shape(name, shapes)
         row = _shape_row(shape)
         print(f"{name} (G={shape.G}, M={shape.M}, K={shape.K}, N={shape.N}) TFLOP/s:")
         for key, value in row.items():
