@@ -27,6 +27,10 @@ from grouped_linear.ops.fp8 import quantize_weight
 E4M3 = torch.float8_e4m3fn
 MM_CONFIGS = [(128, 8, 3), (128, 8, 4), (128, 4, 3), (64, 4, 4), (256, 8, 3)]
 WGRAD_CONFIGS = [(8, 3), (8, 4), (4, 3)]
+# (warps, stages, tokens per step, N tile, K tile) of the group-scaled wgrad
+GROUP_SCALED_CONFIGS = [(4, 3, 64, 128, 128), (8, 3, 64, 128, 128), (4, 3, 128, 128, 128),
+                        (4, 4, 128, 128, 128), (8, 3, 128, 128, 256), (8, 4, 64, 128, 256),
+                        (8, 3, 128, 256, 128)]
 
 
 def _tflops(fn, flops):
@@ -93,7 +97,7 @@ def _shape_row(shape) -> dict:
                                                               align=align)
         x_c, x_c_inv, _ = qt.quantize_group_columns_t(x, offsets, E4M3, False, align=align)
         if align == fg.BLOCK:
-            _sweep(name, "GROUP_SCALED_WGRAD_CONFIG", WGRAD_CONFIGS,
+            _sweep(name, "GROUP_SCALED_WGRAD_CONFIG", GROUP_SCALED_CONFIGS,
                    lambda dy_c=dy_c, dy_c_inv=dy_c_inv, x_c=x_c, x_c_inv=x_c_inv:
                    fg.blockwise_wgrad(dy_c, dy_c_inv, x_c, x_c_inv, sizes, M,
                                       group_scales=True), flops, row)
@@ -101,7 +105,7 @@ def _shape_row(shape) -> dict:
             row[name] = _tflops(
                 lambda dy_c=dy_c, dy_c_inv=dy_c_inv, x_c=x_c, x_c_inv=x_c_inv, aligned=aligned:
                 fp8_gemm.wgrad(dy_c, dy_c_inv, x_c, x_c_inv, aligned, torch.bfloat16), flops)
-    fg.GROUP_SCALED_WGRAD_CONFIG = (4, 3)
+    fg.GROUP_SCALED_WGRAD_CONFIG = GROUP_SCALED_CONFIGS[0]
     return row
 
 

@@ -45,9 +45,10 @@ WGRAD_BLOCK_T = 64
 # (warps, stages) of the wgrad; module-level so benchmarks/fp8_gemm.py can sweep them.
 MM_CONFIG = (128, 8, 3)
 WGRAD_CONFIG = (8, 3)
-# The group-scaled wgrad (one factor per group and row, no per-block rescale) runs best with
-# 4 warps at many groups (750 against 678 TFLOP/s at 128 groups) and level at 8 groups.
-GROUP_SCALED_WGRAD_CONFIG = (4, 3)
+# The group-scaled wgrad (one factor per group and row, no per-block rescale): (warps,
+# stages, tokens per step, N tile, K tile). 4 warps on 128 x 128 tiles in 64-token steps ran
+# best of the (warps, stages) sweep at 128 groups (750 against 678 TFLOP/s) and level at 8.
+GROUP_SCALED_WGRAD_CONFIG = (4, 3, 64, 128, 128)
 
 
 @triton.jit
@@ -293,15 +294,19 @@ def blockwise_wgrad(dy_blocks: torch.Tensor, dy_inv: torch.Tensor, x_blocks: tor
             raise ValueError(f"{name} must have unit stride along the tokens, got strides "
                              f"{tuple(t.stride())}")
     cpu = dy_blocks.device.type == "cpu"
-    block_n = block_k = 64 if cpu else 128
-    warps, stages = (4, 1) if cpu else (GROUP_SCALED_WGRAD_CONFIG if group_scales
-                                        else WGRAD_CONFIG)
+    block_t, block_n, block_k = WGRAD_BLOCK_T, 128, 128
+    if cpu:
+        (warps, stages), block_n, block_k = (4, 1), 64, 64
+    elif group_scales:
+        warps, stages, block_t, block_n, block_k = GROUP_SCALED_WGRAD_CONFIG
+    else:
+        warps, stages = WGRAD_CONFIG
     grid = (G * triton.cdiv(N, block_n) * triton.cdiv(K, block_k),)
     dy_blocks, x_blocks = _operand(dy_blocks), _operand(x_blocks)
     _fp8_blockwise_wgrad_kernel[grid](
         dy_blocks, dy_inv, x_blocks, x_inv, dw, sizes, num_rows, N, K, G, dy_blocks.stride(0),
         x_blocks.stride(0), dy_inv.stride(0), x_inv.stride(0), dw.stride(0), dw.stride(1),
-        UPCAST=cpu, GROUP_SCALES=group_scales, BLOCK_T=WGRAD_BLOCK_T, SCALE_BLOCK=BLOCK,
+        UPCAST=cpu, GROUP_SCALES=group_scales, BLOCK_T=block_t, SCALE_BLOCK=BLOCK,
         BLOCK_N=block_n, BLOCK_K=block_k,
         BLOCK_G=triton.next_power_of_2(G + 1), num_warps=warps, num_stages=stages,
     )
