@@ -49,12 +49,6 @@ def main():
         qt.GROUP_COLUMNS_METHOD = method
         report(f"weight columns transposed, {method}",
                _ms(lambda: qw.quantize_weight_columns_t(w, E4M3, False)), w.numel())
-    qt.GROUP_COLUMNS_METHOD = "tiled"
-    separate = _ms(lambda: (q.quantize_weight_rows(w, E4M3, False),
-                            qw.quantize_weight_columns_t(w, E4M3, False)))
-    both = _ms(lambda: qw.quantize_weight_both(w, E4M3, False))
-    print(f"{'weight, both copies: separate passes / one pass':48s} {separate:8.3f} ms "
-          f"{both:8.3f} ms  (one pass / separate {both / separate:.2f})")
     qt.GROUP_COLUMNS_METHOD = "per_group"
     for config in ((32, 64, 4), (64, 64, 4), (64, 128, 8)):
         qt.GROUP_COLUMNS_CONFIG = config

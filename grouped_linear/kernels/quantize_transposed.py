@@ -155,9 +155,8 @@ def _column_tile(tile, offsets_ptr, dst_offsets_ptr, G, width, ALIGN: tl.constex
 
 @kernel
 @triton.jit
-def _group_column_amax_kernel(t_ptr, offsets_ptr, amax_ptr, sums_ptr, shifts_ptr, row_amax_ptr,
-                              M, C, G, stride_t, SUMS: tl.constexpr, ROW_AMAX: tl.constexpr,
-                              PIECES: tl.constexpr,
+def _group_column_amax_kernel(t_ptr, offsets_ptr, amax_ptr, sums_ptr, shifts_ptr, M, C, G,
+                              stride_t, SUMS: tl.constexpr, PIECES: tl.constexpr,
                               SHIFT_MULTIPLE: tl.constexpr, BLOCK_R: tl.constexpr,
                               SUB_TILES: tl.constexpr, BLOCK_C: tl.constexpr,
                               BLOCK_S: tl.constexpr):
@@ -166,8 +165,7 @@ def _group_column_amax_kernel(t_ptr, offsets_ptr, amax_ptr, sums_ptr, shifts_ptr
     max per column. ``SUMS``: also the program's float32 column sums, at row ``program``
     of ``sums`` ``(programs, C)`` (summed per group, in order, by the reduce kernel).
     ``PIECES``: ``t`` is the first of a list of pieces read as one tensor (see
-    :func:`~grouped_linear.kernels.quantize.piece_shift`). ``ROW_AMAX``: also each row's
-    amax, one atomic max per row and column block into ``row_amax`` (starts at 0)."""
+    :func:`~grouped_linear.kernels.quantize.piece_shift`)."""
     g, src0, end, _, _, total = _column_tile(tl.program_id(0), offsets_ptr, offsets_ptr, G, 0,
                                              1, BLOCK_R * SUB_TILES, BLOCK_S)
     if (tl.program_id(0) < total) & (g < G):
@@ -188,10 +186,6 @@ def _group_column_amax_kernel(t_ptr, offsets_ptr, amax_ptr, sums_ptr, shifts_ptr
             running = tl.maximum(running, tl.abs(values))
             if SUMS:
                 total_sum += values
-            if ROW_AMAX:
-                sub_rows = src0 + i * BLOCK_R + rows
-                tl.atomic_max(row_amax_ptr + sub_rows, tl.max(tl.abs(values), axis=1),
-                              mask=rows < left - i * BLOCK_R)
         group_max = tl.max(running, axis=0)
         tl.atomic_max(amax_ptr + g * C + cols, group_max, mask=col_mask)  # G * C < 2**31
         if SUMS:
@@ -222,9 +216,8 @@ def _reduce_group_sums_kernel(sums_ptr, offsets_ptr, out_ptr, C, G, ROWS_PER_TIL
 @kernel
 @triton.jit
 def _quantize_columns_t_tiled_kernel(t_ptr, offsets_ptr, dst_offsets_ptr, scale_ptr, q_ptr,
-                                     shifts_ptr, rows_q_ptr, row_scale_ptr, C, G, stride_t,
-                                     stride_q, width, FP8_MAX: tl.constexpr,
-                                     PER_GROUP: tl.constexpr, ROWS_OUT: tl.constexpr,
+                                     shifts_ptr, C, G, stride_t, stride_q, width,
+                                     FP8_MAX: tl.constexpr, PER_GROUP: tl.constexpr,
                                      PIECES: tl.constexpr, SHIFT_MULTIPLE: tl.constexpr,
                                      ALIGN: tl.constexpr,
                                      DST_MULTIPLE: tl.constexpr, BLOCK_R: tl.constexpr,
@@ -234,9 +227,7 @@ def _quantize_columns_t_tiled_kernel(t_ptr, offsets_ptr, dst_offsets_ptr, scale_
     group's (column) scales and stored transposed; the group's alignment padding and the
     columns past the last group are written as zeros by the tiles that cover them.
     ``DST_MULTIPLE``: every tile's first destination column is a multiple of it (16 lets
-    the transposed stores be 16-byte vectors). ``ROWS_OUT``: the tile also goes, not
-    transposed, to ``rows_q`` (``(M, C)``, unit column stride) scaled per row by
-    ``row_scale`` (or by the group's scale with ``PER_GROUP``)."""
+    the transposed stores be 16-byte vectors)."""
     g, src0, end, dst0, dst_end, total = _column_tile(tl.program_id(0), offsets_ptr,
                                                       dst_offsets_ptr, G, width, ALIGN, BLOCK_R,
                                                       BLOCK_S)
@@ -258,15 +249,6 @@ def _quantize_columns_t_tiled_kernel(t_ptr, offsets_ptr, dst_offsets_ptr, scale_
             scale = tl.load(scale_ptr + clamped * C + cols, mask=col_mask, other=1.0)
             scaled = values.to(tl.float32) * scale[None, :]
         scaled = tl.clamp(scaled, -FP8_MAX, FP8_MAX)
-        if ROWS_OUT:
-            if PER_GROUP:
-                by_row = tl.clamp(values.to(tl.float32) * scale, -FP8_MAX, FP8_MAX)
-            else:
-                row_scale = tl.load(row_scale_ptr + src0 + rows, mask=row_mask, other=1.0)
-                by_row = tl.clamp(values.to(tl.float32) * row_scale[:, None], -FP8_MAX, FP8_MAX)
-            tl.store(rows_q_ptr + src0 * C + (rows[:, None] * C + cols[None, :]),
-                     by_row.to(rows_q_ptr.dtype.element_ty),
-                     mask=row_mask[:, None] & col_mask[None, :])
         # No-ops that tell the compiler what DST_MULTIPLE promises (the tile's start and the
         # columns left in its slot are multiples of it), so the stores can be vectors.
         dst0 = dst0 // DST_MULTIPLE * DST_MULTIPLE
@@ -278,8 +260,7 @@ def _quantize_columns_t_tiled_kernel(t_ptr, offsets_ptr, dst_offsets_ptr, scale_
 
 def _quantize_group_columns_t_tiled(t, offsets, data_offsets, data, fp8_dtype, power_of_two,
                                     group_scale, align, stride_q=None, width=None,
-                                    dst_multiple=1, sums=None, shifts=None, num_rows=None,
-                                    rows_data=None):
+                                    dst_multiple=1, sums=None, shifts=None, num_rows=None):
     """Group ``g``'s row ``r`` lands at ``data_flat[c * stride_q + data_offsets[g-1] + r -
     start_g]``, followed by zeros up to ``round_up(size_g, align)`` columns; columns from
     ``data_offsets[-1]`` to ``width`` are zeros (``stride_q``/``width`` default to
@@ -288,10 +269,7 @@ def _quantize_group_columns_t_tiled(t, offsets, data_offsets, data, fp8_dtype, p
     a ``(G, C)`` float32 tensor that receives the per-group column sums of ``t`` (computed
     by the column-amax pass; needs ``group_scale=None``). ``shifts``: a
     :class:`~grouped_linear.kernels.quantize.PieceShifts`; ``t`` is then the first of the
-    pieces and ``num_rows`` their total rows. ``rows_data``: an ``(M, C)`` buffer that also
-    receives ``t`` quantized per row (row amax from the same column-amax pass, or the
-    group's scale); the row factors ``(M,)`` are then returned after the column ones
-    (``None`` with ``group_scale``: the group's factor)."""
+    pieces and ``num_rows`` their total rows."""
     M, C = t.shape
     M = M if num_rows is None else num_rows
     shift_args = (shifts.shifts, True, shifts.multiple) if shifts is not None else (t, False, 1)
@@ -305,14 +283,11 @@ def _quantize_group_columns_t_tiled(t, offsets, data_offsets, data, fp8_dtype, p
     grid = (triton.cdiv(covered, block_r) + G + 1, triton.cdiv(C, block_c))
     if group_scale is None:
         amax = torch.zeros(G, C, device=t.device, dtype=torch.float32)
-        row_amax = torch.zeros(M, device=t.device, dtype=torch.float32) \
-            if rows_data is not None else amax
         amax_grid = (triton.cdiv(M, block_r * AMAX_SUB_TILES) + G + 1, grid[1])
         partial = torch.empty(amax_grid[0], C, device=t.device, dtype=torch.float32) \
             if sums is not None else amax
         _group_column_amax_kernel[amax_grid](
-            t, offsets, amax, partial, shift_args[0], row_amax, M, C, G, t.stride(0),
-            SUMS=sums is not None, ROW_AMAX=rows_data is not None,
+            t, offsets, amax, partial, shift_args[0], M, C, G, t.stride(0), SUMS=sums is not None,
             PIECES=shift_args[1], SHIFT_MULTIPLE=shift_args[2], BLOCK_R=block_r,
             SUB_TILES=AMAX_SUB_TILES, BLOCK_C=block_c, BLOCK_S=block_s, num_warps=warps)
         if sums is not None:
@@ -320,24 +295,17 @@ def _quantize_group_columns_t_tiled(t, offsets, data_offsets, data, fp8_dtype, p
                 partial, offsets, sums, C, G, ROWS_PER_TILE=block_r * AMAX_SUB_TILES,
                 BLOCK_C=256, BLOCK_S=block_s)
         scale = scale_from_amax(amax, fp8_dtype, power_of_two)
-        row_scale = scale_from_amax(row_amax, fp8_dtype, power_of_two) \
-            if rows_data is not None else scale
     else:
-        scale = row_scale = group_scale.float().contiguous()
+        scale = group_scale.float().contiguous()
     _quantize_columns_t_tiled_kernel[grid](
-        t, offsets, data_offsets, scale, data, shift_args[0],
-        rows_data if rows_data is not None else data, row_scale, C, G, t.stride(0), stride_q,
-        width, FP8_MAX=torch.finfo(fp8_dtype).max, PER_GROUP=group_scale is not None,
-        ROWS_OUT=rows_data is not None,
+        t, offsets, data_offsets, scale, data, shift_args[0], C, G, t.stride(0), stride_q, width,
+        FP8_MAX=torch.finfo(fp8_dtype).max, PER_GROUP=group_scale is not None,
         PIECES=shift_args[1], SHIFT_MULTIPLE=shift_args[2], ALIGN=align,
         DST_MULTIPLE=16 if dst_multiple % 16 == 0 and block_r % 16 == 0 else 1, BLOCK_R=block_r,
         BLOCK_C=block_c, BLOCK_S=block_s, num_warps=warps,
     )
     inv = 1.0 / scale
-    inv = inv if group_scale is None else inv[:, None].expand(G, C).contiguous()
-    if rows_data is None:
-        return inv
-    return inv, (1.0 / row_scale if group_scale is None else None)
+    return inv if group_scale is None else inv[:, None].expand(G, C).contiguous()
 
 
 def _transposed_buffer(C: int, M: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:

@@ -1,14 +1,13 @@
 """FP8 copies of the ``(G, N, K)`` expert weights for the forward and dgrad GEMMs.
 
 * :func:`quantize_weight_columns_t`: ``(G, N, K)`` -> FP8 ``(G, K, N)`` (each expert's
-  transpose, the dgrad GEMM's operand), one scale per input channel (or per group);
-* :func:`quantize_weight_both`: that and the forward GEMM's ``(G, N, K)`` copy scaled per
-  output channel (:func:`grouped_linear.kernels.quantize.quantize_weight_rows`) from one
-  amax pass and one quantization pass over the weight, instead of a pass pair each.
+  transpose, the dgrad GEMM's operand), one scale per input channel (or per group).
 
-Both run on the tiles of :mod:`grouped_linear.kernels.quantize_transposed` (each expert is
-a group of ``N`` rows of the ``(G*N, K)`` view); the plain-PyTorch references are beside
-them.
+It runs on the tiles of :mod:`grouped_linear.kernels.quantize_transposed` (each expert is
+a group of ``N`` rows of the ``(G*N, K)`` view); the plain-PyTorch reference is beside it.
+The forward GEMM's ``(G, N, K)`` copy, one scale per output channel, is
+:func:`grouped_linear.kernels.quantize.quantize_weight_rows`, in passes of its own (writing
+both copies in one pass measured slower on the H200).
 """
 
 from __future__ import annotations
@@ -17,10 +16,9 @@ import torch
 
 from . import quantize_transposed as qt
 from ._triton import triton, use_triton
-from .quantize import _finish, _fp8_buffer, quantize_rows_reference, saturate, scale_from_amax
+from .quantize import _finish, _fp8_buffer, saturate, scale_from_amax
 
-__all__ = ["quantize_weight_columns_t", "quantize_weight_columns_t_reference",
-           "quantize_weight_both", "quantize_weight_both_reference"]
+__all__ = ["quantize_weight_columns_t", "quantize_weight_columns_t_reference"]
 
 
 def quantize_weight_columns_t_reference(weight: torch.Tensor, fp8_dtype: torch.dtype,
@@ -43,17 +41,17 @@ def _tiled(weight: torch.Tensor) -> bool:
             and qt.GROUP_COLUMNS_METHOD == "tiled" and G * K < 2**31)
 
 
-def _columns_t_tiled(weight, fp8_dtype, power_of_two, group_scale, rows_data=None):
+def _columns_t_tiled(weight, fp8_dtype, power_of_two, group_scale):
     """The tiled kernels on the ``(G*N, K)`` view: expert ``g``'s rows go to
     ``data[g, k, n]`` (column stride ``N``, base ``g*K*N``)."""
     G, N, K = weight.shape
     data = _fp8_buffer((G, K, N), weight.device, fp8_dtype)
     ends = torch.arange(1, G + 1, device=weight.device, dtype=torch.int32) * N
     dst = torch.arange(1, G + 1, device=weight.device, dtype=torch.int64) * (K * N)
-    result = qt._quantize_group_columns_t_tiled(weight.view(G * N, K), ends, dst, data, fp8_dtype,
-                                             power_of_two, group_scale, 1, stride_q=N,
-                                             width=G * K * N, dst_multiple=N, rows_data=rows_data)
-    return _finish(data, fp8_dtype), result
+    inv = qt._quantize_group_columns_t_tiled(weight.view(G * N, K), ends, dst, data, fp8_dtype,
+                                          power_of_two, group_scale, 1, stride_q=N,
+                                          width=G * K * N, dst_multiple=N)
+    return _finish(data, fp8_dtype), inv
 
 
 def quantize_weight_columns_t(weight: torch.Tensor, fp8_dtype: torch.dtype, power_of_two: bool,
@@ -77,32 +75,3 @@ def quantize_weight_columns_t(weight: torch.Tensor, fp8_dtype: torch.dtype, powe
         BLOCK_C=block_c,
     )
     return _finish(data, fp8_dtype), inv
-
-
-def quantize_weight_both_reference(weight: torch.Tensor, fp8_dtype: torch.dtype,
-                                   power_of_two: bool, group_scale: torch.Tensor | None = None
-                                   ) -> tuple[torch.Tensor, ...]:
-    G, N, K = weight.shape
-    row_scale = group_scale.repeat_interleave(N) if group_scale is not None else None
-    rows, rows_inv = quantize_rows_reference(weight.reshape(G * N, K), fp8_dtype, power_of_two,
-                                             row_scale)
-    return (rows.view(G, N, K), rows_inv.view(G, N),
-            *quantize_weight_columns_t_reference(weight, fp8_dtype, power_of_two, group_scale))
-
-
-def quantize_weight_both(weight: torch.Tensor, fp8_dtype: torch.dtype, power_of_two: bool,
-                         group_scale: torch.Tensor | None = None
-                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Both FP8 copies of ``(G, N, K)`` the rowwise/tensorwise GEMMs read: forward
-    ``(G, N, K)`` with ``(G, N)`` factors (per output channel, or the group's with
-    ``group_scale`` ``(G,)``) and dgrad ``(G, K, N)`` with ``(G, K)`` factors (per input
-    channel, or the group's), from one amax pass and one quantization pass."""
-    G, N, K = weight.shape
-    if not _tiled(weight):
-        return quantize_weight_both_reference(weight, fp8_dtype, power_of_two, group_scale)
-    rows = _fp8_buffer((G * N, K), weight.device, fp8_dtype)
-    data, (inv, rows_inv) = _columns_t_tiled(weight, fp8_dtype, power_of_two, group_scale,
-                                             rows_data=rows)
-    if rows_inv is None:  # tensorwise: the group's factor for every output channel
-        rows_inv = inv[:, :1].expand(G, N).contiguous()
-    return _finish(rows, fp8_dtype).view(G, N, K), rows_inv.view(G, N), data, inv

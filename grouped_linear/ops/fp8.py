@@ -96,19 +96,11 @@ def fp8_path(recipe: Float8Recipe, x: torch.Tensor, weight: torch.Tensor) -> str
     return "emulated"
 
 
-# Both FP8 copies of a weight (forward, per output channel; dgrad, transposed, per input
-# channel) from one amax pass and one quantization pass (kernels.quantize_weight) instead of
-# a pass pair each. Off until timed on the H200 (the kernels' tests cover both ways).
-WEIGHT_COPIES_IN_ONE_PASS = False
-
-
 def _device_weight(weight: torch.Tensor, recipe: Float8Recipe) -> tuple[torch.Tensor, ...]:
     """FP8 ``(G, N, K)`` + ``(G, N)`` factors (forward) and ``(G, K, N)`` + ``(G, K)`` (dgrad)."""
     pow2, fp8 = recipe.power_of_two_scales, recipe.forward_dtype
     group_scale = q.weight_group_scales(weight, fp8, pow2) \
         if isinstance(recipe, Float8Tensorwise) else None
-    if WEIGHT_COPIES_IN_ONE_PASS:
-        return qw.quantize_weight_both(weight, fp8, pow2, group_scale)
     return (*q.quantize_weight_rows(weight, fp8, pow2, group_scale),
             *qw.quantize_weight_columns_t(weight, fp8, pow2, group_scale))
 

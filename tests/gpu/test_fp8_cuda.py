@@ -83,25 +83,6 @@ def test_triton_wgrad_of_the_rowwise_recipes(recipe, split_kind, monkeypatch):
         assert rel_err(a, b) < 6e-2, (name, rel_err(a, b))
 
 
-@pytest.mark.skipif(not SM90, reason="the FP8 grouped GEMM is sm90's")
-@pytest.mark.parametrize("recipe", [Float8Rowwise(), Float8Tensorwise()], ids=repr)
-def test_weight_copies_in_one_pass(recipe, monkeypatch):
-    """Both FP8 copies of the weight from one amax pass and one quantization pass: every
-    gradient still matches float64, and that path is the one that ran."""
-    from grouped_linear.kernels import quantize_weight as qw
-    from grouped_linear.ops import fp8 as fp8_ops
-
-    monkeypatch.setattr(fp8_ops, "WEIGHT_COPIES_IN_ONE_PASS", True)
-    calls = []
-    original = qw.quantize_weight_both
-    monkeypatch.setattr(qw, "quantize_weight_both",
-                        lambda *a, **k: calls.append(1) or original(*a, **k))
-    got, ref, _ = _step(recipe, "cuda")
-    assert calls == [1]
-    for name, a, b in zip(("y", "dx", "dW", "db"), got, ref):
-        assert rel_err(a, b) < 6e-2, (name, rel_err(a, b))
-
-
 @pytest.mark.parametrize("recipe", RECIPES, ids=repr)
 @pytest.mark.parametrize("split_kind", ["list", "cuda"])
 def test_fp8_matches_float64_on_cuda(recipe, split_kind):

@@ -238,14 +238,6 @@ def test_weight_quantization_kernels(fp8, tensorwise, method, monkeypatch):
     tol = 0.07 if fp8 == E5M2 else 0.04
     assert rel_err(fwd.float() * fwd_inv[..., None], w) < tol
     assert rel_err((dgrad.float() * dgrad_inv[..., None]).transpose(1, 2), w) < tol
-    # both copies from one amax pass and one quantization pass: the same values
-    both = qw.quantize_weight_both(w, fp8, False, group_scale)
-    for got, want in zip(both, (fwd, fwd_inv, dgrad, dgrad_inv), strict=True):
-        assert got.shape == want.shape and got.dtype == want.dtype
-        if got.dtype == fp8:
-            assert _codes_close(got, want)
-        else:
-            assert torch.allclose(got, want, rtol=1e-6)
     if tensorwise:
         assert torch.allclose(fwd_inv, (1 / group_scale)[:, None].expand(G, N))
     assert torch.isfinite(fwd_inv).all() and torch.isfinite(dgrad_inv).all()
