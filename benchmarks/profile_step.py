@@ -2,8 +2,8 @@
 
 Run on a CUDA machine: ``PYTHONPATH=. python benchmarks/profile_step.py``, or
 ``... profile_step.py RECIPE SHAPE [SHAPE ...]`` (RECIPE: rowwise, tensorwise, blockwise)
-for the kernels of one FP8 training step of ``GroupedLinear`` (bias, CUDA splits) on
-bench shapes.
+for the kernels of one FP8 training step of ``GroupedLinear`` (no bias, CUDA splits, as
+the bench's FP8 columns) on bench shapes.
 """
 
 import sys
@@ -51,17 +51,23 @@ def run_fp8(recipe_name, shape_name):
     x = torch.randn(shape.M, shape.K, device="cuda", dtype=dt, requires_grad=True)
     grad = torch.randn(shape.M, shape.N, device="cuda", dtype=dt)
     splits = torch.tensor(shape.splits, device="cuda")
-    layer = gl.GroupedLinear(shape.G, shape.K, shape.N, params_dtype=dt, device="cuda",
-                             recipe=recipe)
-    for _ in range(3):
+    # As the bench's FP8 columns: no bias, gradients dropped before each step.
+    layer = gl.GroupedLinear(shape.G, shape.K, shape.N, bias=False, params_dtype=dt,
+                             device="cuda", recipe=recipe)
+
+    def step():
+        x.grad = layer.weight.grad = None
         layer(x, splits).backward(grad)
+
+    for _ in range(3):
+        step()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(5):
-            layer(x, splits).backward(grad)
+            step()
         torch.cuda.synchronize()
     print(f"===== {shape_name} {recipe_name}, 5 steps")
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=16,
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=24,
                                     max_name_column_width=50))
 
 

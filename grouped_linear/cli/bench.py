@@ -14,7 +14,10 @@ Columns, measured in one process on the same random inputs per shape:
   default layer); both called with the splits as a device int64 tensor;
 * ``fp8_row`` / ``fp8_tensor`` / ``fp8_block``: ``GroupedLinear`` without bias under
   ``Float8Rowwise()`` / ``Float8Tensorwise()`` / ``Float8Blockwise()`` (CUDA, bf16), the
-  weight quantized on every call (no cache across microbatches), on the exact splits.
+  weight quantized on every call (no cache across microbatches), on the exact splits;
+* ``fp8_row_cached``: ``fp8_row`` with the weight's FP8 copies reused from the cache
+  (``is_first_microbatch=False``: the microbatches after the first of a step, under
+  gradient accumulation).
 
 A latency row (``small_8x128``: 8 groups of 128 rows, 1024 -> 1024) follows the
 packaged shapes on CUDA.
@@ -45,14 +48,15 @@ from .timing import format_table, median_seconds, peak_memory_bytes, progress
 __all__ = ["COLUMNS", "Shape", "load_shapes", "scale_for_cpu", "run_bench", "render_table"]
 
 COLUMNS = ("dense", "loop", "torch", "torchao", "gl_nobias", "grouped_linear", "fp8_row",
-           "fp8_tensor", "fp8_block")
-_FP8_COLUMNS = {"fp8_row": gl.recipes.Float8Rowwise, "fp8_tensor": gl.recipes.Float8Tensorwise,
+           "fp8_row_cached", "fp8_tensor", "fp8_block")
+_FP8_COLUMNS = {"fp8_row": gl.recipes.Float8Rowwise, "fp8_row_cached": gl.recipes.Float8Rowwise,
+                "fp8_tensor": gl.recipes.Float8Tensorwise,
                 "fp8_block": gl.recipes.Float8Blockwise}
 # (label, column, baseline): the ratios of TFLOP/s the report computes per shape.
 _RATIOS = (("gl/torch", "grouped_linear", "torch"), ("gl/loop", "grouped_linear", "loop"),
            ("nobias/torch", "gl_nobias", "torch"), ("row/torch", "fp8_row", "torch"),
            ("tensor/torch", "fp8_tensor", "torch"), ("block/torch", "fp8_block", "torch"),
-           ("row/torchao", "fp8_row", "torchao"))
+           ("row/torchao", "fp8_row", "torchao"), ("rowc/torch", "fp8_row_cached", "torch"))
 SMALL_SHAPE_NAME = "small_8x128"
 COPY_BANDWIDTH = 4.25e12  # bytes/s read + written, device-to-device copy measured on the H200
 CPU_SPLIT_DIVISOR = 64
@@ -166,9 +170,10 @@ def _build_case(column: str, shape: Shape, device: torch.device, dtype: torch.dt
             if layer.bias is not None:
                 layer.bias.copy_(_randn(G, N, device=device, dtype=dtype, scale=0.1))
         splits = torch.tensor(shape.splits, dtype=torch.int64, device=device)
+        cached = False if column == "fp8_row_cached" else None  # is_first_microbatch
 
         def fwd():
-            return layer(x, splits)
+            return layer(x, splits, is_first_microbatch=cached)
 
         leaves = [x, *layer.parameters()]
     else:
@@ -405,7 +410,7 @@ def render_table(report: dict) -> str:
     peak memory, bias overhead against its one-pass bound, and latencies in µs."""
     columns = report["columns"]
     short = {"grouped_linear": "gl", "gl_nobias": "nobias", "fp8_row": "row",
-             "fp8_tensor": "tensor", "fp8_block": "block"}
+             "fp8_row_cached": "rowc", "fp8_tensor": "tensor", "fp8_block": "block"}
     on_cuda = report["device"].startswith("cuda")
     ratios = [(label, base) for label, name, base in _RATIOS if name in columns and base in columns]
     headers = ["shape", "G", "M", "K", "N", *(short.get(c, c) for c in columns),
