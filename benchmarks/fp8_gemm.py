@@ -84,6 +84,7 @@ def _shape_row(shape) -> dict:
            lambda: fg.grouped_mm(dy_blk, dy_blk_inv, w_blk.dgrad_data, w_blk.dgrad_inv,
                                  sizes, transpose_weight=True, scaling="blockwise"), flops, row)
     fg.MM_CONFIG = MM_CONFIGS[0]
+    default_group_scaled = fg.GROUP_SCALED_WGRAD_CONFIG
     dy_t, dy_t_inv = qb.quantize_token_blocks(dy, sizes, E4M3, False, transpose=True)
     x_t, x_t_inv = qb.quantize_token_blocks(x, sizes, E4M3, False, transpose=True)
     _sweep("triton blockwise wgrad", "WGRAD_CONFIG", WGRAD_CONFIGS,
@@ -105,7 +106,7 @@ def _shape_row(shape) -> dict:
             row[name] = _tflops(
                 lambda dy_c=dy_c, dy_c_inv=dy_c_inv, x_c=x_c, x_c_inv=x_c_inv, aligned=aligned:
                 fp8_gemm.wgrad(dy_c, dy_c_inv, x_c, x_c_inv, aligned, torch.bfloat16), flops)
-    fg.GROUP_SCALED_WGRAD_CONFIG = GROUP_SCALED_CONFIGS[0]
+    fg.GROUP_SCALED_WGRAD_CONFIG = default_group_scaled
     return row
 
 
