@@ -26,8 +26,9 @@ from grouped_linear.ops.fp8 import quantize_weight
 
 E4M3 = torch.float8_e4m3fn
 MM_CONFIGS = [(128, 8, 3), (128, 8, 4), (128, 4, 3), (64, 4, 4), (256, 8, 3)]
-WGRAD_CONFIGS = [(8, 3), (8, 4), (4, 3)]
-# (warps, stages, tokens per step, N tile, K tile) of the group-scaled wgrad
+# (warps, stages, tokens per step, N tile, K tile) of the blockwise and group-scaled wgrads
+WGRAD_CONFIGS = [(8, 3, 64, 128, 128), (4, 3, 64, 128, 128), (8, 3, 128, 128, 128),
+                 (8, 3, 128, 128, 256), (8, 3, 64, 128, 256), (8, 3, 128, 256, 128)]
 GROUP_SCALED_CONFIGS = [(4, 3, 64, 128, 128), (8, 3, 64, 128, 128), (4, 3, 128, 128, 128),
                         (4, 4, 128, 128, 128), (8, 3, 128, 128, 256), (8, 4, 64, 128, 256),
                         (8, 3, 128, 256, 128)]
@@ -77,12 +78,18 @@ def _shape_row(shape) -> dict:
     x_blk, x_blk_inv = qb.quantize_row_tiles(x, E4M3, False)
     dy_blk, dy_blk_inv = qb.quantize_row_tiles(dy, E4M3, False)
     w_blk = quantize_weight(w, block_recipe, "triton")
-    _sweep("triton blockwise fwd", "MM_CONFIG", MM_CONFIGS,
-           lambda: fg.grouped_mm(x_blk, x_blk_inv, w_blk.forward_data, w_blk.forward_inv,
-                                 sizes, transpose_weight=True, scaling="blockwise"), flops, row)
-    _sweep("triton blockwise dgrad", "MM_CONFIG", MM_CONFIGS[:3],
-           lambda: fg.grouped_mm(dy_blk, dy_blk_inv, w_blk.dgrad_data, w_blk.dgrad_inv,
-                                 sizes, transpose_weight=True, scaling="blockwise"), flops, row)
+    default_block_k = fg.MM_BLOCK_K
+    for block_k in (64, 128):  # one or two dots per 128-deep scale block
+        fg.MM_BLOCK_K = block_k
+        _sweep(f"triton blockwise fwd k{block_k}", "MM_CONFIG", MM_CONFIGS,
+               lambda: fg.grouped_mm(x_blk, x_blk_inv, w_blk.forward_data, w_blk.forward_inv,
+                                     sizes, transpose_weight=True, scaling="blockwise"),
+               flops, row)
+        _sweep(f"triton blockwise dgrad k{block_k}", "MM_CONFIG", MM_CONFIGS[:3],
+               lambda: fg.grouped_mm(dy_blk, dy_blk_inv, w_blk.dgrad_data, w_blk.dgrad_inv,
+                                     sizes, transpose_weight=True, scaling="blockwise"),
+               flops, row)
+    fg.MM_BLOCK_K = default_block_k
     fg.MM_CONFIG = MM_CONFIGS[0]
     default_group_scaled = fg.GROUP_SCALED_WGRAD_CONFIG
     dy_t, dy_t_inv = qb.quantize_token_blocks(dy, sizes, E4M3, False, transpose=True)

@@ -40,11 +40,12 @@ BLOCK = 128  # the scaling block: 1x128 token tiles, 128x128 weight blocks, 128x
 # 128x128 tiles compile with (almost) no register spills on sm90
 # (benchmarks/kernel_resources.py).
 MM_BLOCK_K = 64
-WGRAD_BLOCK_T = 64
+WGRAD_BLOCK_T = 64  # the CPU interpreter's step (GPUs: the launch shapes below)
 # Launch shapes on GPUs: (rows per tile, warps, pipeline stages) of forward/dgrad and
-# (warps, stages) of the wgrad; module-level so benchmarks/fp8_gemm.py can sweep them.
+# (warps, stages, tokens per step, N tile, K tile) of the blockwise wgrad; module-level so
+# benchmarks/fp8_gemm.py can sweep them.
 MM_CONFIG = (128, 8, 3)
-WGRAD_CONFIG = (8, 3)
+WGRAD_CONFIG = (8, 3, 64, 128, 128)
 # The group-scaled wgrad (one factor per group and row, no per-block rescale): (warps,
 # stages, tokens per step, N tile, K tile). On qwen3_30b_g128_skew's operands (the shapes
 # that take this kernel: 96 groups and more) 128 x 256 tiles in 128-token steps ran 836
@@ -295,13 +296,11 @@ def blockwise_wgrad(dy_blocks: torch.Tensor, dy_inv: torch.Tensor, x_blocks: tor
             raise ValueError(f"{name} must have unit stride along the tokens, got strides "
                              f"{tuple(t.stride())}")
     cpu = dy_blocks.device.type == "cpu"
-    block_t, block_n, block_k = WGRAD_BLOCK_T, 128, 128
     if cpu:
-        (warps, stages), block_n, block_k = (4, 1), 64, 64
-    elif group_scales:
-        warps, stages, block_t, block_n, block_k = GROUP_SCALED_WGRAD_CONFIG
+        warps, stages, block_t, block_n, block_k = 4, 1, WGRAD_BLOCK_T, 64, 64
     else:
-        warps, stages = WGRAD_CONFIG
+        warps, stages, block_t, block_n, block_k = (GROUP_SCALED_WGRAD_CONFIG if group_scales
+                                                    else WGRAD_CONFIG)
     grid = (G * triton.cdiv(N, block_n) * triton.cdiv(K, block_k),)
     dy_blocks, x_blocks = _operand(dy_blocks), _operand(x_blocks)
     _fp8_blockwise_wgrad_kernel[grid](
