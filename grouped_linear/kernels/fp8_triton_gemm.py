@@ -39,13 +39,13 @@ BLOCK = 128  # the scaling block: 1x128 token tiles, 128x128 weight blocks, 128x
 # K steps of the forward/dgrad and the wgrad kernels (each divides BLOCK): with them the
 # 128x128 tiles compile with (almost) no register spills on sm90
 # (benchmarks/kernel_resources.py).
-MM_BLOCK_K = 64
+MM_BLOCK_K = 128  # one dot per 128-deep scale block: 635-759 against 584-701 TFLOP/s at 64
 WGRAD_BLOCK_T = 64  # the CPU interpreter's step (GPUs: the launch shapes below)
 # Launch shapes on GPUs: (rows per tile, warps, pipeline stages) of forward/dgrad and
 # (warps, stages, tokens per step, N tile, K tile) of the blockwise wgrad; module-level so
 # benchmarks/fp8_gemm.py can sweep them.
 MM_CONFIG = (128, 8, 3)
-WGRAD_CONFIG = (8, 3, 64, 128, 128)
+WGRAD_CONFIG = (8, 3, 128, 128, 128)  # 429-559 against 402-521 TFLOP/s in 64-token steps
 # The group-scaled wgrad (one factor per group and row, no per-block rescale): (warps,
 # stages, tokens per step, N tile, K tile). On qwen3_30b_g128_skew's operands (the shapes
 # that take this kernel: 96 groups and more) 128 x 256 tiles in 128-token steps ran 836
