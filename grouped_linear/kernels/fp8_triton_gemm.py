@@ -36,11 +36,11 @@ __all__ = ["grouped_mm", "grouped_mm_reference", "blockwise_wgrad", "blockwise_w
            "BLOCK"]
 
 BLOCK = 128  # the scaling block: 1x128 token tiles, 128x128 weight blocks, 128x1 wgrad tiles
-# K steps of the forward/dgrad and the wgrad kernels (each divides BLOCK): with them the
-# 128x128 tiles compile with (almost) no register spills on sm90
-# (benchmarks/kernel_resources.py).
-MM_BLOCK_K = 128  # one dot per 128-deep scale block: 635-759 against 584-701 TFLOP/s at 64
-WGRAD_BLOCK_T = 64  # the CPU interpreter's step (GPUs: the launch shapes below)
+# K step of the forward/dgrad kernel (divides BLOCK): one dot per 128-deep scale block ran
+# 635-759 TFLOP/s against 584-701 in 64-deep steps on the H200; no register spills on sm90
+# (benchmarks/kernel_resources.py). The wgrad's token step on CPU (GPUs: the shapes below).
+MM_BLOCK_K = 128
+WGRAD_BLOCK_T = 64
 # Launch shapes on GPUs: (rows per tile, warps, pipeline stages) of forward/dgrad and
 # (warps, stages, tokens per step, N tile, K tile) of the blockwise wgrad; module-level so
 # benchmarks/fp8_gemm.py can sweep them.
