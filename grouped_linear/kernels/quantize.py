@@ -214,14 +214,28 @@ def quantize_rows(t: torch.Tensor, fp8_dtype: torch.dtype, power_of_two: bool,
     else:
         data = _fp8_buffer((R, C), t.device, fp8_dtype)
         inv = torch.empty(R, device=t.device, dtype=torch.float32)
+    _launch_rows(t, data, inv, scale, fp8_dtype, power_of_two)
+    return _finish(data, fp8_dtype), inv
+
+
+def _launch_rows(t: torch.Tensor, data: torch.Tensor, inv: torch.Tensor,
+                 scale: torch.Tensor | None, fp8_dtype: torch.dtype, power_of_two: bool,
+                 shifts: "PieceShifts | None" = None, ends: torch.Tensor | None = None) -> None:
+    """:func:`_quantize_rows_kernel` over the ``data.shape[0]`` rows of ``t`` into
+    ``data``/``inv``; with ``shifts``, ``t`` is the first of the pieces and ``ends`` their
+    ``(G,)`` row ends (``scale`` is then per piece)."""
+    R, C = data.shape
+    G = ends.shape[0] if shifts is not None else 1
     block_r, block_c, warps = _rows_launch_shape(C)
     _quantize_rows_kernel[(triton.cdiv(R, block_r),)](
-        t, data, inv, scale if scale is not None else inv, inv, inv, R, C, 1, t.stride(0),
-        data.stride(0), FP8_MAX=torch.finfo(fp8_dtype).max, POW2=power_of_two,
-        GIVEN_SCALE=scale is not None, PIECES=False, SHIFT_MULTIPLE=1, BLOCK_R=block_r,
-        BLOCK_C=block_c, BLOCK_S=2, num_warps=warps,
+        t, data, inv, scale if scale is not None else inv,
+        shifts.shifts if shifts is not None else inv, ends if shifts is not None else inv,
+        R, C, G, t.stride(0), data.stride(0), FP8_MAX=torch.finfo(fp8_dtype).max,
+        POW2=power_of_two, GIVEN_SCALE=scale is not None, PIECES=shifts is not None,
+        SHIFT_MULTIPLE=shifts.multiple if shifts is not None else 1, BLOCK_R=block_r,
+        BLOCK_C=block_c, BLOCK_S=triton.next_power_of_2(G + 1) if shifts is not None else 2,
+        num_warps=warps,
     )
-    return _finish(data, fp8_dtype), inv
 
 
 @dataclass(frozen=True)
@@ -285,16 +299,8 @@ def quantize_rows_pieces(pieces: list[torch.Tensor], fp8_dtype: torch.dtype, pow
     if shifts is not None:  # one launch over all the pieces
         data = _fp8_buffer((rows, C), device, fp8_dtype)
         inv = torch.empty(rows, device=device, dtype=torch.float32)
-        G = len(pieces)
-        block_r, block_c, warps = _rows_launch_shape(C)
         scale = group_scale.float().contiguous() if group_scale is not None else None
-        _quantize_rows_kernel[(triton.cdiv(rows, block_r),)](
-            shifts.base, data, inv, scale if scale is not None else inv, shifts.shifts, offsets,
-            rows, C, G, shifts.base.stride(0), data.stride(0), FP8_MAX=torch.finfo(fp8_dtype).max,
-            POW2=power_of_two, GIVEN_SCALE=scale is not None, PIECES=True,
-            SHIFT_MULTIPLE=shifts.multiple, BLOCK_R=block_r, BLOCK_C=block_c,
-            BLOCK_S=triton.next_power_of_2(G + 1), num_warps=warps,
-        )
+        _launch_rows(shifts.base, data, inv, scale, fp8_dtype, power_of_two, shifts, offsets)
         return _finish(data, fp8_dtype), inv
     data = torch.empty(rows, C, device=device, dtype=fp8_dtype)
     inv = torch.empty(rows, device=device, dtype=torch.float32)
