@@ -308,6 +308,12 @@ def _quantize_group_columns_t_tiled(t, offsets, data_offsets, data, fp8_dtype, p
     return inv if group_scale is None else inv[:, None].expand(G, C).contiguous()
 
 
+def _aligned_width(rows: int, groups: int, align: int) -> int:
+    """Columns of the transposed wgrad operand: ``rows``, or with ``align > 1`` room for
+    every group's alignment padding, rounded up to 16 (FP8 GEMMs need 16-element rows)."""
+    return -(-(rows + (align - 1) * groups) // 16) * 16 if align > 1 else rows
+
+
 def _transposed_buffer(C: int, M: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     """``(C, M)`` whose row stride is ``M`` rounded up to 16 elements: FP8 GEMMs need
     16-byte aligned leading dimensions; the extra columns are never read."""
@@ -336,7 +342,7 @@ def quantize_group_columns_t(t: torch.Tensor, offsets: torch.Tensor, fp8_dtype: 
     M, C = t.shape
     G = offsets.shape[0]
     data_offsets = offsets if align == 1 else aligned_offsets(offsets, align)
-    width = -(-(M + (align - 1) * G) // 16) * 16 if align > 1 else M
+    width = _aligned_width(M, G, align)
     kernels = use_triton(t) and t.stride(-1) == 1 and t.shape[0] > 0
     tiled = kernels and GROUP_COLUMNS_METHOD == "tiled" and G * C < 2**31
     fused_sums = column_sums if tiled and group_scale is None else None
@@ -389,7 +395,7 @@ def quantize_group_columns_t_pieces(pieces: list[torch.Tensor], fp8_dtype: torch
     device = pieces[0].device
     rows = sum(sizes)
     if width is None:
-        width = -(-(rows + (align - 1) * G) // 16) * 16 if align > 1 else rows
+        width = _aligned_width(rows, G, align)
     padded = [-(-size // align) * align for size in sizes]
     if offsets is None:
         offsets = torch.tensor(sizes, device=device).cumsum(0).to(torch.int32)
