@@ -66,39 +66,22 @@ def test_each_recipe_takes_its_fp8_gemm_path():
 @pytest.mark.skipif(not SM90, reason="the FP8 grouped GEMM is sm90's")
 @pytest.mark.parametrize("recipe", [Float8Rowwise(), Float8Tensorwise()], ids=repr)
 @pytest.mark.parametrize("split_kind", ["list", "cuda"])
-def test_triton_wgrad_of_the_rowwise_recipes(recipe, split_kind, monkeypatch):
-    """The wgrad GEMM in the group-scaled Triton kernel (128-token group blocks) instead of
-    torch's: every gradient still matches float64, and the kernel is the one that ran."""
+@pytest.mark.parametrize("min_groups, triton_calls", [(1, [True]), (None, [])], ids=["triton", "torch"])
+def test_wgrad_gemm_choice_of_the_rowwise_recipes(recipe, split_kind, min_groups, triton_calls,
+                                                  monkeypatch):
+    """The wgrad GEMM in the group-scaled Triton kernel (128-token group blocks) or, with
+    ``TRITON_WGRAD_MIN_GROUPS = None``, torch's (16-token blocks): the chosen kernel is the one
+    that ran, and every gradient matches float64 either way."""
     from grouped_linear.kernels import fp8_triton_gemm
     from grouped_linear.ops import fp8_device
 
-    monkeypatch.setattr(fp8_device, "TRITON_WGRAD_MIN_GROUPS", 1)
+    monkeypatch.setattr(fp8_device, "TRITON_WGRAD_MIN_GROUPS", min_groups)
     calls = []
     original = fp8_triton_gemm.blockwise_wgrad
     monkeypatch.setattr(fp8_triton_gemm, "blockwise_wgrad",
                         lambda *a, **k: calls.append(k.get("group_scales")) or original(*a, **k))
     got, ref, _ = _step(recipe, split_kind)
-    assert calls == [True]
-    for name, a, b in zip(("y", "dx", "dW", "db"), got, ref):
-        assert rel_err(a, b) < 6e-2, (name, rel_err(a, b))
-
-
-@pytest.mark.skipif(not SM90, reason="the FP8 grouped GEMM is sm90's")
-@pytest.mark.parametrize("recipe", [Float8Rowwise(), Float8Tensorwise()], ids=repr)
-@pytest.mark.parametrize("split_kind", ["list", "cuda"])
-def test_torch_wgrad_of_the_rowwise_recipes(recipe, split_kind, monkeypatch):
-    """``TRITON_WGRAD_MIN_GROUPS = None``: the wgrad GEMM is torch's (16-token group
-    alignment), the Triton kernel does not run, and every gradient matches float64."""
-    from grouped_linear.kernels import fp8_triton_gemm
-    from grouped_linear.ops import fp8_device
-
-    monkeypatch.setattr(fp8_device, "TRITON_WGRAD_MIN_GROUPS", None)
-    calls = []
-    original = fp8_triton_gemm.blockwise_wgrad
-    monkeypatch.setattr(fp8_triton_gemm, "blockwise_wgrad",
-                        lambda *a, **k: calls.append(k.get("group_scales")) or original(*a, **k))
-    got, ref, _ = _step(recipe, split_kind)
-    assert calls == []
+    assert calls == triton_calls
     for name, a, b in zip(("y", "dx", "dW", "db"), got, ref):
         assert rel_err(a, b) < 6e-2, (name, rel_err(a, b))
 
