@@ -14,7 +14,7 @@ import triton.testing
 from grouped_linear.kernels import quantize as q
 from grouped_linear.kernels import quantize_blocks as qb
 from grouped_linear.kernels import quantize_transposed as qt
-from grouped_linear.kernels import quantize_weight as qw
+from grouped_linear.kernels.transpose import transpose_groups
 
 E4M3 = torch.float8_e4m3fn
 
@@ -45,10 +45,14 @@ def main():
     report("weight rows (forward copy)", _ms(lambda: q.quantize_weight_rows(w, E4M3, False)),
            w.numel())
     default_method, default_tiled = qt.GROUP_COLUMNS_METHOD, qt.TILED_CONFIG
-    for method in ("per_group", "tiled"):
-        qt.GROUP_COLUMNS_METHOD = method
-        report(f"weight columns transposed, {method}",
-               _ms(lambda: qw.quantize_weight_columns_t(w, E4M3, False)), w.numel())
+    w_data, _ = q.quantize_weight_rows(w, E4M3, False)
+    ms = _ms(lambda: transpose_groups(w_data))
+    print(f"{'weight FP8 transpose (dgrad copy)':48s} {ms:8.3f} ms "
+          f"{w.numel() * 2 / ms / 1e6:8.0f} GB/s {w.numel() * 2 / ms / 1e6 / copy_gbps:6.2f} of copy")
+    folded = q.ColumnFactors.of_groups(torch.rand(offsets.shape[0], dy.shape[1], device="cuda"),
+                                       offsets, dy.shape[0])
+    report("rows dy, weight factors folded in",
+           _ms(lambda: q.quantize_rows(dy, E4M3, False, column_factors=folded)), dy.numel())
     qt.GROUP_COLUMNS_METHOD = "per_group"
     for config in ((32, 64, 4), (64, 64, 4), (64, 128, 8)):
         qt.GROUP_COLUMNS_CONFIG = config

@@ -59,7 +59,9 @@ class Float8Recipe:
 @dataclass(frozen=True)
 class Float8Rowwise(Float8Recipe):
     """Dynamic per-row scales: per token for activations and gradients, per output
-    channel for weights (per input channel for dgrad), per group along tokens for wgrad."""
+    channel for weights, per group along tokens for wgrad. The dgrad reuses the forward's
+    weight copy: the gradient is multiplied by the weight's per-channel factors (the
+    reduced dimension there) before its per-token quantization."""
 
 
 @dataclass(frozen=True)

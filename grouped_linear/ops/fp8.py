@@ -27,8 +27,8 @@ from ..kernels import bias as bias_kernels
 from ..kernels import fp8_gemm, grouped_gemm, triton_gemm
 from ..kernels import quantize as q
 from ..kernels import quantize_blocks as qb
-from ..kernels import quantize_weight as qw
 from ..kernels._triton import HAS_TRITON
+from ..kernels.transpose import transpose_groups
 from ..recipes import Float8Blockwise, Float8Recipe, Float8Rowwise, Float8Tensorwise
 from .weight_grad import WeightGradSink, route_weight_grads
 
@@ -97,19 +97,28 @@ def fp8_path(recipe: Float8Recipe, x: torch.Tensor, weight: torch.Tensor) -> str
 
 
 def _device_weight(weight: torch.Tensor, recipe: Float8Recipe) -> tuple[torch.Tensor, ...]:
-    """FP8 ``(G, N, K)`` + ``(G, N)`` factors (forward) and ``(G, K, N)`` + ``(G, K)`` (dgrad)."""
+    """FP8 ``(G, N, K)`` + ``(G, N)`` factors (forward) and its transpose ``(G, K, N)`` +
+    ``(G, K)`` factors (dgrad): the group's factor (tensorwise) or ones (rowwise, whose
+    per-output-channel factors the dgrad folds into the gradient instead)."""
     pow2, fp8 = recipe.power_of_two_scales, recipe.forward_dtype
+    G, N, K = weight.shape
     group_scale = q.weight_group_scales(weight, fp8, pow2) \
         if isinstance(recipe, Float8Tensorwise) else None
-    return (*q.quantize_weight_rows(weight, fp8, pow2, group_scale),
-            *qw.quantize_weight_columns_t(weight, fp8, pow2, group_scale))
+    forward_data, forward_inv = q.quantize_weight_rows(weight, fp8, pow2, group_scale)
+    if group_scale is not None:
+        dgrad_inv = (1.0 / group_scale.float())[:, None].expand(G, K).contiguous()
+    else:
+        dgrad_inv = torch.ones(G, K, device=weight.device, dtype=torch.float32)
+    return forward_data, forward_inv, transpose_groups(forward_data), dgrad_inv
 
 
 class Fp8Weight:
     """A weight as the FP8 GEMMs read it, quantized once per step.
 
     ``device`` path: ``forward_data`` ``(G, N, K)`` FP8 with ``forward_inv`` ``(G, N)``
-    and ``dgrad_data`` ``(G, K, N)`` with ``dgrad_inv`` ``(G, K)``. ``triton`` path:
+    and ``dgrad_data`` ``(G, K, N)`` (its transpose) with ``dgrad_inv`` ``(G, K)``;
+    ``dgrad_fold`` is ``forward_inv`` where the dgrad multiplies the gradient's columns by it
+    before quantizing (``Float8Rowwise``), else ``None``. ``triton`` path:
     ``forward_data`` ``(G, N, K)`` with ``forward_inv`` ``(G, N/128, K/128)``. ``emulated`` path:
     ``emulated`` ``(G, N, K)`` float32, the dequantized forward weight.
     :meth:`refresh_` re-quantizes into the same buffers (CUDA graphs keep their
@@ -119,17 +128,19 @@ class Fp8Weight:
     def __init__(self, weight: torch.Tensor, recipe: Float8Recipe, path: str) -> None:
         self.recipe, self.path = recipe, path
         weight = weight.detach()
-        self.emulated = None
+        self.emulated = self.dgrad_fold = None
         if path == "device":
             (self.forward_data, self.forward_inv, self.dgrad_data,
              self.dgrad_inv) = _device_weight(weight, recipe)
+            if isinstance(recipe, Float8Rowwise):
+                self.dgrad_fold = self.forward_inv
         elif path == "triton":  # 128x128 blocks: dgrad reads the same factors transposed
             self.forward_data, self.forward_inv = qb.quantize_weight_blocks(
                 weight, recipe.forward_dtype, recipe.power_of_two_scales)
             self.dgrad_data = self.forward_data.transpose(1, 2).contiguous()
             self.dgrad_inv = self.forward_inv.transpose(1, 2)  # a view: refreshed with it
         else:
-            self.emulated = _quantize_weight(weight, recipe, dgrad=False)
+            self.emulated = _quantize_weight(weight, recipe)
 
     def buffers(self) -> tuple[torch.Tensor, ...]:
         if self.path == "device":
@@ -151,14 +162,32 @@ def quantize_weight(weight: torch.Tensor, recipe: Float8Recipe, path: str) -> Fp
     return Fp8Weight(weight, recipe, path)
 
 
-def _quantize_weight(weight: torch.Tensor, recipe: Float8Recipe, dgrad: bool) -> torch.Tensor:
-    """``(G, N, K)`` weights as a GEMM sees them: per output channel (forward) or input
-    channel (dgrad) for rowwise, 128x128 blocks for blockwise, per group for tensorwise."""
+def _quantize_weight(weight: torch.Tensor, recipe: Float8Recipe) -> torch.Tensor:
+    """``(G, N, K)`` weights as the forward GEMM sees them: per output channel for
+    rowwise, 128x128 blocks for blockwise, per group for tensorwise."""
     pow2 = recipe.power_of_two_scales
     if isinstance(recipe, Float8Blockwise):
         return q.fake_quant_weight_blocks(weight, recipe.forward_dtype, pow2)
-    dim = (1 if dgrad else 2) if isinstance(recipe, Float8Rowwise) else None
+    dim = 2 if isinstance(recipe, Float8Rowwise) else None
     return q.fake_quant_weight(weight, dim, recipe.forward_dtype, pow2)
+
+
+def _dgrad_operands(grad_out: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor,
+                    recipe: Float8Recipe) -> tuple[torch.Tensor, torch.Tensor]:
+    """The dgrad GEMM's operands as it sees them. Float8Rowwise: the weight's forward FP8
+    values (scaled per output channel, not dequantized) and the gradient multiplied by the
+    weight's per-channel factors, then quantized per token: the same product, with the
+    weight's scales moved across the reduced dimension, and no second weight copy. The
+    other recipes: the gradient per token tile or group, the weight dequantized."""
+    if not isinstance(recipe, Float8Rowwise):
+        return (_quantize_tokens(grad_out, offsets, recipe.gradient_dtype, recipe),
+                _quantize_weight(weight, recipe))
+    G, N, K = weight.shape
+    amax = weight.abs().amax(dim=2) if K else weight.new_zeros(G, N)
+    scale = q.scale_from_amax(amax, recipe.forward_dtype, recipe.power_of_two_scales)
+    codes = q.saturate(weight, scale[..., None], recipe.forward_dtype).float()
+    folded = q.ColumnFactors.of_groups(1.0 / scale, offsets, grad_out.shape[0]).apply(grad_out)
+    return q.fake_quant_rows(folded, recipe.gradient_dtype, recipe.power_of_two_scales), codes
 
 
 def _quantize_tokens(t, offsets, fp8_dtype, recipe):
@@ -187,7 +216,7 @@ class Fp8GroupedLinearFunction(torch.autograd.Function):
         recipe = config.recipe
         x_q = _quantize_tokens(x, offsets, recipe.forward_dtype, recipe)
         w_q = cached_weight.emulated if cached_weight is not None else \
-            _quantize_weight(weight.detach(), recipe, dgrad=False)
+            _quantize_weight(weight.detach(), recipe)
         out = grouped_gemm.forward(x_q, w_q, offsets, None, "loop")
         out = bias_kernels.bias_epilogue_(out, bias.float() if bias is not None else None, offsets,
                                           config.zero_tail)
@@ -204,8 +233,7 @@ class Fp8GroupedLinearFunction(torch.autograd.Function):
         grad_out = grad_out.contiguous()
         grad_x = None
         if ctx.needs_input_grad[0]:
-            dy_q = _quantize_tokens(grad_out, offsets, recipe.gradient_dtype, recipe)
-            w_q = _quantize_weight(weight, recipe, dgrad=True)
+            dy_q, w_q = _dgrad_operands(grad_out, weight.detach(), offsets, recipe)
             grad_x = grouped_gemm.dgrad(dy_q, w_q, offsets, None, "loop").to(x.dtype)
 
         def grad_weight():

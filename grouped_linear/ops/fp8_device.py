@@ -6,8 +6,9 @@ Per call, one fused quantization kernel per operand and direction
 
 * forward: ``x`` per token (rowwise) or per group (tensorwise), the weight per output
   channel or group (cached per step by the module);
-* dgrad: ``dy`` per token or group, the weight per input channel or group, transposed
-  once when it is quantized;
+* dgrad: the forward's FP8 weight, transposed (one byte read and written per weight), with
+  ``dy`` per group (tensorwise) or, rowwise, ``dy`` times the weight's per-output-channel
+  factors per token: the rows kernel applies the factors as it quantizes;
 * wgrad: ``dy`` and ``x`` per (group, column) or per group along each group's tokens,
   written transposed by the quantization kernel itself, each group starting on a
   16-column boundary (the GEMM's requirement along the reduced dimension; 128 for this
@@ -63,13 +64,18 @@ def _piece_scales(pieces: tuple[torch.Tensor, ...], fp8_dtype: torch.dtype,
 
 
 def _quantize_tokens(t: torch.Tensor, offsets: torch.Tensor, fp8_dtype: torch.dtype,
-                     recipe: Float8Recipe, group_scale: torch.Tensor | None):
-    """``(M, C)`` -> FP8 ``(M, C)`` and ``(M,)`` factors: per row, or the row's group's."""
-    row_scale = None
+                     recipe: Float8Recipe, group_scale: torch.Tensor | None,
+                     column_factors: torch.Tensor | None = None):
+    """``(M, C)`` -> FP8 ``(M, C)`` and ``(M,)`` factors: per row, or the row's group's.
+    ``column_factors`` ``(G, C)``: quantize ``t`` times its row group's factors instead."""
+    row_scale = factors = None
     if group_scale is not None:  # rows past the last group get scale 1 (never read)
         padded = torch.cat([group_scale, group_scale.new_ones(1)])
         row_scale = padded.index_select(0, bias_kernels.row_groups(offsets, t.shape[0]))
-    return q.quantize_rows(t, fp8_dtype, recipe.power_of_two_scales, row_scale)
+    if column_factors is not None:
+        factors = q.ColumnFactors.of_groups(column_factors, offsets, t.shape[0])
+    return q.quantize_rows(t, fp8_dtype, recipe.power_of_two_scales, row_scale,
+                           column_factors=factors)
 
 
 class Fp8DeviceGroupedLinearFunction(torch.autograd.Function):
@@ -94,7 +100,8 @@ class Fp8DeviceGroupedLinearFunction(torch.autograd.Function):
         w = cached if cached is not None else quantize_weight(weight.detach(), recipe, "device")
         out = fp8_gemm.forward(x_data, x_inv, w.forward_data, w.forward_inv, offsets, dtype)
         out = bias_kernels.bias_epilogue_(out, bias, offsets, config.zero_tail)
-        ctx.save_for_backward(x, weight, offsets, w.dgrad_data, w.dgrad_inv, x_scale, *pieces)
+        ctx.save_for_backward(x, weight, offsets, w.dgrad_data, w.dgrad_inv, w.dgrad_fold, x_scale,
+                              *pieces)
         ctx.piece_sizes = [piece.shape[0] for piece in pieces]
         ctx.config = config
         ctx.bias_dtype = bias.dtype if bias is not None else None
@@ -102,7 +109,7 @@ class Fp8DeviceGroupedLinearFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        x, weight, offsets, wt_data, wt_inv, x_scale, *pieces = ctx.saved_tensors
+        x, weight, offsets, wt_data, wt_inv, wt_fold, x_scale, *pieces = ctx.saved_tensors
         dtype = pieces[0].dtype if pieces else x.dtype
         config: Fp8Config = ctx.config
         recipe = config.recipe
@@ -111,7 +118,8 @@ class Fp8DeviceGroupedLinearFunction(torch.autograd.Function):
         dy_scale = _group_scales(grad_out, offsets, fp8_grad, recipe)
         grad_x = None
         if ctx.needs_input_grad[0] or any(ctx.needs_input_grad[6:]):
-            dy_data, dy_inv = _quantize_tokens(grad_out, offsets, fp8_grad, recipe, dy_scale)
+            dy_data, dy_inv = _quantize_tokens(grad_out, offsets, fp8_grad, recipe, dy_scale,
+                                               column_factors=wt_fold)
             grad_x = fp8_gemm.dgrad(dy_data, dy_inv, wt_data, wt_inv, offsets, dtype)
             if config.zero_tail:
                 grad_x = bias_kernels.zero_tail_(grad_x, offsets)

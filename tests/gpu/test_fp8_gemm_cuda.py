@@ -6,7 +6,7 @@ import torch
 from grouped_linear.kernels import fp8_gemm
 from grouped_linear.kernels import quantize as q
 from grouped_linear.kernels import quantize_transposed as qt
-from grouped_linear.kernels import quantize_weight as qw
+from grouped_linear.kernels.transpose import transpose_groups
 from tests.reference import rel_err
 
 pytestmark = [
@@ -32,11 +32,18 @@ def test_forward_dgrad_wgrad_against_dequantized_float32(sizes, tail):
     want = fp8_gemm.dequantized_reference(x_data, x_inv, w_data, w_inv, offsets, "forward")
     rows = sum(sizes)
     assert rel_err(y[:rows], want[:rows]) < 1e-2
-    dy_data, dy_inv = q.quantize_rows(dy, E4M3, False)
-    wt_data, wt_inv = qw.quantize_weight_columns_t(w, E4M3, False)
+    # dgrad as Float8Rowwise runs it: the forward copy transposed, its factors folded into dy
+    folded = q.ColumnFactors.of_groups(w_inv, offsets, M)
+    dy_data, dy_inv = q.quantize_rows(dy, E4M3, False, column_factors=folded)
+    wt_data = transpose_groups(w_data)
+    wt_inv = torch.ones(G, K, device="cuda")
     dx = fp8_gemm.dgrad(dy_data, dy_inv, wt_data, wt_inv, offsets, torch.bfloat16)
     want = fp8_gemm.dequantized_reference(dy_data, dy_inv, wt_data, wt_inv, offsets, "forward")
     assert rel_err(dx[:rows], want[:rows]) < 1e-2
+    starts = [sum(sizes[:g]) for g in range(G)]
+    exact = torch.cat([dy[s:s + n].double() @ w[g].double() for g, (s, n) in
+                       enumerate(zip(starts, sizes))])
+    assert rel_err(dx[:rows], exact) < 6e-2
     align = fp8_gemm.WGRAD_GROUP_ALIGN
     dy_t, dy_t_inv, aligned = qt.quantize_group_columns_t(dy, offsets, E4M3, False, align=align)
     x_t, x_t_inv, _ = qt.quantize_group_columns_t(x, offsets, E4M3, False, align=align)

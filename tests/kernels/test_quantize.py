@@ -6,8 +6,8 @@ import torch
 from grouped_linear.kernels import bias as bias_kernels
 from grouped_linear.kernels import quantize as q
 from grouped_linear.kernels import quantize_transposed as qt
-from grouped_linear.kernels import quantize_weight as qw
 from grouped_linear.kernels.offsets import aligned_offsets_reference
+from grouped_linear.kernels.transpose import transpose_groups, transpose_groups_reference
 from tests.reference import rel_err
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -214,11 +214,9 @@ def test_given_scales_replace_the_amax(pow2, method, monkeypatch):
     assert _codes_close(data_t, ref_t)
 
 
-@pytest.mark.parametrize("method", ["per_group", "tiled"])
 @pytest.mark.parametrize("fp8", [E4M3, E5M2])
 @pytest.mark.parametrize("tensorwise", [False, True])
-def test_weight_quantization_kernels(fp8, tensorwise, method, monkeypatch):
-    monkeypatch.setattr(qt, "GROUP_COLUMNS_METHOD", method)
+def test_weight_quantization_kernels(fp8, tensorwise):
     G, N, K = 3, 24, 40
     w = (torch.randn(G, N, K) * torch.logspace(-2, 2, K)).to(DEVICE)
     w[1] = 0  # an all-zero expert stays finite
@@ -230,17 +228,47 @@ def test_weight_quantization_kernels(fp8, tensorwise, method, monkeypatch):
     assert fwd.shape == (G, N, K) and fwd_inv.shape == (G, N)
     assert torch.allclose(fwd_inv.reshape(-1), ref_fwd_inv) and _codes_close(fwd.reshape(G * N, K),
                                                                              ref_fwd)
-    dgrad, dgrad_inv = qw.quantize_weight_columns_t(w, fp8, False, group_scale)
-    ref_dgrad, ref_dgrad_inv = qw.quantize_weight_columns_t_reference(w, fp8, False, group_scale)
-    assert dgrad.shape == (G, K, N) and dgrad_inv.shape == (G, K)
-    assert torch.allclose(dgrad_inv, ref_dgrad_inv, rtol=1e-6) and _codes_close(dgrad, ref_dgrad)
-    # dequantized, each copy reproduces the weight within FP8 precision
+    # dequantized, the copy reproduces the weight within FP8 precision
     tol = 0.07 if fp8 == E5M2 else 0.04
     assert rel_err(fwd.float() * fwd_inv[..., None], w) < tol
-    assert rel_err((dgrad.float() * dgrad_inv[..., None]).transpose(1, 2), w) < tol
     if tensorwise:
         assert torch.allclose(fwd_inv, (1 / group_scale)[:, None].expand(G, N))
-    assert torch.isfinite(fwd_inv).all() and torch.isfinite(dgrad_inv).all()
+    assert torch.isfinite(fwd_inv).all()
+
+
+@pytest.mark.parametrize("shape", [(3, 24, 40), (2, 130, 257), (1, 1, 5), (2, 0, 7)])
+def test_transpose_groups_moves_every_byte(shape):
+    data = torch.randint(0, 256, shape, dtype=torch.uint8).to(DEVICE)
+    out = transpose_groups(data)
+    assert out.shape == (shape[0], shape[2], shape[1]) and out.is_contiguous()
+    assert torch.equal(out, transpose_groups_reference(data))
+    codes = (torch.randn(shape) * 40).to(E4M3).to(DEVICE)
+    assert torch.equal(transpose_groups(codes).view(torch.uint8),
+                       codes.transpose(1, 2).contiguous().view(torch.uint8))
+    with pytest.raises(ValueError, match="1-byte"):
+        transpose_groups(torch.zeros(2, 3, 4, device=DEVICE))
+
+
+@pytest.mark.parametrize("pow2", [False, True])
+@pytest.mark.parametrize("sizes, tail", [([5, 0, 9], 2), ([1], 0), ([0, 7, 3, 0], 4)])
+def test_rows_with_column_factors(sizes, tail, pow2):
+    """Rows times their group's column factors, quantized per row: the kernel against the
+    reference, and the dequantized result against the float64 product."""
+    C = 70
+    M = sum(sizes) + tail
+    t = (torch.randn(M, C) * 3).to(torch.bfloat16).to(DEVICE)
+    offsets = torch.tensor(sizes, device=DEVICE).cumsum(0).to(torch.int32)
+    factors = (torch.rand(len(sizes), C) * torch.logspace(-3, 3, C)).to(DEVICE)
+    column_factors = q.ColumnFactors.of_groups(factors, offsets, M)
+    data, inv = q.quantize_rows(t, E4M3, pow2, column_factors=column_factors)
+    ref_data, ref_inv = q.quantize_rows_reference(t, E4M3, pow2, column_factors=column_factors)
+    assert torch.allclose(inv, ref_inv, rtol=1e-6) and _codes_close(data, ref_data)
+    groups = torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(sizes))
+    groups = torch.cat([groups, torch.full((tail,), len(sizes) - 1)]).to(DEVICE)
+    want = t.double() * factors.double()[groups]
+    assert rel_err(data.double() * inv.double()[:, None], want) < 0.04
+    with pytest.raises(ValueError, match="not both"):
+        q.quantize_rows(t, E4M3, pow2, out=(data, inv), column_factors=column_factors)
 
 
 @pytest.mark.parametrize("method", ["per_group", "tiled"])
