@@ -13,6 +13,7 @@ import triton.testing
 
 from grouped_linear.kernels import quantize as q
 from grouped_linear.kernels import quantize_blocks as qb
+from grouped_linear.kernels import quantize_folded as qf
 from grouped_linear.kernels import quantize_transposed as qt
 from grouped_linear.kernels.transpose import transpose_groups
 
@@ -49,10 +50,14 @@ def main():
     ms = _ms(lambda: transpose_groups(w_data))
     print(f"{'weight FP8 transpose (dgrad copy)':48s} {ms:8.3f} ms "
           f"{w.numel() * 2 / ms / 1e6:8.0f} GB/s {w.numel() * 2 / ms / 1e6 / copy_gbps:6.2f} of copy")
-    folded = q.ColumnFactors.of_groups(torch.rand(offsets.shape[0], dy.shape[1], device="cuda"),
-                                       offsets, dy.shape[0])
-    report("rows dy, weight factors folded in",
-           _ms(lambda: q.quantize_rows(dy, E4M3, False, column_factors=folded)), dy.numel())
+    folded = qf.ColumnFactors.of_groups(torch.rand(offsets.shape[0], dy.shape[1], device="cuda"),
+                                        offsets, dy.shape[0])
+    report("rows dy", _ms(lambda: q.quantize_rows(dy, E4M3, False)), dy.numel())
+    for config in ((8, 8), (16, 8), (32, 8), (16, 4)):
+        qf.FOLDED_CONFIG = config
+        report(f"rows dy, weight factors folded in {config}",
+               _ms(lambda: qf.quantize_rows_folded(dy, folded, E4M3, False)), dy.numel())
+    qf.FOLDED_CONFIG = (16, 8)
     qt.GROUP_COLUMNS_METHOD = "per_group"
     for config in ((32, 64, 4), (64, 64, 4), (64, 128, 8)):
         qt.GROUP_COLUMNS_CONFIG = config

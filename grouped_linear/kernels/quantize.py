@@ -25,7 +25,7 @@ from .bias import row_groups
 
 __all__ = ["scale_from_amax", "saturate", "fake_quant", "fake_quant_rows", "fake_quant_group_columns",
            "fake_quant_groups", "fake_quant_weight", "quantize_rows", "quantize_rows_reference",
-           "quantize_rows_pieces", "piece_shifts", "PieceShifts", "ColumnFactors",
+           "quantize_rows_pieces", "piece_shifts", "PieceShifts",
            "quantize_weight_rows", "group_amax_scales", "weight_group_scales",
            "fake_quant_column_tiles", "fake_quant_weight_blocks", "fake_quant_row_tiles"]
 
@@ -105,39 +105,12 @@ def fake_quant_weight(weight: torch.Tensor, dim: int | None, fp8_dtype: torch.dt
 # The operands of real FP8 GEMMs: FP8 data plus float32 dequantization factors
 # (``1 / scale``), as torch's scaled GEMMs take them.
 def quantize_rows_reference(t: torch.Tensor, fp8_dtype: torch.dtype, power_of_two: bool,
-                            scale: torch.Tensor | None = None,
-                            column_factors: "ColumnFactors | None" = None
-                            ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(R, C)`` -> FP8 ``(R, C)`` and ``(R,)`` float32 dequantization factors (of
-    ``t * column_factors`` when given, see :class:`ColumnFactors`)."""
-    if column_factors is not None:
-        t = column_factors.apply(t)
+                            scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(R, C)`` -> FP8 ``(R, C)`` and ``(R,)`` float32 dequantization factors."""
     if scale is None:
         amax = t.abs().amax(dim=1) if t.shape[1] else t.new_zeros(t.shape[0])
         scale = scale_from_amax(amax, fp8_dtype, power_of_two)
     return saturate(t, scale[:, None], fp8_dtype), 1.0 / scale
-
-
-@dataclass(frozen=True)
-class ColumnFactors:
-    """Per-(group, column) factors that multiply the rows of ``(R, C)`` before they are
-    quantized: row ``r`` of group ``g`` is taken as ``t[r] * factors[g]``. ``factors``
-    ``(G, C)`` float32; ``row_groups`` ``(R,)`` integer, each row's group (values past
-    ``G - 1`` count as ``G - 1``: tail rows). Float8Rowwise's dgrad folds the weight's
-    per-output-channel factors into the gradient this way (see ``ops/fp8_device.py``)."""
-
-    factors: torch.Tensor
-    row_groups: torch.Tensor
-
-    @staticmethod
-    def of_groups(factors: torch.Tensor, offsets: torch.Tensor, num_rows: int) -> "ColumnFactors":
-        """The factors of the row groups ending at ``offsets`` ``(G,)``."""
-        return ColumnFactors(factors.float().contiguous(), row_groups(offsets, num_rows))
-
-    def apply(self, t: torch.Tensor) -> torch.Tensor:
-        """``t * factors[group of each row]`` in float32 (the reference)."""
-        groups = self.row_groups.clamp(max=self.factors.shape[0] - 1)
-        return t.float() * self.factors.index_select(0, groups)
 
 
 @triton.jit
@@ -159,21 +132,16 @@ def piece_shift(shifts_ptr, g, MULTIPLE: tl.constexpr):
 
 @kernel
 @triton.jit
-def _quantize_rows_kernel(t_ptr, q_ptr, inv_ptr, scale_ptr, shifts_ptr, ends_ptr, factors_ptr,
-                          groups_ptr, R, C, G, stride_t, stride_q, FP8_MAX: tl.constexpr,
-                          POW2: tl.constexpr, GIVEN_SCALE: tl.constexpr, PIECES: tl.constexpr,
-                          FACTORS: tl.constexpr, SHIFT_MULTIPLE: tl.constexpr,
-                          BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr):
+def _quantize_rows_kernel(t_ptr, q_ptr, inv_ptr, scale_ptr, shifts_ptr, ends_ptr, R, C, G,
+                          stride_t, stride_q, FP8_MAX: tl.constexpr, POW2: tl.constexpr,
+                          GIVEN_SCALE: tl.constexpr, PIECES: tl.constexpr,
+                          SHIFT_MULTIPLE: tl.constexpr, BLOCK_R: tl.constexpr,
+                          BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr):
     """Rows of ``t`` (``PIECES``: of the concatenation of pieces, see :func:`piece_shift`;
-    ``ends`` ``(G,)`` their row ends, and a given scale is per piece, not per row).
-    ``FACTORS``: row ``r`` is multiplied by ``factors[groups[r]]`` (``(G, C)`` float32)
-    first, in both passes."""
+    ``ends`` ``(G,)`` their row ends, and a given scale is per piece, not per row)."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_mask = rows < R
     base = rows.to(tl.int64)[:, None] * stride_t
-    if FACTORS:
-        group = tl.minimum(tl.load(groups_ptr + rows, mask=row_mask, other=0), G - 1)
-        factor_base = group.to(tl.int64)[:, None] * C
     if PIECES:
         slots = tl.arange(0, BLOCK_S)
         ends = tl.load(ends_ptr + slots, mask=slots < G, other=R)
@@ -190,18 +158,14 @@ def _quantize_rows_kernel(t_ptr, q_ptr, inv_ptr, scale_ptr, shifts_ptr, ends_ptr
         for c0 in range(0, C, BLOCK_C):  # pass 1: row amax
             cols = c0 + tl.arange(0, BLOCK_C)
             mask = row_mask[:, None] & (cols < C)[None, :]
-            values = tl.load(t_ptr + base + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-            if FACTORS:
-                values *= tl.load(factors_ptr + factor_base + cols[None, :], mask=mask, other=0.0)
-            amax = tl.maximum(amax, tl.max(tl.abs(values), axis=1))
+            values = tl.load(t_ptr + base + cols[None, :], mask=mask, other=0.0)
+            amax = tl.maximum(amax, tl.max(tl.abs(values.to(tl.float32)), axis=1))
         scale = _scale(amax, FP8_MAX, POW2)
     for c0 in range(0, C, BLOCK_C):  # pass 2: scale, saturate, round
         cols = c0 + tl.arange(0, BLOCK_C)
         mask = row_mask[:, None] & (cols < C)[None, :]
-        values = tl.load(t_ptr + base + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        if FACTORS:
-            values *= tl.load(factors_ptr + factor_base + cols[None, :], mask=mask, other=0.0)
-        scaled = tl.clamp(values * scale[:, None], -FP8_MAX, FP8_MAX)
+        values = tl.load(t_ptr + base + cols[None, :], mask=mask, other=0.0)
+        scaled = tl.clamp(values.to(tl.float32) * scale[:, None], -FP8_MAX, FP8_MAX)
         tl.store(q_ptr + rows.to(tl.int64)[:, None] * stride_q + cols[None, :],
                  scaled.to(q_ptr.dtype.element_ty), mask=mask)
     tl.store(inv_ptr + rows, 1.0 / scale, mask=row_mask)
@@ -229,21 +193,17 @@ def _rows_launch_shape(C: int) -> tuple[int, int, int]:
 
 def quantize_rows(t: torch.Tensor, fp8_dtype: torch.dtype, power_of_two: bool,
                   scale: torch.Tensor | None = None,
-                  out: tuple[torch.Tensor, torch.Tensor] | None = None,
-                  column_factors: ColumnFactors | None = None,
+                  out: tuple[torch.Tensor, torch.Tensor] | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(R, C)`` -> FP8 ``(R, C)`` and ``(R,)`` dequantization factors, one read pass
     per row block (two when a row is wider than one block). ``scale`` ``(R,)`` float32
     gives the rows' scales instead of deriving them from the rows' amax. ``out``: an FP8
     ``(R, C)`` tensor with unit column stride and a float32 ``(R,)`` one to write into
-    (views of larger buffers: see :func:`quantize_rows_pieces`). ``column_factors``:
-    quantize ``t * factors`` per row group instead of ``t`` (:class:`ColumnFactors`)."""
-    if column_factors is not None and out is not None:
-        raise ValueError("quantize_rows takes column_factors or out, not both")
+    (views of larger buffers: see :func:`quantize_rows_pieces`)."""
     if not use_triton(t) or t.stride(-1) != 1 or t.shape[0] == 0 or (
             out is not None and t.device.type == "cpu"):
         if out is None:
-            return quantize_rows_reference(t, fp8_dtype, power_of_two, scale, column_factors)
+            return quantize_rows_reference(t, fp8_dtype, power_of_two, scale)
         data, inv = quantize_rows(t, fp8_dtype, power_of_two, scale)  # CPU: torch rounds
         out[0].copy_(data)
         out[1].copy_(inv)
@@ -254,30 +214,24 @@ def quantize_rows(t: torch.Tensor, fp8_dtype: torch.dtype, power_of_two: bool,
     else:
         data = _fp8_buffer((R, C), t.device, fp8_dtype)
         inv = torch.empty(R, device=t.device, dtype=torch.float32)
-    _launch_rows(t, data, inv, scale, fp8_dtype, power_of_two, column_factors=column_factors)
+    _launch_rows(t, data, inv, scale, fp8_dtype, power_of_two)
     return _finish(data, fp8_dtype), inv
 
 
 def _launch_rows(t: torch.Tensor, data: torch.Tensor, inv: torch.Tensor,
                  scale: torch.Tensor | None, fp8_dtype: torch.dtype, power_of_two: bool,
-                 shifts: "PieceShifts | None" = None, ends: torch.Tensor | None = None,
-                 column_factors: ColumnFactors | None = None) -> None:
+                 shifts: "PieceShifts | None" = None, ends: torch.Tensor | None = None) -> None:
     """:func:`_quantize_rows_kernel` over the ``data.shape[0]`` rows of ``t`` into
     ``data``/``inv``; with ``shifts``, ``t`` is the first of the pieces and ``ends`` their
     ``(G,)`` row ends (``scale`` is then per piece)."""
     R, C = data.shape
     G = ends.shape[0] if shifts is not None else 1
-    factors = column_factors.factors if column_factors is not None else inv
-    if column_factors is not None:
-        G = factors.shape[0]
     block_r, block_c, warps = _rows_launch_shape(C)
     _quantize_rows_kernel[(triton.cdiv(R, block_r),)](
         t, data, inv, scale if scale is not None else inv,
         shifts.shifts if shifts is not None else inv, ends if shifts is not None else inv,
-        factors, column_factors.row_groups if column_factors is not None else inv,
         R, C, G, t.stride(0), data.stride(0), FP8_MAX=torch.finfo(fp8_dtype).max,
         POW2=power_of_two, GIVEN_SCALE=scale is not None, PIECES=shifts is not None,
-        FACTORS=column_factors is not None,
         SHIFT_MULTIPLE=shifts.multiple if shifts is not None else 1, BLOCK_R=block_r,
         BLOCK_C=block_c, BLOCK_S=triton.next_power_of_2(G + 1) if shifts is not None else 2,
         num_warps=warps,

@@ -28,6 +28,7 @@ from ..kernels import fp8_gemm, grouped_gemm, triton_gemm
 from ..kernels import quantize as q
 from ..kernels import quantize_blocks as qb
 from ..kernels._triton import HAS_TRITON
+from ..kernels.quantize_folded import ColumnFactors
 from ..kernels.transpose import transpose_groups
 from ..recipes import Float8Blockwise, Float8Recipe, Float8Rowwise, Float8Tensorwise
 from .weight_grad import WeightGradSink, route_weight_grads
@@ -186,7 +187,7 @@ def _dgrad_operands(grad_out: torch.Tensor, weight: torch.Tensor, offsets: torch
     amax = weight.abs().amax(dim=2) if K else weight.new_zeros(G, N)
     scale = q.scale_from_amax(amax, recipe.forward_dtype, recipe.power_of_two_scales)
     codes = q.saturate(weight, scale[..., None], recipe.forward_dtype).float()
-    folded = q.ColumnFactors.of_groups(1.0 / scale, offsets, grad_out.shape[0]).apply(grad_out)
+    folded = ColumnFactors.of_groups(1.0 / scale, offsets, grad_out.shape[0]).apply(grad_out)
     return q.fake_quant_rows(folded, recipe.gradient_dtype, recipe.power_of_two_scales), codes
 
 

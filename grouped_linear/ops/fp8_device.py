@@ -28,6 +28,7 @@ import torch
 from ..kernels import bias as bias_kernels
 from ..kernels import fp8_gemm, fp8_triton_gemm
 from ..kernels import quantize as q
+from ..kernels import quantize_folded as qf
 from ..kernels import quantize_transposed as qt
 from ..recipes import Float8Recipe, Float8Tensorwise
 from .fp8 import Fp8Config, Fp8Weight, quantize_weight, weight_and_bias_grads
@@ -68,14 +69,14 @@ def _quantize_tokens(t: torch.Tensor, offsets: torch.Tensor, fp8_dtype: torch.dt
                      column_factors: torch.Tensor | None = None):
     """``(M, C)`` -> FP8 ``(M, C)`` and ``(M,)`` factors: per row, or the row's group's.
     ``column_factors`` ``(G, C)``: quantize ``t`` times its row group's factors instead."""
-    row_scale = factors = None
+    if column_factors is not None:
+        factors = qf.ColumnFactors.of_groups(column_factors, offsets, t.shape[0])
+        return qf.quantize_rows_folded(t, factors, fp8_dtype, recipe.power_of_two_scales)
+    row_scale = None
     if group_scale is not None:  # rows past the last group get scale 1 (never read)
         padded = torch.cat([group_scale, group_scale.new_ones(1)])
         row_scale = padded.index_select(0, bias_kernels.row_groups(offsets, t.shape[0]))
-    if column_factors is not None:
-        factors = q.ColumnFactors.of_groups(column_factors, offsets, t.shape[0])
-    return q.quantize_rows(t, fp8_dtype, recipe.power_of_two_scales, row_scale,
-                           column_factors=factors)
+    return q.quantize_rows(t, fp8_dtype, recipe.power_of_two_scales, row_scale)
 
 
 class Fp8DeviceGroupedLinearFunction(torch.autograd.Function):

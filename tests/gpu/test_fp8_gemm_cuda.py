@@ -5,6 +5,7 @@ import torch
 
 from grouped_linear.kernels import fp8_gemm
 from grouped_linear.kernels import quantize as q
+from grouped_linear.kernels import quantize_folded as qf
 from grouped_linear.kernels import quantize_transposed as qt
 from grouped_linear.kernels.transpose import transpose_groups
 from tests.reference import rel_err
@@ -33,8 +34,8 @@ def test_forward_dgrad_wgrad_against_dequantized_float32(sizes, tail):
     rows = sum(sizes)
     assert rel_err(y[:rows], want[:rows]) < 1e-2
     # dgrad as Float8Rowwise runs it: the forward copy transposed, its factors folded into dy
-    folded = q.ColumnFactors.of_groups(w_inv, offsets, M)
-    dy_data, dy_inv = q.quantize_rows(dy, E4M3, False, column_factors=folded)
+    folded = qf.ColumnFactors.of_groups(w_inv, offsets, M)
+    dy_data, dy_inv = qf.quantize_rows_folded(dy, folded, E4M3, False)
     wt_data = transpose_groups(w_data)
     wt_inv = torch.ones(G, K, device="cuda")
     dx = fp8_gemm.dgrad(dy_data, dy_inv, wt_data, wt_inv, offsets, torch.bfloat16)

@@ -26,6 +26,7 @@ from grouped_linear.kernels import fp8_triton_gemm as fg
 from grouped_linear.kernels import layout
 from grouped_linear.kernels import quantize as q
 from grouped_linear.kernels import quantize_blocks as qb
+from grouped_linear.kernels import quantize_folded as qf
 from grouped_linear.kernels import quantize_transposed as qt
 from grouped_linear.kernels import transpose as tp
 from grouped_linear.kernels import triton_gemm as tg
@@ -105,21 +106,19 @@ CASES = {
                     "BLOCK_N": 64, "BLOCK_K": 64, "BLOCK_G": 16}, 4),
     "rows": (q._quantize_rows_kernel, {"t_ptr": "*bf16", "q_ptr": F8},
              {"FP8_MAX": FP8_MAX, "POW2": False, "GIVEN_SCALE": False, "PIECES": False,
-              "FACTORS": False, "SHIFT_MULTIPLE": 1, "BLOCK_R": q.ROWS_CONFIG[0],
-              "BLOCK_C": q.ROWS_CONFIG[1], "BLOCK_S": 2}, q.ROWS_CONFIG[2]),
-    "rows with column factors": (q._quantize_rows_kernel,
-                                 {"t_ptr": "*bf16", "q_ptr": F8, "groups_ptr": "*i64"},
-                                 {"FP8_MAX": FP8_MAX, "POW2": False, "GIVEN_SCALE": False,
-                                  "PIECES": False, "FACTORS": True, "SHIFT_MULTIPLE": 1,
-                                  "BLOCK_R": q.ROWS_CONFIG[0], "BLOCK_C": q.ROWS_CONFIG[1],
-                                  "BLOCK_S": 2}, q.ROWS_CONFIG[2]),
+              "SHIFT_MULTIPLE": 1, "BLOCK_R": q.ROWS_CONFIG[0], "BLOCK_C": q.ROWS_CONFIG[1],
+              "BLOCK_S": 2}, q.ROWS_CONFIG[2]),
+    "rows folded": (qf._quantize_rows_folded_kernel,
+                    {"t_ptr": "*bf16", "q_ptr": F8, "groups_ptr": "*i64"},
+                    {"FP8_MAX": FP8_MAX, "POW2": False, "ROWS": qf.FOLDED_CONFIG[0],
+                     "BLOCK_C": 4096}, qf.FOLDED_CONFIG[1]),
     "byte transpose": (tp._transpose_kernel, {"src_ptr": "*u8", "dst_ptr": "*u8"},
                       {"BLOCK_R": tp.TRANSPOSE_CONFIG[0], "BLOCK_C": tp.TRANSPOSE_CONFIG[1]},
                       tp.TRANSPOSE_CONFIG[2]),
     "rows of pieces": (q._quantize_rows_kernel,
                        {"t_ptr": "*bf16", "q_ptr": F8, "shifts_ptr": "*i64", "ends_ptr": "*i32"},
                        {"FP8_MAX": FP8_MAX, "POW2": False, "GIVEN_SCALE": False, "PIECES": True,
-                        "FACTORS": False, "SHIFT_MULTIPLE": 8, "BLOCK_R": q.ROWS_CONFIG[0],
+                        "SHIFT_MULTIPLE": 8, "BLOCK_R": q.ROWS_CONFIG[0],
                         "BLOCK_C": q.ROWS_CONFIG[1], "BLOCK_S": 16}, q.ROWS_CONFIG[2]),
     "group columns": (qt._quantize_group_columns_t_kernel,
                       {"t_ptr": "*bf16", "offsets_ptr": "*i32", "dst_offsets_ptr": "*i32", "q_ptr": F8},

@@ -1,0 +1,108 @@
+"""Per-row FP8 quantization of ``t * factors[group of the row]``: the Float8Rowwise dgrad's
+gradient operand.
+
+The dgrad GEMM reuses the forward's FP8 weight, scaled per output channel ``n``; ``n`` is
+the dgrad's reduced dimension, so the weight's factors cannot stay on the weight: they
+multiply the output gradient's columns instead (row ``r`` of group ``g`` times
+``factors[g]``), and the product is quantized per row as usual. One program walks a run of
+consecutive rows, keeps its group's factor row in registers while the group stays the same,
+and reads each gradient row once (the whole row is one block). The plain-PyTorch reference
+is :func:`quantize_rows_folded_reference`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ._triton import kernel, tl, triton, use_triton
+from .bias import row_groups
+from .quantize import _finish, _fp8_buffer, _scale, quantize_rows_reference
+
+__all__ = ["ColumnFactors", "quantize_rows_folded", "quantize_rows_folded_reference"]
+
+# Launch shape: (rows per program, warps); rows up to MAX_BLOCK_C wide take the kernel.
+FOLDED_CONFIG = (16, 8)
+MAX_BLOCK_C = 16384
+
+
+@dataclass(frozen=True)
+class ColumnFactors:
+    """Per-(group, column) factors for the rows of an ``(R, C)`` tensor: ``factors``
+    ``(G, C)`` float32 and ``row_groups`` ``(R,)`` integer, each row's group (values past
+    ``G - 1`` count as ``G - 1``: rows after the last group)."""
+
+    factors: torch.Tensor
+    row_groups: torch.Tensor
+
+    @staticmethod
+    def of_groups(factors: torch.Tensor, offsets: torch.Tensor, num_rows: int) -> ColumnFactors:
+        """The factors of the row groups ending at ``offsets`` ``(G,)``."""
+        return ColumnFactors(factors.float().contiguous(), row_groups(offsets, num_rows))
+
+    def apply(self, t: torch.Tensor) -> torch.Tensor:
+        """``t * factors[group of each row]`` in float32."""
+        groups = self.row_groups.clamp(max=self.factors.shape[0] - 1)
+        return t.float() * self.factors.index_select(0, groups)
+
+
+def quantize_rows_folded_reference(t: torch.Tensor, column_factors: ColumnFactors,
+                                   fp8_dtype: torch.dtype, power_of_two: bool
+                                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(R, C)`` -> FP8 ``(R, C)`` of ``t * factors`` per row, and ``(R,)`` factors."""
+    return quantize_rows_reference(column_factors.apply(t), fp8_dtype, power_of_two)
+
+
+@kernel
+@triton.jit
+def _quantize_rows_folded_kernel(t_ptr, factors_ptr, groups_ptr, q_ptr, inv_ptr, R, C, G,
+                                 stride_t, stride_q, FP8_MAX: tl.constexpr, POW2: tl.constexpr,
+                                 ROWS: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Rows ``[program * ROWS, program * ROWS + ROWS)``, each one block of ``BLOCK_C >= C``."""
+    cols = tl.arange(0, BLOCK_C)
+    col_mask = cols < C
+    first = tl.program_id(0).to(tl.int64) * ROWS
+    held = tl.minimum(tl.load(groups_ptr + first), G - 1)
+    factors = tl.load(factors_ptr + held * C + cols, mask=col_mask, other=0.0)
+    for i in range(ROWS):
+        row = first + i
+        live = row < R
+        group = tl.minimum(tl.load(groups_ptr + row, mask=live, other=0), G - 1)
+        if group != held:  # a group boundary inside the run: fetch its factors
+            held = group
+            factors = tl.load(factors_ptr + group * C + cols, mask=col_mask, other=0.0)
+        mask = col_mask & live
+        values = tl.load(t_ptr + row * stride_t + cols, mask=mask, other=0.0).to(tl.float32)
+        values *= factors
+        scale = _scale(tl.max(tl.abs(values), axis=0), FP8_MAX, POW2)
+        scaled = tl.clamp(values * scale, -FP8_MAX, FP8_MAX)
+        tl.store(q_ptr + row * stride_q + cols, scaled.to(q_ptr.dtype.element_ty), mask=mask)
+        tl.store(inv_ptr + row, 1.0 / scale, mask=live)
+
+
+def quantize_rows_folded(t: torch.Tensor, column_factors: ColumnFactors, fp8_dtype: torch.dtype,
+                         power_of_two: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(R, C)`` -> FP8 ``(R, C)``: row ``r`` of group ``g`` is ``t[r] * factors[g]``,
+    scaled by its own amax; and the ``(R,)`` float32 dequantization factors. One read of
+    ``t`` on GPUs for rows of up to ``MAX_BLOCK_C`` columns (the reference beyond)."""
+    R, C = t.shape
+    factors = column_factors.factors
+    if factors.dim() != 2 or factors.shape[1] != C or factors.shape[0] == 0:
+        raise ValueError(f"column factors of shape {tuple(factors.shape)} do not fit rows of {C} "
+                         "columns: expected (G, C) with G >= 1")
+    if column_factors.row_groups.shape != (R,):
+        raise ValueError(f"row_groups has shape {tuple(column_factors.row_groups.shape)}, "
+                         f"expected ({R},)")
+    block_c = triton.next_power_of_2(max(C, 16))
+    if not use_triton(t) or t.stride(-1) != 1 or R == 0 or block_c > MAX_BLOCK_C:
+        return quantize_rows_folded_reference(t, column_factors, fp8_dtype, power_of_two)
+    data = _fp8_buffer((R, C), t.device, fp8_dtype)
+    inv = torch.empty(R, device=t.device, dtype=torch.float32)
+    rows, warps = FOLDED_CONFIG
+    _quantize_rows_folded_kernel[(triton.cdiv(R, rows),)](
+        t, factors, column_factors.row_groups, data, inv, R, C, factors.shape[0], t.stride(0),
+        data.stride(0), FP8_MAX=torch.finfo(fp8_dtype).max, POW2=power_of_two, ROWS=rows,
+        BLOCK_C=block_c, num_warps=warps,
+    )
+    return _finish(data, fp8_dtype), inv
