@@ -53,11 +53,11 @@ def main():
     folded = qf.ColumnFactors.of_groups(torch.rand(offsets.shape[0], dy.shape[1], device="cuda"),
                                         offsets, dy.shape[0])
     report("rows dy", _ms(lambda: q.quantize_rows(dy, E4M3, False)), dy.numel())
-    for config in ((8, 8), (16, 8), (32, 8), (16, 4)):
+    for config in ((8, 512), (16, 512), (16, 1024), (32, 1024)):
         qf.FOLDED_CONFIG = config
         report(f"rows dy, weight factors folded in {config}",
                _ms(lambda: qf.quantize_rows_folded(dy, folded, E4M3, False)), dy.numel())
-    qf.FOLDED_CONFIG = (16, 8)
+    qf.FOLDED_CONFIG = (16, 1024)
     qt.GROUP_COLUMNS_METHOD = "per_group"
     for config in ((32, 64, 4), (64, 64, 4), (64, 128, 8)):
         qt.GROUP_COLUMNS_CONFIG = config

@@ -111,7 +111,7 @@ CASES = {
     "rows folded": (qf._quantize_rows_folded_kernel,
                     {"t_ptr": "*bf16", "q_ptr": F8, "groups_ptr": "*i64"},
                     {"FP8_MAX": FP8_MAX, "POW2": False, "ROWS": qf.FOLDED_CONFIG[0],
-                     "BLOCK_C": 4096}, qf.FOLDED_CONFIG[1]),
+                     "BLOCK_C": 4096}, 4096 // qf.FOLDED_CONFIG[1]),
     "byte transpose": (tp._transpose_kernel, {"src_ptr": "*u8", "dst_ptr": "*u8"},
                       {"BLOCK_R": tp.TRANSPOSE_CONFIG[0], "BLOCK_C": tp.TRANSPOSE_CONFIG[1]},
                       tp.TRANSPOSE_CONFIG[2]),
