@@ -37,12 +37,12 @@ __all__ = ["Fp8DeviceGroupedLinearFunction", "TRITON_WGRAD_MIN_GROUPS"]
 
 # From this many groups on, the wgrad GEMM runs in this library's Triton kernel (operands
 # aligned to 128-token group blocks) instead of torch's FP8 grouped GEMM, whose 2-D x 2-D
-# form collapses at 128 groups. H200, TFLOP/s, torch / Triton (benchmarks/NOTES.md): 922-1162
-# / 1092-1324 on the 8-group bench shapes, 1078 / 979 and 1074 / 1240 at 16 and 32 equal
-# groups of 131072 x 2048 -> 1536, 256 / 815-836 at 128 skewed groups. The layer step with
-# the Triton wgrad on the 8-group shapes (two runs each way, shapes in reverse order): 1.04x
-# on dsv3_ep32_fc1 and qwen35_397b_ep64_fc1, 0.99-1.00x on te_jagged_8 and _fc2. ``None``: always torch's.
-TRITON_WGRAD_MIN_GROUPS: int | None = 1
+# form collapses at 128 groups. H200, TFLOP/s, torch / Triton (benchmarks/NOTES.md): 1078 /
+# 979 and 1074 / 1240 at 16 and 32 equal groups of 131072 x 2048 -> 1536, 256 / 815-836 at
+# 128 skewed groups. At 8 groups the Triton GEMM is faster alone (922-1162 / 1092-1324) and
+# the layer step with it 0.99-1.04x; at 16 unaligned groups (unaligned_g16) the step with it
+# is 0.85x: below 32 groups torch's wgrad stays. ``None``: always torch's.
+TRITON_WGRAD_MIN_GROUPS: int | None = 32
 
 
 def _group_scales(t: torch.Tensor, offsets: torch.Tensor, fp8_dtype: torch.dtype,
