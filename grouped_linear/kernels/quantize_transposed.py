@@ -65,16 +65,14 @@ def quantize_group_columns_t_reference(t: torch.Tensor, offsets: torch.Tensor,
 @kernel
 @triton.jit
 def _quantize_group_columns_t_kernel(t_ptr, offsets_ptr, dst_offsets_ptr, q_ptr, inv_ptr, scale_ptr,
-                                     M, C, stride_t, stride_q, stride_q_group,
+                                     M, C, stride_t, stride_q,
                                      FP8_MAX: tl.constexpr, POW2: tl.constexpr,
-                                     GIVEN_SCALE: tl.constexpr, LOCAL_ROWS: tl.constexpr,
-                                     PAD: tl.constexpr, BLOCK_R: tl.constexpr,
-                                     BLOCK_C: tl.constexpr):
+                                     GIVEN_SCALE: tl.constexpr, PAD: tl.constexpr,
+                                     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     """Group ``g``'s rows ``[start, end)``, columns of one block: scale per column, write
-    ``q[g * stride_q_group + col * stride_q + j]``: ``j`` is the row's index inside the
-    group when ``LOCAL_ROWS``, else ``dst_start + index`` with ``dst_start`` the group's
-    start in ``dst_offsets``; then zero ``j`` up to the group's ``dst`` end (< ``PAD``
-    columns)."""
+    ``q[col * stride_q + j]`` with ``j = dst_start + index``, ``dst_start`` the group's start
+    in ``dst_offsets`` and ``index`` the row's index inside the group; then zero ``j`` up to
+    the group's ``dst`` end (< ``PAD`` columns)."""
     group = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     col_mask = cols < C
@@ -91,11 +89,8 @@ def _quantize_group_columns_t_kernel(t_ptr, offsets_ptr, dst_offsets_ptr, q_ptr,
                              mask=mask, other=0.0)
             amax = tl.maximum(amax, tl.max(tl.abs(values.to(tl.float32)), axis=0))
         scale = _scale(amax, FP8_MAX, POW2)
-    q_base = q_ptr + group.to(tl.int64) * stride_q_group + cols.to(tl.int64)[None, :] * stride_q
-    if LOCAL_ROWS:
-        dst_start = 0
-    else:
-        dst_start = tl.load(dst_offsets_ptr + group - 1, mask=group > 0, other=0)
+    q_base = q_ptr + cols.to(tl.int64)[None, :] * stride_q
+    dst_start = tl.load(dst_offsets_ptr + group - 1, mask=group > 0, other=0)
     for r0 in range(start, end, BLOCK_R):  # pass 2: quantize and write transposed
         rows = r0 + tl.arange(0, BLOCK_R)
         mask = (rows < end)[:, None] & col_mask[None, :]
@@ -365,8 +360,8 @@ def quantize_group_columns_t(t: torch.Tensor, offsets: torch.Tensor, fp8_dtype: 
     block_r, block_c, warps = GROUP_COLUMNS_CONFIG
     _quantize_group_columns_t_kernel[(G, triton.cdiv(C, block_c))](
         t, offsets, data_offsets, data, inv, group_scale if group_scale is not None else inv,
-        M, C, t.stride(0), data.stride(0), 0, FP8_MAX=torch.finfo(fp8_dtype).max,
-        POW2=power_of_two, GIVEN_SCALE=group_scale is not None, LOCAL_ROWS=False,
+        M, C, t.stride(0), data.stride(0), FP8_MAX=torch.finfo(fp8_dtype).max,
+        POW2=power_of_two, GIVEN_SCALE=group_scale is not None,
         PAD=triton.next_power_of_2(align) if align > 1 else 1, BLOCK_R=block_r, BLOCK_C=block_c,
         num_warps=warps,
     )

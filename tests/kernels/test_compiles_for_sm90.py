@@ -122,7 +122,7 @@ CASES = {
                         "BLOCK_C": q.ROWS_CONFIG[1], "BLOCK_S": 16}, q.ROWS_CONFIG[2]),
     "group columns": (qt._quantize_group_columns_t_kernel,
                       {"t_ptr": "*bf16", "offsets_ptr": "*i32", "dst_offsets_ptr": "*i32", "q_ptr": F8},
-                      {"FP8_MAX": FP8_MAX, "POW2": True, "GIVEN_SCALE": False, "LOCAL_ROWS": False,
+                      {"FP8_MAX": FP8_MAX, "POW2": True, "GIVEN_SCALE": False,
                        "PAD": 16, "BLOCK_R": 32, "BLOCK_C": 64}, 4),
     "column amax (tiled)": (qt._group_column_amax_kernel, {"t_ptr": "*bf16", "offsets_ptr": "*i32"},
                             {"BLOCK_R": qt.TILED_CONFIG[0], "BLOCK_C": qt.TILED_CONFIG[1], "BLOCK_S": 16,
