@@ -6,7 +6,8 @@ Operands are FP8 data plus float32 dequantization factors (``1 / scale``), as
 * forward ``y = x @ W_g^T``: ``x`` ``(M, K)`` with ``(M,)`` factors, ``W`` ``(G, N, K)``
   with ``(G, N)`` (one per output channel);
 * dgrad ``dx = dy @ W_g``: ``dy`` ``(M, N)`` with ``(M,)``, the weight as ``(G, K, N)``
-  with ``(G, K)`` (one per input channel);
+  with ``(G, K)`` (one per input channel; the recipes pass the forward copy transposed,
+  with ones or the group's factor, see ``ops/fp8_device.py``);
 * wgrad ``dW_g = dy_g^T @ x_g``: ``dy^T`` ``(N, M)`` and ``x^T`` ``(K, M)``, with
   ``(G, N)`` and ``(G, K)`` factors (per group and column, along the tokens).
 

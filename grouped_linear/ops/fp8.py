@@ -5,8 +5,9 @@ would (see :mod:`grouped_linear.kernels.quantize`), accumulating in float32:
 
 * forward: ``x`` per token (rowwise) or per group (tensorwise), ``W`` per output
   channel or per group, E4M3;
-* dgrad: ``dy`` per token or per group in the gradient format, ``W`` per input
-  channel or per group;
+* dgrad: rowwise, ``dy`` times the weight's per-output-channel factors, per token, with
+  the forward's FP8 weight values; tensorwise, ``dy`` and ``W`` per group (gradient format
+  for ``dy``);
 * wgrad: ``dy`` and ``x`` per (group, column) along the group's tokens, or per group.
 
 The bias is added, and its gradient summed, in high precision. This path runs
