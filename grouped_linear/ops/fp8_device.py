@@ -65,13 +65,8 @@ def _piece_scales(pieces: tuple[torch.Tensor, ...], fp8_dtype: torch.dtype,
 
 
 def _quantize_tokens(t: torch.Tensor, offsets: torch.Tensor, fp8_dtype: torch.dtype,
-                     recipe: Float8Recipe, group_scale: torch.Tensor | None,
-                     column_factors: torch.Tensor | None = None):
-    """``(M, C)`` -> FP8 ``(M, C)`` and ``(M,)`` factors: per row, or the row's group's.
-    ``column_factors`` ``(G, C)``: quantize ``t`` times its row group's factors instead."""
-    if column_factors is not None:
-        factors = qf.ColumnFactors.of_groups(column_factors, offsets, t.shape[0])
-        return qf.quantize_rows_folded(t, factors, fp8_dtype, recipe.power_of_two_scales)
+                     recipe: Float8Recipe, group_scale: torch.Tensor | None):
+    """``(M, C)`` -> FP8 ``(M, C)`` and ``(M,)`` factors: per row, or the row's group's."""
     row_scale = None
     if group_scale is not None:  # rows past the last group get scale 1 (never read)
         padded = torch.cat([group_scale, group_scale.new_ones(1)])
@@ -119,8 +114,11 @@ class Fp8DeviceGroupedLinearFunction(torch.autograd.Function):
         dy_scale = _group_scales(grad_out, offsets, fp8_grad, recipe)
         grad_x = None
         if ctx.needs_input_grad[0] or any(ctx.needs_input_grad[6:]):
-            dy_data, dy_inv = _quantize_tokens(grad_out, offsets, fp8_grad, recipe, dy_scale,
-                                               column_factors=wt_fold)
+            if wt_fold is not None:  # rowwise: dy times the weight's channel factors
+                folded = qf.ColumnFactors.of_groups(wt_fold, offsets, grad_out.shape[0])
+                dy_data, dy_inv = qf.quantize_rows_folded(grad_out, folded, fp8_grad, pow2)
+            else:
+                dy_data, dy_inv = _quantize_tokens(grad_out, offsets, fp8_grad, recipe, dy_scale)
             grad_x = fp8_gemm.dgrad(dy_data, dy_inv, wt_data, wt_inv, offsets, dtype)
             if config.zero_tail:
                 grad_x = bias_kernels.zero_tail_(grad_x, offsets)

@@ -5,19 +5,10 @@ import torch
 
 from grouped_linear.kernels import quantize as q
 from grouped_linear.kernels import quantize_blocks as qb
+from tests.reference import codes_close
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def _codes_close(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """FP8 tensors equal up to one rounding step in rare ties (the kernels' scale may
-    differ from torch's by one ulp)."""
-    assert a.dtype == b.dtype and a.shape == b.shape
-    if a.numel() == 0:
-        return True
-    diff = (a.view(torch.uint8).int() - b.view(torch.uint8).int()).abs()
-    return bool((diff <= 1).all()) and float((diff != 0).float().mean()) < 0.05
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -28,7 +19,7 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
 def _dequant_same(deq: torch.Tensor, emulated: torch.Tensor, data: torch.Tensor,
                   ref_data: torch.Tensor) -> bool:
     """Dequantized kernel output equals the emulation wherever the kernel's code equals
-    the reference's (``_codes_close`` bounds the rare ties where it does not)."""
+    the reference's (``codes_close`` bounds the rare ties where it does not)."""
     same_code = (data.view(torch.uint8) == ref_data.view(torch.uint8)).cpu()
     return _same(deq.cpu()[same_code], emulated.cpu()[same_code])
 
@@ -63,7 +54,7 @@ def _check_pair(got, ref, fp8):
     assert data.shape == ref_data.shape and inv.shape == ref_inv.shape
     assert data.is_contiguous()
     assert torch.isfinite(inv).all()
-    assert _same(inv, ref_inv) and _codes_close(data, ref_data)
+    assert _same(inv, ref_inv) and codes_close(data, ref_data)
 
 
 # --------------------------------------------------------------------------- row tiles

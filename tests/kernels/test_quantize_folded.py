@@ -33,5 +33,3 @@ def test_rows_with_column_factors(sizes, tail, pow2):
         qf.quantize_rows_folded(t[:, :-1], column_factors, E4M3, pow2)
     with pytest.raises(ValueError, match="row_groups"):
         qf.quantize_rows_folded(t[:-1], column_factors, E4M3, pow2)
-
-
