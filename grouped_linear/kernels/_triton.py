@@ -63,6 +63,8 @@ class _Kernel:
     def __init__(self, jit_fn):
         self.jit_fn = jit_fn
         self._compiled: dict = {}
+        # Under TRITON_INTERPRET=1 (read when the kernel was decorated) there is no binary.
+        self._interpreted = not hasattr(jit_fn, "device_caches")
 
     def __getattr__(self, name):
         return getattr(self.jit_fn, name)
@@ -72,7 +74,7 @@ class _Kernel:
 
     def _launch(self, grid, args, meta):
         hooks = triton.knobs.runtime
-        if (not FAST_LAUNCH or interpreting() or hooks.launch_enter_hook.calls
+        if (not FAST_LAUNCH or self._interpreted or hooks.launch_enter_hook.calls
                 or hooks.launch_exit_hook.calls):
             return self.jit_fn[grid](*args, **meta)
         device = torch.cuda.current_device()

@@ -12,7 +12,12 @@ from torch import nn
 from ..ops.bias_add import add_group_bias
 from ..ops.checks import check_int
 from ..ops.fp8 import fp8_path, quantize_weight
-from ..ops.grouped_linear import BACKEND_CHOICES, apply_grouped_linear, join_inputs
+from ..ops.grouped_linear import (
+    BACKEND_CHOICES,
+    apply_grouped_linear,
+    fast_grouped_linear,
+    join_inputs,
+)
 from ..ops.splits import normalize_splits
 from ..ops.weight_grad import WeightGradSink, check_main_grad
 from ..parallel.tensor_parallel import TensorParallel, copy_to_tp_region, reduce_from_tp_region
@@ -211,6 +216,10 @@ class GroupedLinear(nn.Module):
         ``return_bias`` overrides the constructor's choice for this call (callers
         that fold the bias into their next kernel, like ``GroupedMLP``).
         """
+        if is_first_microbatch is None and return_bias is None and self._plain_call():
+            out = fast_grouped_linear(x, self.weight, self.bias, m_splits, self.backend)
+            if out is not None:
+                return out
         return_bias = self.return_bias if return_bias is None else return_bias
         out = self._grouped_forward(x, m_splits, is_first_microbatch, add_bias=not return_bias)
         if not return_bias:
@@ -218,6 +227,14 @@ class GroupedLinear(nn.Module):
         if not self.use_bias:
             return out, None
         return out, (self.bias if self.single_grouped_bias else self.bias_list())
+
+    def _plain_call(self) -> bool:
+        """Whether a call is the plain high-precision one (no recipe, tensor parallelism, bias
+        return, gradient routing, per-expert parameters): then
+        :func:`~grouped_linear.ops.grouped_linear.fast_grouped_linear` may take it."""
+        return (self.recipe is None and not self.return_bias and self.tp.mode is None
+                and self.single_grouped_weight and (self.single_grouped_bias or not self.use_bias)
+                and not self.delay_wgrad_compute and not self.fuse_wgrad_accumulation)
 
     def _grouped_forward(self, x, m_splits, is_first_microbatch, *, add_bias: bool) -> torch.Tensor:
         if is_first_microbatch not in (None, True, False):

@@ -15,15 +15,17 @@ import torch
 from ..kernels import bias as bias_kernels
 from ..kernels import grouped_gemm, triton_gemm
 from ..kernels._triton import HAS_TRITON, interpreting
+from ..kernels.offsets import group_offsets
 from ..recipes import Float8Recipe, check_recipe, current_recipe
 from .fp8 import Fp8Config, Fp8GroupedLinearFunction, Fp8Weight, fp8_path
 from .fp8_blockwise import Fp8BlockwiseFunction
 from .fp8_device import Fp8DeviceGroupedLinearFunction
 from .registry import compute_op, register_fake
-from .splits import GroupSplits, normalize_splits
+from .splits import SPLIT_DTYPES, GroupSplits, debug_checks_enabled, normalize_splits
 from .weight_grad import WeightGradSink, route_weight_grads
 
-__all__ = ["grouped_linear", "apply_grouped_linear", "resolve_backend", "BACKEND_CHOICES"]
+__all__ = ["grouped_linear", "apply_grouped_linear", "fast_grouped_linear", "resolve_backend",
+           "BACKEND_CHOICES"]
 
 BACKEND_CHOICES = ("auto", "grouped", "loop", "triton")
 _TRITON_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -151,23 +153,26 @@ class GroupedLinearFunction(torch.autograd.Function):
     def backward(ctx, grad_out):
         x, weight, offsets, host_offsets = ctx.saved_tensors
         config: _CallConfig = ctx.config
+        traced = torch.compiler.is_compiling()
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        bias_dtype = ctx.bias_dtype
+        need_b = need_b and bias_dtype is not None
         # Gradients of reductions such as y.sum() arrive with zero strides.
         grad_out = grad_out.contiguous()
         grad_x = None
-        if ctx.needs_input_grad[0]:
-            grad_x = _step(_dgrad_op, _dgrad_impl)(
+        if need_x:
+            grad_x = (_dgrad_op if traced else _dgrad_impl)(
                 grad_out, weight, offsets, host_offsets, config.backend, config.zero_tail
             )
-        need_w = ctx.needs_input_grad[1]
-        need_b = ctx.bias_dtype is not None and ctx.needs_input_grad[2]
-        bias_dtype = ctx.bias_dtype
 
         def weight_and_bias_grads():
             if config.backend == "triton":
-                grad_w, grad_b = _step(_triton_wgrad_op, _triton_wgrad_impl)(
+                grad_w, grad_b = (_triton_wgrad_op if traced else _triton_wgrad_impl)(
                     grad_out, x, offsets, need_b
                 )
-                return (grad_w if need_w else None), (grad_b.to(bias_dtype) if need_b else None)
+                if need_b and grad_b.dtype != bias_dtype:
+                    grad_b = grad_b.to(bias_dtype)
+                return (grad_w if need_w else None), (grad_b if need_b else None)
             grad_w = grad_b = None
             if need_w:
                 grad_w = _step(_wgrad_op, _wgrad_impl)(grad_out, x, offsets, host_offsets, config.backend)
@@ -308,6 +313,52 @@ def _cast_for_autocast(x, weight, bias, device_type: str):
     return x, weight, bias
 
 
+# Call configurations of the fast path, one per backend (device splits: a tail may exist).
+_DEVICE_SPLIT_CONFIGS = {name: _CallConfig(name, True, None) for name in BACKEND_CHOICES}
+
+
+def fast_grouped_linear(
+    x: object, weight: torch.Tensor, bias: torch.Tensor | None, m_splits: object, backend: str
+) -> torch.Tensor | None:
+    """The common high-precision call in a few comparisons, or ``None`` to take the full path.
+
+    It applies when ``x`` is a plain CUDA tensor ``(M, K)``, ``m_splits`` an integer ``(G,)``
+    tensor on the same device, ``weight`` ``(G, N, K)`` and ``bias`` ``(G, N)`` (or ``None``)
+    of ``x``'s dtype there, with no recipe, ``torch.autocast``, tracing or debug checks
+    active. It then does what :func:`apply_grouped_linear` does for that call, minus the
+    :class:`GroupSplits` it would build; anything else (and every error) goes the full way.
+    Small problems are host-bound, so this is where their time goes.
+    """
+    if type(x) is not torch.Tensor or type(m_splits) is not torch.Tensor:
+        return None
+    device = x.device
+    if (device.type != "cuda" or m_splits.device != device or x.dim() != 2
+            or weight.dim() != 3 or m_splits.dim() != 1):
+        return None
+    dtype = x.dtype
+    num_groups, out_features, in_features = weight.shape
+    if (x.shape[1] != in_features or m_splits.shape[0] != num_groups
+            or weight.dtype != dtype or weight.device != device
+            or m_splits.dtype not in SPLIT_DTYPES or not x.is_floating_point()):
+        return None
+    if bias is not None and (bias.shape != (num_groups, out_features) or bias.dtype != dtype
+                             or bias.device != device):
+        return None
+    if (current_recipe() is not None or torch.is_autocast_enabled("cuda")
+            or torch.compiler.is_compiling() or debug_checks_enabled()):
+        return None
+    num_rows = x.shape[0]
+    resolved = resolve_backend(backend, device, dtype, in_features, out_features, num_rows,
+                               num_groups)
+    groups = m_splits if resolved == "triton" else group_offsets(m_splits, num_rows)
+    if torch.is_grad_enabled() and (
+        x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
+    ):
+        return GroupedLinearFunction.apply(x, weight, bias, groups, None,
+                                           _DEVICE_SPLIT_CONFIGS[resolved])
+    return _forward_impl(x, weight, bias, groups, None, resolved, True)
+
+
 def apply_grouped_linear(
     x: torch.Tensor | Sequence[torch.Tensor],
     weight: torch.Tensor,
@@ -321,6 +372,10 @@ def apply_grouped_linear(
 ) -> torch.Tensor:
     """:func:`grouped_linear` plus the module's gradient routing (``sink``) and FP8
     weight cache (``cached_weight``, from :func:`~grouped_linear.ops.fp8.quantize_weight`)."""
+    if sink is None and recipe is None:
+        out = fast_grouped_linear(x, weight, bias, m_splits, backend)
+        if out is not None:
+            return out
     weight = _check_tensor("weight", weight)
     if weight.dim() != 3:
         raise ValueError(f"weight has shape {tuple(weight.shape)}: expected (G, out, in)")

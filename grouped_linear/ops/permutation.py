@@ -18,11 +18,10 @@ from grouped_linear.kernels import layout as layout_kernels
 from grouped_linear.kernels import routing
 from grouped_linear.ops.checks import check_int
 from grouped_linear.ops.padding import _check_matrix, _gather_rows
-from grouped_linear.ops.splits import debug_checks_enabled
+from grouped_linear.ops.splits import SPLIT_DTYPES, debug_checks_enabled
 
 __all__ = ["permute", "unpermute"]
 
-_INTEGER_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
 
 
 def _compute_dtype(y_dtype: torch.dtype, probs_dtype: torch.dtype | None) -> torch.dtype:
@@ -100,7 +99,7 @@ class _Unpermute(torch.autograd.Function):
 def _check_integer_matrix(t: object, name: str) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} is {type(t).__name__}: expected an integer torch.Tensor")
-    if t.dtype not in _INTEGER_DTYPES:
+    if t.dtype not in SPLIT_DTYPES:
         raise TypeError(f"{name} has dtype {t.dtype}: expected an integer tensor")
     if t.dim() != 2:
         raise ValueError(f"{name} has shape {tuple(t.shape)}: expected a 2-D tensor (T, k)")

@@ -19,9 +19,9 @@ import torch
 
 from ..kernels.offsets import group_offsets
 
-__all__ = ["GroupSplits", "normalize_splits", "debug_checks_enabled"]
+__all__ = ["GroupSplits", "normalize_splits", "debug_checks_enabled", "SPLIT_DTYPES"]
 
-_INTEGER_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
+SPLIT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
 
 
 def _int32_tensor(values) -> torch.Tensor:
@@ -170,7 +170,7 @@ def normalize_splits(
             raise ValueError(f"{name} is on {m_splits.device} but the input is on {device}")
         return m_splits
     if isinstance(m_splits, torch.Tensor):
-        if m_splits.dtype not in _INTEGER_DTYPES:
+        if m_splits.dtype not in SPLIT_DTYPES:
             raise TypeError(f"{name} has dtype {m_splits.dtype}: splits must be an integer tensor")
         if m_splits.dim() != 1:
             raise ValueError(f"{name} has shape {tuple(m_splits.shape)}: expected a 1-D tensor")

@@ -188,3 +188,14 @@ def test_triton_backend_limits():
         resolve_backend("triton", cuda, torch.bfloat16, 2**16, 2**16, 16, 8)
     with pytest.raises(ValueError, match="groups"):
         resolve_backend("triton", cuda, torch.bfloat16, 64, 64, 16, triton_gemm.MAX_GROUPS + 1)
+
+
+def test_fast_path_leaves_cpu_calls_to_the_full_path():
+    """The fast path covers CUDA tensors with CUDA splits only: on CPU every split is a host
+    split and gets its values checked, so the full path must run."""
+    from grouped_linear.ops.grouped_linear import fast_grouped_linear
+
+    x, w, b = torch.randn(11, 8), torch.randn(3, 5, 8), torch.randn(3, 5)
+    assert fast_grouped_linear(x, w, b, torch.tensor([4, 0, 7]), "auto") is None
+    with pytest.raises(ValueError, match="sums to 12"):
+        gl.grouped_linear(x, w, b, torch.tensor([4, 1, 7]))

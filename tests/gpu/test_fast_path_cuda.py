@@ -1,0 +1,125 @@
+"""The fast path of the plain CUDA call (``ops.grouped_linear.fast_grouped_linear``)."""
+
+import importlib
+
+import pytest
+import torch
+
+import grouped_linear as gl
+from tests.reference import reference_grads, rel_err
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+ops_module = importlib.import_module("grouped_linear.ops.grouped_linear")
+SIZES = [300, 0, 1, 517, 64, 0, 129, 1000]  # unaligned, empty groups
+K, N = 256, 384
+
+
+class _SplitsSpy:
+    """Counts the calls of the full path's split normalisation."""
+
+    def __init__(self, monkeypatch):
+        self.calls = 0
+        original = ops_module.normalize_splits
+
+        def counting(*args, **kwargs):
+            self.calls += 1
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr(ops_module, "normalize_splits", counting)
+
+
+def _layer(bias, backend, dtype=torch.bfloat16):
+    torch.manual_seed(0)
+    return gl.GroupedLinear(len(SIZES), K, N, bias=bias, params_dtype=dtype, device="cuda",
+                            backend=backend)
+
+
+def _step(layer, x, splits, grad_out):
+    for p in (x, *layer.parameters()):
+        p.grad = None
+    y = layer(x, splits)
+    y.backward(grad_out)
+    return [y.detach().clone(), x.grad.clone()] + [p.grad.clone() for p in layer.parameters()]
+
+
+@pytest.mark.parametrize("backend", ["auto", "grouped", "triton", "loop"])
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("scale", [1, 4])  # 2011 rows (Triton under auto) or 8044 (grouped)
+def test_fast_path_taken_and_equal_to_full_path(monkeypatch, backend, bias, scale):
+    """Device splits take the fast path (no split normalisation), host splits the full one;
+    both give the same values as each other and as the float64 reference."""
+    sizes = [s * scale for s in SIZES]
+    rows = sum(sizes) + 5  # a tail of rows in no group
+    layer = _layer(bias, backend)
+    x = torch.randn(rows, K, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    grad_out = torch.randn(rows, N, device="cuda", dtype=torch.bfloat16)
+    spy = _SplitsSpy(monkeypatch)
+    fast = _step(layer, x, torch.tensor(sizes, device="cuda"), grad_out)
+    assert spy.calls == 0
+    # The full path: the same device splits with its debug checks on.
+    monkeypatch.setenv("GROUPED_LINEAR_DEBUG", "1")
+    full = _step(layer, x, torch.tensor(sizes, device="cuda"), grad_out)
+    assert spy.calls == 1
+    for got, want in zip(fast, full):
+        assert torch.equal(got, want)
+    ref = reference_grads(x, layer.weight, layer.bias, sizes, grad_out)
+    for got, want in zip(fast, ref):
+        assert rel_err(got, want) < 1e-2
+
+
+def test_fast_path_without_grad_and_functional(monkeypatch):
+    """Inference and ``gl.grouped_linear`` take the fast path too, with the same values."""
+    layer = _layer(True, "auto")
+    x = torch.randn(sum(SIZES), K, device="cuda", dtype=torch.bfloat16)
+    splits = torch.tensor(SIZES, device="cuda", dtype=torch.int32)
+    spy = _SplitsSpy(monkeypatch)
+    with torch.no_grad():
+        y_inference = layer(x, splits)
+    y_functional = gl.grouped_linear(x, layer.weight, layer.bias, splits)
+    assert spy.calls == 0 and y_functional.requires_grad and not y_inference.requires_grad
+    assert torch.equal(y_inference, y_functional.detach())
+    ref = reference_grads(x, layer.weight, layer.bias, SIZES, torch.ones_like(y_inference))[0]
+    assert rel_err(y_inference, ref) < 1e-2
+
+
+@pytest.mark.parametrize("case", ["float_splits", "short_splits", "cpu_splits", "wide_x",
+                                  "fp32_x", "autocast", "fp8_autocast"])
+def test_other_calls_take_the_full_path(monkeypatch, case):
+    """Every call the fast path does not cover reaches the full path, which raises the same
+    errors and computes the same values as before."""
+    layer = _layer(True, "auto")
+    x = torch.randn(sum(SIZES), K, device="cuda", dtype=torch.bfloat16)
+    splits = torch.tensor(SIZES, device="cuda")
+    spy = _SplitsSpy(monkeypatch)
+    if case == "float_splits":
+        with pytest.raises(TypeError, match="m_splits"):
+            layer(x, splits.float())
+    elif case == "short_splits":
+        with pytest.raises(ValueError, match="m_splits has length 7"):
+            layer(x, splits[:7])
+    elif case == "wide_x":
+        with pytest.raises(ValueError, match="x has 257 features"):
+            layer(torch.randn(10, K + 1, device="cuda", dtype=torch.bfloat16), splits)
+        return  # rejected before the splits are looked at
+    elif case == "fp32_x":
+        with pytest.raises(TypeError, match="weight has dtype torch.bfloat16"):
+            layer(x.float(), splits)
+        return  # rejected before the splits are looked at
+    elif case == "cpu_splits":
+        y = layer(x, splits.cpu())
+        assert torch.equal(y, layer(x, SIZES))
+    elif case == "autocast":
+        with torch.autocast("cuda", dtype=torch.float16):
+            assert layer(x, splits).dtype == torch.float16
+    elif case == "fp8_autocast":
+        if torch.cuda.get_device_capability() < (9, 0):
+            pytest.skip("FP8 GEMMs need sm90")
+        with gl.autocast(gl.recipes.Float8Rowwise()):
+            y = layer(x, splits)
+        ref = reference_grads(x, layer.weight, layer.bias, SIZES, torch.ones_like(y))[0]
+        assert 1e-4 < rel_err(y, ref) < 6e-2  # FP8 error, not bf16's
+    assert spy.calls >= 1
