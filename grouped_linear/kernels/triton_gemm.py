@@ -19,7 +19,7 @@ import torch
 
 from ._triton import kernel, tl, triton
 
-__all__ = ["forward", "dgrad", "wgrad", "fits", "MAX_GROUPS"]
+__all__ = ["forward", "dgrad", "wgrad", "backward", "fits", "MAX_GROUPS"]
 
 
 @triton.jit
@@ -71,21 +71,21 @@ def _mma(a, b, acc, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     return tl.dot(a, b, acc, input_precision=PRECISION)
 
 
-@kernel
 @triton.jit
-def _grouped_mm_kernel(a_ptr, b_ptr, bias_ptr, out_ptr, sizes_ptr, M, N, K, G,
-                       stride_am, stride_bg, stride_bk, stride_bn, stride_om, stride_bias,
-                       HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       BLOCK_G: tl.constexpr, NUM_PROGRAMS: tl.constexpr):
+def _mm_tiles(first_tile, a_ptr, b_ptr, bias_ptr, out_ptr, sizes_ptr, M, N, K, G,
+              stride_am, stride_bg, stride_bk, stride_bn, stride_om, stride_bias,
+              HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+              BLOCK_G: tl.constexpr, NUM_PROGRAMS: tl.constexpr):
     """``out[rows of g] = a[rows of g] @ B_g (+ bias[g])``; tail rows get zeros.
 
     ``B_g[k, n]`` lives at ``b_ptr + g*stride_bg + k*stride_bk + n*stride_bn``.
-    Persistent: each program walks the (group, row tile, column tile) list.
+    Persistent: the caller's program walks the (group, row tile, column tile) list from
+    ``first_tile`` in steps of ``NUM_PROGRAMS``.
     """
     gs, starts, ends, tile_begin, tile_end, total = _tile_list(sizes_ptr, G, M, N, BLOCK_M,
                                                                BLOCK_N, BLOCK_G)
-    for tile in range(tl.program_id(0), total, NUM_PROGRAMS):
+    for tile in range(first_tile, total, NUM_PROGRAMS):
         g, end, row0, col_tile = _tile_origin(tile, gs, starts, ends, tile_begin, tile_end, N,
                                               BLOCK_M, BLOCK_N)
         col0 = col_tile * BLOCK_N
@@ -116,16 +116,27 @@ def _grouped_mm_kernel(a_ptr, b_ptr, bias_ptr, out_ptr, sizes_ptr, M, N, K, G,
 
 @kernel
 @triton.jit
-def _grouped_wgrad_kernel(dy_ptr, x_ptr, dw_ptr, db_ptr, sizes_ptr, M, N, K, G,
-                          stride_dym, stride_xm, stride_dwg, stride_dwn,
-                          HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
-                          UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                          BLOCK_K: tl.constexpr, BLOCK_G: tl.constexpr):
-    """``dw[g] = dy[rows of g]^T @ x[rows of g]`` and, with ``HAS_BIAS``,
-    ``db[g] = sum of dy[rows of g]`` (float32), one (group, N tile, K tile) each."""
+def _grouped_mm_kernel(a_ptr, b_ptr, bias_ptr, out_ptr, sizes_ptr, M, N, K, G,
+                       stride_am, stride_bg, stride_bk, stride_bn, stride_om, stride_bias,
+                       HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       BLOCK_G: tl.constexpr, NUM_PROGRAMS: tl.constexpr):
+    """The forward (and dgrad): :func:`_mm_tiles` on ``NUM_PROGRAMS`` programs."""
+    _mm_tiles(tl.program_id(0), a_ptr, b_ptr, bias_ptr, out_ptr, sizes_ptr, M, N, K, G,
+              stride_am, stride_bg, stride_bk, stride_bn, stride_om, stride_bias, HAS_BIAS,
+              PRECISION, UPCAST, BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_G, NUM_PROGRAMS)
+
+
+@triton.jit
+def _wgrad_tile(pid, dy_ptr, x_ptr, dw_ptr, db_ptr, sizes_ptr, M, N, K, G,
+                stride_dym, stride_xm, stride_dwg, stride_dwn,
+                HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                BLOCK_G: tl.constexpr):
+    """Tile ``pid`` (group, N tile, K tile) of ``dw[g] = dy[rows of g]^T @ x[rows of g]``
+    and, with ``HAS_BIAS``, ``db[g] = sum of dy[rows of g]`` (float32 sums)."""
     n_tiles = tl.cdiv(N, BLOCK_N)
     k_tiles = tl.cdiv(K, BLOCK_K)
-    pid = tl.program_id(0)
     g = pid // (n_tiles * k_tiles)
     n_tile = (pid // k_tiles) % n_tiles
     k_tile = pid % k_tiles
@@ -147,7 +158,8 @@ def _grouped_wgrad_kernel(dy_ptr, x_ptr, dw_ptr, db_ptr, sizes_ptr, M, N, K, G,
                     mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         acc = _mma(dy_t, x, acc, PRECISION, UPCAST)
         if HAS_BIAS:
-            bias_acc += tl.sum(dy_t.to(tl.float32), axis=1)
+            if k_tile == 0:  # the one tile per (group, N tile) that stores the sums
+                bias_acc += tl.sum(dy_t.to(tl.float32), axis=1)
     dw = dw_ptr + g.to(tl.int64) * stride_dwg + cols_n.to(tl.int64)[:, None] * stride_dwn \
         + cols_k[None, :]
     tl.store(dw, acc.to(dw_ptr.dtype.element_ty), mask=n_mask[:, None] & k_mask[None, :])
@@ -155,6 +167,44 @@ def _grouped_wgrad_kernel(dy_ptr, x_ptr, dw_ptr, db_ptr, sizes_ptr, M, N, K, G,
         if k_tile == 0:
             tl.store(db_ptr + g.to(tl.int64) * N + cols_n, bias_acc.to(db_ptr.dtype.element_ty),
                      mask=n_mask)
+
+
+@kernel
+@triton.jit
+def _grouped_wgrad_kernel(dy_ptr, x_ptr, dw_ptr, db_ptr, sizes_ptr, M, N, K, G,
+                          stride_dym, stride_xm, stride_dwg, stride_dwn,
+                          HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
+                          UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                          BLOCK_K: tl.constexpr, BLOCK_G: tl.constexpr):
+    """The weight (and bias) gradient: one :func:`_wgrad_tile` per program."""
+    _wgrad_tile(tl.program_id(0), dy_ptr, x_ptr, dw_ptr, db_ptr, sizes_ptr, M, N, K, G,
+                stride_dym, stride_xm, stride_dwg, stride_dwn, HAS_BIAS, PRECISION, UPCAST,
+                BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_G)
+
+
+@kernel
+@triton.jit
+def _grouped_backward_kernel(dy_ptr, x_ptr, w_ptr, dx_ptr, dw_ptr, db_ptr, sizes_ptr,
+                             M, N, K, G, stride_dym, stride_xm, stride_wg, stride_wn,
+                             stride_wk, stride_dxm, stride_dwg, stride_dwn,
+                             HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
+                             UPCAST: tl.constexpr, DX_BLOCK_M: tl.constexpr,
+                             DX_BLOCK_N: tl.constexpr, DX_BLOCK_K: tl.constexpr,
+                             DW_BLOCK_M: tl.constexpr, DW_BLOCK_N: tl.constexpr,
+                             DW_BLOCK_K: tl.constexpr, BLOCK_G: tl.constexpr,
+                             DX_PROGRAMS: tl.constexpr):
+    """The whole backward in one launch: programs below ``DX_PROGRAMS`` compute
+    ``dx = dy @ W_g`` per group (persistent, tail rows zero), the others one weight (and
+    bias) gradient tile each. Small problems are bound by launches, not by the GPU."""
+    pid = tl.program_id(0)
+    if pid < DX_PROGRAMS:
+        _mm_tiles(pid, dy_ptr, w_ptr, dy_ptr, dx_ptr, sizes_ptr, M, K, N, G,
+                  stride_dym, stride_wg, stride_wn, stride_wk, stride_dxm, 0, False, PRECISION,
+                  UPCAST, DX_BLOCK_M, DX_BLOCK_N, DX_BLOCK_K, BLOCK_G, DX_PROGRAMS)
+    else:
+        _wgrad_tile(pid - DX_PROGRAMS, dy_ptr, x_ptr, dw_ptr, db_ptr, sizes_ptr, M, N, K, G,
+                    stride_dym, stride_xm, stride_dwg, stride_dwn, HAS_BIAS, PRECISION,
+                    UPCAST, DW_BLOCK_M, DW_BLOCK_N, DW_BLOCK_K, BLOCK_G)
 
 
 @functools.lru_cache(maxsize=8)
@@ -252,3 +302,32 @@ def wgrad(grad_out: torch.Tensor, x: torch.Tensor, sizes: torch.Tensor,
         num_warps=4, num_stages=3,
     )
     return grad_w, (grad_b.to(x.dtype) if grad_b is not None else None)
+
+
+def backward(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, sizes: torch.Tensor,
+             with_bias: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """:func:`dgrad` and :func:`wgrad` in one launch: ``(grad_x (M, K), grad_w (G, N, K),
+    grad_b (G, N) or None)``, the same values as the two calls."""
+    grad_out, x = _rows_contiguous(grad_out), _rows_contiguous(x)
+    M, N = grad_out.shape
+    K = x.shape[1]
+    G = sizes.shape[0]
+    if M == 0 or N == 0 or K == 0:
+        return (dgrad(grad_out, weight, sizes), *wgrad(grad_out, x, sizes, with_bias))
+    grad_x = torch.empty(M, K, device=x.device, dtype=grad_out.dtype)
+    grad_w = torch.empty(G, N, K, device=x.device, dtype=x.dtype)
+    sums_dtype = torch.float32 if x.device.type == "cpu" else x.dtype  # as in wgrad
+    grad_b = torch.empty(G, N, device=x.device, dtype=sums_dtype) if with_bias else None
+    dx_programs = _program_count(x.device)  # fixed: one binary whatever M is
+    dw_block = 64
+    dw_tiles = G * triton.cdiv(N, dw_block) * triton.cdiv(K, dw_block)
+    _grouped_backward_kernel[(dx_programs + dw_tiles,)](
+        grad_out, x, weight, grad_x, grad_w, grad_b if grad_b is not None else grad_w, sizes,
+        M, N, K, G, grad_out.stride(0), x.stride(0), weight.stride(0), weight.stride(1),
+        weight.stride(2), grad_x.stride(0), grad_w.stride(0), grad_w.stride(1),
+        HAS_BIAS=with_bias, PRECISION=_precision(x.dtype), UPCAST=_upcast(x),
+        DX_BLOCK_M=64, DX_BLOCK_N=128, DX_BLOCK_K=64, DW_BLOCK_M=dw_block, DW_BLOCK_N=dw_block,
+        DW_BLOCK_K=dw_block, BLOCK_G=_block_g(G), DX_PROGRAMS=dx_programs,
+        num_warps=4, num_stages=3,
+    )
+    return grad_x, grad_w, (grad_b.to(x.dtype) if grad_b is not None else None)

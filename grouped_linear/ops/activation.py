@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..kernels import activation as act_kernels
-from .grouped_linear import _bias_grad_impl, _bias_grad_op, _step
+from .linear_steps import bias_grad_impl, bias_grad_op, step
 from .registry import compute_op, register_fake
 
 __all__ = ["bias_activation"]
@@ -41,17 +41,17 @@ class BiasActivationFunction(torch.autograd.Function):
     def forward(ctx, h, bias, offsets, kind, zero_tail):
         ctx.save_for_backward(h, bias, offsets)
         ctx.kind, ctx.zero_tail = kind, zero_tail
-        return _step(_forward_op, _forward_impl)(h, bias, offsets, kind, zero_tail)
+        return step(_forward_op, _forward_impl)(h, bias, offsets, kind, zero_tail)
 
     @staticmethod
     def backward(ctx, grad_a):
         h, bias, offsets = ctx.saved_tensors
-        grad_h = _step(_backward_op, _backward_impl)(
+        grad_h = step(_backward_op, _backward_impl)(
             grad_a.contiguous(), h, bias, offsets, ctx.kind, ctx.zero_tail
         )
         grad_bias = None
         if bias is not None and ctx.needs_input_grad[1]:
-            grad_bias = _step(_bias_grad_op, _bias_grad_impl)(grad_h, offsets, bias.dtype)
+            grad_bias = step(bias_grad_op, bias_grad_impl)(grad_h, offsets, bias.dtype)
         return grad_h, grad_bias, None, None, None
 
 

@@ -1,8 +1,8 @@
 """``grouped_linear``: the differentiable grouped GEMM with per-group bias.
 
-The compute steps are ``torch.library`` operators (``grouped_linear::forward``,
-``::dgrad``, ``::wgrad``, ``::bias_grad``) so that ``torch.compile`` can trace
-them; :class:`GroupedLinearFunction` composes them into forward and backward.
+The compute steps are ``torch.library`` operators (:mod:`.linear_steps`) so that
+``torch.compile`` can trace them; :class:`GroupedLinearFunction` composes them into
+forward and backward.
 """
 
 from __future__ import annotations
@@ -12,15 +12,28 @@ from dataclasses import dataclass
 
 import torch
 
-from ..kernels import bias as bias_kernels
-from ..kernels import grouped_gemm, triton_gemm
+from ..kernels import triton_gemm
 from ..kernels._triton import HAS_TRITON, interpreting
 from ..kernels.offsets import group_offsets
 from ..recipes import Float8Recipe, check_recipe, current_recipe
 from .fp8 import Fp8Config, Fp8GroupedLinearFunction, Fp8Weight, fp8_path
 from .fp8_blockwise import Fp8BlockwiseFunction
 from .fp8_device import Fp8DeviceGroupedLinearFunction
-from .registry import compute_op, register_fake
+from .linear_steps import (
+    bias_grad_impl,
+    bias_grad_op,
+    dgrad_impl,
+    dgrad_op,
+    forward_impl,
+    forward_op,
+    step,
+    triton_backward_impl,
+    triton_backward_op,
+    triton_wgrad_impl,
+    triton_wgrad_op,
+    wgrad_impl,
+    wgrad_op,
+)
 from .splits import SPLIT_DTYPES, GroupSplits, debug_checks_enabled, normalize_splits
 from .weight_grad import WeightGradSink, route_weight_grads
 
@@ -31,101 +44,6 @@ BACKEND_CHOICES = ("auto", "grouped", "loop", "triton")
 _TRITON_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # ``auto`` picks the Triton kernels up to this many rows (see benchmarks/NOTES.md).
 TRITON_AUTO_MAX_ROWS = 4096
-
-
-# --------------------------------------------------------------------------- operators
-# Each compute step is a plain function, registered as a torch.library operator for
-# torch.compile (ops/registry.py); eager calls go straight to the function.
-# ``offsets`` is the (G,) group tensor on the device: cumulative group ends for the
-# ``loop`` and ``grouped`` backends, the raw split sizes for ``triton`` (whose kernels
-# clamp them, zero the tail and fuse the bias themselves).
-def _forward_impl(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    offsets: torch.Tensor,
-    host_offsets: torch.Tensor | None,
-    backend: str,
-    zero_tail: bool,
-) -> torch.Tensor:
-    if backend == "triton":
-        return triton_gemm.forward(x, weight, bias, offsets)
-    out = grouped_gemm.forward(x, weight, offsets, host_offsets, backend)
-    return bias_kernels.bias_epilogue_(out, bias, offsets, zero_tail)
-
-
-def _dgrad_impl(
-    grad_out: torch.Tensor,
-    weight: torch.Tensor,
-    offsets: torch.Tensor,
-    host_offsets: torch.Tensor | None,
-    backend: str,
-    zero_tail: bool,
-) -> torch.Tensor:
-    if backend == "triton":
-        return triton_gemm.dgrad(grad_out, weight, offsets)
-    grad_x = grouped_gemm.dgrad(grad_out, weight, offsets, host_offsets, backend)
-    return bias_kernels.zero_tail_(grad_x, offsets) if zero_tail else grad_x
-
-
-def _wgrad_impl(
-    grad_out: torch.Tensor,
-    x: torch.Tensor,
-    offsets: torch.Tensor,
-    host_offsets: torch.Tensor | None,
-    backend: str,
-) -> torch.Tensor:
-    return grouped_gemm.wgrad(grad_out, x, offsets, host_offsets, backend)
-
-
-def _triton_wgrad_impl(
-    grad_out: torch.Tensor, x: torch.Tensor, sizes: torch.Tensor, with_bias: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    grad_w, grad_b = triton_gemm.wgrad(grad_out, x, sizes, with_bias)
-    return grad_w, (grad_b if grad_b is not None else grad_w.new_empty(0))
-
-
-def _bias_grad_impl(grad_out: torch.Tensor, offsets: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return bias_kernels.bias_grad(grad_out, offsets, dtype)
-
-
-_forward_op = compute_op("forward", _forward_impl)
-_dgrad_op = compute_op("dgrad", _dgrad_impl)
-_wgrad_op = compute_op("wgrad", _wgrad_impl)
-_bias_grad_op = compute_op("bias_grad", _bias_grad_impl)
-_triton_wgrad_op = compute_op("triton_wgrad", _triton_wgrad_impl)
-
-
-@register_fake("forward")
-def _(x, weight, bias, offsets, host_offsets, backend, zero_tail):
-    return x.new_empty(x.shape[0], weight.shape[1])
-
-
-@register_fake("dgrad")
-def _(grad_out, weight, offsets, host_offsets, backend, zero_tail):
-    return grad_out.new_empty(grad_out.shape[0], weight.shape[2])
-
-
-@register_fake("wgrad")
-def _(grad_out, x, offsets, host_offsets, backend):
-    return x.new_empty(offsets.shape[0], grad_out.shape[1], x.shape[1])
-
-
-@register_fake("triton_wgrad")
-def _(grad_out, x, sizes, with_bias):
-    grad_w = x.new_empty(sizes.shape[0], grad_out.shape[1], x.shape[1])
-    grad_b = x.new_empty((sizes.shape[0], grad_out.shape[1]) if with_bias else (0,))
-    return grad_w, grad_b
-
-
-@register_fake("bias_grad")
-def _(grad_out, offsets, dtype):
-    return grad_out.new_empty(offsets.shape[0], grad_out.shape[1], dtype=dtype)
-
-
-def _step(op, impl):
-    """The operator while torch.compile traces, the plain function in eager mode."""
-    return op if torch.compiler.is_compiling() else impl
 
 
 # --------------------------------------------------------------------------- autograd
@@ -141,7 +59,7 @@ class GroupedLinearFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, offsets, host_offsets, config: _CallConfig):
-        out = _step(_forward_op, _forward_impl)(
+        out = step(forward_op, forward_impl)(
             x, weight, bias, offsets, host_offsets, config.backend, config.zero_tail
         )
         ctx.save_for_backward(x, weight, offsets, host_offsets)
@@ -159,15 +77,23 @@ class GroupedLinearFunction(torch.autograd.Function):
         need_b = need_b and bias_dtype is not None
         # Gradients of reductions such as y.sum() arrive with zero strides.
         grad_out = grad_out.contiguous()
+        if config.backend == "triton" and need_x and (need_w or need_b) and config.sink is None:
+            # Small problems: the whole backward in one launch.
+            grad_x, grad_w, grad_b = (triton_backward_op if traced else triton_backward_impl)(
+                grad_out, x, weight, offsets, need_b
+            )
+            if need_b and grad_b.dtype != bias_dtype:
+                grad_b = grad_b.to(bias_dtype)
+            return grad_x, (grad_w if need_w else None), (grad_b if need_b else None), None, None, None
         grad_x = None
         if need_x:
-            grad_x = (_dgrad_op if traced else _dgrad_impl)(
+            grad_x = (dgrad_op if traced else dgrad_impl)(
                 grad_out, weight, offsets, host_offsets, config.backend, config.zero_tail
             )
 
         def weight_and_bias_grads():
             if config.backend == "triton":
-                grad_w, grad_b = (_triton_wgrad_op if traced else _triton_wgrad_impl)(
+                grad_w, grad_b = (triton_wgrad_op if traced else triton_wgrad_impl)(
                     grad_out, x, offsets, need_b
                 )
                 if need_b and grad_b.dtype != bias_dtype:
@@ -175,9 +101,9 @@ class GroupedLinearFunction(torch.autograd.Function):
                 return (grad_w if need_w else None), (grad_b if need_b else None)
             grad_w = grad_b = None
             if need_w:
-                grad_w = _step(_wgrad_op, _wgrad_impl)(grad_out, x, offsets, host_offsets, config.backend)
+                grad_w = step(wgrad_op, wgrad_impl)(grad_out, x, offsets, host_offsets, config.backend)
             if need_b:
-                grad_b = _step(_bias_grad_op, _bias_grad_impl)(grad_out, offsets, bias_dtype)
+                grad_b = step(bias_grad_op, bias_grad_impl)(grad_out, offsets, bias_dtype)
             return grad_w, grad_b
 
         grad_w, grad_b = route_weight_grads(config.sink, need_w or need_b, weight_and_bias_grads)
@@ -356,7 +282,7 @@ def fast_grouped_linear(
     ):
         return GroupedLinearFunction.apply(x, weight, bias, groups, None,
                                            _DEVICE_SPLIT_CONFIGS[resolved])
-    return _forward_impl(x, weight, bias, groups, None, resolved, True)
+    return forward_impl(x, weight, bias, groups, None, resolved, True)
 
 
 def apply_grouped_linear(
@@ -446,7 +372,7 @@ def apply_grouped_linear(
     )
     if not needs_graph and not torch.compiler.is_compiling():
         # Inference: no autograd node to build, call the forward step directly.
-        return _forward_impl(x, weight, bias, groups, host_offsets, resolved, splits.may_have_tail)
+        return forward_impl(x, weight, bias, groups, host_offsets, resolved, splits.may_have_tail)
     config = _CallConfig(resolved, splits.may_have_tail, sink)
     return GroupedLinearFunction.apply(x, weight, bias, groups, host_offsets, config)
 

@@ -57,6 +57,11 @@ def test_forward_dgrad_wgrad(sizes, M, K, N, dtype):
             assert torch.all(dw[g] == 0) and torch.all(db[g] == 0)
     dw_only, none = triton_gemm.wgrad(dy, x, st, False)
     assert none is None and torch.equal(dw_only, dw)
+    # The one-launch backward: the same values as the two launches, bit for bit.
+    for with_bias in (True, False):
+        fused_dx, fused_dw, fused_db = triton_gemm.backward(dy, x, w, st, with_bias)
+        assert torch.equal(fused_dx, dx) and torch.equal(fused_dw, dw)
+        assert torch.equal(fused_db, db) if with_bias else fused_db is None
 
 
 def test_strided_inputs_and_int32_sizes():

@@ -1,0 +1,128 @@
+"""The compute steps of :func:`~grouped_linear.ops.grouped_linear.grouped_linear`.
+
+Each step is a plain function, registered as a ``torch.library`` operator
+(``grouped_linear::forward``, ``::dgrad``, ``::wgrad``, ``::triton_wgrad``,
+``::triton_backward``, ``::bias_grad``; see :mod:`grouped_linear.ops.registry`) for
+``torch.compile`` to trace; eager calls go straight to the function (:func:`step`).
+``offsets`` is the ``(G,)`` group tensor on the device: cumulative group ends for the
+``loop`` and ``grouped`` backends, the raw split sizes for ``triton`` (whose kernels
+clamp them, zero the tail and fuse the bias themselves).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..kernels import bias as bias_kernels
+from ..kernels import grouped_gemm, triton_gemm
+from .registry import compute_op, register_fake
+
+__all__ = [
+    "forward_impl", "forward_op", "dgrad_impl", "dgrad_op", "wgrad_impl", "wgrad_op",
+    "triton_wgrad_impl", "triton_wgrad_op", "triton_backward_impl", "triton_backward_op",
+    "bias_grad_impl", "bias_grad_op", "step",
+]
+
+
+def forward_impl(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    offsets: torch.Tensor,
+    host_offsets: torch.Tensor | None,
+    backend: str,
+    zero_tail: bool,
+) -> torch.Tensor:
+    if backend == "triton":
+        return triton_gemm.forward(x, weight, bias, offsets)
+    out = grouped_gemm.forward(x, weight, offsets, host_offsets, backend)
+    return bias_kernels.bias_epilogue_(out, bias, offsets, zero_tail)
+
+
+def dgrad_impl(
+    grad_out: torch.Tensor,
+    weight: torch.Tensor,
+    offsets: torch.Tensor,
+    host_offsets: torch.Tensor | None,
+    backend: str,
+    zero_tail: bool,
+) -> torch.Tensor:
+    if backend == "triton":
+        return triton_gemm.dgrad(grad_out, weight, offsets)
+    grad_x = grouped_gemm.dgrad(grad_out, weight, offsets, host_offsets, backend)
+    return bias_kernels.zero_tail_(grad_x, offsets) if zero_tail else grad_x
+
+
+def wgrad_impl(
+    grad_out: torch.Tensor,
+    x: torch.Tensor,
+    offsets: torch.Tensor,
+    host_offsets: torch.Tensor | None,
+    backend: str,
+) -> torch.Tensor:
+    return grouped_gemm.wgrad(grad_out, x, offsets, host_offsets, backend)
+
+
+def triton_wgrad_impl(
+    grad_out: torch.Tensor, x: torch.Tensor, sizes: torch.Tensor, with_bias: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    grad_w, grad_b = triton_gemm.wgrad(grad_out, x, sizes, with_bias)
+    return grad_w, (grad_b if grad_b is not None else grad_w.new_empty(0))
+
+
+def triton_backward_impl(
+    grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, sizes: torch.Tensor,
+    with_bias: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    grad_x, grad_w, grad_b = triton_gemm.backward(grad_out, x, weight, sizes, with_bias)
+    return grad_x, grad_w, (grad_b if grad_b is not None else grad_w.new_empty(0))
+
+
+def bias_grad_impl(grad_out: torch.Tensor, offsets: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return bias_kernels.bias_grad(grad_out, offsets, dtype)
+
+
+forward_op = compute_op("forward", forward_impl)
+dgrad_op = compute_op("dgrad", dgrad_impl)
+wgrad_op = compute_op("wgrad", wgrad_impl)
+bias_grad_op = compute_op("bias_grad", bias_grad_impl)
+triton_wgrad_op = compute_op("triton_wgrad", triton_wgrad_impl)
+triton_backward_op = compute_op("triton_backward", triton_backward_impl)
+
+
+@register_fake("forward")
+def _(x, weight, bias, offsets, host_offsets, backend, zero_tail):
+    return x.new_empty(x.shape[0], weight.shape[1])
+
+
+@register_fake("dgrad")
+def _(grad_out, weight, offsets, host_offsets, backend, zero_tail):
+    return grad_out.new_empty(grad_out.shape[0], weight.shape[2])
+
+
+@register_fake("wgrad")
+def _(grad_out, x, offsets, host_offsets, backend):
+    return x.new_empty(offsets.shape[0], grad_out.shape[1], x.shape[1])
+
+
+@register_fake("triton_wgrad")
+def _triton_wgrad_fake(grad_out, x, sizes, with_bias):
+    grad_w = x.new_empty(sizes.shape[0], grad_out.shape[1], x.shape[1])
+    grad_b = x.new_empty((sizes.shape[0], grad_out.shape[1]) if with_bias else (0,))
+    return grad_w, grad_b
+
+
+@register_fake("triton_backward")
+def _(grad_out, x, weight, sizes, with_bias):
+    return (grad_out.new_empty(grad_out.shape[0], x.shape[1]), *_triton_wgrad_fake(
+        grad_out, x, sizes, with_bias))
+
+
+@register_fake("bias_grad")
+def _(grad_out, offsets, dtype):
+    return grad_out.new_empty(offsets.shape[0], grad_out.shape[1], dtype=dtype)
+
+
+def step(op, impl):
+    """The operator while torch.compile traces, the plain function in eager mode."""
+    return op if torch.compiler.is_compiling() else impl
