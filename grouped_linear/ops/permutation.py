@@ -23,7 +23,6 @@ from grouped_linear.ops.splits import SPLIT_DTYPES, debug_checks_enabled
 __all__ = ["permute", "unpermute"]
 
 
-
 def _compute_dtype(y_dtype: torch.dtype, probs_dtype: torch.dtype | None) -> torch.dtype:
     """float32 for half inputs, else the input dtype; widened to the probs' dtype."""
     dtype = torch.float32 if y_dtype in (torch.float16, torch.bfloat16) else y_dtype
