@@ -28,7 +28,7 @@ from .quantize import (
 )
 
 __all__ = ["quantize_group_columns_t", "quantize_group_columns_t_reference",
-           "quantize_group_columns_t_pieces",
+           "quantize_group_columns_t_pieces", "fold_row_factors",
            "GROUP_COLUMNS_METHOD", "GROUP_COLUMNS_CONFIG", "TILED_CONFIG", "AMAX_SUB_TILES"]
 
 # How quantize_group_columns_t runs on GPUs: "per_group" (one program per group and
@@ -43,13 +43,23 @@ TILED_CONFIG = (128, 64, 4)
 AMAX_SUB_TILES = 2  # row tiles per program of the tiled method's column-amax pass
 
 
+def fold_row_factors(t: torch.Tensor, row_factors: torch.Tensor) -> torch.Tensor:
+    """``t[m, :] * row_factors[m]`` in float32, kept finite (saturated at float32's range)."""
+    limit = torch.finfo(torch.float32).max
+    return (t.float() * row_factors.float()[:, None]).clamp(-limit, limit)
+
+
 def quantize_group_columns_t_reference(t: torch.Tensor, offsets: torch.Tensor,
                                        fp8_dtype: torch.dtype, power_of_two: bool,
-                                       group_scale: torch.Tensor | None = None
+                                       group_scale: torch.Tensor | None = None,
+                                       row_factors: torch.Tensor | None = None
                                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(M, C)`` -> FP8 transpose ``(C, M)`` scaled per (group, column) along the group's
     rows (or per group), and ``(G, C)`` float32 dequantization factors; rows past the
-    last group are 0."""
+    last group are 0. ``row_factors`` ``(M,)``: quantize ``t`` with row ``m`` multiplied by
+    ``row_factors[m]`` (:func:`fold_row_factors`)."""
+    if row_factors is not None:
+        t = fold_row_factors(t, row_factors)
     if group_scale is None:
         scale = scale_from_amax(_group_amax(t, offsets), fp8_dtype, power_of_two)
     else:
@@ -122,6 +132,14 @@ def _zero_columns_from_kernel(q_ptr, offsets_ptr, G, C, M, stride_q, BLOCK_C: tl
 
 
 @triton.jit
+def _fold(values, factors_ptr, row0, rows, left):
+    """``values[r, :] * factors[row0 + r]`` for the tile's first ``left`` rows, saturated at
+    float32's range (as :func:`fold_row_factors`)."""
+    factors = tl.load(factors_ptr + row0 + rows, mask=rows < left, other=0.0)
+    return tl.clamp(values * factors[:, None], -3.4028234663852886e38, 3.4028234663852886e38)
+
+
+@triton.jit
 def _column_tile(tile, offsets_ptr, dst_offsets_ptr, G, width, ALIGN: tl.constexpr,
                  BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr):
     """Tile ``tile`` of the transposed layout, tiles numbered slot after slot: slot ``g < G``
@@ -150,17 +168,18 @@ def _column_tile(tile, offsets_ptr, dst_offsets_ptr, G, width, ALIGN: tl.constex
 
 @kernel
 @triton.jit
-def _group_column_amax_kernel(t_ptr, offsets_ptr, amax_ptr, sums_ptr, shifts_ptr, M, C, G,
-                              stride_t, SUMS: tl.constexpr, PIECES: tl.constexpr,
-                              SHIFT_MULTIPLE: tl.constexpr, BLOCK_R: tl.constexpr,
-                              SUB_TILES: tl.constexpr, BLOCK_C: tl.constexpr,
-                              BLOCK_S: tl.constexpr):
+def _group_column_amax_kernel(t_ptr, offsets_ptr, amax_ptr, sums_ptr, shifts_ptr, factors_ptr,
+                              M, C, G, stride_t, SUMS: tl.constexpr, PIECES: tl.constexpr,
+                              FACTORS: tl.constexpr, SHIFT_MULTIPLE: tl.constexpr,
+                              BLOCK_R: tl.constexpr, SUB_TILES: tl.constexpr,
+                              BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr):
     """``amax[g, c] = max |t[r, c]|`` over the rows ``r`` of group ``g`` (``amax`` starts at
     0): ``SUB_TILES`` tiles of ``BLOCK_R`` rows of one group per program, then one atomic
     max per column. ``SUMS``: also the program's float32 column sums, at row ``program``
     of ``sums`` ``(programs, C)`` (summed per group, in order, by the reduce kernel).
     ``PIECES``: ``t`` is the first of a list of pieces read as one tensor (see
-    :func:`~grouped_linear.kernels.quantize.piece_shift`)."""
+    :func:`~grouped_linear.kernels.quantize.piece_shift`). ``FACTORS``: the maxima are of
+    ``t[r, c] * factors[r]`` (:func:`fold_row_factors`); the sums stay of ``t``."""
     g, src0, end, _, _, total = _column_tile(tl.program_id(0), offsets_ptr, offsets_ptr, G, 0,
                                              1, BLOCK_R * SUB_TILES, BLOCK_S)
     if (tl.program_id(0) < total) & (g < G):
@@ -178,9 +197,11 @@ def _group_column_amax_kernel(t_ptr, offsets_ptr, amax_ptr, sums_ptr, shifts_ptr
                                                  + cols[None, :]),
                              mask=(rows < left - i * BLOCK_R)[:, None] & col_mask[None, :],
                              other=0.0).to(tl.float32)
-            running = tl.maximum(running, tl.abs(values))
             if SUMS:
                 total_sum += values
+            if FACTORS:
+                values = _fold(values, factors_ptr, src0 + i * BLOCK_R, rows, left - i * BLOCK_R)
+            running = tl.maximum(running, tl.abs(values))
         group_max = tl.max(running, axis=0)
         tl.atomic_max(amax_ptr + g * C + cols, group_max, mask=col_mask)  # G * C < 2**31
         if SUMS:
@@ -211,9 +232,10 @@ def _reduce_group_sums_kernel(sums_ptr, offsets_ptr, out_ptr, C, G, ROWS_PER_TIL
 @kernel
 @triton.jit
 def _quantize_columns_t_tiled_kernel(t_ptr, offsets_ptr, dst_offsets_ptr, scale_ptr, q_ptr,
-                                     shifts_ptr, C, G, stride_t, stride_q, width,
+                                     shifts_ptr, factors_ptr, C, G, stride_t, stride_q, width,
                                      FP8_MAX: tl.constexpr, PER_GROUP: tl.constexpr,
-                                     PIECES: tl.constexpr, SHIFT_MULTIPLE: tl.constexpr,
+                                     PIECES: tl.constexpr, FACTORS: tl.constexpr,
+                                     SHIFT_MULTIPLE: tl.constexpr,
                                      ALIGN: tl.constexpr,
                                      DST_MULTIPLE: tl.constexpr, BLOCK_R: tl.constexpr,
                                      BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr):
@@ -222,7 +244,8 @@ def _quantize_columns_t_tiled_kernel(t_ptr, offsets_ptr, dst_offsets_ptr, scale_
     group's (column) scales and stored transposed; the group's alignment padding and the
     columns past the last group are written as zeros by the tiles that cover them.
     ``DST_MULTIPLE``: every tile's first destination column is a multiple of it (16 lets
-    the transposed stores be 16-byte vectors)."""
+    the transposed stores be 16-byte vectors). ``FACTORS``: row ``r`` is multiplied by
+    ``factors[r]`` first (:func:`fold_row_factors`)."""
     g, src0, end, dst0, dst_end, total = _column_tile(tl.program_id(0), offsets_ptr,
                                                       dst_offsets_ptr, G, width, ALIGN, BLOCK_R,
                                                       BLOCK_S)
@@ -237,6 +260,9 @@ def _quantize_columns_t_tiled_kernel(t_ptr, offsets_ptr, dst_offsets_ptr, scale_
             row_base += piece_shift(shifts_ptr, clamped, SHIFT_MULTIPLE)
         values = tl.load(t_ptr + row_base + (rows[:, None] * stride_t + cols[None, :]),
                          mask=row_mask[:, None] & col_mask[None, :], other=0.0)
+        if FACTORS:  # rows of no group are masked off: their factor is never read
+            values = _fold(values.to(tl.float32), factors_ptr, src0, rows,
+                           tl.where(g < G, end - src0, 0).to(tl.int32))
         if PER_GROUP:
             scale = tl.load(scale_ptr + clamped)
             scaled = values.to(tl.float32) * scale
@@ -255,7 +281,8 @@ def _quantize_columns_t_tiled_kernel(t_ptr, offsets_ptr, dst_offsets_ptr, scale_
 
 def _quantize_group_columns_t_tiled(t, offsets, data_offsets, data, fp8_dtype, power_of_two,
                                     group_scale, align, stride_q=None, width=None,
-                                    dst_multiple=1, sums=None, shifts=None, num_rows=None):
+                                    dst_multiple=1, sums=None, shifts=None, num_rows=None,
+                                    row_factors=None):
     """Group ``g``'s row ``r`` lands at ``data_flat[c * stride_q + data_offsets[g-1] + r -
     start_g]``, followed by zeros up to ``round_up(size_g, align)`` columns; columns from
     ``data_offsets[-1]`` to ``width`` are zeros (``stride_q``/``width`` default to
@@ -264,13 +291,15 @@ def _quantize_group_columns_t_tiled(t, offsets, data_offsets, data, fp8_dtype, p
     a ``(G, C)`` float32 tensor that receives the per-group column sums of ``t`` (computed
     by the column-amax pass; needs ``group_scale=None``). ``shifts``: a
     :class:`~grouped_linear.kernels.quantize.PieceShifts`; ``t`` is then the first of the
-    pieces and ``num_rows`` their total rows."""
+    pieces and ``num_rows`` their total rows. ``row_factors``: ``(M,)`` float32 multipliers
+    of the rows (not with ``shifts``); ``sums`` stay those of ``t``."""
     M, C = t.shape
     M = M if num_rows is None else num_rows
     shift_args = (shifts.shifts, True, shifts.multiple) if shifts is not None else (t, False, 1)
     stride_q = data.stride(0) if stride_q is None else stride_q
     width = data.shape[1] if width is None else width
     G = offsets.shape[0]
+    factors = row_factors.float().contiguous() if row_factors is not None else offsets
     block_r, block_c, warps = TILED_CONFIG
     block_s = max(2, triton.next_power_of_2(G + 1))
     # tiles cover the groups' padded columns and the tail: min(width, that) columns at most
@@ -282,8 +311,9 @@ def _quantize_group_columns_t_tiled(t, offsets, data_offsets, data, fp8_dtype, p
         partial = torch.empty(amax_grid[0], C, device=t.device, dtype=torch.float32) \
             if sums is not None else amax
         _group_column_amax_kernel[amax_grid](
-            t, offsets, amax, partial, shift_args[0], M, C, G, t.stride(0), SUMS=sums is not None,
-            PIECES=shift_args[1], SHIFT_MULTIPLE=shift_args[2], BLOCK_R=block_r,
+            t, offsets, amax, partial, shift_args[0], factors, M, C, G, t.stride(0),
+            SUMS=sums is not None, PIECES=shift_args[1], FACTORS=row_factors is not None,
+            SHIFT_MULTIPLE=shift_args[2], BLOCK_R=block_r,
             SUB_TILES=AMAX_SUB_TILES, BLOCK_C=block_c, BLOCK_S=block_s, num_warps=warps)
         if sums is not None:
             _reduce_group_sums_kernel[(G, triton.cdiv(C, 256))](
@@ -293,9 +323,10 @@ def _quantize_group_columns_t_tiled(t, offsets, data_offsets, data, fp8_dtype, p
     else:
         scale = group_scale.float().contiguous()
     _quantize_columns_t_tiled_kernel[grid](
-        t, offsets, data_offsets, scale, data, shift_args[0], C, G, t.stride(0), stride_q, width,
-        FP8_MAX=torch.finfo(fp8_dtype).max, PER_GROUP=group_scale is not None,
-        PIECES=shift_args[1], SHIFT_MULTIPLE=shift_args[2], ALIGN=align,
+        t, offsets, data_offsets, scale, data, shift_args[0], factors, C, G, t.stride(0),
+        stride_q, width, FP8_MAX=torch.finfo(fp8_dtype).max, PER_GROUP=group_scale is not None,
+        PIECES=shift_args[1], FACTORS=row_factors is not None, SHIFT_MULTIPLE=shift_args[2],
+        ALIGN=align,
         DST_MULTIPLE=16 if dst_multiple % 16 == 0 and block_r % 16 == 0 else 1, BLOCK_R=block_r,
         BLOCK_C=block_c, BLOCK_S=block_s, num_warps=warps,
     )
@@ -317,7 +348,8 @@ def _transposed_buffer(C: int, M: int, device: torch.device, dtype: torch.dtype)
 
 def quantize_group_columns_t(t: torch.Tensor, offsets: torch.Tensor, fp8_dtype: torch.dtype,
                              power_of_two: bool, group_scale: torch.Tensor | None = None,
-                             align: int = 1, column_sums: torch.Tensor | None = None
+                             align: int = 1, column_sums: torch.Tensor | None = None,
+                             row_factors: torch.Tensor | None = None
                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The wgrad operand: ``(M, C)`` -> FP8 transposed, scaled per (group, column) along
     the group's rows (or per group with ``group_scale`` ``(G,)`` float32).
@@ -333,6 +365,11 @@ def quantize_group_columns_t(t: torch.Tensor, offsets: torch.Tensor, fp8_dtype: 
     ``column_sums``: an optional ``(G, C)`` float32 tensor filled with the per-group column
     sums of ``t`` (a bias gradient), from the same read of ``t`` where the kernels allow
     it, else by :func:`grouped_linear.kernels.bias.bias_grad`.
+
+    ``row_factors``: an optional ``(M,)`` float tensor; what is quantized is then ``t`` with
+    row ``m`` multiplied by ``row_factors[m]`` (:func:`fold_row_factors`; the column sums
+    stay those of ``t`` itself). The weight gradient folds the forward's per-token factors
+    of ``x`` into ``dy`` this way.
     """
     M, C = t.shape
     G = offsets.shape[0]
@@ -343,6 +380,8 @@ def quantize_group_columns_t(t: torch.Tensor, offsets: torch.Tensor, fp8_dtype: 
     fused_sums = column_sums if tiled and group_scale is None else None
     if column_sums is not None and fused_sums is None:  # no column-amax pass to share
         column_sums.copy_(bias_grad(t, offsets, torch.float32))
+    if row_factors is not None and not tiled:  # the per-group kernel reads the folded rows
+        t, row_factors = fold_row_factors(t, row_factors), None
     if not kernels:
         data, inv = quantize_group_columns_t_reference(t, offsets, fp8_dtype, power_of_two,
                                                        group_scale)
@@ -354,7 +393,8 @@ def quantize_group_columns_t(t: torch.Tensor, offsets: torch.Tensor, fp8_dtype: 
     if tiled:
         inv = _quantize_group_columns_t_tiled(t, offsets, data_offsets, data, fp8_dtype,
                                               power_of_two, group_scale, align,
-                                              dst_multiple=align, sums=fused_sums)
+                                              dst_multiple=align, sums=fused_sums,
+                                              row_factors=row_factors)
         return _finish(data, fp8_dtype), inv, data_offsets
     inv = torch.empty(G, C, device=t.device, dtype=torch.float32)
     block_r, block_c, warps = GROUP_COLUMNS_CONFIG

@@ -8,7 +8,9 @@ would (see :mod:`grouped_linear.kernels.quantize`), accumulating in float32:
 * dgrad: rowwise, ``dy`` times the weight's per-output-channel factors, per token, with
   the forward's FP8 weight values; tensorwise, ``dy`` and ``W`` per group (gradient format
   for ``dy``);
-* wgrad: ``dy`` and ``x`` per (group, column) along the group's tokens, or per group.
+* wgrad: rowwise, ``dy`` times ``x``'s per-token factors, per (group, column) along the
+  group's tokens, with the forward's FP8 values of ``x``; tensorwise, ``dy`` and ``x`` per
+  group.
 
 The bias is added, and its gradient summed, in high precision. This path runs
 the numerics of the recipes on CPU (and anywhere else); it reads split offsets
@@ -28,6 +30,7 @@ from ..kernels import bias as bias_kernels
 from ..kernels import fp8_gemm, grouped_gemm, triton_gemm
 from ..kernels import quantize as q
 from ..kernels import quantize_blocks as qb
+from ..kernels import quantize_transposed as qt
 from ..kernels._triton import HAS_TRITON
 from ..kernels.quantize_folded import ColumnFactors
 from ..kernels.transpose import transpose_groups
@@ -201,10 +204,26 @@ def _quantize_tokens(t, offsets, fp8_dtype, recipe):
     return q.fake_quant_groups(t, offsets, fp8_dtype, recipe.power_of_two_scales)
 
 
+def _wgrad_operands(grad_out: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor,
+                    recipe: Float8Recipe) -> tuple[torch.Tensor, torch.Tensor]:
+    """The wgrad GEMM's operands as it sees them. Float8Rowwise: ``x``'s forward FP8 values
+    (scaled per token, not dequantized) and the gradient multiplied by ``x``'s per-token
+    factors, then quantized per (group, column) along the tokens: the same product, the
+    factors moved across the reduced dimension, and no second quantization of ``x``. The
+    other recipes: both scaled along the tokens of each group."""
+    pow2 = recipe.power_of_two_scales
+    if not isinstance(recipe, Float8Rowwise):
+        return (_quantize_for_wgrad(grad_out, offsets, recipe.gradient_dtype, recipe),
+                _quantize_for_wgrad(x, offsets, recipe.forward_dtype, recipe))
+    amax = x.abs().amax(dim=1) if x.shape[1] else x.new_zeros(x.shape[0])
+    scale = q.scale_from_amax(amax, recipe.forward_dtype, pow2)
+    codes = q.saturate(x, scale[:, None], recipe.forward_dtype).float()
+    folded = qt.fold_row_factors(grad_out, 1.0 / scale)
+    return q.fake_quant_group_columns(folded, offsets, recipe.gradient_dtype, pow2), codes
+
+
 def _quantize_for_wgrad(t, offsets, fp8_dtype, recipe):
-    """The wgrad operands, scaled along the tokens of each group."""
-    if isinstance(recipe, Float8Rowwise):
-        return q.fake_quant_group_columns(t, offsets, fp8_dtype, recipe.power_of_two_scales)
+    """The wgrad operands of the per-group recipes, scaled along the tokens of each group."""
     if isinstance(recipe, Float8Blockwise):
         return q.fake_quant_row_tiles(t, offsets, fp8_dtype, recipe.power_of_two_scales)
     return q.fake_quant_groups(t, offsets, fp8_dtype, recipe.power_of_two_scales)
@@ -239,8 +258,7 @@ class Fp8GroupedLinearFunction(torch.autograd.Function):
             grad_x = grouped_gemm.dgrad(dy_q, w_q, offsets, None, "loop").to(x.dtype)
 
         def grad_weight():
-            dy_q = _quantize_for_wgrad(grad_out, offsets, recipe.gradient_dtype, recipe)
-            x_q = _quantize_for_wgrad(x, offsets, recipe.forward_dtype, recipe)
+            dy_q, x_q = _wgrad_operands(grad_out, x, offsets, recipe)
             return grouped_gemm.wgrad(dy_q, x_q, offsets, None, "loop").to(weight.dtype)
 
         grad_w, grad_b = weight_and_bias_grads(ctx, grad_out, offsets, grad_weight)

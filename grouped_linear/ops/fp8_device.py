@@ -9,15 +9,17 @@ Per call, one fused quantization kernel per operand and direction
 * dgrad: the forward's FP8 weight, transposed (one byte read and written per weight), with
   ``dy`` per group (tensorwise) or, rowwise, ``dy`` times the weight's per-output-channel
   factors per token: the rows kernel applies the factors as it quantizes;
-* wgrad: ``dy`` and ``x`` per (group, column) or per group along each group's tokens,
-  written transposed by the quantization kernel itself, each group starting on a
-  16-column boundary (the GEMM's requirement along the reduced dimension; 128 for this
-  library's Triton wgrad, see ``TRITON_WGRAD_MIN_GROUPS``), with the alignment zeros
-  written by the same kernel.
+* wgrad: operands written transposed by the quantization kernels themselves, each group
+  starting on a 16-column boundary (the GEMM's requirement along the reduced dimension; 128
+  for this library's Triton wgrad, see ``TRITON_WGRAD_MIN_GROUPS``), with the alignment
+  zeros written by the same kernels. Rowwise: ``x``'s forward FP8 codes, transposed, and
+  ``dy`` multiplied row by row by ``x``'s per-token factors, quantized per (group, column)
+  along the tokens: the tokens are the reduced dimension, so the factors may move across
+  it, and ``x`` is saved for backward in FP8 (half its bytes). Tensorwise: ``dy`` and
+  ``x`` per group, ``x`` saved in its own dtype.
 
-``x`` is saved in its own dtype (wgrad needs it scaled along the tokens, which the
-forward's FP8 copy is not). A list input (one tensor per group) is quantized piece by piece
-in both directions, never concatenated. Any group size works (0 and unaligned included);
+A list input (one tensor per group) is quantized piece by piece in both directions, never
+concatenated. Any group size works (0 and unaligned included);
 nothing is read back to the host, so a step can be captured in a CUDA graph.
 """
 
@@ -30,7 +32,7 @@ from ..kernels import fp8_gemm, fp8_triton_gemm
 from ..kernels import quantize as q
 from ..kernels import quantize_folded as qf
 from ..kernels import quantize_transposed as qt
-from ..recipes import Float8Recipe, Float8Tensorwise
+from ..recipes import Float8Recipe, Float8Rowwise, Float8Tensorwise
 from .fp8 import Fp8Config, Fp8Weight, quantize_weight, weight_and_bias_grads
 
 __all__ = ["Fp8DeviceGroupedLinearFunction", "TRITON_WGRAD_MIN_GROUPS"]
@@ -51,6 +53,13 @@ def _group_scales(t: torch.Tensor, offsets: torch.Tensor, fp8_dtype: torch.dtype
     if not isinstance(recipe, Float8Tensorwise):
         return None
     return q.group_amax_scales(t, offsets, fp8_dtype, recipe.power_of_two_scales)
+
+
+def _folds_x(recipe: Float8Recipe) -> bool:
+    """Whether the wgrad takes the forward's FP8 ``x`` with its per-token factors moved onto
+    ``dy`` (rowwise: ``dW_g = sum_m (dy[m] * x_inv[m])^T x_codes[m]``, the tokens being the
+    reduced dimension), instead of quantizing ``x`` again along the tokens."""
+    return isinstance(recipe, Float8Rowwise)
 
 
 def _piece_scales(pieces: tuple[torch.Tensor, ...], fp8_dtype: torch.dtype,
@@ -96,17 +105,21 @@ class Fp8DeviceGroupedLinearFunction(torch.autograd.Function):
         w = cached if cached is not None else quantize_weight(weight.detach(), recipe, "device")
         out = fp8_gemm.forward(x_data, x_inv, w.forward_data, w.forward_inv, offsets, dtype)
         out = bias_kernels.bias_epilogue_(out, bias, offsets, config.zero_tail)
-        ctx.save_for_backward(x, weight, offsets, w.dgrad_data, w.dgrad_inv, w.dgrad_fold, x_scale,
-                              *pieces)
+        # Rowwise: the wgrad reads the forward's FP8 rows, so they are what is saved (half
+        # the bytes of x); tensorwise quantizes x again along the tokens.
+        saved = (x_data, x_inv) if _folds_x(recipe) else (x, None, *pieces)
+        ctx.save_for_backward(weight, offsets, w.dgrad_data, w.dgrad_inv, w.dgrad_fold, x_scale,
+                              *saved)
         ctx.piece_sizes = [piece.shape[0] for piece in pieces]
+        ctx.dtype = dtype
         ctx.config = config
         ctx.bias_dtype = bias.dtype if bias is not None else None
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        x, weight, offsets, wt_data, wt_inv, wt_fold, x_scale, *pieces = ctx.saved_tensors
-        dtype = pieces[0].dtype if pieces else x.dtype
+        weight, offsets, wt_data, wt_inv, wt_fold, x_scale, x, x_inv, *pieces = ctx.saved_tensors
+        dtype = ctx.dtype
         config: Fp8Config = ctx.config
         recipe = config.recipe
         fp8_grad, pow2 = recipe.gradient_dtype, recipe.power_of_two_scales
@@ -128,8 +141,12 @@ class Fp8DeviceGroupedLinearFunction(torch.autograd.Function):
                             and offsets.shape[0] >= TRITON_WGRAD_MIN_GROUPS)
             align = fp8_triton_gemm.BLOCK if triton_wgrad else fp8_gemm.WGRAD_GROUP_ALIGN
             dy_t, dy_t_inv, aligned = qt.quantize_group_columns_t(
-                grad_out, offsets, fp8_grad, pow2, dy_scale, align=align, column_sums=bias_sums)
-            if pieces:  # each piece into its aligned columns, same width as dy's
+                grad_out, offsets, fp8_grad, pow2, dy_scale, align=align, column_sums=bias_sums,
+                row_factors=x_inv)
+            if x_inv is not None:  # dy carries x's per-token factors: x's codes, transposed
+                x_t, x_t_inv, _ = qt.quantize_group_columns_t(
+                    x, offsets, x.dtype, False, x_inv.new_ones(offsets.shape[0]), align=align)
+            elif pieces:  # each piece into its aligned columns, same width as dy's
                 x_t, x_t_inv = qt.quantize_group_columns_t_pieces(
                     pieces, recipe.forward_dtype, pow2, x_scale, align, width=dy_t.shape[1],
                     offsets=offsets)
@@ -145,8 +162,8 @@ class Fp8DeviceGroupedLinearFunction(torch.autograd.Function):
 
         grad_w, grad_b = weight_and_bias_grads(ctx, grad_out, offsets, grad_weight,
                                                fuses_bias=True)
-        if pieces:  # views of the one dgrad output, no copy
+        if ctx.piece_sizes:  # views of the one dgrad output, no copy
             grad_pieces = grad_x.split(ctx.piece_sizes) if grad_x is not None else \
-                (None,) * len(pieces)
+                (None,) * len(ctx.piece_sizes)
             return None, grad_w, grad_b, None, None, None, *grad_pieces
         return grad_x, grad_w, grad_b, None, None, None

@@ -310,3 +310,47 @@ def test_quantizing_pieces_equals_quantizing_their_concatenation(align, tensorwi
     end = int(data_offsets[-1])
     assert data.shape == want.shape and torch.allclose(inv, want_inv, rtol=1e-6)
     assert codes_close(data[:, :end], want[:, :end])
+
+
+@pytest.mark.parametrize("method", ["per_group", "tiled"])
+@pytest.mark.parametrize("align", [1, 16])
+def test_group_columns_with_row_factors(method, align, monkeypatch):
+    """Rows multiplied by per-row factors before the per-(group, column) quantization: the
+    kernels equal the reference on the folded rows (factors spanning 1e-6 to 1e6, one huge
+    enough to saturate float32), while the column sums stay those of the unfolded rows."""
+    monkeypatch.setattr(qt, "GROUP_COLUMNS_METHOD", method)
+    monkeypatch.setattr(qt, "TILED_CONFIG", (16, 32, 4))  # groups over several tiles
+    sizes, tail = [37, 0, 5, 70, 16], 9
+    M, C = sum(sizes) + tail, 40
+    t = torch.randn(M, C).to(DEVICE)
+    factors = torch.logspace(-6, 6, M)
+    factors[50] = 1e38  # t * 1e38 passes float32's range: saturated, never inf
+    factors = factors[torch.randperm(M)].to(DEVICE)
+    offsets = torch.tensor(sizes, device=DEVICE).cumsum(0).to(torch.int32)
+    sums = torch.full((len(sizes), C), float("nan"), device=DEVICE)
+    data, inv, data_offsets = qt.quantize_group_columns_t(t, offsets, E4M3, False, align=align,
+                                                          column_sums=sums, row_factors=factors)
+    folded = qt.fold_row_factors(t, factors)
+    assert torch.isfinite(folded).all() and torch.isfinite(inv).all()
+    ref_data, ref_inv, ref_offsets = _reference_columns(folded, offsets, None, align)
+    assert torch.equal(data_offsets.cpu(), ref_offsets.cpu())
+    assert torch.allclose(inv, ref_inv, rtol=1e-6)
+    end = int(data_offsets[-1])
+    assert codes_close(data[:, :end], ref_data[:, :end])
+    want_sums = bias_kernels.bias_grad_reference(t, offsets, torch.float64).float()
+    torch.testing.assert_close(sums, want_sums, rtol=1e-5, atol=1e-4)
+    plain, _, _ = qt.quantize_group_columns_t(t, offsets, E4M3, False, align=align)
+    assert not codes_close(plain[:, :end], data[:, :end])  # the factors did change the codes
+
+
+def test_group_columns_transpose_fp8_codes_exactly():
+    """FP8 input with unit group scales: the transposed copy holds the same codes (the
+    wgrad's activation operand, transposed from the forward's FP8 rows)."""
+    sizes = [30, 0, 17, 51]
+    M, C = sum(sizes) + 3, 48
+    codes = (torch.randn(M, C) * 100).clamp(-448, 448).to(E4M3).to(DEVICE)
+    offsets = torch.tensor(sizes, device=DEVICE).cumsum(0).to(torch.int32)
+    ones = torch.ones(len(sizes), device=DEVICE)
+    data, inv, _ = qt.quantize_group_columns_t(codes, offsets, E4M3, False, ones, align=1)
+    assert torch.equal(data[:, :sum(sizes)].float(), codes[:sum(sizes)].float().t())
+    assert torch.all(inv == 1)
