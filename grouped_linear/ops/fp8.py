@@ -188,11 +188,11 @@ def _dgrad_operands(grad_out: torch.Tensor, weight: torch.Tensor, offsets: torch
         return (_quantize_tokens(grad_out, offsets, recipe.gradient_dtype, recipe),
                 _quantize_weight(weight, recipe))
     G, N, K = weight.shape
-    amax = weight.abs().amax(dim=2) if K else weight.new_zeros(G, N)
-    scale = q.scale_from_amax(amax, recipe.forward_dtype, recipe.power_of_two_scales)
-    codes = q.saturate(weight, scale[..., None], recipe.forward_dtype).float()
-    folded = ColumnFactors.of_groups(1.0 / scale, offsets, grad_out.shape[0]).apply(grad_out)
-    return q.fake_quant_rows(folded, recipe.gradient_dtype, recipe.power_of_two_scales), codes
+    codes, inv = q.quantize_rows_reference(weight.reshape(G * N, K), recipe.forward_dtype,
+                                           recipe.power_of_two_scales)
+    folded = ColumnFactors.of_groups(inv.view(G, N), offsets, grad_out.shape[0]).apply(grad_out)
+    return (q.fake_quant_rows(folded, recipe.gradient_dtype, recipe.power_of_two_scales),
+            codes.float().view(G, N, K))
 
 
 def _quantize_tokens(t, offsets, fp8_dtype, recipe):
@@ -215,11 +215,9 @@ def _wgrad_operands(grad_out: torch.Tensor, x: torch.Tensor, offsets: torch.Tens
     if not isinstance(recipe, Float8Rowwise):
         return (_quantize_for_wgrad(grad_out, offsets, recipe.gradient_dtype, recipe),
                 _quantize_for_wgrad(x, offsets, recipe.forward_dtype, recipe))
-    amax = x.abs().amax(dim=1) if x.shape[1] else x.new_zeros(x.shape[0])
-    scale = q.scale_from_amax(amax, recipe.forward_dtype, pow2)
-    codes = q.saturate(x, scale[:, None], recipe.forward_dtype).float()
-    folded = qt.fold_row_factors(grad_out, 1.0 / scale)
-    return q.fake_quant_group_columns(folded, offsets, recipe.gradient_dtype, pow2), codes
+    codes, inv = q.quantize_rows_reference(x, recipe.forward_dtype, pow2)
+    folded = qt.fold_row_factors(grad_out, inv)
+    return q.fake_quant_group_columns(folded, offsets, recipe.gradient_dtype, pow2), codes.float()
 
 
 def _quantize_for_wgrad(t, offsets, fp8_dtype, recipe):
