@@ -278,6 +278,17 @@ def dgrad(grad_out: torch.Tensor, weight: torch.Tensor, sizes: torch.Tensor) -> 
     return _launch_mm(grad_out, weight, strides, None, sizes, out, grad_out.shape[1])
 
 
+def _wgrad_buffers(x: torch.Tensor, G: int, N: int, K: int,
+                   with_bias: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The ``(G, N, K)`` weight gradient and, with ``with_bias``, the ``(G, N)`` bias sums.
+    The CPU interpreter truncates float32 -> 16-bit stores: there the sums stay float32
+    and torch rounds them."""
+    grad_w = torch.empty(G, N, K, device=x.device, dtype=x.dtype)
+    sums_dtype = torch.float32 if x.device.type == "cpu" else x.dtype
+    grad_b = torch.empty(G, N, device=x.device, dtype=sums_dtype) if with_bias else None
+    return grad_w, grad_b
+
+
 def wgrad(grad_out: torch.Tensor, x: torch.Tensor, sizes: torch.Tensor,
           with_bias: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(G, N, K)`` weight gradient and, with ``with_bias``, the ``(G, N)`` bias gradient
@@ -286,10 +297,7 @@ def wgrad(grad_out: torch.Tensor, x: torch.Tensor, sizes: torch.Tensor,
     M, N = grad_out.shape
     K = x.shape[1]
     G = sizes.shape[0]
-    grad_w = torch.empty(G, N, K, device=x.device, dtype=x.dtype)
-    # The CPU interpreter truncates float32 -> 16-bit stores: there torch rounds the sums.
-    sums_dtype = torch.float32 if x.device.type == "cpu" else x.dtype
-    grad_b = torch.empty(G, N, device=x.device, dtype=sums_dtype) if with_bias else None
+    grad_w, grad_b = _wgrad_buffers(x, G, N, K, with_bias)
     if N == 0 or K == 0:
         return grad_w, grad_b
     block_m, block_n, block_k = 64, 64, 64
@@ -315,9 +323,7 @@ def backward(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, size
     if M == 0 or N == 0 or K == 0:
         return (dgrad(grad_out, weight, sizes), *wgrad(grad_out, x, sizes, with_bias))
     grad_x = torch.empty(M, K, device=x.device, dtype=grad_out.dtype)
-    grad_w = torch.empty(G, N, K, device=x.device, dtype=x.dtype)
-    sums_dtype = torch.float32 if x.device.type == "cpu" else x.dtype  # as in wgrad
-    grad_b = torch.empty(G, N, device=x.device, dtype=sums_dtype) if with_bias else None
+    grad_w, grad_b = _wgrad_buffers(x, G, N, K, with_bias)
     dx_programs = _program_count(x.device)  # fixed: one binary whatever M is
     dw_block = 64
     dw_tiles = G * triton.cdiv(N, dw_block) * triton.cdiv(K, dw_block)
