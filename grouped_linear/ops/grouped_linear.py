@@ -277,12 +277,20 @@ def fast_grouped_linear(
     resolved = resolve_backend(backend, device, dtype, in_features, out_features, num_rows,
                                num_groups)
     groups = m_splits if resolved == "triton" else group_offsets(m_splits, num_rows)
-    if torch.is_grad_enabled() and (
+    return _run(x, weight, bias, groups, None, _DEVICE_SPLIT_CONFIGS[resolved])
+
+
+def _run(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, groups: torch.Tensor,
+         host_offsets: torch.Tensor | None, config: _CallConfig) -> torch.Tensor:
+    """The autograd function where a graph is needed (or traced), else the forward step
+    alone: inference builds no autograd node."""
+    needs_graph = torch.is_grad_enabled() and (
         x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
-    ):
-        return GroupedLinearFunction.apply(x, weight, bias, groups, None,
-                                           _DEVICE_SPLIT_CONFIGS[resolved])
-    return forward_impl(x, weight, bias, groups, None, resolved, True)
+    )
+    if not needs_graph and not torch.compiler.is_compiling():
+        return forward_impl(x, weight, bias, groups, host_offsets, config.backend,
+                            config.zero_tail)
+    return GroupedLinearFunction.apply(x, weight, bias, groups, host_offsets, config)
 
 
 def apply_grouped_linear(
@@ -367,14 +375,8 @@ def apply_grouped_linear(
     host_offsets = None
     if resolved == "loop" and device_type != "cpu" and splits.on_host:
         host_offsets = splits.host_offsets()
-    needs_graph = torch.is_grad_enabled() and (
-        x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
-    )
-    if not needs_graph and not torch.compiler.is_compiling():
-        # Inference: no autograd node to build, call the forward step directly.
-        return forward_impl(x, weight, bias, groups, host_offsets, resolved, splits.may_have_tail)
-    config = _CallConfig(resolved, splits.may_have_tail, sink)
-    return GroupedLinearFunction.apply(x, weight, bias, groups, host_offsets, config)
+    return _run(x, weight, bias, groups, host_offsets,
+                _CallConfig(resolved, splits.may_have_tail, sink))
 
 
 def grouped_linear(
