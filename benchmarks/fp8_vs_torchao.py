@@ -9,7 +9,7 @@ cases, forward+backward ``do_bench`` medians in µs, then each case's GPU time p
 import sys
 
 import torch
-from torch.profiler import ProfilerActivity, profile
+from profile_step import profile_steps  # benchmarks/profile_step.py
 from triton.testing import do_bench
 
 from grouped_linear.cli import bench
@@ -21,14 +21,7 @@ def _gpu_time(case):
             leaf.grad = None
         case.forward_backward()
 
-    for _ in range(3):
-        step()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(5):
-            step()
-        torch.cuda.synchronize()
-    events = prof.key_averages()
+    events = profile_steps(step, 3, 5).key_averages()
     top = sorted(events, key=lambda e: -e.self_device_time_total)[:8]
     total = sum(e.self_device_time_total for e in events) / 5
     return total, [(e.key[:40], round(e.self_device_time_total / 5)) for e in top]

@@ -15,6 +15,18 @@ from torch.profiler import ProfilerActivity, profile
 import grouped_linear as gl
 
 
+def profile_steps(step, warmup, steps, activities=(ProfilerActivity.CUDA,)):
+    """``warmup`` untimed calls of ``step``, then torch.profiler over ``steps`` calls."""
+    for _ in range(warmup):
+        step()
+    torch.cuda.synchronize()
+    with profile(activities=list(activities)) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    return prof
+
+
 def run(name, G, m, K, N, bias):
     dt = torch.bfloat16
     M = G * m
@@ -29,13 +41,7 @@ def run(name, G, m, K, N, bias):
         "gl": lambda: layer(x, splits).backward(grad),
     }
     for label, step in steps.items():
-        for _ in range(5):
-            step()
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            for _ in range(10):
-                step()
-            torch.cuda.synchronize()
+        prof = profile_steps(step, 5, 10, (ProfilerActivity.CPU, ProfilerActivity.CUDA))
         print(f"===== {name} {label} (bias={bias}), 10 steps")
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14,
                                         max_name_column_width=60))
@@ -59,13 +65,7 @@ def run_fp8(recipe_name, shape_name):
         x.grad = layer.weight.grad = None
         layer(x, splits).backward(grad)
 
-    for _ in range(3):
-        step()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(5):
-            step()
-        torch.cuda.synchronize()
+    prof = profile_steps(step, 3, 5)
     print(f"===== {shape_name} {recipe_name}, 5 steps")
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=24,
                                     max_name_column_width=50))
