@@ -53,14 +53,7 @@ def dgrad_impl(
     return bias_kernels.zero_tail_(grad_x, offsets) if zero_tail else grad_x
 
 
-def wgrad_impl(
-    grad_out: torch.Tensor,
-    x: torch.Tensor,
-    offsets: torch.Tensor,
-    host_offsets: torch.Tensor | None,
-    backend: str,
-) -> torch.Tensor:
-    return grouped_gemm.wgrad(grad_out, x, offsets, host_offsets, backend)
+wgrad_impl = grouped_gemm.wgrad  # the weight gradient needs nothing around the GEMM
 
 
 def triton_wgrad_impl(
