@@ -26,7 +26,7 @@ from .bias import row_groups
 __all__ = ["scale_from_amax", "saturate", "fake_quant", "fake_quant_rows", "fake_quant_group_columns",
            "fake_quant_groups", "fake_quant_weight", "quantize_rows", "quantize_rows_reference",
            "quantize_rows_pieces", "piece_shifts", "PieceShifts",
-           "quantize_weight_rows", "group_amax_scales", "weight_group_scales",
+           "quantize_weight_rows", "group_amax_scales", "unit_factors", "weight_group_scales",
            "fake_quant_column_tiles", "fake_quant_weight_blocks", "fake_quant_row_tiles"]
 
 _FLOAT32_MAX = torch.finfo(torch.float32).max
@@ -44,6 +44,28 @@ def scale_from_amax(amax: torch.Tensor, fp8_dtype: torch.dtype, power_of_two: bo
     if power_of_two:
         scale = torch.exp2(torch.floor(torch.log2(scale)))
     return scale
+
+
+_UNIT_FACTORS: dict[torch.device, torch.Tensor] = {}
+
+
+def unit_factors(shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """float32 ones of ``shape``: the dequantization factors of an FP8 operand whose scales
+    were moved onto the other operand. On CUDA, a view of one buffer per device, filled when
+    it is created or grown, not per call (read-only: GEMMs only read it). Inside a CUDA graph
+    capture or a compiled region a fresh tensor is made: a buffer first filled there would
+    stay unfilled until the graph's first replay."""
+    numel = 1
+    for size in shape:
+        numel *= size
+    if (device.type != "cuda" or torch.cuda.is_current_stream_capturing()
+            or torch.compiler.is_compiling()):
+        return torch.ones(shape, device=device, dtype=torch.float32)
+    buffer = _UNIT_FACTORS.get(device)
+    if buffer is None or buffer.numel() < numel:
+        buffer = torch.ones(max(numel, 4096), device=device, dtype=torch.float32)
+        _UNIT_FACTORS[device] = buffer
+    return buffer[:numel].view(shape)
 
 
 def saturate(t: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:

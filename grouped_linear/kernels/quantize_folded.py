@@ -5,9 +5,9 @@ The dgrad GEMM reuses the forward's FP8 weight, scaled per output channel ``n``;
 the dgrad's reduced dimension, so the weight's factors cannot stay on the weight: they
 multiply the output gradient's columns instead (row ``r`` of group ``g`` times
 ``factors[g]``), and the product is quantized per row as usual. One program walks a run of
-consecutive rows, keeps its group's factor row in registers while the group stays the same,
-and reads each gradient row once (the whole row is one block). The plain-PyTorch reference
-is :func:`quantize_rows_folded_reference`.
+consecutive rows, finds their groups from the group ends, keeps the group's factor row in
+registers while the group stays the same, and reads each gradient row once (the whole row
+is one block). The plain-PyTorch reference is :func:`quantize_rows_folded_reference`.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from ._triton import kernel, tl, triton, use_triton
-from .bias import row_groups
+from .bias import _row_group, row_groups
 from .quantize import _finish, _fp8_buffer, _scale, quantize_rows_reference
 
 __all__ = ["ColumnFactors", "quantize_rows_folded", "quantize_rows_folded_reference"]
@@ -32,20 +32,21 @@ MAX_BLOCK_C = 16384
 @dataclass(frozen=True)
 class ColumnFactors:
     """Per-(group, column) factors for the rows of an ``(R, C)`` tensor: ``factors``
-    ``(G, C)`` float32 and ``row_groups`` ``(R,)`` integer, each row's group (values past
-    ``G - 1`` count as ``G - 1``: rows after the last group)."""
+    ``(G, C)`` float32, ``offsets`` ``(G,)`` the groups' cumulative row ends (rows after the
+    last group count as the last group's) and ``num_rows`` ``R``."""
 
     factors: torch.Tensor
-    row_groups: torch.Tensor
+    offsets: torch.Tensor
+    num_rows: int
 
     @staticmethod
     def of_groups(factors: torch.Tensor, offsets: torch.Tensor, num_rows: int) -> ColumnFactors:
         """The factors of the row groups ending at ``offsets`` ``(G,)``."""
-        return ColumnFactors(factors.float().contiguous(), row_groups(offsets, num_rows))
+        return ColumnFactors(factors.float().contiguous(), offsets, num_rows)
 
     def apply(self, t: torch.Tensor) -> torch.Tensor:
         """``t * factors[group of each row]`` in float32."""
-        groups = self.row_groups.clamp(max=self.factors.shape[0] - 1)
+        groups = row_groups(self.offsets, self.num_rows).clamp(max=self.factors.shape[0] - 1)
         return t.float() * self.factors.index_select(0, groups)
 
 
@@ -58,19 +59,23 @@ def quantize_rows_folded_reference(t: torch.Tensor, column_factors: ColumnFactor
 
 @kernel
 @triton.jit
-def _quantize_rows_folded_kernel(t_ptr, factors_ptr, groups_ptr, q_ptr, inv_ptr, R, C, G,
+def _quantize_rows_folded_kernel(t_ptr, factors_ptr, offsets_ptr, q_ptr, inv_ptr, R, C, G,
                                  stride_t, stride_q, FP8_MAX: tl.constexpr, POW2: tl.constexpr,
-                                 ROWS: tl.constexpr, BLOCK_C: tl.constexpr):
-    """Rows ``[program * ROWS, program * ROWS + ROWS)``, each one block of ``BLOCK_C >= C``."""
+                                 ROWS: tl.constexpr, BLOCK_C: tl.constexpr,
+                                 BLOCK_G: tl.constexpr):
+    """Rows ``[program * ROWS, program * ROWS + ROWS)``, each one block of ``BLOCK_C >= C``;
+    the rows' groups are found from the offsets, once for the whole run."""
     cols = tl.arange(0, BLOCK_C)
     col_mask = cols < C
     first = tl.program_id(0).to(tl.int64) * ROWS
-    held = tl.minimum(tl.load(groups_ptr + first), G - 1)
+    slots = tl.arange(0, ROWS)
+    groups = tl.minimum(_row_group(offsets_ptr, first + slots, G, BLOCK_G), G - 1)
+    held = tl.min(groups, axis=0)  # the run's first row's group (groups never decrease)
     factors = tl.load(factors_ptr + held * C + cols, mask=col_mask, other=0.0)
     for i in range(ROWS):
         row = first + i
         live = row < R
-        group = tl.minimum(tl.load(groups_ptr + row, mask=live, other=0), G - 1)
+        group = tl.sum(tl.where(slots == i, groups, 0), axis=0)
         if group != held:  # a group boundary inside the run: fetch its factors
             held = group
             factors = tl.load(factors_ptr + group * C + cols, mask=col_mask, other=0.0)
@@ -93,9 +98,12 @@ def quantize_rows_folded(t: torch.Tensor, column_factors: ColumnFactors, fp8_dty
     if factors.dim() != 2 or factors.shape[1] != C or factors.shape[0] == 0:
         raise ValueError(f"column factors of shape {tuple(factors.shape)} do not fit rows of {C} "
                          "columns: expected (G, C) with G >= 1")
-    if column_factors.row_groups.shape != (R,):
-        raise ValueError(f"row_groups has shape {tuple(column_factors.row_groups.shape)}, "
-                         f"expected ({R},)")
+    if column_factors.num_rows != R:
+        raise ValueError(f"column factors for num_rows={column_factors.num_rows} do not fit "
+                         f"a tensor of {R} rows")
+    if column_factors.offsets.shape != (factors.shape[0],):
+        raise ValueError(f"offsets has shape {tuple(column_factors.offsets.shape)}, expected "
+                         f"({factors.shape[0]},): one row end per factor row")
     block_c = triton.next_power_of_2(max(C, 16))
     if not use_triton(t) or t.stride(-1) != 1 or R == 0 or block_c > MAX_BLOCK_C:
         return quantize_rows_folded_reference(t, column_factors, fp8_dtype, power_of_two)
@@ -104,8 +112,9 @@ def quantize_rows_folded(t: torch.Tensor, column_factors: ColumnFactors, fp8_dty
     rows, columns_per_warp = FOLDED_CONFIG
     warps = min(16, max(2, block_c // columns_per_warp))
     _quantize_rows_folded_kernel[(triton.cdiv(R, rows),)](
-        t, factors, column_factors.row_groups, data, inv, R, C, factors.shape[0], t.stride(0),
+        t, factors, column_factors.offsets, data, inv, R, C, factors.shape[0], t.stride(0),
         data.stride(0), FP8_MAX=torch.finfo(fp8_dtype).max, POW2=power_of_two, ROWS=rows,
-        BLOCK_C=block_c, num_warps=warps,
+        BLOCK_C=block_c, BLOCK_G=min(256, triton.next_power_of_2(factors.shape[0])),
+        num_warps=warps,
     )
     return _finish(data, fp8_dtype), inv

@@ -28,7 +28,7 @@ from .quantize import (
 )
 
 __all__ = ["quantize_group_columns_t", "quantize_group_columns_t_reference",
-           "quantize_group_columns_t_pieces", "fold_row_factors",
+           "quantize_group_columns_t_pieces", "transpose_group_columns", "fold_row_factors",
            "GROUP_COLUMNS_METHOD", "GROUP_COLUMNS_CONFIG", "TILED_CONFIG", "AMAX_SUB_TILES"]
 
 # How quantize_group_columns_t runs on GPUs: "per_group" (one program per group and
@@ -231,9 +231,10 @@ def _reduce_group_sums_kernel(sums_ptr, offsets_ptr, out_ptr, C, G, ROWS_PER_TIL
 
 @kernel
 @triton.jit
-def _quantize_columns_t_tiled_kernel(t_ptr, offsets_ptr, dst_offsets_ptr, scale_ptr, q_ptr,
-                                     shifts_ptr, factors_ptr, C, G, stride_t, stride_q, width,
-                                     FP8_MAX: tl.constexpr, PER_GROUP: tl.constexpr,
+def _quantize_columns_t_tiled_kernel(t_ptr, offsets_ptr, dst_offsets_ptr, scale_ptr, inv_ptr,
+                                     q_ptr, shifts_ptr, factors_ptr, C, G, stride_t, stride_q,
+                                     width, FP8_MAX: tl.constexpr, POW2: tl.constexpr,
+                                     SCALING: tl.constexpr,
                                      PIECES: tl.constexpr, FACTORS: tl.constexpr,
                                      SHIFT_MULTIPLE: tl.constexpr,
                                      ALIGN: tl.constexpr,
@@ -245,7 +246,24 @@ def _quantize_columns_t_tiled_kernel(t_ptr, offsets_ptr, dst_offsets_ptr, scale_
     columns past the last group are written as zeros by the tiles that cover them.
     ``DST_MULTIPLE``: every tile's first destination column is a multiple of it (16 lets
     the transposed stores be 16-byte vectors). ``FACTORS``: row ``r`` is multiplied by
-    ``factors[r]`` first (:func:`fold_row_factors`)."""
+    ``factors[r]`` first (:func:`fold_row_factors`).
+
+    ``SCALING``: ``"amax"`` (``scale_ptr`` holds the ``(G, C)`` column maxima, the scales
+    are derived here), ``"group"`` (``(G,)`` scales) or ``"unit"`` (FP8 codes copied
+    unchanged).
+    Besides its tile, program ``g < G`` writes group ``g``'s ``(C,)`` dequantization factors
+    (``1 / scale``) into ``inv``, empty groups included (the grid has more than ``G``
+    programs); ``"unit"`` writes none."""
+    if SCALING != "unit":
+        inv_group = tl.program_id(0)
+        if inv_group < G:
+            inv_cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+            if SCALING == "group":
+                inv_scale = tl.zeros([BLOCK_C], dtype=tl.float32) + tl.load(scale_ptr + inv_group)
+            else:
+                inv_scale = _scale(tl.load(scale_ptr + inv_group * C + inv_cols,
+                                           mask=inv_cols < C, other=0.0), FP8_MAX, POW2)
+            tl.store(inv_ptr + inv_group * C + inv_cols, 1.0 / inv_scale, mask=inv_cols < C)
     g, src0, end, dst0, dst_end, total = _column_tile(tl.program_id(0), offsets_ptr,
                                                       dst_offsets_ptr, G, width, ALIGN, BLOCK_R,
                                                       BLOCK_S)
@@ -263,13 +281,15 @@ def _quantize_columns_t_tiled_kernel(t_ptr, offsets_ptr, dst_offsets_ptr, scale_
         if FACTORS:  # rows of no group are masked off: their factor is never read
             values = _fold(values.to(tl.float32), factors_ptr, src0, rows,
                            tl.where(g < G, end - src0, 0).to(tl.int32))
-        if PER_GROUP:
-            scale = tl.load(scale_ptr + clamped)
-            scaled = values.to(tl.float32) * scale
+        if SCALING == "unit":  # FP8 codes in, the same codes out
+            scaled = values
         else:
-            scale = tl.load(scale_ptr + clamped * C + cols, mask=col_mask, other=1.0)
-            scaled = values.to(tl.float32) * scale[None, :]
-        scaled = tl.clamp(scaled, -FP8_MAX, FP8_MAX)
+            if SCALING == "group":
+                scaled = values.to(tl.float32) * tl.load(scale_ptr + clamped)
+            else:
+                amax = tl.load(scale_ptr + clamped * C + cols, mask=col_mask, other=0.0)
+                scaled = values.to(tl.float32) * _scale(amax, FP8_MAX, POW2)[None, :]
+            scaled = tl.clamp(scaled, -FP8_MAX, FP8_MAX)
         # No-ops that tell the compiler what DST_MULTIPLE promises (the tile's start and the
         # columns left in its slot are multiples of it), so the stores can be vectors.
         dst0 = dst0 // DST_MULTIPLE * DST_MULTIPLE
@@ -282,7 +302,7 @@ def _quantize_columns_t_tiled_kernel(t_ptr, offsets_ptr, dst_offsets_ptr, scale_
 def _quantize_group_columns_t_tiled(t, offsets, data_offsets, data, fp8_dtype, power_of_two,
                                     group_scale, align, stride_q=None, width=None,
                                     dst_multiple=1, sums=None, shifts=None, num_rows=None,
-                                    row_factors=None):
+                                    row_factors=None, unit_scale=False):
     """Group ``g``'s row ``r`` lands at ``data_flat[c * stride_q + data_offsets[g-1] + r -
     start_g]``, followed by zeros up to ``round_up(size_g, align)`` columns; columns from
     ``data_offsets[-1]`` to ``width`` are zeros (``stride_q``/``width`` default to
@@ -292,7 +312,9 @@ def _quantize_group_columns_t_tiled(t, offsets, data_offsets, data, fp8_dtype, p
     by the column-amax pass; needs ``group_scale=None``). ``shifts``: a
     :class:`~grouped_linear.kernels.quantize.PieceShifts`; ``t`` is then the first of the
     pieces and ``num_rows`` their total rows. ``row_factors``: ``(M,)`` float32 multipliers
-    of the rows (not with ``shifts``); ``sums`` stay those of ``t``."""
+    of the rows (not with ``shifts``); ``sums`` stay those of ``t``. ``unit_scale``: ``t``
+    holds FP8 codes that are moved unchanged (no factors returned: ``None``). Returns the
+    ``(G, C)`` float32 dequantization factors, written by the quantizing kernel itself."""
     M, C = t.shape
     M = M if num_rows is None else num_rows
     shift_args = (shifts.shifts, True, shifts.multiple) if shifts is not None else (t, False, 1)
@@ -302,16 +324,22 @@ def _quantize_group_columns_t_tiled(t, offsets, data_offsets, data, fp8_dtype, p
     factors = row_factors.float().contiguous() if row_factors is not None else offsets
     block_r, block_c, warps = TILED_CONFIG
     block_s = max(2, triton.next_power_of_2(G + 1))
-    # tiles cover the groups' padded columns and the tail: min(width, that) columns at most
+    # tiles cover the groups' padded columns and the tail: min(width, that) columns at most;
+    # the G + 1 extra programs leave room for the slots' partial tiles (and for one program
+    # per group writing the group's factors)
     covered = min(width, M + (align - 1) * G + 16)
     grid = (triton.cdiv(covered, block_r) + G + 1, triton.cdiv(C, block_c))
-    if group_scale is None:
-        amax = torch.zeros(G, C, device=t.device, dtype=torch.float32)
+    inv = None if unit_scale else torch.empty(G, C, device=t.device, dtype=torch.float32)
+    if unit_scale:
+        scaling, scale = "unit", offsets
+    elif group_scale is None:
+        scaling = "amax"
+        scale = torch.zeros(G, C, device=t.device, dtype=torch.float32)  # the column maxima
         amax_grid = (triton.cdiv(M, block_r * AMAX_SUB_TILES) + G + 1, grid[1])
         partial = torch.empty(amax_grid[0], C, device=t.device, dtype=torch.float32) \
-            if sums is not None else amax
+            if sums is not None else scale
         _group_column_amax_kernel[amax_grid](
-            t, offsets, amax, partial, shift_args[0], factors, M, C, G, t.stride(0),
+            t, offsets, scale, partial, shift_args[0], factors, M, C, G, t.stride(0),
             SUMS=sums is not None, PIECES=shift_args[1], FACTORS=row_factors is not None,
             SHIFT_MULTIPLE=shift_args[2], BLOCK_R=block_r,
             SUB_TILES=AMAX_SUB_TILES, BLOCK_C=block_c, BLOCK_S=block_s, num_warps=warps)
@@ -319,19 +347,19 @@ def _quantize_group_columns_t_tiled(t, offsets, data_offsets, data, fp8_dtype, p
             _reduce_group_sums_kernel[(G, triton.cdiv(C, 256))](
                 partial, offsets, sums, C, G, ROWS_PER_TILE=block_r * AMAX_SUB_TILES,
                 BLOCK_C=256, BLOCK_S=block_s)
-        scale = scale_from_amax(amax, fp8_dtype, power_of_two)
     else:
-        scale = group_scale.float().contiguous()
+        scaling = "group"
+        scale = group_scale if group_scale.dtype == torch.float32 and group_scale.is_contiguous() \
+            else group_scale.float().contiguous()
     _quantize_columns_t_tiled_kernel[grid](
-        t, offsets, data_offsets, scale, data, shift_args[0], factors, C, G, t.stride(0),
-        stride_q, width, FP8_MAX=torch.finfo(fp8_dtype).max, PER_GROUP=group_scale is not None,
-        PIECES=shift_args[1], FACTORS=row_factors is not None, SHIFT_MULTIPLE=shift_args[2],
-        ALIGN=align,
+        t, offsets, data_offsets, scale, inv if inv is not None else scale, data, shift_args[0],
+        factors, C, G, t.stride(0), stride_q, width, FP8_MAX=torch.finfo(fp8_dtype).max,
+        POW2=power_of_two, SCALING=scaling, PIECES=shift_args[1],
+        FACTORS=row_factors is not None, SHIFT_MULTIPLE=shift_args[2], ALIGN=align,
         DST_MULTIPLE=16 if dst_multiple % 16 == 0 and block_r % 16 == 0 else 1, BLOCK_R=block_r,
         BLOCK_C=block_c, BLOCK_S=block_s, num_warps=warps,
     )
-    inv = 1.0 / scale
-    return inv if group_scale is None else inv[:, None].expand(G, C).contiguous()
+    return inv
 
 
 def _aligned_width(rows: int, groups: int, align: int) -> int:
@@ -341,15 +369,19 @@ def _aligned_width(rows: int, groups: int, align: int) -> int:
 
 
 def _transposed_buffer(C: int, M: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """``(C, M)`` whose row stride is ``M`` rounded up to 16 elements: FP8 GEMMs need
-    16-byte aligned leading dimensions; the extra columns are never read."""
+    """Where the kernels write an FP8 ``(C, M)`` operand: on GPUs its row stride is ``M``
+    rounded up to 16 elements (FP8 GEMMs need 16-byte aligned leading dimensions; the extra
+    columns are never read); on CPUs float32 (see :func:`~grouped_linear.kernels.quantize._fp8_buffer`)."""
+    if device.type == "cpu":
+        return _fp8_buffer((C, M), device, dtype)
     return torch.empty(C, -(-M // 16) * 16, device=device, dtype=dtype)[:, :M]
 
 
 def quantize_group_columns_t(t: torch.Tensor, offsets: torch.Tensor, fp8_dtype: torch.dtype,
                              power_of_two: bool, group_scale: torch.Tensor | None = None,
                              align: int = 1, column_sums: torch.Tensor | None = None,
-                             row_factors: torch.Tensor | None = None
+                             row_factors: torch.Tensor | None = None,
+                             data_offsets: torch.Tensor | None = None
                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The wgrad operand: ``(M, C)`` -> FP8 transposed, scaled per (group, column) along
     the group's rows (or per group with ``group_scale`` ``(G,)`` float32).
@@ -370,10 +402,14 @@ def quantize_group_columns_t(t: torch.Tensor, offsets: torch.Tensor, fp8_dtype: 
     row ``m`` multiplied by ``row_factors[m]`` (:func:`fold_row_factors`; the column sums
     stay those of ``t`` itself). The weight gradient folds the forward's per-token factors
     of ``x`` into ``dy`` this way.
+
+    ``data_offsets``: the aligned group ends when the caller already has them (from an
+    earlier call with the same ``offsets`` and ``align``).
     """
     M, C = t.shape
     G = offsets.shape[0]
-    data_offsets = offsets if align == 1 else aligned_offsets(offsets, align)
+    if data_offsets is None:
+        data_offsets = offsets if align == 1 else aligned_offsets(offsets, align)
     width = _aligned_width(M, G, align)
     kernels = use_triton(t) and t.stride(-1) == 1 and t.shape[0] > 0
     tiled = kernels and GROUP_COLUMNS_METHOD == "tiled" and G * C < 2**31
@@ -388,8 +424,7 @@ def quantize_group_columns_t(t: torch.Tensor, offsets: torch.Tensor, fp8_dtype: 
         if align > 1:
             data = _realign_columns(data, offsets, data_offsets, width)
         return data, inv, data_offsets
-    data = _fp8_buffer((C, width), t.device, fp8_dtype) if t.device.type == "cpu" \
-        else _transposed_buffer(C, width, t.device, fp8_dtype)
+    data = _transposed_buffer(C, width, t.device, fp8_dtype)
     if tiled:
         inv = _quantize_group_columns_t_tiled(t, offsets, data_offsets, data, fp8_dtype,
                                               power_of_two, group_scale, align,
@@ -410,6 +445,29 @@ def quantize_group_columns_t(t: torch.Tensor, offsets: torch.Tensor, fp8_dtype: 
             data, offsets, G, C, M, data.stride(0), BLOCK_C=64, BLOCK_M=32,
         )
     return _finish(data, fp8_dtype), inv, data_offsets
+
+
+def transpose_group_columns(codes: torch.Tensor, offsets: torch.Tensor, align: int = 1,
+                            data_offsets: torch.Tensor | None = None) -> torch.Tensor:
+    """FP8 codes ``(M, C)`` moved unchanged into the transposed layout of
+    :func:`quantize_group_columns_t` with the same ``align`` (and ``data_offsets``, computed
+    when not given): ``(C, width)``, zeros in the alignment and tail columns. The wgrad
+    operand of a tensor already quantized per token whose factors were moved onto the other
+    operand; one launch on GPUs, no factors."""
+    M, C = codes.shape
+    G = offsets.shape[0]
+    if data_offsets is None:
+        data_offsets = offsets if align == 1 else aligned_offsets(offsets, align)
+    if not (use_triton(codes) and codes.stride(-1) == 1 and M > 0
+            and GROUP_COLUMNS_METHOD == "tiled" and G * C < 2**31):
+        ones = torch.ones(G, device=codes.device)
+        data, _ = quantize_group_columns_t_reference(codes, offsets, codes.dtype, False, ones)
+        return _realign_columns(data, offsets, data_offsets, _aligned_width(M, G, align)) \
+            if align > 1 else data
+    data = _transposed_buffer(C, _aligned_width(M, G, align), codes.device, codes.dtype)
+    _quantize_group_columns_t_tiled(codes, offsets, data_offsets, data, codes.dtype, False, None,
+                                    align, dst_multiple=align, unit_scale=True)
+    return _finish(data, codes.dtype)
 
 
 def quantize_group_columns_t_pieces(pieces: list[torch.Tensor], fp8_dtype: torch.dtype,
@@ -441,8 +499,7 @@ def quantize_group_columns_t_pieces(pieces: list[torch.Tensor], fp8_dtype: torch
         if data.shape[1] < width:
             data = torch.cat([data, data.new_zeros(C, width - data.shape[1])], dim=1)
         return data[:, :width], inv
-    data = _fp8_buffer((C, width), device, fp8_dtype) if device.type == "cpu" \
-        else _transposed_buffer(C, width, device, fp8_dtype)
+    data = _transposed_buffer(C, width, device, fp8_dtype)
     shifts = piece_shifts(pieces) if rows and G * C < 2**31 else None
     if shifts is not None:  # one launch per pass over all the pieces
         data_offsets = aligned_offsets(offsets, align) if align > 1 else offsets

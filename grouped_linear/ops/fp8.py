@@ -113,7 +113,7 @@ def _device_weight(weight: torch.Tensor, recipe: Float8Recipe) -> tuple[torch.Te
     if group_scale is not None:
         dgrad_inv = (1.0 / group_scale.float())[:, None].expand(G, K).contiguous()
     else:
-        dgrad_inv = torch.ones(G, K, device=weight.device, dtype=torch.float32)
+        dgrad_inv = q.unit_factors((G, K), weight.device)
     return forward_data, forward_inv, transpose_groups(forward_data), dgrad_inv
 
 

@@ -144,15 +144,16 @@ class Fp8DeviceGroupedLinearFunction(torch.autograd.Function):
                 grad_out, offsets, fp8_grad, pow2, dy_scale, align=align, column_sums=bias_sums,
                 row_factors=x_inv)
             if x_inv is not None:  # dy carries x's per-token factors: x's codes, transposed
-                x_t, x_t_inv, _ = qt.quantize_group_columns_t(
-                    x, offsets, x.dtype, False, x_inv.new_ones(offsets.shape[0]), align=align)
+                x_t = qt.transpose_group_columns(x, offsets, align, data_offsets=aligned)
+                x_t_inv = q.unit_factors((offsets.shape[0], x.shape[1]), x.device)
             elif pieces:  # each piece into its aligned columns, same width as dy's
                 x_t, x_t_inv = qt.quantize_group_columns_t_pieces(
                     pieces, recipe.forward_dtype, pow2, x_scale, align, width=dy_t.shape[1],
                     offsets=offsets)
             else:
                 x_t, x_t_inv, _ = qt.quantize_group_columns_t(
-                    x, offsets, recipe.forward_dtype, pow2, x_scale, align=align)
+                    x, offsets, recipe.forward_dtype, pow2, x_scale, align=align,
+                    data_offsets=aligned)
             if triton_wgrad:  # 128-token group blocks, one factor per (group, column)
                 sizes = torch.diff(offsets, prepend=offsets.new_zeros(1))
                 return fp8_triton_gemm.blockwise_wgrad(dy_t, dy_t_inv, x_t, x_t_inv, sizes,

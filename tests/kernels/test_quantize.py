@@ -354,3 +354,34 @@ def test_group_columns_transpose_fp8_codes_exactly():
     data, inv, _ = qt.quantize_group_columns_t(codes, offsets, E4M3, False, ones, align=1)
     assert torch.equal(data[:, :sum(sizes)].float(), codes[:sum(sizes)].float().t())
     assert torch.all(inv == 1)
+
+
+@pytest.mark.parametrize("align", [1, 16, 128])
+def test_transposing_fp8_codes_keeps_them_and_the_aligned_layout(align):
+    """The codes' transpose lands where quantize_group_columns_t puts a group's columns
+    (same aligned starts and width), holds the codes unchanged, and zeros the alignment and
+    tail columns; with the aligned offsets given, the same result."""
+    sizes = [30, 0, 17, 51, 1]
+    M, C = sum(sizes) + 3, 48
+    codes = (torch.randn(M, C) * 100).clamp(-448, 448).to(E4M3).to(DEVICE)
+    offsets = torch.tensor(sizes, device=DEVICE).cumsum(0).to(torch.int32)
+    data = qt.transpose_group_columns(codes, offsets, align)
+    layout, _, aligned = qt.quantize_group_columns_t(codes.float(), offsets, E4M3, False,
+                                                     align=align)
+    assert data.dtype == E4M3 and data.shape == layout.shape
+    want = torch.zeros(C, data.shape[1])
+    start, aligned_start = 0, 0
+    for size in sizes:
+        want[:, aligned_start:aligned_start + size] = codes[start:start + size].float().t().cpu()
+        start += size
+        aligned_start += -(-size // align) * align
+    assert torch.equal(data.float().cpu(), want)
+    again = qt.transpose_group_columns(codes, offsets, align, data_offsets=aligned)
+    assert torch.equal(again[:, :aligned_start].float(), data[:, :aligned_start].float())
+
+
+def test_unit_factors_are_ones_of_the_shape():
+    for shape in ((3, 5), (7,), (2, 4096)):
+        factors = q.unit_factors(shape, torch.device(DEVICE))
+        assert factors.shape == shape and factors.dtype == torch.float32
+        assert torch.all(factors == 1)

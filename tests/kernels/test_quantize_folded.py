@@ -12,7 +12,8 @@ E4M3 = torch.float8_e4m3fn
 
 @pytest.mark.parametrize("pow2", [False, True])
 @pytest.mark.parametrize("sizes, tail", [([5, 0, 9], 2), ([1], 0), ([0, 7, 3, 0], 4),
-                                         ([40, 3, 0, 50], 5)])
+                                         ([40, 3, 0, 50], 5),
+                                         ([(g * 7) % 5 for g in range(300)], 3)])
 def test_rows_with_column_factors(sizes, tail, pow2):
     """Rows times their group's column factors, quantized per row: the kernel against the
     reference, and the dequantized result against the float64 product."""
@@ -31,5 +32,8 @@ def test_rows_with_column_factors(sizes, tail, pow2):
     assert rel_err(data.double() * inv.double()[:, None], want) < 0.04
     with pytest.raises(ValueError, match="do not fit"):
         qf.quantize_rows_folded(t[:, :-1], column_factors, E4M3, pow2)
-    with pytest.raises(ValueError, match="row_groups"):
+    with pytest.raises(ValueError, match="num_rows"):
         qf.quantize_rows_folded(t[:-1], column_factors, E4M3, pow2)
+    with pytest.raises(ValueError, match="offsets"):
+        qf.quantize_rows_folded(t, qf.ColumnFactors(column_factors.factors, offsets[:-1], M),
+                                E4M3, pow2)
