@@ -26,7 +26,7 @@ from .bias import row_groups
 __all__ = ["scale_from_amax", "saturate", "fake_quant", "fake_quant_rows", "fake_quant_group_columns",
            "fake_quant_groups", "fake_quant_weight", "quantize_rows", "quantize_rows_reference",
            "quantize_rows_pieces", "piece_shifts", "PieceShifts",
-           "quantize_weight_rows", "group_amax_scales", "unit_factors", "weight_group_scales",
+           "quantize_weight_rows", "unit_factors",
            "fake_quant_column_tiles", "fake_quant_weight_blocks", "fake_quant_row_tiles"]
 
 _FLOAT32_MAX = torch.finfo(torch.float32).max
@@ -157,21 +157,27 @@ def piece_shift(shifts_ptr, g, MULTIPLE: tl.constexpr):
 def _quantize_rows_kernel(t_ptr, q_ptr, inv_ptr, scale_ptr, shifts_ptr, ends_ptr, R, C, G,
                           stride_t, stride_q, FP8_MAX: tl.constexpr, POW2: tl.constexpr,
                           GIVEN_SCALE: tl.constexpr, PIECES: tl.constexpr,
+                          GROUPS: tl.constexpr, GROUP_ROWS: tl.constexpr,
                           SHIFT_MULTIPLE: tl.constexpr, BLOCK_R: tl.constexpr,
                           BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr):
-    """Rows of ``t`` (``PIECES``: of the concatenation of pieces, see :func:`piece_shift`;
-    ``ends`` ``(G,)`` their row ends, and a given scale is per piece, not per row)."""
+    """Rows of ``t`` (``PIECES``: of the concatenation of pieces, see :func:`piece_shift`).
+    ``GROUPS``: ``"ends"`` (the rows' groups end at ``ends`` ``(G,)``: always with
+    ``PIECES``), ``"uniform"`` (every ``GROUP_ROWS`` rows) or ``"none"``; a given scale is
+    per group with groups, else per row."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_mask = rows < R
     base = rows.to(tl.int64)[:, None] * stride_t
-    if PIECES:
+    if GROUPS == "ends":
         slots = tl.arange(0, BLOCK_S)
         ends = tl.load(ends_ptr + slots, mask=slots < G, other=R)
         piece = tl.sum((ends[None, :] <= rows[:, None]).to(tl.int32), axis=1)
-        piece = tl.minimum(piece, G - 1)
+        piece = tl.minimum(piece, G - 1)  # rows past the last end: the last group's
+    elif GROUPS == "uniform":
+        piece = tl.minimum(rows // GROUP_ROWS, G - 1)
+    if PIECES:
         base += piece_shift(shifts_ptr, piece, SHIFT_MULTIPLE)[:, None]
     if GIVEN_SCALE:  # the caller's scales (tensorwise: the group's)
-        if PIECES:
+        if GROUPS != "none":
             scale = tl.load(scale_ptr + piece)
         else:
             scale = tl.load(scale_ptr + rows, mask=row_mask, other=1.0)
@@ -215,15 +221,28 @@ def _rows_launch_shape(C: int) -> tuple[int, int, int]:
 
 def quantize_rows(t: torch.Tensor, fp8_dtype: torch.dtype, power_of_two: bool,
                   scale: torch.Tensor | None = None,
-                  out: tuple[torch.Tensor, torch.Tensor] | None = None
+                  out: tuple[torch.Tensor, torch.Tensor] | None = None,
+                  groups: torch.Tensor | None = None, group_rows: int = 0
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(R, C)`` -> FP8 ``(R, C)`` and ``(R,)`` dequantization factors, one read pass
     per row block (two when a row is wider than one block). ``scale`` ``(R,)`` float32
-    gives the rows' scales instead of deriving them from the rows' amax. ``out``: an FP8
-    ``(R, C)`` tensor with unit column stride and a float32 ``(R,)`` one to write into
-    (views of larger buffers: see :func:`quantize_rows_pieces`)."""
+    gives the rows' scales instead of deriving them from the rows' amax; with ``groups``
+    (the ``(G,)`` row ends of groups of rows) or ``group_rows`` (groups of that many rows)
+    it is ``(G,)``, one scale per group (rows past the last end take the last group's).
+    ``out``: an FP8 ``(R, C)`` tensor with unit column stride and a float32 ``(R,)`` one to
+    write into (views of larger buffers: see :func:`quantize_rows_pieces`)."""
+    if scale is not None and (groups is not None or group_rows):
+        num_groups = groups.shape[0] if groups is not None else -(-t.shape[0] // group_rows)
+        if not use_triton(t) or out is not None or num_groups > _MAX_KERNEL_GROUPS \
+                or num_groups == 0:
+            return quantize_rows(t, fp8_dtype, power_of_two,
+                                 _scale_per_row(scale, groups, group_rows, t.shape[0]), out)
+    else:
+        groups, group_rows = None, 0
     if not use_triton(t) or t.stride(-1) != 1 or t.shape[0] == 0 or (
             out is not None and t.device.type == "cpu"):
+        if groups is not None or group_rows:
+            scale = _scale_per_row(scale, groups, group_rows, t.shape[0])
         if out is None:
             return quantize_rows_reference(t, fp8_dtype, power_of_two, scale)
         data, inv = quantize_rows(t, fp8_dtype, power_of_two, scale)  # CPU: torch rounds
@@ -236,26 +255,52 @@ def quantize_rows(t: torch.Tensor, fp8_dtype: torch.dtype, power_of_two: bool,
     else:
         data = _fp8_buffer((R, C), t.device, fp8_dtype)
         inv = torch.empty(R, device=t.device, dtype=torch.float32)
-    _launch_rows(t, data, inv, scale, fp8_dtype, power_of_two)
+    if scale is not None and (scale.dtype != torch.float32 or not scale.is_contiguous()):
+        scale = scale.float().contiguous()
+    _launch_rows(t, data, inv, scale, fp8_dtype, power_of_two, ends=groups,
+                 group_rows=group_rows)
     return _finish(data, fp8_dtype), inv
+
+
+# Group-scaled rows with more groups than this take per-row scales (the kernel holds all
+# the group ends of a row at once).
+_MAX_KERNEL_GROUPS = 4096
+
+
+def _scale_per_row(scale: torch.Tensor, groups: torch.Tensor | None, group_rows: int,
+                   num_rows: int) -> torch.Tensor:
+    """Per-group scales spread onto ``num_rows`` rows (past the last group: the last's)."""
+    if groups is None:
+        index = torch.arange(num_rows, device=scale.device) // group_rows
+    else:
+        index = row_groups(groups, num_rows)
+    return scale.float().index_select(0, index.clamp(max=scale.shape[0] - 1)).contiguous()
 
 
 def _launch_rows(t: torch.Tensor, data: torch.Tensor, inv: torch.Tensor,
                  scale: torch.Tensor | None, fp8_dtype: torch.dtype, power_of_two: bool,
-                 shifts: "PieceShifts | None" = None, ends: torch.Tensor | None = None) -> None:
+                 shifts: "PieceShifts | None" = None, ends: torch.Tensor | None = None,
+                 group_rows: int = 0) -> None:
     """:func:`_quantize_rows_kernel` over the ``data.shape[0]`` rows of ``t`` into
     ``data``/``inv``; with ``shifts``, ``t`` is the first of the pieces and ``ends`` their
-    ``(G,)`` row ends (``scale`` is then per piece)."""
+    ``(G,)`` row ends (``scale`` is then per piece); ``ends`` alone or ``group_rows``: the
+    rows' groups, ``scale`` per group."""
     R, C = data.shape
-    G = ends.shape[0] if shifts is not None else 1
+    if ends is not None:
+        kind, G = "ends", ends.shape[0]
+    elif group_rows:
+        kind, G = "uniform", -(-R // group_rows)
+    else:
+        kind, G = "none", 1
     block_r, block_c, warps = _rows_launch_shape(C)
     _quantize_rows_kernel[(triton.cdiv(R, block_r),)](
         t, data, inv, scale if scale is not None else inv,
-        shifts.shifts if shifts is not None else inv, ends if shifts is not None else inv,
+        shifts.shifts if shifts is not None else inv, ends if ends is not None else inv,
         R, C, G, t.stride(0), data.stride(0), FP8_MAX=torch.finfo(fp8_dtype).max,
         POW2=power_of_two, GIVEN_SCALE=scale is not None, PIECES=shifts is not None,
+        GROUPS=kind, GROUP_ROWS=max(group_rows, 1),
         SHIFT_MULTIPLE=shifts.multiple if shifts is not None else 1, BLOCK_R=block_r,
-        BLOCK_C=block_c, BLOCK_S=triton.next_power_of_2(G + 1) if shifts is not None else 2,
+        BLOCK_C=block_c, BLOCK_S=triton.next_power_of_2(G + 1) if kind == "ends" else 2,
         num_warps=warps,
     )
 
@@ -345,33 +390,12 @@ def quantize_weight_rows(weight: torch.Tensor, fp8_dtype: torch.dtype, power_of_
     """The forward GEMM's weight: ``(G, N, K)`` -> FP8 ``(G, N, K)`` scaled per output
     channel (or per group with ``group_scale`` ``(G,)``), and ``(G, N)`` factors."""
     G, N, K = weight.shape
-    row_scale = group_scale.repeat_interleave(N) if group_scale is not None else None
-    data, inv = quantize_rows(weight.reshape(G * N, K), fp8_dtype, power_of_two, row_scale)
+    if N == 0:
+        return weight.new_empty(G, 0, K, dtype=fp8_dtype), weight.new_empty(G, 0,
+                                                                           dtype=torch.float32)
+    data, inv = quantize_rows(weight.reshape(G * N, K), fp8_dtype, power_of_two, group_scale,
+                              group_rows=N if group_scale is not None else 0)
     return data.view(G, N, K), inv.view(G, N)
-
-
-# --------------------------------------------------------------------------- tensorwise
-def group_amax_scales(t: torch.Tensor, offsets: torch.Tensor, fp8_dtype: torch.dtype,
-                      power_of_two: bool) -> torch.Tensor:
-    """``(G,)`` float32 tensorwise scales of the row groups of ``(M, C)``, without a host
-    sync: the rows' amax, then a scatter-max into their groups."""
-    G = offsets.shape[0]
-    if t.shape[1] == 0 or t.shape[0] == 0:
-        return scale_from_amax(t.new_zeros(G, dtype=torch.float32), fp8_dtype, power_of_two)
-    row_amax = torch.linalg.vector_norm(t, ord=float("inf"), dim=1).float()
-    amax = row_amax.new_zeros(G + 1).scatter_reduce_(0, row_groups(offsets, t.shape[0]), row_amax,
-                                                     "amax")
-    return scale_from_amax(amax[:G], fp8_dtype, power_of_two)
-
-
-def weight_group_scales(weight: torch.Tensor, fp8_dtype: torch.dtype,
-                        power_of_two: bool) -> torch.Tensor:
-    """``(G,)`` float32 tensorwise scales of ``(G, N, K)`` expert weights."""
-    if weight[0].numel() == 0:
-        return scale_from_amax(weight.new_zeros(weight.shape[0], dtype=torch.float32), fp8_dtype,
-                               power_of_two)
-    amax = torch.linalg.vector_norm(weight, ord=float("inf"), dim=(1, 2)).float()
-    return scale_from_amax(amax, fp8_dtype, power_of_two)
 
 
 # --------------------------------------------------------------------------- block scaling

@@ -30,6 +30,7 @@ from ..kernels import bias as bias_kernels
 from ..kernels import fp8_gemm, grouped_gemm, triton_gemm
 from ..kernels import quantize as q
 from ..kernels import quantize_blocks as qb
+from ..kernels import quantize_groups as qg
 from ..kernels import quantize_transposed as qt
 from ..kernels._triton import HAS_TRITON
 from ..kernels.quantize_folded import ColumnFactors
@@ -107,13 +108,11 @@ def _device_weight(weight: torch.Tensor, recipe: Float8Recipe) -> tuple[torch.Te
     per-output-channel factors the dgrad folds into the gradient instead)."""
     pow2, fp8 = recipe.power_of_two_scales, recipe.forward_dtype
     G, N, K = weight.shape
-    group_scale = q.weight_group_scales(weight, fp8, pow2) \
-        if isinstance(recipe, Float8Tensorwise) else None
-    forward_data, forward_inv = q.quantize_weight_rows(weight, fp8, pow2, group_scale)
-    if group_scale is not None:
-        dgrad_inv = (1.0 / group_scale.float())[:, None].expand(G, K).contiguous()
+    if isinstance(recipe, Float8Tensorwise):  # the dgrad's factors come with the scales
+        group_scale, dgrad_inv = qg.weight_group_scales(weight, fp8, pow2, inv_width=K)
     else:
-        dgrad_inv = q.unit_factors((G, K), weight.device)
+        group_scale, dgrad_inv = None, q.unit_factors((G, K), weight.device)
+    forward_data, forward_inv = q.quantize_weight_rows(weight, fp8, pow2, group_scale)
     return forward_data, forward_inv, transpose_groups(forward_data), dgrad_inv
 
 

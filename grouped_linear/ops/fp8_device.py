@@ -31,6 +31,7 @@ from ..kernels import bias as bias_kernels
 from ..kernels import fp8_gemm, fp8_triton_gemm
 from ..kernels import quantize as q
 from ..kernels import quantize_folded as qf
+from ..kernels import quantize_groups as qg
 from ..kernels import quantize_transposed as qt
 from ..recipes import Float8Recipe, Float8Rowwise, Float8Tensorwise
 from .fp8 import Fp8Config, Fp8Weight, quantize_weight, weight_and_bias_grads
@@ -52,7 +53,7 @@ def _group_scales(t: torch.Tensor, offsets: torch.Tensor, fp8_dtype: torch.dtype
     """Tensorwise: ``(G,)`` scales of ``t``'s row groups; rowwise: ``None``."""
     if not isinstance(recipe, Float8Tensorwise):
         return None
-    return q.group_amax_scales(t, offsets, fp8_dtype, recipe.power_of_two_scales)
+    return qg.group_amax_scales(t, offsets, fp8_dtype, recipe.power_of_two_scales)
 
 
 def _folds_x(recipe: Float8Recipe) -> bool:
@@ -76,11 +77,9 @@ def _piece_scales(pieces: tuple[torch.Tensor, ...], fp8_dtype: torch.dtype,
 def _quantize_tokens(t: torch.Tensor, offsets: torch.Tensor, fp8_dtype: torch.dtype,
                      recipe: Float8Recipe, group_scale: torch.Tensor | None):
     """``(M, C)`` -> FP8 ``(M, C)`` and ``(M,)`` factors: per row, or the row's group's."""
-    row_scale = None
-    if group_scale is not None:  # rows past the last group get scale 1 (never read)
-        padded = torch.cat([group_scale, group_scale.new_ones(1)])
-        row_scale = padded.index_select(0, bias_kernels.row_groups(offsets, t.shape[0]))
-    return q.quantize_rows(t, fp8_dtype, recipe.power_of_two_scales, row_scale)
+    if group_scale is None:
+        return q.quantize_rows(t, fp8_dtype, recipe.power_of_two_scales)
+    return q.quantize_rows(t, fp8_dtype, recipe.power_of_two_scales, group_scale, groups=offsets)
 
 
 class Fp8DeviceGroupedLinearFunction(torch.autograd.Function):

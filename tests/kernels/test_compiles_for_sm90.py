@@ -27,6 +27,7 @@ from grouped_linear.kernels import layout
 from grouped_linear.kernels import quantize as q
 from grouped_linear.kernels import quantize_blocks as qb
 from grouped_linear.kernels import quantize_folded as qf
+from grouped_linear.kernels import quantize_groups as qg
 from grouped_linear.kernels import quantize_transposed as qt
 from grouped_linear.kernels import transpose as tp
 from grouped_linear.kernels import triton_gemm as tg
@@ -106,8 +107,26 @@ CASES = {
                     "BLOCK_N": 64, "BLOCK_K": 64, "BLOCK_G": 16}, 4),
     "rows": (q._quantize_rows_kernel, {"t_ptr": "*bf16", "q_ptr": F8},
              {"FP8_MAX": FP8_MAX, "POW2": False, "GIVEN_SCALE": False, "PIECES": False,
+              "GROUPS": "none", "GROUP_ROWS": 1,
               "SHIFT_MULTIPLE": 1, "BLOCK_R": q.ROWS_CONFIG[0], "BLOCK_C": q.ROWS_CONFIG[1],
               "BLOCK_S": 2}, q.ROWS_CONFIG[2]),
+    "rows, scale per group": (q._quantize_rows_kernel,
+                              {"t_ptr": "*bf16", "q_ptr": F8, "ends_ptr": "*i32"},
+                              {"FP8_MAX": FP8_MAX, "POW2": False, "GIVEN_SCALE": True,
+                               "PIECES": False, "GROUPS": "ends", "GROUP_ROWS": 1,
+                               "SHIFT_MULTIPLE": 1, "BLOCK_R": q.ROWS_CONFIG[0],
+                               "BLOCK_C": q.ROWS_CONFIG[1], "BLOCK_S": 16}, q.ROWS_CONFIG[2]),
+    "weight rows, scale per expert": (q._quantize_rows_kernel, {"t_ptr": "*bf16", "q_ptr": F8},
+                                      {"FP8_MAX": FP8_MAX, "POW2": False, "GIVEN_SCALE": True,
+                                       "PIECES": False, "GROUPS": "uniform", "GROUP_ROWS": 4096,
+                                       "SHIFT_MULTIPLE": 1, "BLOCK_R": q.ROWS_CONFIG[0],
+                                       "BLOCK_C": q.ROWS_CONFIG[1], "BLOCK_S": 2},
+                                      q.ROWS_CONFIG[2]),
+    "group amax": (qg._group_amax_kernel, {"t_ptr": "*bf16", "ends_ptr": "*i32"},
+                   {"GROUP_ROWS": 0, "BLOCK_R": qg.AMAX_CONFIG[0], "BLOCK_C": qg.AMAX_CONFIG[1],
+                    "BLOCK_G": 16}, qg.AMAX_CONFIG[2]),
+    "scales from maxima": (qg._scales_kernel, {},
+                           {"FP8_MAX": FP8_MAX, "POW2": True, "BLOCK": 16, "BLOCK_W": 256}, 4),
     "rows folded": (qf._quantize_rows_folded_kernel,
                     {"t_ptr": "*bf16", "q_ptr": F8, "offsets_ptr": "*i32"},
                     {"FP8_MAX": FP8_MAX, "POW2": False, "ROWS": qf.FOLDED_CONFIG[0],
@@ -118,7 +137,7 @@ CASES = {
     "rows of pieces": (q._quantize_rows_kernel,
                        {"t_ptr": "*bf16", "q_ptr": F8, "shifts_ptr": "*i64", "ends_ptr": "*i32"},
                        {"FP8_MAX": FP8_MAX, "POW2": False, "GIVEN_SCALE": False, "PIECES": True,
-                        "SHIFT_MULTIPLE": 8, "BLOCK_R": q.ROWS_CONFIG[0],
+                        "GROUPS": "ends", "GROUP_ROWS": 1, "SHIFT_MULTIPLE": 8, "BLOCK_R": q.ROWS_CONFIG[0],
                         "BLOCK_C": q.ROWS_CONFIG[1], "BLOCK_S": 16}, q.ROWS_CONFIG[2]),
     "group columns": (qt._quantize_group_columns_t_kernel,
                       {"t_ptr": "*bf16", "offsets_ptr": "*i32", "dst_offsets_ptr": "*i32", "q_ptr": F8},
@@ -170,7 +189,7 @@ CASES = {
 PIPELINED = {"fp8 mm rowwise", "fp8 mm blockwise", "fp8 blockwise wgrad", "fp8 group-scaled wgrad",
              "bf16 mm", "bf16 wgrad"}
 # Streaming kernels whose bf16 loads must stay 16-byte vectors (one read at copy speed).
-VECTOR_LOADS = {"rows", "rows of pieces"}
+VECTOR_LOADS = {"rows", "rows of pieces", "rows, scale per group", "group amax"}
 
 
 def _check(name: str) -> str:

@@ -5,6 +5,7 @@ import torch
 
 from grouped_linear.kernels import bias as bias_kernels
 from grouped_linear.kernels import quantize as q
+from grouped_linear.kernels import quantize_groups as qg
 from grouped_linear.kernels import quantize_transposed as qt
 from grouped_linear.kernels.offsets import aligned_offsets_reference
 from grouped_linear.kernels.transpose import transpose_groups, transpose_groups_reference
@@ -189,7 +190,7 @@ def test_given_scales_replace_the_amax(pow2, method, monkeypatch):
     M = sum(sizes) + tail
     t = (torch.randn(M, C) * 30).to(DEVICE)
     offsets = torch.tensor(sizes, device=DEVICE).cumsum(0).to(torch.int32)
-    group_scale = q.group_amax_scales(t, offsets, E4M3, pow2)
+    group_scale = qg.group_amax_scales(t, offsets, E4M3, pow2)
     want = q.scale_from_amax(torch.stack([t[0:5].abs().max(), t.new_tensor(0.0),
                                           t[5:14].abs().max()]), E4M3, pow2)
     assert torch.allclose(group_scale, want.to(DEVICE), rtol=1e-6)
@@ -211,7 +212,7 @@ def test_weight_quantization_kernels(fp8, tensorwise):
     G, N, K = 3, 24, 40
     w = (torch.randn(G, N, K) * torch.logspace(-2, 2, K)).to(DEVICE)
     w[1] = 0  # an all-zero expert stays finite
-    group_scale = q.weight_group_scales(w, fp8, False) if tensorwise else None
+    group_scale = qg.weight_group_scales(w, fp8, False)[0] if tensorwise else None
     fwd, fwd_inv = q.quantize_weight_rows(w, fp8, False, group_scale)
     ref_fwd, ref_fwd_inv = q.quantize_rows_reference(
         w.reshape(G * N, K), fp8, False,
@@ -282,7 +283,7 @@ def test_quantizing_pieces_equals_quantizing_their_concatenation(align, tensorwi
     assert [piece.shape[0] for piece in pieces] == sizes
     whole = torch.cat(pieces)
     offsets = torch.tensor(sizes, device=DEVICE).cumsum(0).to(torch.int32)
-    group_scale = q.group_amax_scales(whole, offsets, E4M3, False) if tensorwise else None
+    group_scale = qg.group_amax_scales(whole, offsets, E4M3, False) if tensorwise else None
     launches = []
 
     def counted(function, name):
