@@ -51,11 +51,13 @@ bench-details:
 	PYTHONPATH=. $(PYTHON) benchmarks/overhead.py
 	PYTHONPATH=. $(PYTHON) benchmarks/autograd_floor.py
 	PYTHONPATH=. $(PYTHON) benchmarks/bias_kernels.py
+	PYTHONPATH=. $(PYTHON) benchmarks/bias_in_step.py
 	PYTHONPATH=. $(PYTHON) benchmarks/triton_vs_grouped.py
 	PYTHONPATH=. $(PYTHON) benchmarks/compile_vs_eager.py
 	PYTHONPATH=. $(PYTHON) benchmarks/compile_overhead.py
 	PYTHONPATH=. $(PYTHON) benchmarks/fp8_quantize.py
 	PYTHONPATH=. $(PYTHON) benchmarks/fp8_vs_torchao.py
+	PYTHONPATH=. $(PYTHON) benchmarks/fp8_launches.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info
