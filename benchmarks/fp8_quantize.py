@@ -13,6 +13,7 @@ import triton.testing
 
 from grouped_linear.kernels import quantize as q
 from grouped_linear.kernels import quantize_blocks as qb
+from grouped_linear.kernels import quantize_columns_tiled as qct
 from grouped_linear.kernels import quantize_folded as qf
 from grouped_linear.kernels import quantize_transposed as qt
 from grouped_linear.kernels.transpose import transpose_groups
@@ -45,7 +46,7 @@ def main():
     q.ROWS_CONFIG = (1, 4096, 8)
     report("weight rows (forward copy)", _ms(lambda: q.quantize_weight_rows(w, E4M3, False)),
            w.numel())
-    default_method, default_tiled = qt.GROUP_COLUMNS_METHOD, qt.TILED_CONFIG
+    default_method, default_tiled = qt.GROUP_COLUMNS_METHOD, qct.TILED_CONFIG
     w_data, _ = q.quantize_weight_rows(w, E4M3, False)
     ms = _ms(lambda: transpose_groups(w_data))
     print(f"{'weight FP8 transpose (dgrad copy)':48s} {ms:8.3f} ms "
@@ -67,19 +68,19 @@ def main():
                    t.numel())
     qt.GROUP_COLUMNS_METHOD = "tiled"
     for config in ((64, 64, 4), (128, 64, 4), (64, 128, 8), (128, 128, 8)):
-        qt.TILED_CONFIG = config
+        qct.TILED_CONFIG = config
         for name, t in (("x", x), ("dy", dy)):
             report(f"group columns {name} tiled {config}",
                    _ms(lambda t=t: qt.quantize_group_columns_t(t, offsets, E4M3, False, align=16)),
                    t.numel())
-    qt.GROUP_COLUMNS_METHOD, qt.TILED_CONFIG = default_method, default_tiled
+    qt.GROUP_COLUMNS_METHOD, qct.TILED_CONFIG = default_method, default_tiled
     for sub_tiles in (1, 2, 4, 8):
-        qt.AMAX_SUB_TILES = sub_tiles
+        qct.AMAX_SUB_TILES = sub_tiles
         for name, t in (("x", x), ("dy", dy)):
             report(f"group columns {name} tiled, amax sub-tiles {sub_tiles}",
                    _ms(lambda t=t: qt.quantize_group_columns_t(t, offsets, E4M3, False, align=16)),
                    t.numel())
-    qt.AMAX_SUB_TILES = 2
+    qct.AMAX_SUB_TILES = 2
     x_narrow = x[:, :1024].contiguous()
     report("rows x[:, :1024] (several rows per program)",
            _ms(lambda: q.quantize_rows(x_narrow, E4M3, False)), x_narrow.numel())

@@ -26,6 +26,7 @@ from grouped_linear.kernels import fp8_triton_gemm as fg
 from grouped_linear.kernels import layout
 from grouped_linear.kernels import quantize as q
 from grouped_linear.kernels import quantize_blocks as qb
+from grouped_linear.kernels import quantize_columns_tiled as qct
 from grouped_linear.kernels import quantize_folded as qf
 from grouped_linear.kernels import quantize_groups as qg
 from grouped_linear.kernels import quantize_transposed as qt
@@ -77,6 +78,11 @@ def _mm_case(blockwise, reduction_contiguous):
     return (fg._fp8_grouped_mm_kernel,
             {"a_ptr": F8, "b_ptr": F8, "out_ptr": "*bf16", "sizes_ptr": "*i64"}, constants, 8)
 
+
+# The launch constants the tiled transposed quantization shares across its modes.
+TILED_TRANSPOSE = {"FP8_MAX": FP8_MAX, "POW2": False, "ALIGN": 16, "DST_MULTIPLE": 16,
+                   "BLOCK_R": qct.TILED_CONFIG[0], "BLOCK_C": qct.TILED_CONFIG[1],
+                   "BLOCK_S": 16, "PIECES": False, "SHIFT_MULTIPLE": 1}
 
 CASES = {
     "fp8 mm rowwise": _mm_case(False, True),
@@ -143,30 +149,22 @@ CASES = {
                       {"t_ptr": "*bf16", "offsets_ptr": "*i32", "dst_offsets_ptr": "*i32", "q_ptr": F8},
                       {"FP8_MAX": FP8_MAX, "POW2": True, "GIVEN_SCALE": False,
                        "PAD": 16, "BLOCK_R": 32, "BLOCK_C": 64}, 4),
-    "column amax (tiled)": (qt._group_column_amax_kernel, {"t_ptr": "*bf16", "offsets_ptr": "*i32"},
-                            {"BLOCK_R": qt.TILED_CONFIG[0], "BLOCK_C": qt.TILED_CONFIG[1], "BLOCK_S": 16,
-                             "SUB_TILES": qt.AMAX_SUB_TILES, "SUMS": True, "PIECES": False,
-                             "SHIFT_MULTIPLE": 1}, qt.TILED_CONFIG[2]),
-    "group column sums": (qt._reduce_group_sums_kernel, {"offsets_ptr": "*i32"},
+    "column amax (tiled)": (qct._group_column_amax_kernel, {"t_ptr": "*bf16", "offsets_ptr": "*i32"},
+                            {"BLOCK_R": qct.TILED_CONFIG[0], "BLOCK_C": qct.TILED_CONFIG[1], "BLOCK_S": 16,
+                             "SUB_TILES": qct.AMAX_SUB_TILES, "SUMS": True, "PIECES": False,
+                             "SHIFT_MULTIPLE": 1}, qct.TILED_CONFIG[2]),
+    "group column sums": (qct._reduce_group_sums_kernel, {"offsets_ptr": "*i32"},
                           {"ROWS_PER_TILE": 512, "BLOCK_C": 256, "BLOCK_S": 16}, 4),
-    "columns transposed (tiled)": (qt._quantize_columns_t_tiled_kernel,
+    "columns transposed (tiled)": (qct._quantize_columns_t_tiled_kernel,
                                    {"t_ptr": "*bf16", "offsets_ptr": "*i32",
                                     "dst_offsets_ptr": "*i32", "q_ptr": F8},
-                                   {"FP8_MAX": FP8_MAX, "POW2": False, "SCALING": "amax",
-                                    "ALIGN": 16, "DST_MULTIPLE": 16,
-                                    "BLOCK_R": qt.TILED_CONFIG[0], "BLOCK_C": qt.TILED_CONFIG[1],
-                                    "BLOCK_S": 16, "PIECES": False, "SHIFT_MULTIPLE": 1,
-                                    "FACTORS": True},
-                                   qt.TILED_CONFIG[2]),
-    "codes transposed (tiled)": (qt._quantize_columns_t_tiled_kernel,
+                                   {**TILED_TRANSPOSE, "SCALING": "amax", "FACTORS": True},
+                                   qct.TILED_CONFIG[2]),
+    "codes transposed (tiled)": (qct._quantize_columns_t_tiled_kernel,
                                  {"t_ptr": F8, "offsets_ptr": "*i32", "dst_offsets_ptr": "*i32",
                                   "q_ptr": F8},
-                                 {"FP8_MAX": FP8_MAX, "POW2": False, "SCALING": "unit",
-                                  "ALIGN": 16, "DST_MULTIPLE": 16,
-                                  "BLOCK_R": qt.TILED_CONFIG[0], "BLOCK_C": qt.TILED_CONFIG[1],
-                                  "BLOCK_S": 16, "PIECES": False, "SHIFT_MULTIPLE": 1,
-                                  "FACTORS": False},
-                                 qt.TILED_CONFIG[2]),
+                                 {**TILED_TRANSPOSE, "SCALING": "unit", "FACTORS": False},
+                                 qct.TILED_CONFIG[2]),
     "row tiles": (qb._quantize_row_tiles_kernel, {"t_ptr": "*bf16", "q_ptr": F8},
                   {"FP8_MAX": FP8_MAX, "POW2": False, "TILE": 128, "BLOCK_R": 32, "BLOCK_T": 128}, 4),
     "weight blocks": (qb._quantize_weight_blocks_kernel, {"w_ptr": "*bf16", "q_ptr": F8},

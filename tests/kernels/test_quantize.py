@@ -5,6 +5,7 @@ import torch
 
 from grouped_linear.kernels import bias as bias_kernels
 from grouped_linear.kernels import quantize as q
+from grouped_linear.kernels import quantize_columns_tiled as qct
 from grouped_linear.kernels import quantize_groups as qg
 from grouped_linear.kernels import quantize_transposed as qt
 from grouped_linear.kernels.offsets import aligned_offsets_reference
@@ -136,8 +137,8 @@ def _reference_columns(t, offsets, group_scale, align):
 def test_tiled_columns_with_groups_over_many_tiles(tiled_config, sub_tiles, align, monkeypatch):
     """Small tiles: groups span several row tiles and amax sub-tiles, alignment padding and
     the tail span tiles of their own; the tiled method equals the plain-PyTorch reference."""
-    monkeypatch.setattr(qt, "TILED_CONFIG", tiled_config)
-    monkeypatch.setattr(qt, "AMAX_SUB_TILES", sub_tiles)
+    monkeypatch.setattr(qct, "TILED_CONFIG", tiled_config)
+    monkeypatch.setattr(qct, "AMAX_SUB_TILES", sub_tiles)
     sizes, tail = [37, 0, 5, 70, 16], 9
     M, C = sum(sizes) + tail, 40
     t = (torch.randn(M, C) * torch.logspace(-2, 2, C)).to(DEVICE)
@@ -271,7 +272,7 @@ def test_quantizing_pieces_equals_quantizing_their_concatenation(align, tensorwi
     launch per piece) gives the plain-PyTorch quantization of the concatenated tensor: rows
     for forward, transposed group columns for wgrad. The pieces are views of one buffer in
     another order (so some lie before the first) and a separate tensor."""
-    monkeypatch.setattr(qt, "TILED_CONFIG", (16, 32, 4))  # groups over several tiles
+    monkeypatch.setattr(qct, "TILED_CONFIG", (16, 32, 4))  # groups over several tiles
     if not one_launch:
         monkeypatch.setattr(q, "piece_shifts", lambda pieces: None)
         monkeypatch.setattr(qt, "piece_shifts", lambda pieces: None)
@@ -293,7 +294,7 @@ def test_quantizing_pieces_equals_quantizing_their_concatenation(align, tensorwi
             return function(*args, **kwargs)
         return wrapper
 
-    for module, name in ((q, "quantize_rows"), (qt, "_quantize_group_columns_t_tiled")):
+    for module, name in ((q, "quantize_rows"), (qct, "quantize_columns_t")):
         monkeypatch.setattr(module, name, counted(getattr(module, name), name))
     rows, rows_inv = q.quantize_rows_pieces(pieces, E4M3, False, group_scale, offsets=offsets)
     row_scale = group_scale.repeat_interleave(torch.tensor(sizes, device=DEVICE)) \
@@ -306,7 +307,7 @@ def test_quantizing_pieces_equals_quantizing_their_concatenation(align, tensorwi
     # one launch: no per-piece calls, and one tiled column quantization for all the pieces
     per_piece = 3 if not one_launch else 0
     assert launches.count("quantize_rows") == per_piece
-    assert launches.count("_quantize_group_columns_t_tiled") == (per_piece or 1)
+    assert launches.count("quantize_columns_t") == (per_piece or 1)
     want, want_inv, data_offsets = _reference_columns(whole, offsets, group_scale, align)
     end = int(data_offsets[-1])
     assert data.shape == want.shape and torch.allclose(inv, want_inv, rtol=1e-6)
@@ -320,7 +321,7 @@ def test_group_columns_with_row_factors(method, align, monkeypatch):
     kernels equal the reference on the folded rows (factors spanning 1e-6 to 1e6, one huge
     enough to saturate float32), while the column sums stay those of the unfolded rows."""
     monkeypatch.setattr(qt, "GROUP_COLUMNS_METHOD", method)
-    monkeypatch.setattr(qt, "TILED_CONFIG", (16, 32, 4))  # groups over several tiles
+    monkeypatch.setattr(qct, "TILED_CONFIG", (16, 32, 4))  # groups over several tiles
     sizes, tail = [37, 0, 5, 70, 16], 9
     M, C = sum(sizes) + tail, 40
     t = torch.randn(M, C).to(DEVICE)
