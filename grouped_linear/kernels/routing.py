@@ -21,23 +21,23 @@ __all__ = ["routing_map", "routing_map_reference"]
 # Slot ``s = t*k + j`` of a ``(T, k)`` expert choice goes to a row of the expert-grouped
 # layout: experts in order, slots ascending within an expert, each group padded with
 # unused rows to a multiple. The kernel splits the slots into contiguous chunks, one per
-# program. Phase 1: each program counts its chunk per expert (a histogram), stores the
-# counts and adds them to the totals. Phase 2: from the totals (padded group starts) and
-# the counts of the chunks before its own, a program knows where its first slot of every
+# program. Phase 1: each program counts its chunk per expert (a histogram) and stores the
+# counts. Phase 2: from the totals of all chunks' counts (padded group starts) and the
+# counts of the chunks before its own, a program knows where its first slot of every
 # expert lands, then walks its chunk in blocks: a slot's rank among the block's slots of
 # its expert comes from a cumulative sum of the one-hot (few experts) or from comparing
 # the slots pairwise (many experts), and the block's histogram moves the starts on.
 # With several programs the phases are two launches of the same kernel (the launch boundary
-# orders them); one program runs both in one launch. The kernel also has a grid-barrier
-# form (PHASE=0 with several programs) that saves the second launch, unused: it needs every
-# program resident at once, which a kernel holding SMs on another stream (NCCL) can deny.
+# orders them; a grid barrier inside one launch would need every program resident at once,
+# which a kernel holding SMs on another stream, NCCL's, can deny); one program runs both in
+# one launch. Phase 2 sums every chunk's counts itself, so nothing accumulates across
+# programs: the work tensor needs no zero fill (one launch fewer per call).
 _ROUTING_MAX_EXPERTS = 1024
 _COUNT_BLOCK = 1024  # slots per histogram step (phase 1)
 _ONE_HOT_TILE = 8192  # one-hot elements per block of slots (phase 2, few experts)
 _ONE_HOT_MAX_EXPERTS = 32  # above this, ranks by pairwise comparison
 _MIN_CHUNK = 256  # fewest slots per program
-# int32 work tensor: [0] the barrier counter, [32, 32 + BLOCK_E) the totals per expert,
-# then BLOCK_E counts per chunk.
+# int32 work tensor: BLOCK_E counts per chunk (written by phase 1, read by phase 2).
 
 
 def routing_map_reference(topk_indices: torch.Tensor, num_experts: int, multiple: int,
@@ -92,8 +92,7 @@ def _routing_kernel(topk_ptr, row_map_ptr, token_ptr, splits_ptr, work_ptr, S, K
     lanes = tl.arange(0, BLOCK)
     begin = pid.to(tl.int64) * chunk
     end = tl.minimum(begin + chunk, S)
-    totals_ptr = work_ptr + 32
-    counts_ptr = totals_ptr + BLOCK_E  # (num_programs, BLOCK_E) per-chunk counts
+    counts_ptr = work_ptr  # (num_programs, BLOCK_E): each chunk's count per expert
     if PHASE != 2:
         hist = tl.zeros([BLOCK_E], dtype=tl.int32)
         for s0 in range(begin, end, BLOCK):
@@ -102,31 +101,28 @@ def _routing_kernel(topk_ptr, row_map_ptr, token_ptr, splits_ptr, work_ptr, S, K
             raw = tl.load(topk_ptr + slots, mask=in_chunk, other=0)
             routed = in_chunk & (raw >= 0) & (raw < E)
             hist += tl.histogram(tl.where(routed, raw.to(tl.int32), 0), BLOCK_E, mask=routed)
-        tl.store(counts_ptr + pid * BLOCK_E + experts, hist)
-        tl.atomic_add(totals_ptr + experts, hist, mask=experts < E, sem="relaxed")
-    if PHASE == 0:
-        # Grid barrier: every thread's stores are done before one thread arrives (release);
-        # the spin reads the counter with acquire, then the block waits for it.
-        tl.debug_barrier()
-        tl.atomic_add(work_ptr, 1, sem="release")
-        arrived = tl.atomic_add(work_ptr, 0, sem="acquire")
-        while arrived < num_programs:
-            arrived = tl.atomic_add(work_ptr, 0, sem="acquire")
-        tl.debug_barrier()
+        if PHASE == 1:
+            tl.store(counts_ptr + pid * BLOCK_E + experts, hist)
     if PHASE != 1:
-        total = tl.load(totals_ptr + experts, mask=experts < E, other=0,
-                        cache_modifier=".cg").to(tl.int64)
+        if PHASE == 0:  # one program: its counts are the totals, no chunk comes before
+            total = hist.to(tl.int64)
+            earlier = tl.zeros([BLOCK_E], dtype=tl.int64)
+        else:  # every chunk's counts: their sum, and the sum of the chunks before this one
+            total = tl.zeros([BLOCK_E], dtype=tl.int64)
+            earlier = tl.zeros([BLOCK_E], dtype=tl.int64)
+            for p0 in range(0, num_programs, BLOCK_P):
+                chunks = p0 + tl.arange(0, BLOCK_P)
+                counts = tl.load(counts_ptr + chunks[:, None] * BLOCK_E + experts[None, :],
+                                 mask=(chunks < num_programs)[:, None], other=0,
+                                 cache_modifier=".cg")
+                total += tl.sum(counts, axis=0).to(tl.int64)
+                earlier += tl.sum(tl.where((chunks < pid)[:, None], counts, 0), axis=0).to(tl.int64)
         padded = (total + multiple - 1) // multiple * multiple
         group_end = tl.cumsum(padded, axis=0)
         group_start = group_end - padded
         tl.store(splits_ptr + experts, padded, mask=(experts < E) & (pid == 0))
         # Where this chunk's first slot of each expert goes: after the earlier chunks' slots.
-        base = group_start
-        for p0 in range(0, pid, BLOCK_P):
-            chunks = p0 + tl.arange(0, BLOCK_P)
-            before = tl.load(counts_ptr + chunks[:, None] * BLOCK_E + experts[None, :],
-                             mask=(chunks < pid)[:, None], other=0, cache_modifier=".cg")
-            base += tl.sum(before, axis=0).to(tl.int64)
+        base = group_start + earlier
         rank_lanes = tl.arange(0, RANK_BLOCK)
         ahead = tl.load(topk_ptr + begin + rank_lanes, mask=begin + rank_lanes < end, other=0)
         for s0 in range(begin, end, RANK_BLOCK):
@@ -206,7 +202,7 @@ def routing_map(topk_indices: torch.Tensor, num_experts: int, multiple: int, num
     limit = max_programs if max_programs is not None else _max_programs(device)
     chunk = triton.cdiv(max(triton.cdiv(slots, limit), _MIN_CHUNK), rank_block) * rank_block
     programs = max(1, triton.cdiv(slots, chunk))
-    work = torch.zeros(32 + block_e * (programs + 1), device=device, dtype=torch.int32)
+    work = torch.empty(block_e * programs, device=device, dtype=torch.int32)
     m_splits = torch.empty(num_experts, device=device, dtype=torch.int64)
     row_map = torch.empty(tokens, k, device=device, dtype=torch.int64)
     token_of_row = torch.empty(num_rows, device=device, dtype=torch.int64)

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from grouped_linear.kernels import fp8_triton_gemm as fg
-from grouped_linear.kernels import layout
+from grouped_linear.kernels import layout, routing
 from grouped_linear.kernels import quantize as q
 from grouped_linear.kernels import quantize_blocks as qb
 from grouped_linear.kernels import quantize_columns_tiled as qct
@@ -129,8 +129,14 @@ CASES = {
                                        "BLOCK_C": q.ROWS_CONFIG[1], "BLOCK_S": 2},
                                       q.ROWS_CONFIG[2]),
     "group amax": (qg._group_amax_kernel, {"t_ptr": "*bf16", "ends_ptr": "*i32"},
-                   {"GROUP_ROWS": 0, "BLOCK_R": qg.AMAX_CONFIG[0], "BLOCK_C": qg.AMAX_CONFIG[1],
-                    "BLOCK_G": 16}, qg.AMAX_CONFIG[2]),
+                   {"GROUP_ROWS": 0, "PIECES": False, "SHIFT_MULTIPLE": 1,
+                    "BLOCK_R": qg.AMAX_CONFIG[0], "BLOCK_C": qg.AMAX_CONFIG[1], "BLOCK_G": 16},
+                   qg.AMAX_CONFIG[2]),
+    "group amax of pieces": (qg._group_amax_kernel,
+                             {"t_ptr": "*bf16", "ends_ptr": "*i32", "shifts_ptr": "*i64"},
+                             {"GROUP_ROWS": 0, "PIECES": True, "SHIFT_MULTIPLE": 8,
+                              "BLOCK_R": qg.AMAX_CONFIG[0], "BLOCK_C": qg.AMAX_CONFIG[1],
+                              "BLOCK_G": 16}, qg.AMAX_CONFIG[2]),
     "scales from maxima": (qg._scales_kernel, {},
                            {"FP8_MAX": FP8_MAX, "POW2": True, "BLOCK": 16, "BLOCK_W": 256}, 4),
     "rows folded": (qf._quantize_rows_folded_kernel,
@@ -177,6 +183,12 @@ CASES = {
                      {"src_ptr": "*bf16", "dst_ptr": "*bf16", "map_ptr": "*i64", "token_ptr": "*i64"},
                      {"HAS_WEIGHTS": True, "SLOTS": True, "BLOCK_T": layout.SCATTER_CONFIG[0],
                       "BLOCK_H": layout.SCATTER_CONFIG[1], "ZERO_ROWS": layout.ZERO_ROWS}, 4),
+    **{f"routing phase {phase}, {experts} experts": (
+        routing._routing_kernel, {"topk_ptr": "*i64", "row_map_ptr": "*i64", "token_ptr": "*i64",
+                                  "splits_ptr": "*i64", "work_ptr": "*i32"},
+        {"PHASE": phase, "BLOCK": 1024, "RANK_BLOCK": 1024 if experts <= 32 else 32,
+         "ONE_HOT": experts <= 32, "BLOCK_E": experts, "BLOCK_P": 64 if experts <= 32 else 32},
+        8 if experts <= 32 else 4) for phase in (0, 1, 2) for experts in (8, 256)},
     "slot map": (layout._slot_of_row_kernel, {"map_ptr": "*i64", "slot_ptr": "*i64"},
                  {"BLOCK": 1024}, 4),
     "gather rows": (layout._gather_rows_kernel,

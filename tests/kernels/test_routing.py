@@ -97,7 +97,7 @@ def test_routing_map_cuda_large(tokens, k, experts, multiple):
     num_rows = topk.numel() + experts * (multiple - 1)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
-    try:  # one program per SM, a grid barrier between the phases, and no host sync
+    try:  # one program per SM, two launches (counts, then places), and no host sync
         got = routing.routing_map(topk.to(torch.int32), experts, multiple, num_rows)
     finally:
         torch.cuda.set_sync_debug_mode(0)
