@@ -17,7 +17,8 @@ from .bias import _row_group
 
 __all__ = ["relayout", "relayout_reference", "gather_rows", "gather_rows_reference",
            "combine_rows", "combine_rows_reference", "spread_rows", "spread_rows_reference",
-           "scatter_rows", "SCATTER_CONFIG", "COMBINE_CONFIG"]
+           "scatter_rows", "slot_dots", "slot_dots_reference", "SCATTER_CONFIG", "COMBINE_CONFIG",
+           "SLOT_DOTS_CONFIG"]
 
 # Launch shapes (rows per program, columns per program, warps) of scatter_rows (permute forward)
 # and combine_rows (unpermute forward, permute backward); the layouts bench times them.
@@ -26,6 +27,9 @@ SCATTER_CONFIG = (16, 256, 4)
 # then writes zeros across all columns only where a row holds no slot).
 ZERO_ROWS = 32
 COMBINE_CONFIG = (2, 2048, 4)
+# Launch shape (tokens per program, columns per step, warps) of slot_dots (the gradient of
+# unpermute's weights); not tuned on a GPU yet.
+SLOT_DOTS_CONFIG = (4, 1024, 4)
 
 
 def _starts(ends: torch.Tensor) -> torch.Tensor:
@@ -341,3 +345,65 @@ def combine_rows(src: torch.Tensor, row_map: torch.Tensor,
         tokens, k, src.shape[0], H, src.stride(0), out.stride(0),
         HAS_WEIGHTS=weights is not None, BLOCK_T=block_t, BLOCK_H=block_h, num_warps=warps)
     return out.to(src.dtype)
+
+
+def slot_dots_reference(src: torch.Tensor, grad: torch.Tensor, row_map: torch.Tensor,
+                        acc_dtype: torch.dtype) -> torch.Tensor:
+    """Plain PyTorch :func:`slot_dots`: a gather of the slots' rows, then products summed in
+    ``acc_dtype``."""
+    tokens, k = row_map.shape
+    flat = row_map.reshape(-1).to(torch.int64)
+    valid = (flat >= 0) & (flat < src.shape[0])
+    rows = gather_rows_reference(src, torch.where(valid, flat, -1)).view(tokens, k, src.shape[1])
+    dots = (rows.to(acc_dtype) * grad.reshape(tokens, 1, src.shape[1]).to(acc_dtype)).sum(-1)
+    return dots.masked_fill_(~valid.view(tokens, k), 0)
+
+
+@kernel
+@triton.jit
+def _slot_dots_kernel(src_ptr, grad_ptr, map_ptr, out_ptr, T, K, R_src, H, stride_src,
+                      stride_grad, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
+                      BLOCK_H: tl.constexpr):
+    """``out[t, j] = sum_h src[row_map[t, j], h] * grad[t, h]`` in float32 for a block of
+    tokens: each gradient row read once, each slot's row once (slots in order: deterministic)."""
+    tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    token_mask = tokens < T
+    slot_ids = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.float32)
+    for h0 in range(0, H, BLOCK_H):
+        cols = h0 + tl.arange(0, BLOCK_H)
+        col_mask = (cols < H)[None, :]
+        grad = tl.load(grad_ptr + tokens.to(tl.int64)[:, None] * stride_grad + cols[None, :],
+                       mask=token_mask[:, None] & col_mask, other=0.0).to(tl.float32)
+        for j in range(0, K):
+            row = tl.load(map_ptr + tokens.to(tl.int64) * K + j, mask=token_mask,
+                          other=-1).to(tl.int64)
+            valid = (row >= 0) & (row < R_src)
+            values = tl.load(src_ptr + row[:, None] * stride_src + cols[None, :],
+                             mask=valid[:, None] & col_mask, other=0.0).to(tl.float32)
+            dot = tl.sum(values * grad, axis=1)
+            acc += tl.where(slot_ids[None, :] == j, dot[:, None], 0.0)
+    tl.store(out_ptr + tokens.to(tl.int64)[:, None] * K + slot_ids[None, :], acc,
+             mask=token_mask[:, None] & (slot_ids < K)[None, :])
+
+
+def slot_dots(src: torch.Tensor, grad: torch.Tensor, row_map: torch.Tensor,
+              acc_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``(T, k)`` in ``acc_dtype``: ``sum_h src[row_map[t, j], h] * grad[t, h]`` for every
+    slot, 0 where the slot's row lies outside ``src`` (``-1``: dropped). The gradient of
+    ``unpermute``'s weights: one read of ``grad`` and of each slot's row, no gathered copy.
+    ``src`` ``(R, H)``, ``grad`` ``(T, H)``; float32 accumulation runs in one kernel,
+    ``float64`` in plain PyTorch."""
+    tokens, k = row_map.shape
+    if (acc_dtype != torch.float32 or not _rows_kernel_ok(src) or grad.stride(-1) != 1
+            or tokens == 0 or k == 0 or src.shape[0] == 0 or k > 64):
+        return slot_dots_reference(src, grad, row_map, acc_dtype)
+    H = src.shape[1]
+    out = torch.empty(tokens, k, device=src.device, dtype=torch.float32)
+    block_k = triton.next_power_of_2(k)
+    block_t, block_h, warps = SLOT_DOTS_CONFIG
+    _slot_dots_kernel[(triton.cdiv(tokens, block_t),)](
+        src, grad, row_map.contiguous(), out, tokens, k, src.shape[0], H, src.stride(0),
+        grad.stride(0), BLOCK_T=block_t, BLOCK_K=block_k,
+        BLOCK_H=min(block_h, triton.next_power_of_2(H)), num_warps=warps)
+    return out

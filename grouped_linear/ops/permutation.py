@@ -71,8 +71,7 @@ class _Unpermute(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):  # type: ignore[override]
         y, row_map, probs = ctx.saved_tensors
-        tokens, k = row_map.shape
-        num_rows, features = y.shape
+        num_rows = y.shape[0]
         acc = _compute_dtype(y.dtype, None if probs is None else probs.dtype)
         grad_y = grad_probs = None
         if ctx.needs_input_grad[0]:
@@ -87,11 +86,9 @@ class _Unpermute(torch.autograd.Function):
                 grad_y = layout_kernels.spread_rows_reference(grad_out, row_map, num_rows,
                                                               probs.to(acc)).to(y.dtype)
         if probs is not None and ctx.needs_input_grad[2]:
-            flat = row_map.reshape(-1)
-            valid = (flat >= 0) & (flat < num_rows)
-            rows = _gather_rows(y, flat.clamp(min=0), valid).view(tokens, k, features)
-            dots = (rows.to(acc) * grad_out.reshape(tokens, 1, features).to(acc)).sum(-1)
-            grad_probs = dots.masked_fill_(~valid.view(tokens, k), 0).to(probs.dtype)
+            # Per slot, its row of y dotted with the token's gradient (one pass on GPUs).
+            grad_probs = layout_kernels.slot_dots(y, grad_out.contiguous(), row_map,
+                                                  acc).to(probs.dtype)
         return grad_y, None, grad_probs
 
 

@@ -124,3 +124,32 @@ def test_scatter_rows_equals_gather_by_token(k, multiple, experts, dtype):
     assert got.shape == (num_rows, H)
     assert torch.equal(got, layout.gather_rows_reference(src, token_of_row))
     assert torch.all(got[token_of_row.cpu() < 0] == 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens, k, H", [(37, 1, 48), (20, 3, 300), (9, 8, 5), (5, 2, 2100)])
+def test_slot_dots_match_the_reference(tokens, k, H, dtype, monkeypatch):
+    """Per slot, its row dotted with the token's gradient row: dropped slots (-1) and rows
+    past the source give 0; several column steps and tokens blocks."""
+    monkeypatch.setattr(layout, "SLOT_DOTS_CONFIG", (4, 64, 4))
+    gen = torch.Generator().manual_seed(tokens * k)
+    rows = tokens * k + 3
+    src = torch.randn(rows, H, generator=gen).to(dtype).to(DEVICE)
+    grad = torch.randn(tokens, H, generator=gen).to(dtype).to(DEVICE)
+    row_map = torch.randperm(rows, generator=gen)[:tokens * k].view(tokens, k)
+    row_map[0, 0] = -1  # a dropped slot
+    if k > 1:
+        row_map[-1, 1] = rows + 5  # outside the source: counts as dropped
+    row_map = row_map.to(DEVICE)
+    got = layout.slot_dots(src, grad, row_map)
+    want = layout.slot_dots_reference(src, grad, row_map, torch.float32)
+    exact = torch.zeros(tokens, k, dtype=torch.float64)
+    for t in range(tokens):
+        for j in range(k):
+            r = int(row_map[t, j])
+            if 0 <= r < rows:
+                exact[t, j] = (src[r].double() * grad[t].double()).sum()
+    assert got.shape == (tokens, k) and got.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got.double().cpu(), exact, rtol=1e-4, atol=1e-3)
+    assert got[0, 0] == 0
