@@ -29,7 +29,9 @@ and 131072 routed rows), float32 on CPU at tiny sizes (a smoke test only):
    training. Backward is timed alone: one forward builds the graph, then
    ``torch.autograd.grad(out, inp, grad, retain_graph=True)`` is timed (no
    ``fwd_bwd - fwd`` subtraction, which is noisy and can go negative). ``unpermute``'s
-   backward is taken w.r.t. ``y_perm`` only (``probs`` do not require grad).
+   backward is taken w.r.t. ``y_perm`` only (``probs`` do not require grad); the row
+   ``unpermute (probs grad)`` takes it w.r.t. ``probs`` only (``y_perm`` fixed), which
+   must read every slot's row and each token's gradient row: ``(M + T) * H * e``.
 3. **GroupedMLP overhead**: for the ``dsv3_ep32`` and ``qwen35_397b_ep64`` fc1/fc2
    pairs of ``shapes.json`` (scaled down on CPU), forward+backward of
    ``GroupedMLP(G, hidden, ffn, "swiglu", bias=False)`` against forward+backward
@@ -111,6 +113,8 @@ def _case_ops(hidden: int, rows: int, dev: torch.device, dtype: torch.dtype) -> 
         routed, _, row_map = gl.permute(x_tok, indices, NUM_EXPERTS, multiple=1)
     y_perm = _randn(*routed.shape, device=dev, dtype=dtype, requires_grad=True)
     n_unperm = y_perm.shape[0]
+    y_fixed = y_perm.detach()
+    probs_leaf = probs.float().requires_grad_()
 
     def permute_op(multiple: int) -> _Op:
         return _Op(f"permute(multiple={multiple})",
@@ -125,6 +129,9 @@ def _case_ops(hidden: int, rows: int, dev: torch.device, dtype: torch.dtype) -> 
         *(permute_op(k) for k in PERMUTE_MULTIPLES),
         _Op("unpermute", lambda: gl.unpermute(y_perm, row_map, probs), y_perm,
             lambda n: (m + n, tokens + n_unperm)),
+        # the router's gradient: each slot's row dotted with its token's gradient row
+        _Op("unpermute (probs grad)", lambda: gl.unpermute(y_fixed, row_map, probs_leaf),
+            probs_leaf, lambda n: (m + n, m + n)),
     ]
 
 

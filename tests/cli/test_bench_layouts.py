@@ -6,7 +6,7 @@ import math
 import pytest
 
 import grouped_linear.cli.bench_layouts as bench_layouts
-from grouped_linear.cli.bench_layouts import PERMUTE_MULTIPLES, run_layouts_bench
+from grouped_linear.cli.bench_layouts import PERMUTE_MULTIPLES, TOP_K, run_layouts_bench
 from grouped_linear.cli.main import main
 
 
@@ -29,7 +29,8 @@ def test_layouts_suite_reports_every_op_both_directions(tmp_path, capsys):
     assert _positive(report["copy_gbps"])
 
     ops = ["pad_groups(128)", "unpad_groups",
-           *(f"permute(multiple={m})" for m in PERMUTE_MULTIPLES), "unpermute"]
+           *(f"permute(multiple={m})" for m in PERMUTE_MULTIPLES), "unpermute",
+           "unpermute (probs grad)"]
     assert sorted({(r["op"], r["direction"]) for r in report["rows"]}) == sorted(
         (op, d) for op in ops for d in ("fwd", "bwd"))
     for row in report["rows"]:
@@ -40,6 +41,10 @@ def test_layouts_suite_reports_every_op_both_directions(tmp_path, capsys):
     # The byte counts follow the documented formulas: e.g. unpad forward = 2 * M * H * 4.
     unpad_fwd = next(r for r in report["rows"] if (r["op"], r["direction"]) == ("unpad_groups", "fwd"))
     assert unpad_fwd["bytes"] == 2 * 2048 * 64 * 4
+    # the probs gradient reads every slot's row (M = 2048) and each token's gradient row
+    probs_bwd = next(r for r in report["rows"]
+                     if (r["op"], r["direction"]) == ("unpermute (probs grad)", "bwd"))
+    assert probs_bwd["bytes"] == (2048 + 2048 // TOP_K) * 64 * 4
 
     assert [m["shape"] for m in report["mlp"]] == ["dsv3_ep32", "qwen35_397b_ep64"]
     for entry in report["mlp"]:
