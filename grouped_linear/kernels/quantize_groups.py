@@ -17,9 +17,9 @@ import torch
 
 from ._triton import kernel, tl, triton, use_triton
 from .bias import _row_group, row_groups
-from .quantize import PieceShifts, _scale, piece_shift, piece_shifts, scale_from_amax
+from .quantize import _scale, scale_from_amax
 
-__all__ = ["group_amax_scales", "group_amax_scales_reference", "piece_scales", "weight_group_scales",
+__all__ = ["group_amax_scales", "group_amax_scales_reference", "weight_group_scales",
            "weight_group_scales_reference", "AMAX_CONFIG"]
 
 # Launch shape of the group-amax pass: (rows per program, columns per block, warps).
@@ -28,31 +28,25 @@ AMAX_CONFIG = (16, 1024, 8)
 
 @kernel
 @triton.jit
-def _group_amax_kernel(t_ptr, ends_ptr, amax_ptr, shifts_ptr, R, C, G, stride_t,
-                       GROUP_ROWS: tl.constexpr, PIECES: tl.constexpr,
-                       SHIFT_MULTIPLE: tl.constexpr, BLOCK_R: tl.constexpr,
-                       BLOCK_C: tl.constexpr, BLOCK_G: tl.constexpr):
+def _group_amax_kernel(t_ptr, ends_ptr, amax_ptr, R, C, G, stride_t, GROUP_ROWS: tl.constexpr,
+                       BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_G: tl.constexpr):
     """``amax[g] = max |t[r, c]|`` over the rows ``r`` of group ``g`` (``amax`` starts at 0):
     rows ``[ends[g-1], ends[g])``, or with ``GROUP_ROWS > 0`` rows ``[g * GROUP_ROWS, (g + 1)
     * GROUP_ROWS)``. The program's row maxima, then one atomic maximum per group its rows
-    fall in (rows past the last group count for none). ``PIECES``: ``t`` is the first of a
-    list of pieces, one per group, read as their concatenation
-    (:func:`~grouped_linear.kernels.quantize.piece_shift`)."""
+    fall in (rows past the last group count for none)."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_mask = rows < R
-    if GROUP_ROWS > 0:
-        groups = rows // GROUP_ROWS
-    else:
-        groups = _row_group(ends_ptr, rows, G, BLOCK_G)
     base = rows.to(tl.int64)[:, None] * stride_t
-    if PIECES:
-        base += piece_shift(shifts_ptr, tl.minimum(groups, G - 1), SHIFT_MULTIPLE)[:, None]
     row_max = tl.zeros([BLOCK_R], dtype=tl.float32)
     for c0 in range(0, C, BLOCK_C):
         cols = c0 + tl.arange(0, BLOCK_C)
         values = tl.load(t_ptr + base + cols[None, :], mask=row_mask[:, None] & (cols < C)[None, :],
                          other=0.0)
         row_max = tl.maximum(row_max, tl.max(tl.abs(values.to(tl.float32)), axis=1))
+    if GROUP_ROWS > 0:
+        groups = rows // GROUP_ROWS
+    else:
+        groups = _row_group(ends_ptr, rows, G, BLOCK_G)
     groups = tl.where(row_mask & (groups < G), groups, G)
     first = tl.min(groups, axis=0)
     last = tl.max(tl.where(groups < G, groups, -1), axis=0)
@@ -79,24 +73,17 @@ def _scales_kernel(amax_ptr, scale_ptr, inv_ptr, n, width, FP8_MAX: tl.constexpr
 
 def _scales_from_rows(t: torch.Tensor, ends: torch.Tensor | None, num_groups: int,
                       group_rows: int, fp8_dtype: torch.dtype, power_of_two: bool,
-                      inv_width: int, shifts: PieceShifts | None = None,
-                      num_rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                      inv_width: int) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The kernels' path: ``(G,)`` scales of the row groups of ``t`` (by ``ends`` or every
-    ``group_rows`` rows), and the ``(G, inv_width)`` spread factors when ``inv_width``.
-    ``shifts``: ``t`` is the first of the pieces (one per group) and ``num_rows`` their
-    total rows."""
+    ``group_rows`` rows), and the ``(G, inv_width)`` spread factors when ``inv_width``."""
     R, C = t.shape
-    R = R if num_rows is None else num_rows
     device = t.device
     amax = torch.zeros(num_groups, device=device, dtype=torch.float32)
     block_r, max_block_c, warps = AMAX_CONFIG
     block_c = min(max_block_c, triton.next_power_of_2(max(C, 16)))
     _group_amax_kernel[(triton.cdiv(R, block_r),)](
-        t, ends if ends is not None else amax, amax,
-        shifts.shifts if shifts is not None else amax, R, C, num_groups, t.stride(0),
-        GROUP_ROWS=group_rows, PIECES=shifts is not None,
-        SHIFT_MULTIPLE=shifts.multiple if shifts is not None else 1, BLOCK_R=block_r,
-        BLOCK_C=block_c,
+        t, ends if ends is not None else amax, amax, R, C, num_groups, t.stride(0),
+        GROUP_ROWS=group_rows, BLOCK_R=block_r, BLOCK_C=block_c,
         BLOCK_G=min(256, triton.next_power_of_2(num_groups)), num_warps=warps)
     scale = torch.empty(num_groups, device=device, dtype=torch.float32)
     inv = torch.empty(num_groups, inv_width, device=device, dtype=torch.float32) \
@@ -134,22 +121,6 @@ def group_amax_scales(t: torch.Tensor, offsets: torch.Tensor, fp8_dtype: torch.d
     if not _kernels_ok(t, G):
         return group_amax_scales_reference(t, offsets, fp8_dtype, power_of_two)
     return _scales_from_rows(t, offsets, G, 0, fp8_dtype, power_of_two, 0)[0]
-
-
-def piece_scales(pieces: list[torch.Tensor], offsets: torch.Tensor, fp8_dtype: torch.dtype,
-                 power_of_two: bool) -> torch.Tensor:
-    """``(G,)`` float32 tensorwise scales of a list input, one per ``(m_g, C)`` piece, read
-    in place (no concatenation); ``offsets``: the pieces' ``(G,)`` row ends on the device."""
-    G = len(pieces)
-    shifts = piece_shifts(pieces) if use_triton(pieces[0]) and 0 < G <= 2**20 else None
-    if shifts is None or pieces[0].shape[1] == 0:
-        amax = torch.stack([torch.linalg.vector_norm(piece, ord=float("inf")).float()
-                            if piece.numel() else piece.new_zeros((), dtype=torch.float32)
-                            for piece in pieces])
-        return scale_from_amax(amax, fp8_dtype, power_of_two)
-    rows = sum(piece.shape[0] for piece in pieces)
-    return _scales_from_rows(shifts.base, offsets, G, 0, fp8_dtype, power_of_two, 0,
-                             shifts=shifts, num_rows=rows)[0]
 
 
 def weight_group_scales_reference(weight: torch.Tensor, fp8_dtype: torch.dtype,

@@ -63,12 +63,15 @@ def _folds_x(recipe: Float8Recipe) -> bool:
     return isinstance(recipe, Float8Rowwise)
 
 
-def _piece_scales(pieces: tuple[torch.Tensor, ...], offsets: torch.Tensor,
-                  fp8_dtype: torch.dtype, recipe: Float8Recipe) -> torch.Tensor | None:
+def _piece_scales(pieces: tuple[torch.Tensor, ...], fp8_dtype: torch.dtype,
+                  recipe: Float8Recipe) -> torch.Tensor | None:
     """Tensorwise: ``(G,)`` scales, one per input piece (group); rowwise: ``None``."""
     if not isinstance(recipe, Float8Tensorwise):
         return None
-    return qg.piece_scales(list(pieces), offsets, fp8_dtype, recipe.power_of_two_scales)
+    amax = torch.stack([torch.linalg.vector_norm(piece, ord=float("inf")).float()
+                        if piece.numel() else piece.new_zeros((), dtype=torch.float32)
+                        for piece in pieces])
+    return q.scale_from_amax(amax, fp8_dtype, recipe.power_of_two_scales)
 
 
 def _quantize_tokens(t: torch.Tensor, offsets: torch.Tensor, fp8_dtype: torch.dtype,
@@ -90,7 +93,7 @@ class Fp8DeviceGroupedLinearFunction(torch.autograd.Function):
         recipe = config.recipe
         fp8 = recipe.forward_dtype
         if pieces:
-            x_scale = _piece_scales(pieces, offsets, fp8, recipe)
+            x_scale = _piece_scales(pieces, fp8, recipe)
             x_data, x_inv = q.quantize_rows_pieces(list(pieces), fp8, recipe.power_of_two_scales,
                                                    x_scale, offsets=offsets)
             dtype = pieces[0].dtype

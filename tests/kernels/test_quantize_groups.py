@@ -81,23 +81,3 @@ def test_rows_with_group_scales(sizes, tail):
     want_data, want_inv = q.quantize_rows_reference(uniform, E4M3, False, scale)
     torch.testing.assert_close(inv, want_inv)
     assert codes_close(data, want_data)
-
-
-@pytest.mark.parametrize("one_launch", [True, False])
-def test_piece_scales_equal_the_scales_of_the_concatenation(one_launch, monkeypatch):
-    """A list input's per-piece scales, read in place (views of one buffer in another order,
-    an empty piece, a separate tensor) or, without piece shifts, piece by piece."""
-    if not one_launch:
-        monkeypatch.setattr(qg, "piece_shifts", lambda pieces: None)
-    monkeypatch.setattr(qg, "AMAX_CONFIG", (8, 16, 4))  # several column blocks per row
-    C = 40
-    buffer = torch.randn(5 + 37, C) * torch.logspace(-2, 2, C)
-    buffer[:5] *= 1e3  # the piece that lies first in memory is the largest
-    buffer = buffer.to(DEVICE)
-    pieces = [buffer[5:], buffer[5:5], buffer[:5], (torch.randn(70, C) * 1e-3).to(DEVICE)]
-    sizes = [piece.shape[0] for piece in pieces]
-    offsets = _offsets(sizes)
-    got = qg.piece_scales(pieces, offsets, E4M3, False)
-    want = qg.group_amax_scales_reference(torch.cat(pieces), offsets, E4M3, False)
-    torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
-    assert got[1] == 1  # the empty piece
