@@ -231,18 +231,15 @@ def quantize_rows(t: torch.Tensor, fp8_dtype: torch.dtype, power_of_two: bool,
     it is ``(G,)``, one scale per group (rows past the last end take the last group's).
     ``out``: an FP8 ``(R, C)`` tensor with unit column stride and a float32 ``(R,)`` one to
     write into (views of larger buffers: see :func:`quantize_rows_pieces`)."""
+    kernel = use_triton(t) and t.stride(-1) == 1 and t.shape[0] > 0
     if scale is not None and (groups is not None or group_rows):
         num_groups = groups.shape[0] if groups is not None else -(-t.shape[0] // group_rows)
-        if not use_triton(t) or out is not None or num_groups > _MAX_KERNEL_GROUPS \
-                or num_groups == 0:
-            return quantize_rows(t, fp8_dtype, power_of_two,
-                                 _scale_per_row(scale, groups, group_rows, t.shape[0]), out)
+        if not (kernel and out is None and 0 < num_groups <= _MAX_KERNEL_GROUPS):
+            scale = _scale_per_row(scale, groups, group_rows, t.shape[0])
+            groups, group_rows = None, 0
     else:
         groups, group_rows = None, 0
-    if not use_triton(t) or t.stride(-1) != 1 or t.shape[0] == 0 or (
-            out is not None and t.device.type == "cpu"):
-        if groups is not None or group_rows:
-            scale = _scale_per_row(scale, groups, group_rows, t.shape[0])
+    if not kernel or (out is not None and t.device.type == "cpu"):
         if out is None:
             return quantize_rows_reference(t, fp8_dtype, power_of_two, scale)
         data, inv = quantize_rows(t, fp8_dtype, power_of_two, scale)  # CPU: torch rounds

@@ -77,8 +77,6 @@ def _piece_scales(pieces: tuple[torch.Tensor, ...], fp8_dtype: torch.dtype,
 def _quantize_tokens(t: torch.Tensor, offsets: torch.Tensor, fp8_dtype: torch.dtype,
                      recipe: Float8Recipe, group_scale: torch.Tensor | None):
     """``(M, C)`` -> FP8 ``(M, C)`` and ``(M,)`` factors: per row, or the row's group's."""
-    if group_scale is None:
-        return q.quantize_rows(t, fp8_dtype, recipe.power_of_two_scales)
     return q.quantize_rows(t, fp8_dtype, recipe.power_of_two_scales, group_scale, groups=offsets)
 
 
