@@ -71,34 +71,36 @@ class GroupedLinearFunction(torch.autograd.Function):
     def backward(ctx, grad_out):
         x, weight, offsets, host_offsets = ctx.saved_tensors
         config: _CallConfig = ctx.config
-        traced = torch.compiler.is_compiling()
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         bias_dtype = ctx.bias_dtype
         need_b = need_b and bias_dtype is not None
         # Gradients of reductions such as y.sum() arrive with zero strides.
         grad_out = grad_out.contiguous()
-        if config.backend == "triton" and need_x and (need_w or need_b) and config.sink is None:
-            # Small problems: the whole backward in one launch.
-            grad_x, grad_w, grad_b = (triton_backward_op if traced else triton_backward_impl)(
-                grad_out, x, weight, offsets, need_b
-            )
+
+        def triton_grads(grad_w, grad_b):
+            """The Triton kernels' ``(grad_w, grad_b)``, each only where asked for (the bias
+            sums are stored in the input dtype)."""
             if need_b and grad_b.dtype != bias_dtype:
                 grad_b = grad_b.to(bias_dtype)
-            return grad_x, (grad_w if need_w else None), (grad_b if need_b else None), None, None, None
+            return (grad_w if need_w else None), (grad_b if need_b else None)
+
+        if config.backend == "triton" and need_x and (need_w or need_b) and config.sink is None:
+            # Small problems: the whole backward in one launch.
+            grad_x, grad_w, grad_b = step(triton_backward_op, triton_backward_impl)(
+                grad_out, x, weight, offsets, need_b
+            )
+            return grad_x, *triton_grads(grad_w, grad_b), None, None, None
         grad_x = None
         if need_x:
-            grad_x = (dgrad_op if traced else dgrad_impl)(
+            grad_x = step(dgrad_op, dgrad_impl)(
                 grad_out, weight, offsets, host_offsets, config.backend, config.zero_tail
             )
 
         def weight_and_bias_grads():
             if config.backend == "triton":
-                grad_w, grad_b = (triton_wgrad_op if traced else triton_wgrad_impl)(
+                return triton_grads(*step(triton_wgrad_op, triton_wgrad_impl)(
                     grad_out, x, offsets, need_b
-                )
-                if need_b and grad_b.dtype != bias_dtype:
-                    grad_b = grad_b.to(bias_dtype)
-                return (grad_w if need_w else None), (grad_b if need_b else None)
+                ))
             grad_w = grad_b = None
             if need_w:
                 grad_w = step(wgrad_op, wgrad_impl)(grad_out, x, offsets, host_offsets, config.backend)
