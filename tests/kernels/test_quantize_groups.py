@@ -35,6 +35,14 @@ def test_group_amax_scales_match_the_reference(sizes, tail, pow2, monkeypatch):
     want = qg.group_amax_scales_reference(t, offsets, E4M3, pow2)
     assert got.shape == (len(sizes),) and got.dtype == torch.float32
     torch.testing.assert_close(got, want, rtol=1e-6, atol=0)  # the division may round apart
+    # and against maxima taken group by group, in float64
+    start, amax = 0, []
+    for size in sizes:
+        block = t[start:start + size].double()
+        amax.append(block.abs().max().item() if size else 0.0)
+        start += size
+    exact = q.scale_from_amax(torch.tensor(amax, dtype=torch.float64), E4M3, pow2)
+    torch.testing.assert_close(got.cpu(), exact, rtol=1e-6, atol=0)
     assert torch.all(got[torch.tensor(sizes, device=DEVICE) == 0] == 1)  # empty groups: 1
 
 
