@@ -58,6 +58,26 @@ def layout_host_times():
         print(f"{name:30s} {host:9.1f} {gpu:12.1f}")
 
 
+def profile_backward(layer, x, splits, grad, steps=300):
+    """cProfile of the layer's forward+backward with the backward on the calling thread (the
+    profiler sees one thread only): where the Python time of a small step goes."""
+    import cProfile
+    import pstats
+
+    with torch.autograd.set_multithreading_enabled(False):
+        for _ in range(20):
+            layer(x, splits).backward(grad)
+        torch.cuda.synchronize()
+        profiler = cProfile.Profile()
+        profiler.enable()
+        for _ in range(steps):
+            layer(x, splits).backward(grad)
+        torch.cuda.synchronize()
+        profiler.disable()
+    print(f"===== cProfile, layer fwd+bwd with bias, {steps} steps (tottime)")
+    pstats.Stats(profiler).sort_stats("tottime").print_stats(22)
+
+
 def main():
     case = small_step_case()
     G, M, K, N, dt = case.G, case.M, case.K, case.N, case.dtype
@@ -97,9 +117,24 @@ def main():
         "layer fwd+bwd, no bias": lambda: layer_nb(x, splits).backward(grad),
         "layer fwd+bwd, bias": lambda: layer(x, splits).backward(grad),
     }
-    print(f"{'case':44s} {'wall µs/call':>12s}")
+    def on_calling_thread(fn):
+        def run():
+            with torch.autograd.set_multithreading_enabled(False):
+                fn()
+        return run
+
+    for name in ("raw grouped_mm fwd+bwd", "empty autograd node fwd+bwd", "layer fwd+bwd, no bias",
+                 "layer fwd+bwd, bias"):
+        cases[name + ", backward on the calling thread"] = on_calling_thread(cases[name])
+    print(f"{'case':60s} {'wall µs/call':>12s}")
     for name, fn in cases.items():
-        print(f"{name:44s} {wall_us(fn, n=400, warmup=30):12.1f}")
+        print(f"{name:60s} {wall_us(fn, n=400, warmup=30):12.1f}")
+    for name in ("raw grouped_mm fwd+bwd", "layer fwd+bwd, bias"):
+        fn = cases[name]
+        ms = triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median",
+                                     grad_to_none=[x, w, b, *layer.parameters()])
+        print(f"{name:60s} do_bench {ms * 1e3:8.1f} µs")
+    profile_backward(layer, x, splits, grad)
     layout_host_times()
     for label, module in (("no bias", layer_nb), ("bias", layer)):
         with profile(activities=[ProfilerActivity.CPU]) as prof:

@@ -29,11 +29,25 @@ except ImportError:  # pragma: no cover - exercised only without triton installe
 
     triton = tl = _Stub()
 
-__all__ = ["triton", "tl", "HAS_TRITON", "interpreting", "use_triton", "kernel", "FAST_LAUNCH"]
+__all__ = ["triton", "tl", "HAS_TRITON", "interpreting", "use_triton", "kernel", "FAST_LAUNCH",
+           "cdiv", "next_power_of_2"]
 
 # Launch compiled kernels through :class:`_Kernel`'s cached path (see there); ``False``
 # sends every launch through Triton's own ``kernel[grid](...)``.
 FAST_LAUNCH = True
+
+
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for host-side launch arithmetic. Triton 3.6's ``triton.cdiv`` is a
+    constexpr function whose host calls cost a few µs each (argument unwrapping), and a
+    small step computes several grids."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of two ``>= n`` (``0`` for ``0``), as ``triton.next_power_of_2``
+    but a plain function (see :func:`cdiv`)."""
+    return 0 if n <= 0 else 1 << (n - 1).bit_length()
 
 
 def interpreting() -> bool:

@@ -11,7 +11,7 @@ write of ``grad_h``. A Triton kernel each way, the PyTorch reference beside it.
 import torch
 import torch.nn.functional as F
 
-from ._triton import kernel, tl, triton, use_triton
+from ._triton import cdiv, kernel, next_power_of_2, tl, triton, use_triton
 from .bias import _row_group, row_groups
 
 __all__ = ["ACTIVATION_KINDS", "GATED_KINDS", "bias_act_forward", "bias_act_backward",
@@ -161,14 +161,14 @@ def _launch(h, bias, offsets, kind, grad_a, out, width):
     M = h.shape[0]
     G = offsets.shape[0]
     block_m, block_n = 32, 64
-    grid = (triton.cdiv(M, block_m), triton.cdiv(width, block_n))
+    grid = (cdiv(M, block_m), cdiv(width, block_n))
     _bias_act_kernel[grid](
         h, bias if bias is not None else h, offsets, grad_a if grad_a is not None else h, out,
         M, width, G, h.stride(0), bias.stride(0) if bias is not None else 0,
         grad_a.stride(0) if grad_a is not None else 0, out.stride(0),
         HAS_BIAS=bias is not None, GATED=kind in GATED_KINDS, ACT=ACTIVATION_KINDS[kind],
         BACKWARD=grad_a is not None, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_G=min(64, triton.next_power_of_2(G)),
+        BLOCK_G=min(64, next_power_of_2(G)),
     )
     return out
 

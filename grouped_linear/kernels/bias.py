@@ -9,7 +9,7 @@ cumulative ``offsets``.
 
 import torch
 
-from ._triton import kernel, tl, triton, use_triton
+from ._triton import cdiv, kernel, next_power_of_2, tl, triton, use_triton
 
 __all__ = [
     "row_groups",
@@ -156,7 +156,7 @@ _MAX_CHUNKED_GROUPS = 4096
 
 
 def _block_g(num_groups: int) -> int:
-    return min(64, triton.next_power_of_2(num_groups))
+    return min(64, next_power_of_2(num_groups))
 
 
 # --------------------------------------------------------------------------- public
@@ -168,7 +168,7 @@ def zero_tail_(out: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     if not use_triton(out) or out.stride(1) != 1:
         return zero_tail_reference_(out, offsets)
     block_m = 32
-    _zero_tail_kernel[(triton.cdiv(M, block_m),)](
+    _zero_tail_kernel[(cdiv(M, block_m),)](
         out, offsets, M, N, offsets.shape[0], out.stride(0), BLOCK_M=block_m, BLOCK_N=128
     )
     return out
@@ -195,7 +195,7 @@ def bias_epilogue_(
         return bias_epilogue_reference_(out, bias, offsets, zero_tail)
     G = offsets.shape[0]
     block_m, block_n = 32, 128
-    grid = (triton.cdiv(M, block_m), triton.cdiv(N, block_n))
+    grid = (cdiv(M, block_m), cdiv(N, block_n))
     _bias_epilogue_kernel[grid](
         out, bias, offsets, M, N, G, out.stride(0), bias.stride(0),
         ZERO_TAIL=zero_tail, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_G=_block_g(G),
@@ -220,11 +220,11 @@ def bias_grad(grad_out: torch.Tensor, offsets: torch.Tensor, dtype: torch.dtype,
     G = offsets.shape[0]
     if G > _MAX_CHUNKED_GROUPS:
         return bias_grad_reference(grad_out, offsets, dtype)
-    block_g = triton.next_power_of_2(G)
+    block_g = next_power_of_2(G)
     # Chunks never straddle groups: at most cdiv(M, chunk) + G of them.
-    num_items = triton.cdiv(M, chunk) + G
+    num_items = cdiv(M, chunk) + G
     partial = torch.empty(num_items, N, device=grad_out.device, dtype=torch.float32)
-    col_blocks = triton.cdiv(N, block_n)
+    col_blocks = cdiv(N, block_n)
     _bias_grad_partial_kernel[(num_items, col_blocks)](
         grad_out, offsets, partial, N, G, grad_out.stride(0),
         CHUNK=chunk, BLOCK_M=32, BLOCK_N=block_n, BLOCK_G=block_g,

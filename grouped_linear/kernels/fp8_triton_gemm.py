@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from ._triton import kernel, tl, triton
+from ._triton import cdiv, kernel, next_power_of_2, tl, triton
 from .triton_gemm import _group_rows, _program_count, _tile_list, _tile_origin
 
 __all__ = ["grouped_mm", "grouped_mm_reference", "blockwise_wgrad", "blockwise_wgrad_reference",
@@ -230,7 +230,7 @@ def grouped_mm(a: torch.Tensor, a_inv: torch.Tensor, weight: torch.Tensor, w_inv
         s_strides = (w_inv.stride(0), w_inv.stride(1), w_inv.stride(2)) if scaling == "blockwise" \
             else (w_inv.stride(0), 0, w_inv.stride(1))
     block_m, warps, stages = (64, 4, 1) if a.device.type == "cpu" else MM_CONFIG
-    upper_tiles = (triton.cdiv(M, block_m) + G + 1) * triton.cdiv(width, BLOCK)
+    upper_tiles = (cdiv(M, block_m) + G + 1) * cdiv(width, BLOCK)
     programs = max(1, min(_program_count(a.device), upper_tiles))
     a_inv = a_inv.contiguous()
     _fp8_grouped_mm_kernel[(programs,)](
@@ -238,7 +238,7 @@ def grouped_mm(a: torch.Tensor, a_inv: torch.Tensor, weight: torch.Tensor, w_inv
         a.stride(0), a_inv.stride(0) if a_inv.dim() == 2 else 1, *b_strides, *s_strides,
         out.stride(0), BLOCKWISE=scaling == "blockwise", UPCAST=a.device.type == "cpu",
         EVEN_K=R % (BLOCK if scaling == "blockwise" else MM_BLOCK_K) == 0,
-        BLOCK_M=block_m, BLOCK_N=BLOCK, BLOCK_K=MM_BLOCK_K, BLOCK_G=triton.next_power_of_2(G + 1),
+        BLOCK_M=block_m, BLOCK_N=BLOCK, BLOCK_K=MM_BLOCK_K, BLOCK_G=next_power_of_2(G + 1),
         NUM_PROGRAMS=programs, SCALE_BLOCK=BLOCK, num_warps=warps, num_stages=stages,
     )
     return out
@@ -301,14 +301,14 @@ def blockwise_wgrad(dy_blocks: torch.Tensor, dy_inv: torch.Tensor, x_blocks: tor
     else:
         warps, stages, block_t, block_n, block_k = (GROUP_SCALED_WGRAD_CONFIG if group_scales
                                                     else WGRAD_CONFIG)
-    grid = (G * triton.cdiv(N, block_n) * triton.cdiv(K, block_k),)
+    grid = (G * cdiv(N, block_n) * cdiv(K, block_k),)
     dy_blocks, x_blocks = _operand(dy_blocks), _operand(x_blocks)
     _fp8_blockwise_wgrad_kernel[grid](
         dy_blocks, dy_inv, x_blocks, x_inv, dw, sizes, num_rows, N, K, G, dy_blocks.stride(0),
         x_blocks.stride(0), dy_inv.stride(0), x_inv.stride(0), dw.stride(0), dw.stride(1),
         UPCAST=cpu, GROUP_SCALES=group_scales, BLOCK_T=block_t, SCALE_BLOCK=BLOCK,
         BLOCK_N=block_n, BLOCK_K=block_k,
-        BLOCK_G=triton.next_power_of_2(G + 1), num_warps=warps, num_stages=stages,
+        BLOCK_G=next_power_of_2(G + 1), num_warps=warps, num_stages=stages,
     )
     return dw
 

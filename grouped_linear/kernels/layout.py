@@ -12,7 +12,7 @@ permute/unpermute moves; their routing map is in :mod:`grouped_linear.kernels.ro
 
 import torch
 
-from ._triton import kernel, tl, triton, use_triton
+from ._triton import cdiv, kernel, next_power_of_2, tl, triton, use_triton
 from .bias import _row_group
 
 __all__ = ["relayout", "relayout_reference", "gather_rows", "gather_rows_reference",
@@ -90,11 +90,11 @@ def relayout(src: torch.Tensor, src_ends: torch.Tensor, dst_ends: torch.Tensor,
         return relayout_reference(src, src_ends, dst_ends, num_dst_rows)
     H = src.shape[1]
     dst = torch.empty(num_dst_rows, H, device=src.device, dtype=src.dtype)
-    block_r, block_h = 16, min(256, triton.next_power_of_2(max(H, 16)))
-    grid = (triton.cdiv(num_dst_rows, block_r), triton.cdiv(H, block_h))
+    block_r, block_h = 16, min(256, next_power_of_2(max(H, 16)))
+    grid = (cdiv(num_dst_rows, block_r), cdiv(H, block_h))
     _relayout_kernel[grid](src, dst, src_ends, dst_ends, num_dst_rows, H, G, src.stride(0),
                            dst.stride(0), BLOCK_R=block_r, BLOCK_H=block_h,
-                           BLOCK_G=min(64, triton.next_power_of_2(G)))
+                           BLOCK_G=min(64, next_power_of_2(G)))
     return dst
 
 
@@ -185,8 +185,8 @@ def gather_rows(src: torch.Tensor, index: torch.Tensor,
     # The CPU interpreter truncates float32 -> bf16: with a scale, torch does the rounding.
     out_dtype = torch.float32 if scale is not None and src.device.type == "cpu" else src.dtype
     out = torch.empty(R, H, device=src.device, dtype=out_dtype)
-    block_r, block_h = 16, min(256, triton.next_power_of_2(H))
-    _gather_rows_kernel[(triton.cdiv(R, block_r), triton.cdiv(H, block_h))](
+    block_r, block_h = 16, min(256, next_power_of_2(H))
+    _gather_rows_kernel[(cdiv(R, block_r), cdiv(H, block_h))](
         src, out, index.contiguous(), scale.contiguous() if scale is not None else src, R,
         src.shape[0], H, src.stride(0), out.stride(0), HAS_SCALE=scale is not None,
         BLOCK_R=block_r, BLOCK_H=block_h)
@@ -254,9 +254,9 @@ def _scatter(src: torch.Tensor, row_map: torch.Tensor, held: torch.Tensor,
     num_rows, H = held.shape[0], src.shape[1]
     out = torch.empty(num_rows, H, device=src.device, dtype=out_dtype)
     block_t, block_h, warps = SCATTER_CONFIG
-    block_h = min(block_h, triton.next_power_of_2(H))
-    token_programs = triton.cdiv(tokens, block_t)
-    grid = (token_programs * triton.cdiv(H, block_h) + triton.cdiv(num_rows, ZERO_ROWS),)
+    block_h = min(block_h, next_power_of_2(H))
+    token_programs = cdiv(tokens, block_t)
+    grid = (token_programs * cdiv(H, block_h) + cdiv(num_rows, ZERO_ROWS),)
     _scatter_rows_kernel[grid](
         src, out, row_map.contiguous(), held.contiguous(),
         weights.contiguous() if weights is not None else src, tokens, k, num_rows, H,
@@ -317,7 +317,7 @@ def spread_rows(src: torch.Tensor, row_map: torch.Tensor, num_rows: int,
         return spread_rows_reference(src, row_map, num_rows, weights)
     # No fill: the scatter trusts an entry only where row_map leads back to its row.
     slot_of_row = torch.empty(num_rows, device=src.device, dtype=torch.int64)
-    _slot_of_row_kernel[(triton.cdiv(tokens * k, 1024),)](
+    _slot_of_row_kernel[(cdiv(tokens * k, 1024),)](
         row_map.contiguous(), slot_of_row, tokens * k, num_rows, BLOCK=1024)
     # The CPU interpreter truncates float32 -> bf16: with weights, torch does the rounding.
     out_dtype = torch.float32 if weights is not None and src.device.type == "cpu" else src.dtype
@@ -339,8 +339,8 @@ def combine_rows(src: torch.Tensor, row_map: torch.Tensor,
     out_dtype = torch.float32 if src.device.type == "cpu" else src.dtype
     out = torch.empty(tokens, H, device=src.device, dtype=out_dtype)
     block_t, block_h, warps = COMBINE_CONFIG
-    block_h = min(block_h, triton.next_power_of_2(H))
-    _combine_rows_kernel[(triton.cdiv(tokens, block_t), triton.cdiv(H, block_h))](
+    block_h = min(block_h, next_power_of_2(H))
+    _combine_rows_kernel[(cdiv(tokens, block_t), cdiv(H, block_h))](
         src, out, row_map.contiguous(), weights.contiguous() if weights is not None else src,
         tokens, k, src.shape[0], H, src.stride(0), out.stride(0),
         HAS_WEIGHTS=weights is not None, BLOCK_T=block_t, BLOCK_H=block_h, num_warps=warps)
@@ -400,10 +400,10 @@ def slot_dots(src: torch.Tensor, grad: torch.Tensor, row_map: torch.Tensor,
         return slot_dots_reference(src, grad, row_map, acc_dtype)
     H = src.shape[1]
     out = torch.empty(tokens, k, device=src.device, dtype=torch.float32)
-    block_k = triton.next_power_of_2(k)
+    block_k = next_power_of_2(k)
     block_t, block_h, warps = SLOT_DOTS_CONFIG
-    _slot_dots_kernel[(triton.cdiv(tokens, block_t),)](
+    _slot_dots_kernel[(cdiv(tokens, block_t),)](
         src, grad, row_map.contiguous(), out, tokens, k, src.shape[0], H, src.stride(0),
         grad.stride(0), BLOCK_T=block_t, BLOCK_K=block_k,
-        BLOCK_H=min(block_h, triton.next_power_of_2(H)), num_warps=warps)
+        BLOCK_H=min(block_h, next_power_of_2(H)), num_warps=warps)
     return out

@@ -7,7 +7,7 @@ can leave the tensor. Never reads the splits back to the host.
 
 import torch
 
-from ._triton import kernel, tl, triton, use_triton
+from ._triton import kernel, next_power_of_2, tl, triton, use_triton
 
 __all__ = ["group_offsets", "group_offsets_reference", "aligned_offsets", "aligned_offsets_reference"]
 
@@ -35,7 +35,7 @@ def group_offsets(splits: torch.Tensor, num_rows: int) -> torch.Tensor:
             or torch.compiler.is_compiling()):
         return group_offsets_reference(splits, num_rows)
     offsets = torch.empty(G, device=splits.device, dtype=torch.int32)
-    _group_offsets_kernel[(1,)](splits, offsets, G, num_rows, BLOCK_G=triton.next_power_of_2(G))
+    _group_offsets_kernel[(1,)](splits, offsets, G, num_rows, BLOCK_G=next_power_of_2(G))
     return offsets
 
 
@@ -62,5 +62,5 @@ def aligned_offsets(offsets: torch.Tensor, align: int) -> torch.Tensor:
     if not use_triton(offsets) or G > _MAX_TRITON_GROUPS or G == 0 or torch.compiler.is_compiling():
         return aligned_offsets_reference(offsets, align)
     out = torch.empty(G, device=offsets.device, dtype=torch.int32)
-    _aligned_offsets_kernel[(1,)](offsets, out, G, ALIGN=align, BLOCK_G=triton.next_power_of_2(G))
+    _aligned_offsets_kernel[(1,)](offsets, out, G, ALIGN=align, BLOCK_G=next_power_of_2(G))
     return out

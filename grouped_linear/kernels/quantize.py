@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ._triton import interpreting, kernel, tl, triton, use_triton
+from ._triton import cdiv, interpreting, kernel, next_power_of_2, tl, triton, use_triton
 from .bias import row_groups
 
 __all__ = ["scale_from_amax", "saturate", "fake_quant", "fake_quant_rows", "fake_quant_group_columns",
@@ -215,7 +215,7 @@ def _rows_launch_shape(C: int) -> tuple[int, int, int]:
     """(rows per program, columns per block, warps) of :func:`_quantize_rows_kernel` for
     rows of ``C``: ``ROWS_CONFIG``, with several narrow rows per program."""
     block_r, max_block_c, warps = ROWS_CONFIG
-    block_c = min(max_block_c, triton.next_power_of_2(max(C, 16)))
+    block_c = min(max_block_c, next_power_of_2(max(C, 16)))
     return max(block_r, max_block_c // block_c), block_c, warps
 
 
@@ -290,14 +290,14 @@ def _launch_rows(t: torch.Tensor, data: torch.Tensor, inv: torch.Tensor,
     else:
         kind, G = "none", 1
     block_r, block_c, warps = _rows_launch_shape(C)
-    _quantize_rows_kernel[(triton.cdiv(R, block_r),)](
+    _quantize_rows_kernel[(cdiv(R, block_r),)](
         t, data, inv, scale if scale is not None else inv,
         shifts.shifts if shifts is not None else inv, ends if ends is not None else inv,
         R, C, G, t.stride(0), data.stride(0), FP8_MAX=torch.finfo(fp8_dtype).max,
         POW2=power_of_two, GIVEN_SCALE=scale is not None, PIECES=shifts is not None,
         GROUPS=kind, GROUP_ROWS=max(group_rows, 1),
         SHIFT_MULTIPLE=shifts.multiple if shifts is not None else 1, BLOCK_R=block_r,
-        BLOCK_C=block_c, BLOCK_S=triton.next_power_of_2(G + 1) if kind == "ends" else 2,
+        BLOCK_C=block_c, BLOCK_S=next_power_of_2(G + 1) if kind == "ends" else 2,
         num_warps=warps,
     )
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from ._triton import kernel, tl, triton, use_triton
+from ._triton import cdiv, kernel, next_power_of_2, tl, triton, use_triton
 from .quantize import _finish, _fp8_buffer, _pad_to, _scale, saturate, scale_from_amax
 from .triton_gemm import _group_rows
 
@@ -51,7 +51,7 @@ def quantize_row_tiles_reference(t: torch.Tensor, fp8_dtype: torch.dtype, power_
     """``(M, C)`` -> FP8 ``(M, C)`` and float32 ``(M, cdiv(C, tile))`` factors: one
     scale per row and block of ``tile`` columns (the last block may be partial)."""
     M, C = t.shape
-    blocks = triton.cdiv(C, tile)
+    blocks = cdiv(C, tile)
     padded = _pad_to(t.float(), 1, tile).view(M, blocks, tile)
     amax = padded.abs().amax(dim=2) if padded.numel() else padded.new_zeros(M, blocks)
     scale = scale_from_amax(amax, fp8_dtype, power_of_two)
@@ -89,14 +89,14 @@ def quantize_row_tiles(t: torch.Tensor, fp8_dtype: torch.dtype, power_of_two: bo
     if not use_triton(t) or t.numel() == 0:
         return quantize_row_tiles_reference(t, fp8_dtype, power_of_two, tile)
     M, C = t.shape
-    blocks = triton.cdiv(C, tile)
+    blocks = cdiv(C, tile)
     data = _fp8_buffer((M, C), t.device, fp8_dtype)
     inv = torch.empty(M, blocks, device=t.device, dtype=torch.float32)
     block_r, warps = ROW_TILES_CONFIG
-    _quantize_row_tiles_kernel[(triton.cdiv(M, block_r), blocks)](
+    _quantize_row_tiles_kernel[(cdiv(M, block_r), blocks)](
         t, data, inv, M, C, t.stride(0), t.stride(1), blocks,
         FP8_MAX=torch.finfo(fp8_dtype).max, POW2=power_of_two, TILE=tile, BLOCK_R=block_r,
-        BLOCK_T=triton.next_power_of_2(tile), num_warps=warps,
+        BLOCK_T=next_power_of_2(tile), num_warps=warps,
     )
     return _finish(data, fp8_dtype), inv
 
@@ -108,7 +108,7 @@ def quantize_weight_blocks_reference(weight: torch.Tensor, fp8_dtype: torch.dtyp
     """``(G, N, K)`` -> FP8 ``(G, N, K)`` and float32 ``(G, cdiv(N, block), cdiv(K, block))``
     factors: one scale per ``block x block`` tile of each expert (edge tiles partial)."""
     G, N, K = weight.shape
-    nb, kb = triton.cdiv(N, block), triton.cdiv(K, block)
+    nb, kb = cdiv(N, block), cdiv(K, block)
     padded = _pad_to(_pad_to(weight.float(), 1, block), 2, block)
     tiles = padded.view(G, nb, block, kb, block)
     amax = tiles.abs().amax(dim=(2, 4)) if tiles.numel() else tiles.new_zeros(G, nb, kb)
@@ -153,14 +153,14 @@ def quantize_weight_blocks(weight: torch.Tensor, fp8_dtype: torch.dtype, power_o
     if not use_triton(weight) or weight.numel() == 0:
         return quantize_weight_blocks_reference(weight, fp8_dtype, power_of_two, block)
     G, N, K = weight.shape
-    nb, kb = triton.cdiv(N, block), triton.cdiv(K, block)
+    nb, kb = cdiv(N, block), cdiv(K, block)
     data = _fp8_buffer((G, N, K), weight.device, fp8_dtype)
     inv = torch.empty(G, nb, kb, device=weight.device, dtype=torch.float32)
     (warps,) = WEIGHT_BLOCKS_CONFIG
     _quantize_weight_blocks_kernel[(G, nb, kb)](
         weight, data, inv, N, K, weight.stride(0), weight.stride(1), weight.stride(2),
         FP8_MAX=torch.finfo(fp8_dtype).max, POW2=power_of_two, BLOCK=block,
-        BLOCK_P=triton.next_power_of_2(block), num_warps=warps,
+        BLOCK_P=next_power_of_2(block), num_warps=warps,
     )
     return _finish(data, fp8_dtype), inv
 
@@ -169,7 +169,7 @@ def quantize_weight_blocks(weight: torch.Tensor, fp8_dtype: torch.dtype, power_o
 def num_token_blocks(num_rows: int, num_groups: int, tile: int = 128) -> int:
     """Rows of the token blocks' ``inv``: ``cdiv(M, tile) + G``, an upper bound on the
     blocks of any split of ``M`` rows into ``G`` groups (whatever the sizes)."""
-    return triton.cdiv(num_rows, tile) + num_groups
+    return cdiv(num_rows, tile) + num_groups
 
 
 def token_block_index(sizes: torch.Tensor, num_rows: int, tile: int = 128) -> torch.Tensor:
@@ -290,11 +290,11 @@ def quantize_token_blocks(t: torch.Tensor, sizes: torch.Tensor, fp8_dtype: torch
     stride_qm, stride_qc = (data.stride(1), data.stride(0)) if transpose else data.stride()
     inv = torch.empty(blocks, C, device=t.device, dtype=torch.float32)
     block_c, warps = TOKEN_BLOCKS_CONFIG
-    _quantize_token_blocks_kernel[(blocks, triton.cdiv(C, block_c))](
+    _quantize_token_blocks_kernel[(blocks, cdiv(C, block_c))](
         t, sizes, data, inv, M, C, G, t.stride(0), t.stride(1), stride_qm, stride_qc,
         FP8_MAX=torch.finfo(fp8_dtype).max, POW2=power_of_two, TILE=tile,
-        BLOCK_T=triton.next_power_of_2(tile), BLOCK_C=block_c,
-        BLOCK_G=max(2, triton.next_power_of_2(G + 1)), BLOCK_LAYOUT=transpose, num_warps=warps,
+        BLOCK_T=next_power_of_2(tile), BLOCK_C=block_c,
+        BLOCK_G=max(2, next_power_of_2(G + 1)), BLOCK_LAYOUT=transpose, num_warps=warps,
     )
     return _finish(data, fp8_dtype), inv
 

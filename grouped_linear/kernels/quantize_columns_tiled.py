@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from ._triton import kernel, tl, triton
+from ._triton import cdiv, kernel, next_power_of_2, tl, triton
 from .quantize import _scale, piece_shift
 
 __all__ = ["quantize_columns_t", "TILED_CONFIG", "AMAX_SUB_TILES"]
@@ -220,19 +220,19 @@ def quantize_columns_t(t, offsets, data_offsets, data, fp8_dtype, power_of_two,
     G = offsets.shape[0]
     factors = row_factors.float().contiguous() if row_factors is not None else offsets
     block_r, block_c, warps = TILED_CONFIG
-    block_s = max(2, triton.next_power_of_2(G + 1))
+    block_s = max(2, next_power_of_2(G + 1))
     # tiles cover the groups' padded columns and the tail: min(width, that) columns at most;
     # the G + 1 extra programs leave room for the slots' partial tiles (and for one program
     # per group writing the group's factors)
     covered = min(width, M + (align - 1) * G + 16)
-    grid = (triton.cdiv(covered, block_r) + G + 1, triton.cdiv(C, block_c))
+    grid = (cdiv(covered, block_r) + G + 1, cdiv(C, block_c))
     inv = None if unit_scale else torch.empty(G, C, device=t.device, dtype=torch.float32)
     if unit_scale:
         scaling, scale = "unit", offsets
     elif group_scale is None:
         scaling = "amax"
         scale = torch.zeros(G, C, device=t.device, dtype=torch.float32)  # the column maxima
-        amax_grid = (triton.cdiv(M, block_r * AMAX_SUB_TILES) + G + 1, grid[1])
+        amax_grid = (cdiv(M, block_r * AMAX_SUB_TILES) + G + 1, grid[1])
         partial = torch.empty(amax_grid[0], C, device=t.device, dtype=torch.float32) \
             if sums is not None else scale
         _group_column_amax_kernel[amax_grid](
@@ -241,7 +241,7 @@ def quantize_columns_t(t, offsets, data_offsets, data, fp8_dtype, power_of_two,
             SHIFT_MULTIPLE=shift_args[2], BLOCK_R=block_r,
             SUB_TILES=AMAX_SUB_TILES, BLOCK_C=block_c, BLOCK_S=block_s, num_warps=warps)
         if sums is not None:
-            _reduce_group_sums_kernel[(G, triton.cdiv(C, 256))](
+            _reduce_group_sums_kernel[(G, cdiv(C, 256))](
                 partial, offsets, sums, C, G, ROWS_PER_TILE=block_r * AMAX_SUB_TILES,
                 BLOCK_C=256, BLOCK_S=block_s)
     else:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ._triton import kernel, tl, triton, use_triton
+from ._triton import cdiv, kernel, next_power_of_2, tl, triton, use_triton
 from .bias import _row_group, row_groups
 from .quantize import _finish, _fp8_buffer, _scale, quantize_rows_reference
 
@@ -104,17 +104,17 @@ def quantize_rows_folded(t: torch.Tensor, column_factors: ColumnFactors, fp8_dty
     if column_factors.offsets.shape != (factors.shape[0],):
         raise ValueError(f"offsets has shape {tuple(column_factors.offsets.shape)}, expected "
                          f"({factors.shape[0]},): one row end per factor row")
-    block_c = triton.next_power_of_2(max(C, 16))
+    block_c = next_power_of_2(max(C, 16))
     if not use_triton(t) or t.stride(-1) != 1 or R == 0 or block_c > MAX_BLOCK_C:
         return quantize_rows_folded_reference(t, column_factors, fp8_dtype, power_of_two)
     data = _fp8_buffer((R, C), t.device, fp8_dtype)
     inv = torch.empty(R, device=t.device, dtype=torch.float32)
     rows, columns_per_warp = FOLDED_CONFIG
     warps = min(16, max(2, block_c // columns_per_warp))
-    _quantize_rows_folded_kernel[(triton.cdiv(R, rows),)](
+    _quantize_rows_folded_kernel[(cdiv(R, rows),)](
         t, factors, column_factors.offsets, data, inv, R, C, factors.shape[0], t.stride(0),
         data.stride(0), FP8_MAX=torch.finfo(fp8_dtype).max, POW2=power_of_two, ROWS=rows,
-        BLOCK_C=block_c, BLOCK_G=min(256, triton.next_power_of_2(factors.shape[0])),
+        BLOCK_C=block_c, BLOCK_G=min(256, next_power_of_2(factors.shape[0])),
         num_warps=warps,
     )
     return _finish(data, fp8_dtype), inv

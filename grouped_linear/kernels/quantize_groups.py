@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from ._triton import kernel, tl, triton, use_triton
+from ._triton import cdiv, kernel, next_power_of_2, tl, triton, use_triton
 from .bias import _row_group, row_groups
 from .quantize import _scale, scale_from_amax
 
@@ -80,19 +80,19 @@ def _scales_from_rows(t: torch.Tensor, ends: torch.Tensor | None, num_groups: in
     device = t.device
     amax = torch.zeros(num_groups, device=device, dtype=torch.float32)
     block_r, max_block_c, warps = AMAX_CONFIG
-    block_c = min(max_block_c, triton.next_power_of_2(max(C, 16)))
-    _group_amax_kernel[(triton.cdiv(R, block_r),)](
+    block_c = min(max_block_c, next_power_of_2(max(C, 16)))
+    _group_amax_kernel[(cdiv(R, block_r),)](
         t, ends if ends is not None else amax, amax, R, C, num_groups, t.stride(0),
         GROUP_ROWS=group_rows, BLOCK_R=block_r, BLOCK_C=block_c,
-        BLOCK_G=min(256, triton.next_power_of_2(num_groups)), num_warps=warps)
+        BLOCK_G=min(256, next_power_of_2(num_groups)), num_warps=warps)
     scale = torch.empty(num_groups, device=device, dtype=torch.float32)
     inv = torch.empty(num_groups, inv_width, device=device, dtype=torch.float32) \
         if inv_width else None
     block = 16
-    _scales_kernel[(triton.cdiv(num_groups, block),)](
+    _scales_kernel[(cdiv(num_groups, block),)](
         amax, scale, inv if inv is not None else scale, num_groups, inv_width,
         FP8_MAX=torch.finfo(fp8_dtype).max, POW2=power_of_two, BLOCK=block,
-        BLOCK_W=min(256, triton.next_power_of_2(max(inv_width, 16))))
+        BLOCK_W=min(256, next_power_of_2(max(inv_width, 16))))
     return scale, inv
 
 

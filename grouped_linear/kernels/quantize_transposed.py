@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from . import quantize_columns_tiled as columns_tiled
-from ._triton import kernel, tl, triton, use_triton
+from ._triton import cdiv, kernel, next_power_of_2, tl, triton, use_triton
 from .bias import bias_grad, row_groups
 from .offsets import aligned_offsets
 from .quantize import _finish, _fp8_buffer, _group_amax, _scale, piece_shifts, scale_from_amax
@@ -194,15 +194,15 @@ def quantize_group_columns_t(t: torch.Tensor, offsets: torch.Tensor, fp8_dtype: 
         return _finish(data, fp8_dtype), inv, data_offsets
     inv = torch.empty(G, C, device=t.device, dtype=torch.float32)
     block_r, block_c, warps = GROUP_COLUMNS_CONFIG
-    _quantize_group_columns_t_kernel[(G, triton.cdiv(C, block_c))](
+    _quantize_group_columns_t_kernel[(G, cdiv(C, block_c))](
         t, offsets, data_offsets, data, inv, group_scale if group_scale is not None else inv,
         M, C, t.stride(0), data.stride(0), FP8_MAX=torch.finfo(fp8_dtype).max,
         POW2=power_of_two, GIVEN_SCALE=group_scale is not None,
-        PAD=triton.next_power_of_2(align) if align > 1 else 1, BLOCK_R=block_r, BLOCK_C=block_c,
+        PAD=next_power_of_2(align) if align > 1 else 1, BLOCK_R=block_r, BLOCK_C=block_c,
         num_warps=warps,
     )
     if align == 1:
-        _zero_columns_from_kernel[(triton.cdiv(C, 64),)](
+        _zero_columns_from_kernel[(cdiv(C, 64),)](
             data, offsets, G, C, M, data.stride(0), BLOCK_C=64, BLOCK_M=32,
         )
     return _finish(data, fp8_dtype), inv, data_offsets

@@ -11,7 +11,7 @@ import functools
 
 import torch
 
-from ._triton import kernel, tl, triton, use_triton
+from ._triton import cdiv, kernel, next_power_of_2, tl, triton, use_triton
 from .layout import _starts
 
 __all__ = ["routing_map", "routing_map_reference"]
@@ -193,15 +193,15 @@ def routing_map(topk_indices: torch.Tensor, num_experts: int, multiple: int, num
             or slots >= 2**31 or num_rows >= 2**62):
         return routing_map_reference(topk_indices, num_experts, multiple, num_rows)
     device = topk_indices.device
-    block_e = max(2, triton.next_power_of_2(num_experts))
+    block_e = max(2, next_power_of_2(num_experts))
     one_hot = block_e <= _ONE_HOT_MAX_EXPERTS
     # Blocks compared pairwise: larger ones for many experts, as each block also costs a
     # histogram and a gather over all the experts (tuned on an H200, 64K to 256K slots).
     rank_block = max(16, _ONE_HOT_TILE // block_e) if one_hot else (32 if block_e <= 256 else 128)
     block = max(_COUNT_BLOCK, rank_block)
     limit = max_programs if max_programs is not None else _max_programs(device)
-    chunk = triton.cdiv(max(triton.cdiv(slots, limit), _MIN_CHUNK), rank_block) * rank_block
-    programs = max(1, triton.cdiv(slots, chunk))
+    chunk = cdiv(max(cdiv(slots, limit), _MIN_CHUNK), rank_block) * rank_block
+    programs = max(1, cdiv(slots, chunk))
     work = torch.empty(block_e * programs, device=device, dtype=torch.int32)
     m_splits = torch.empty(num_experts, device=device, dtype=torch.int64)
     row_map = torch.empty(tokens, k, device=device, dtype=torch.int64)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ._triton import kernel, tl, triton, use_triton
+from ._triton import cdiv, kernel, tl, triton, use_triton
 
 __all__ = ["transpose_groups", "transpose_groups_reference"]
 
@@ -50,7 +50,7 @@ def transpose_groups(data: torch.Tensor) -> torch.Tensor:
     out = torch.empty(G, C, R, device=data.device, dtype=data.dtype)
     block_r, block_c, warps = TRANSPOSE_CONFIG
     # Byte views: the kernel only moves bytes (and the CPU interpreter has no FP8 loads).
-    _transpose_kernel[(triton.cdiv(R, block_r), triton.cdiv(C, block_c), G)](
+    _transpose_kernel[(cdiv(R, block_r), cdiv(C, block_c), G)](
         data.view(torch.uint8), out.view(torch.uint8), R, C, BLOCK_R=block_r, BLOCK_C=block_c,
         num_warps=warps,
     )

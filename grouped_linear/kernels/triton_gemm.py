@@ -17,7 +17,7 @@ import functools
 
 import torch
 
-from ._triton import kernel, tl, triton
+from ._triton import cdiv, kernel, next_power_of_2, tl, triton
 
 __all__ = ["forward", "dgrad", "wgrad", "backward", "fits", "MAX_GROUPS"]
 
@@ -225,7 +225,7 @@ def _upcast(tensor: torch.Tensor) -> bool:
 
 
 def _block_g(num_groups: int) -> int:
-    return triton.next_power_of_2(num_groups + 1)
+    return next_power_of_2(num_groups + 1)
 
 
 MAX_GROUPS = 4095
@@ -248,7 +248,7 @@ def _launch_mm(a, b_tensor, b_strides, bias, sizes, out, reduction):
     block_m, block_n, block_k = 64, 128, 64
     if M == 0 or width == 0:
         return out
-    upper_tiles = (triton.cdiv(M, block_m) + G + 1) * triton.cdiv(width, block_n)
+    upper_tiles = (cdiv(M, block_m) + G + 1) * cdiv(width, block_n)
     programs = max(1, min(_program_count(a.device), upper_tiles))
     stride_bg, stride_bk, stride_bn = b_strides
     _grouped_mm_kernel[(programs,)](
@@ -301,7 +301,7 @@ def wgrad(grad_out: torch.Tensor, x: torch.Tensor, sizes: torch.Tensor,
     if N == 0 or K == 0:
         return grad_w, grad_b
     block_m, block_n, block_k = 64, 64, 64
-    grid = (G * triton.cdiv(N, block_n) * triton.cdiv(K, block_k),)
+    grid = (G * cdiv(N, block_n) * cdiv(K, block_k),)
     _grouped_wgrad_kernel[grid](
         grad_out, x, grad_w, grad_b if grad_b is not None else grad_w, sizes, M, N, K, G,
         grad_out.stride(0), x.stride(0), grad_w.stride(0), grad_w.stride(1),
@@ -326,7 +326,7 @@ def backward(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, size
     grad_w, grad_b = _wgrad_buffers(x, G, N, K, with_bias)
     dx_programs = _program_count(x.device)  # fixed: one binary whatever M is
     dw_block = 64
-    dw_tiles = G * triton.cdiv(N, dw_block) * triton.cdiv(K, dw_block)
+    dw_tiles = G * cdiv(N, dw_block) * cdiv(K, dw_block)
     _grouped_backward_kernel[(dx_programs + dw_tiles,)](
         grad_out, x, weight, grad_x, grad_w, grad_b if grad_b is not None else grad_w, sizes,
         M, N, K, G, grad_out.stride(0), x.stride(0), weight.stride(0), weight.stride(1),
