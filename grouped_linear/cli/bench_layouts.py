@@ -114,7 +114,9 @@ def _case_ops(hidden: int, rows: int, dev: torch.device, dtype: torch.dtype) -> 
     y_perm = _randn(*routed.shape, device=dev, dtype=dtype, requires_grad=True)
     n_unperm = y_perm.shape[0]
     y_fixed = y_perm.detach()
-    probs_leaf = probs.float().requires_grad_()
+    # A new leaf: ``probs`` itself stays without grad for the ``unpermute`` row (``.float()`` of
+    # a float32 tensor would return the same tensor and mark it).
+    probs_leaf = probs.detach().float().requires_grad_()
 
     def permute_op(multiple: int) -> _Op:
         return _Op(f"permute(multiple={multiple})",

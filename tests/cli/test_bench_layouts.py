@@ -4,6 +4,7 @@ import json
 import math
 
 import pytest
+import torch
 
 import grouped_linear.cli.bench_layouts as bench_layouts
 from grouped_linear.cli.bench_layouts import PERMUTE_MULTIPLES, TOP_K, run_layouts_bench
@@ -68,3 +69,17 @@ def test_bench_command_picks_the_suite(monkeypatch):
         main(["bench", "--suite", "layouts", "--shapes", "dsv3_ep32_fc1"])
     with pytest.raises(SystemExit):
         main(["bench", "--suite", "nope"])
+
+
+def test_each_unpermute_row_differentiates_only_its_own_input():
+    """The ``unpermute`` row's backward is the ``y_perm`` gradient alone and the ``probs grad``
+    row's the ``probs`` gradient alone: a graph that also needs the other input would time
+    both gradients under one name."""
+    torch.manual_seed(0)
+    ops = {op.name: op for op in bench_layouts._case_ops(64, 2048, torch.device("cpu"),
+                                                         torch.float32)}
+    for name, wanted in (("unpermute", 0), ("unpermute (probs grad)", 2)):
+        node = ops[name].forward().grad_fn
+        # next_functions: (y_perm, row_map, probs); None where an input needs no gradient
+        needs = [entry[0] is not None for entry in node.next_functions]
+        assert needs == [i == wanted for i in range(3)], (name, needs)
