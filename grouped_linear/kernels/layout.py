@@ -26,6 +26,12 @@ SCATTER_CONFIG = (16, 256, 4)
 # Destination rows per program of the scatter's zero-fill part (it reads their slot entries,
 # then writes zeros across all columns only where a row holds no slot).
 ZERO_ROWS = 32
+# Cache hints of the scatter's row stores and source loads ("" = Triton's defaults). H200,
+# permute forward / unpermute backward at 4096 x 65536 and 7168 x 131072 rows: streaming
+# stores (".cs") ~1 % faster than the default in two sweeps; "evict_first" loads alone level,
+# both together 3 % slower; write-through stores level.
+SCATTER_STORE_CACHE = ".cs"
+SCATTER_LOAD_EVICTION = ""
 COMBINE_CONFIG = (2, 2048, 4)
 # Launch shape (tokens per program, columns per step, warps) of slot_dots (the gradient of
 # unpermute's weights). H200 sweep at hidden 4096 (65536 / 131072 slots): (8, 256, 4) 0.91 /
@@ -199,7 +205,8 @@ def gather_rows(src: torch.Tensor, index: torch.Tensor,
 def _scatter_rows_kernel(src_ptr, dst_ptr, map_ptr, token_ptr, weights_ptr, T, K, N, H,
                          stride_src, stride_dst, token_programs, HAS_WEIGHTS: tl.constexpr,
                          SLOTS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
-                         ZERO_ROWS: tl.constexpr):
+                         ZERO_ROWS: tl.constexpr, STORE_CACHE: tl.constexpr,
+                         LOAD_EVICTION: tl.constexpr):
     """A 1-D grid. The first ``token_programs * cdiv(H, BLOCK_H)`` programs: ``BLOCK_T``
     source rows by ``BLOCK_H`` columns each, read once and written to each of their ``K``
     slots' rows ``map[t, j]`` (those in ``[0, N)``), times ``weights[t, j]`` (float32) with
@@ -216,7 +223,8 @@ def _scatter_rows_kernel(src_ptr, dst_ptr, map_ptr, token_ptr, weights_ptr, T, K
         tokens = (pid // column_blocks) * BLOCK_T + tl.arange(0, BLOCK_T)
         token_mask = tokens < T
         values = tl.load(src_ptr + tokens.to(tl.int64)[:, None] * stride_src + cols[None, :],
-                         mask=token_mask[:, None] & col_mask, other=0.0)
+                         mask=token_mask[:, None] & col_mask, other=0.0,
+                         eviction_policy=LOAD_EVICTION)
         for j in range(0, K):
             slot = tokens.to(tl.int64) * K + j
             row = tl.load(map_ptr + slot, mask=token_mask, other=-1).to(tl.int64)
@@ -227,7 +235,7 @@ def _scatter_rows_kernel(src_ptr, dst_ptr, map_ptr, token_ptr, weights_ptr, T, K
             else:
                 out = values
             tl.store(dst_ptr + row[:, None] * stride_dst + cols[None, :], out,
-                     mask=valid[:, None] & col_mask)
+                     mask=valid[:, None] & col_mask, cache_modifier=STORE_CACHE)
     else:
         rows = (pid - token_programs * column_blocks) * ZERO_ROWS + tl.arange(0, ZERO_ROWS)
         in_range = rows < N
@@ -262,7 +270,8 @@ def _scatter(src: torch.Tensor, row_map: torch.Tensor, held: torch.Tensor,
         src, out, row_map.contiguous(), held.contiguous(),
         weights.contiguous() if weights is not None else src, tokens, k, num_rows, H,
         src.stride(0), out.stride(0), token_programs, HAS_WEIGHTS=weights is not None,
-        SLOTS=slots, BLOCK_T=block_t, BLOCK_H=block_h, ZERO_ROWS=ZERO_ROWS, num_warps=warps)
+        SLOTS=slots, BLOCK_T=block_t, BLOCK_H=block_h, ZERO_ROWS=ZERO_ROWS,
+        STORE_CACHE=SCATTER_STORE_CACHE, LOAD_EVICTION=SCATTER_LOAD_EVICTION, num_warps=warps)
     return out
 
 

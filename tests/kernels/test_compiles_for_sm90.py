@@ -176,7 +176,9 @@ CASES = {
     "scatter rows": (layout._scatter_rows_kernel,
                      {"src_ptr": "*bf16", "dst_ptr": "*bf16", "map_ptr": "*i64", "token_ptr": "*i64"},
                      {"HAS_WEIGHTS": True, "SLOTS": True, "BLOCK_T": layout.SCATTER_CONFIG[0],
-                      "BLOCK_H": layout.SCATTER_CONFIG[1], "ZERO_ROWS": layout.ZERO_ROWS}, 4),
+                      "BLOCK_H": layout.SCATTER_CONFIG[1], "ZERO_ROWS": layout.ZERO_ROWS,
+                      "STORE_CACHE": layout.SCATTER_STORE_CACHE,
+                      "LOAD_EVICTION": layout.SCATTER_LOAD_EVICTION}, 4),
     **{f"routing phase {phase}, {experts} experts": (
         routing._routing_kernel, {"topk_ptr": "*i64", "row_map_ptr": "*i64", "token_ptr": "*i64",
                                   "splits_ptr": "*i64", "work_ptr": "*i32"},
