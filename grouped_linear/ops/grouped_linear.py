@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+from torch._C._functorch import is_functorch_wrapped_tensor
 
 from ..kernels import triton_gemm
 from ..kernels._triton import HAS_TRITON, interpreting
@@ -282,6 +283,13 @@ def fast_grouped_linear(
     return _run(x, weight, bias, groups, None, _DEVICE_SPLIT_CONFIGS[resolved])
 
 
+# ``autograd.Function.apply``'s C implementation bound to GroupedLinearFunction: the Python
+# ``apply`` in front of it only adds functorch handling (transforms, dead wrappers), which
+# :func:`_run` checks for itself; a few µs per call on hosts where small steps are host-bound.
+_apply_without_functorch = torch._C._FunctionBase.__dict__["apply"].__get__(
+    None, GroupedLinearFunction)
+
+
 def _run(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, groups: torch.Tensor,
          host_offsets: torch.Tensor | None, config: _CallConfig) -> torch.Tensor:
     """The autograd function where a graph is needed (or traced), else the forward step
@@ -289,10 +297,13 @@ def _run(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group
     needs_graph = torch.is_grad_enabled() and (
         x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
     )
-    if not needs_graph and not torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active() or any(
+            t is not None and is_functorch_wrapped_tensor(t) for t in (x, weight, bias)):
+        return GroupedLinearFunction.apply(x, weight, bias, groups, host_offsets, config)
+    if not needs_graph:
         return forward_impl(x, weight, bias, groups, host_offsets, config.backend,
                             config.zero_tail)
-    return GroupedLinearFunction.apply(x, weight, bias, groups, host_offsets, config)
+    return _apply_without_functorch(x, weight, bias, groups, host_offsets, config)
 
 
 def apply_grouped_linear(
