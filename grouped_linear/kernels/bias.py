@@ -165,6 +165,8 @@ def zero_tail_(out: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     M, N = out.shape
     if M == 0 or N == 0:
         return out
+    if offsets.shape[0] == 0:  # no groups: every row is a tail row
+        return out.zero_()
     if not use_triton(out) or out.stride(1) != 1:
         return zero_tail_reference_(out, offsets)
     block_m = 32
@@ -190,6 +192,8 @@ def bias_epilogue_(
     M, N = out.shape
     if M == 0:
         return out
+    if offsets.shape[0] == 0:  # no groups, so no bias to add: only the tail to zero
+        return out.zero_() if zero_tail else out
     if (not use_triton(out) or out.dtype == torch.float64 or out.stride(1) != 1
             or bias.stride(1) != 1):
         return bias_epilogue_reference_(out, bias, offsets, zero_tail)
@@ -213,6 +217,8 @@ def bias_grad(grad_out: torch.Tensor, offsets: torch.Tensor, dtype: torch.dtype,
     ignored. One read of ``grad_out``. ``chunk`` (rows per partial sum) and
     ``block_n`` (columns per program) are tuning knobs.
     """
+    if offsets.shape[0] == 0:
+        return grad_out.new_zeros(0, grad_out.shape[1], dtype=dtype)
     if (not use_triton(grad_out) or grad_out.dtype == torch.float64 or grad_out.stride(1) != 1
             or grad_out.shape[0] == 0):
         return bias_grad_reference(grad_out, offsets, dtype)

@@ -75,6 +75,8 @@ def forward(
     backend: str,
 ) -> torch.Tensor:
     """``(M, K) x (G, N, K) -> (M, N)``, each row block times its group's weight."""
+    if weight.shape[0] == 0:  # no groups: every row is past the last group
+        return x.new_zeros(x.shape[0], weight.shape[1])
     if backend == "grouped":
         return F.grouped_mm(x, weight.transpose(-2, -1), offs=offsets)
     return _loop_forward(x, weight, offsets, host_offsets)
@@ -88,6 +90,8 @@ def dgrad(
     backend: str,
 ) -> torch.Tensor:
     """``(M, N) x (G, N, K) -> (M, K)``: the input gradient."""
+    if weight.shape[0] == 0:
+        return grad_out.new_zeros(grad_out.shape[0], weight.shape[2])
     if backend == "grouped":
         return F.grouped_mm(grad_out, weight, offs=offsets)
     return _loop_dgrad(grad_out, weight, offsets, host_offsets)
@@ -102,6 +106,8 @@ def wgrad(
 ) -> torch.Tensor:
     """``(M, N)^T x (M, K) -> (G, N, K)`` per group: the weight gradient."""
     num_groups = offsets.shape[0]
+    if num_groups == 0:
+        return x.new_zeros(0, grad_out.shape[1], x.shape[1])
     if backend == "grouped":
         return F.grouped_mm(grad_out.t(), x, offs=offsets)
     return _loop_wgrad(grad_out, x, offsets, host_offsets, num_groups)

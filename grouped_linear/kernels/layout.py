@@ -124,10 +124,11 @@ def combine_rows_reference(src: torch.Tensor, row_map: torch.Tensor,
     """``out[t] = sum_j weights[t, j] * src[row_map[t, j]]`` in float32, over the slots whose
     row lies inside ``src``; output in ``src``'s dtype."""
     tokens, k = row_map.shape
-    rows = gather_rows_reference(src, row_map.reshape(-1)).view(tokens, k, -1).float()
+    rows = gather_rows_reference(src, row_map.reshape(-1)).view(tokens, k, *src.shape[1:]).float()
     if weights is not None:
         valid = (row_map >= 0) & (row_map < src.shape[0])
-        rows = rows * weights.float().masked_fill(~valid, 0).unsqueeze(-1)
+        weights = weights.float().masked_fill(~valid, 0)
+        rows = rows * weights.view(tokens, k, *([1] * (src.dim() - 1)))
     return rows.sum(dim=1).to(src.dtype)
 
 

@@ -409,9 +409,10 @@ def fake_quant_column_tiles(t: torch.Tensor, fp8_dtype: torch.dtype, power_of_tw
                             tile: int = 128) -> torch.Tensor:
     """One scale per (row, ``tile`` consecutive columns) of ``(M, C)``: 1x128 tiles."""
     M, C = t.shape
-    padded = _pad_to(t.float(), 1, tile).view(M, -1, tile)
-    scale = scale_from_amax(padded.abs().amax(dim=2, keepdim=True), fp8_dtype, power_of_two)
-    return fake_quant(padded, scale, fp8_dtype).view(M, -1)[:, :C]
+    padded = _pad_to(t.float(), 1, tile)
+    tiles = padded.view(M, padded.shape[1] // tile, tile)  # explicit sizes: M may be 0
+    scale = scale_from_amax(tiles.abs().amax(dim=2, keepdim=True), fp8_dtype, power_of_two)
+    return fake_quant(tiles, scale, fp8_dtype).view(M, padded.shape[1])[:, :C]
 
 
 def fake_quant_weight_blocks(weight: torch.Tensor, fp8_dtype: torch.dtype, power_of_two: bool,

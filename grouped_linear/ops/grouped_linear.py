@@ -148,6 +148,13 @@ def resolve_backend(backend: str, device: torch.device, dtype: torch.dtype, in_f
             raise ValueError(
                 f"backend='grouped' does not support dtype {dtype} on {device.type}; use 'loop'"
             )
+        row_alignment = 16 // dtype.itemsize  # torch's grouped GEMM: 16-byte row strides
+        if in_features % row_alignment or out_features % row_alignment:
+            raise ValueError(
+                f"backend='grouped' needs in_features and out_features that are multiples of "
+                f"{row_alignment} for {dtype} (16-byte rows); got in_features={in_features}, "
+                f"out_features={out_features}; use 'loop' or 'auto'"
+            )
         return backend
     if backend == "loop":
         return backend

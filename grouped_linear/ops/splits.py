@@ -61,6 +61,25 @@ class GroupSplits:
     host_sizes: tuple[int, ...] | None
     device_sizes: torch.Tensor | None = None
 
+    def __post_init__(self) -> None:
+        # A GroupSplits may also be built by hand: hold it to what normalize_splits checks.
+        if (self.host_sizes is None) == (self.device_sizes is None):
+            raise ValueError("GroupSplits takes exactly one of host_sizes and device_sizes, got "
+                             f"host_sizes={self.host_sizes!r}, device_sizes={self.device_sizes!r}")
+        if self.host_sizes is not None:
+            sizes = _host_sizes_from_sequence(self.host_sizes, "host_sizes")
+            if len(sizes) != self.num_groups:
+                raise ValueError(f"host_sizes={self.host_sizes!r} has {len(sizes)} sizes but "
+                                 f"num_groups is {self.num_groups}")
+            _check_host_sizes(sizes, self.num_rows, "host_sizes")
+            return
+        sizes = self.device_sizes
+        if not isinstance(sizes, torch.Tensor) or sizes.dtype not in SPLIT_DTYPES:
+            raise TypeError(f"device_sizes must be an integer tensor, got {sizes!r}")
+        if sizes.shape != (self.num_groups,):
+            raise ValueError(f"device_sizes has shape {tuple(sizes.shape)}, expected "
+                             f"({self.num_groups},)")
+
     @property
     def offsets(self) -> torch.Tensor:
         cached = self.__dict__.get("_offsets")

@@ -126,3 +126,16 @@ def test_blockwise_beats_rowwise_on_outlier_channels():
     assert err["Float8Blockwise"] < 0.85 * err["Float8Rowwise"], err
     mild = _outlier_errors(1e2)
     assert abs(mild["Float8Blockwise"] - mild["Float8Rowwise"]) < 0.25 * mild["Float8Rowwise"]
+
+
+@pytest.mark.parametrize("recipe", [Float8Rowwise(), Float8Tensorwise(), gl.recipes.Float8Blockwise()],
+                         ids=repr)
+def test_no_rows(recipe):
+    """Zero rows: an empty output and zero weight and bias gradients, for every recipe."""
+    x = torch.randn(0, 8, requires_grad=True)
+    w = torch.randn(3, 5, 8, requires_grad=True)
+    b = torch.randn(3, 5, requires_grad=True)
+    y = gl.grouped_linear(x, w, b, [0, 0, 0], recipe=recipe)
+    assert y.shape == (0, 5)
+    y.sum().backward()
+    assert torch.equal(w.grad, torch.zeros_like(w)) and torch.equal(b.grad, torch.zeros_like(b))

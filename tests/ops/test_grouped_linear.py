@@ -199,3 +199,39 @@ def test_fast_path_leaves_cpu_calls_to_the_full_path():
     assert fast_grouped_linear(x, w, b, torch.tensor([4, 0, 7]), "auto") is None
     with pytest.raises(ValueError, match="sums to 12"):
         gl.grouped_linear(x, w, b, torch.tensor([4, 1, 7]))
+
+
+@pytest.mark.parametrize("backend", ["loop", "grouped", "triton"])
+def test_no_groups(backend):
+    """``G = 0`` with no rows: an empty output, empty weight and bias gradients."""
+    device = TRITON_DEVICE if backend == "triton" else "cpu"
+    x = torch.randn(0, 8, device=device, requires_grad=True)
+    w = torch.randn(0, 4, 8, device=device, requires_grad=True)
+    b = torch.randn(0, 4, device=device, requires_grad=True)
+    y = gl.grouped_linear(x, w, b, [], backend=backend)
+    assert y.shape == (0, 4)
+    y.sum().backward()
+    assert x.grad.shape == (0, 8) and w.grad.shape == (0, 4, 8) and b.grad.shape == (0, 4)
+
+
+@pytest.mark.parametrize("backend", ["loop", "triton"])
+def test_no_input_features_still_sums_the_bias_gradient(backend):
+    """``in_features = 0``: the output is the bias alone and its gradient each group's row
+    count of ones (the weight gradient is empty)."""
+    device = TRITON_DEVICE if backend == "triton" else "cpu"
+    x = torch.randn(5, 0, device=device, requires_grad=True)
+    w = torch.randn(2, 3, 0, device=device, requires_grad=True)
+    b = torch.randn(2, 3, device=device, requires_grad=True)
+    y = gl.grouped_linear(x, w, b, [2, 3], backend=backend)
+    assert torch.equal(y, b.detach().repeat_interleave(torch.tensor([2, 3], device=device), 0))
+    y.sum().backward()
+    assert b.grad.tolist() == [[2.0] * 3, [3.0] * 3]
+    assert w.grad.shape == (2, 3, 0) and x.grad.shape == (5, 0)
+
+
+def test_grouped_backend_rejects_unaligned_features():
+    x, w = torch.randn(10, 5), torch.randn(2, 8, 5)
+    with pytest.raises(ValueError, match="in_features=5, out_features=8"):
+        gl.grouped_linear(x, w, None, [5, 5], backend="grouped")
+    # the default picks a backend that takes them
+    assert gl.grouped_linear(x, w, None, [5, 5]).shape == (10, 8)

@@ -301,3 +301,21 @@ def test_cuda_bad_row_map_is_safe():
     torch.cuda.synchronize()
     torch.testing.assert_close(out, torch.stack([y[0], y[2]]).detach())
     assert y.grad[[0, 2]].eq(1).all() and not y.grad[[1, 3, 4, 5]].any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_no_tokens_or_no_slots(dtype):
+    """``T = 0`` or ``k = 0``: unpermute returns zero-row or all-zero outputs and permute's
+    backward an empty gradient (no reshape of an empty tensor to an inferred size)."""
+    y = torch.randn(3, 4, dtype=dtype, requires_grad=True)
+    out = unpermute(y, torch.zeros(0, 2, dtype=torch.long), torch.zeros(0, 2))
+    assert out.shape == (0, 4)
+    out.sum().backward()
+    assert torch.equal(y.grad, torch.zeros_like(y))
+    out = unpermute(y, torch.zeros(4, 0, dtype=torch.long))
+    assert torch.equal(out, torch.zeros(4, 4, dtype=dtype))
+    x = torch.randn(0, 4, dtype=dtype, requires_grad=True)
+    routed, splits, row_map = permute(x, torch.zeros(0, 2, dtype=torch.long), 3)
+    assert routed.shape == (0, 4) and splits.tolist() == [0, 0, 0]
+    (routed.sum() + unpermute(routed, row_map).sum()).backward()
+    assert x.grad.shape == (0, 4)

@@ -29,3 +29,19 @@ def test_normalised_splits_pass_through_and_are_checked():
     with pytest.raises(ValueError, match="describes 2 groups over 3 rows, expected 2 groups over 4"):
         normalize_splits(s, num_groups=2, num_rows=4, device=torch.device("cpu"))
     assert isinstance(s, GroupSplits)
+
+
+@pytest.mark.parametrize("args, match", [
+    (((5, 5, 5),), "host_sizes sums to 15 but the input has 7 rows"),
+    (((9, -2, 0),), r"host_sizes\[1\] is -2"),
+    (((7,),), r"host_sizes=\(7,\) has 1 sizes but num_groups is 3"),
+    ((None,), "exactly one of host_sizes and device_sizes"),
+    ((None, torch.ones(2, dtype=torch.long)), r"device_sizes has shape \(2,\), expected \(3,\)"),
+])
+def test_hand_built_splits_are_checked(args, match):
+    """A GroupSplits built by hand gets the checks normalize_splits applies to raw splits."""
+    with pytest.raises(ValueError, match=match):
+        GroupSplits(3, 7, torch.device("cpu"), *args)
+    with pytest.raises(TypeError, match="device_sizes must be an integer tensor"):
+        GroupSplits(3, 7, torch.device("cpu"), None, torch.ones(3))
+    assert GroupSplits(3, 7, torch.device("cpu"), (2, 0, 5)).offsets.tolist() == [2, 2, 7]
