@@ -101,6 +101,11 @@ class GroupedLinear(nn.Module):
             )
         if init_method is not None and not callable(init_method):
             raise TypeError(f"init_method must be callable, got {init_method!r}")
+        if params_dtype is not None and (not isinstance(params_dtype, torch.dtype)
+                                         or not params_dtype.is_floating_point):
+            raise TypeError(f"params_dtype={params_dtype!r}: expected a floating-point torch.dtype")
+        if not isinstance(return_bias, bool):
+            raise TypeError(f"return_bias must be a bool, got {return_bias!r}")
         self.use_bias = bool(bias)
         self.return_bias = return_bias
         self.single_grouped_weight = single_grouped_weight
@@ -220,6 +225,8 @@ class GroupedLinear(nn.Module):
             out = fast_grouped_linear(x, self.weight, self.bias, m_splits, self.backend)
             if out is not None:
                 return out
+        if return_bias is not None and not isinstance(return_bias, bool):
+            raise TypeError(f"return_bias must be None or a bool, got {return_bias!r}")
         return_bias = self.return_bias if return_bias is None else return_bias
         out = self._grouped_forward(x, m_splits, is_first_microbatch, add_bias=not return_bias)
         if not return_bias:

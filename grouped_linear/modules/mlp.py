@@ -15,6 +15,7 @@ except ImportError:  # pragma: no cover - builds without distributed
     FSDPModule = None
 
 from ..ops.activation import bias_activation
+from ..ops.checks import check_int
 from ..ops.grouped_linear import join_inputs
 from ..ops.splits import GroupSplits, normalize_splits
 from .grouped_linear import GroupedLinear
@@ -111,8 +112,15 @@ class GroupedMLP(nn.Module):
         if not isinstance(recompute_activation, bool):
             raise TypeError(f"recompute_activation must be a bool, got {recompute_activation!r}")
         self.recompute_activation = recompute_activation
-        if activation not in ACTIVATIONS:
+        # Checked here so that errors name this constructor's arguments, not fc1's or fc2's.
+        num_experts = check_int("num_experts", num_experts)
+        hidden_size = check_int("hidden_size", hidden_size)
+        ffn_hidden_size = check_int("ffn_hidden_size", ffn_hidden_size)
+        if not isinstance(activation, str) or activation not in ACTIVATIONS:
             raise ValueError(f"activation={activation!r} is not one of {tuple(ACTIVATIONS)}")
+        tp_size = grouped_linear_kwargs.get("tp_size", 1)
+        if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
+            raise ValueError(f"tp_size={tp_size!r} must be an int >= 1")
         if grouped_linear_kwargs.get("return_bias", False):
             raise ValueError("return_bias=True is not supported by GroupedMLP")
         self.num_experts = num_experts
@@ -122,7 +130,7 @@ class GroupedMLP(nn.Module):
         gated = activation in GATED_ACTIVATIONS
         fc1_out = ffn_hidden_size * (2 if gated else 1)
         fc1_kwargs, fc2_kwargs = dict(grouped_linear_kwargs), dict(grouped_linear_kwargs)
-        if grouped_linear_kwargs.get("tp_size", 1) > 1 or grouped_linear_kwargs.get("tp_group"):
+        if tp_size > 1 or grouped_linear_kwargs.get("tp_group"):
             # Tensor parallel MLP: fc1 by columns (gate and up sliced alike), fc2 by rows.
             if grouped_linear_kwargs.get("parallel_mode") not in (None, "mlp"):
                 raise ValueError("GroupedMLP sets parallel_mode itself (fc1 column, fc2 row)")

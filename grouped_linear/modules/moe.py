@@ -7,6 +7,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from ..ops.checks import check_int
 from ..ops.permutation import permute, unpermute
 from ..parallel.expert_parallel import combine, dispatch
 from .mlp import GroupedMLP
@@ -35,6 +36,9 @@ class ExpertParallelMoE(nn.Module):
     def __init__(self, hidden_size: int, ffn_hidden_size: int, num_experts: int, top_k: int,
                  *, ep_group: object | None = None, **mlp_kwargs) -> None:
         super().__init__()
+        hidden_size = check_int("hidden_size", hidden_size)
+        num_experts = check_int("num_experts", num_experts)
+        top_k = check_int("top_k", top_k)
         distributed = dist.is_available() and dist.is_initialized()
         self.ep_group = ep_group
         self.ep_size = dist.get_world_size(ep_group) if distributed else 1
@@ -43,7 +47,7 @@ class ExpertParallelMoE(nn.Module):
             raise ValueError(f"num_experts={num_experts} is not divisible by {self.ep_size} ranks")
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"top_k={top_k} must be in [1, num_experts={num_experts}]")
-        self.num_experts, self.top_k = num_experts, top_k
+        self.hidden_size, self.num_experts, self.top_k = hidden_size, num_experts, top_k
         self.num_local_experts = num_experts // self.ep_size
         factory = {k: mlp_kwargs[k] for k in ("device",) if k in mlp_kwargs}
         self.router = nn.Linear(hidden_size, num_experts, bias=False,
@@ -57,6 +61,9 @@ class ExpertParallelMoE(nn.Module):
     def forward_routed(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(y (T, H), router probabilities (T, E) float32, routed rows per expert (E,))``,
         for callers that add a load-balancing loss."""
+        if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != self.hidden_size:
+            shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ValueError(f"x is {shape}: expected a (tokens, {self.hidden_size}) tensor")
         probs = F.softmax(self.router(x).float(), dim=-1)
         top_probs, top_experts = probs.topk(self.top_k, dim=-1)
         top_probs = (top_probs / top_probs.sum(dim=-1, keepdim=True)).to(x.dtype)

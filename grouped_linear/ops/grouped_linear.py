@@ -354,6 +354,8 @@ def apply_grouped_linear(
     device_type = device.type
     x, weight, bias = _cast_for_autocast(x, weight, bias, device_type)
     dtype = x.dtype
+    if not x.is_floating_point():
+        raise TypeError(f"x has dtype {dtype}: expected a floating-point tensor")
     num_rows = x.shape[0] if pieces is None else sum(piece.shape[0] for piece in pieces)
     for name, tensor in (("weight", weight), ("bias", bias)):
         if tensor is None:
@@ -365,8 +367,6 @@ def apply_grouped_linear(
                 f"{name} has dtype {tensor.dtype} but x has dtype {dtype}: outside "
                 "torch.autocast the input and parameter dtypes must match"
             )
-    if not x.is_floating_point():
-        raise TypeError(f"x has dtype {dtype}: expected a floating-point tensor")
     splits: GroupSplits = normalize_splits(
         m_splits, num_groups=num_groups, num_rows=num_rows, device=device
     )

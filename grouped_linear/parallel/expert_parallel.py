@@ -57,6 +57,16 @@ def dispatch(x_perm: torch.Tensor, counts: torch.Tensor, group: object | None = 
         (sources in rank order within an expert), ``(E_local,)`` int64 counts, and
         the plan for :func:`combine`.
     """
+    if not isinstance(x_perm, torch.Tensor) or x_perm.dim() != 2:
+        shape = tuple(x_perm.shape) if isinstance(x_perm, torch.Tensor) else type(x_perm).__name__
+        raise ValueError(f"x_perm is {shape}: expected a (rows, hidden) tensor")
+    if (not isinstance(counts, torch.Tensor) or counts.dtype.is_floating_point
+            or counts.dtype in (torch.bool, torch.complex64, torch.complex128)):
+        raise TypeError(f"counts must be an integer tensor, got {counts!r}")
+    if counts.dim() != 1 or counts.numel() == 0:
+        raise ValueError(f"counts has shape {tuple(counts.shape)}: expected (num_experts,)")
+    if counts.device != x_perm.device:
+        raise ValueError(f"counts is on {counts.device} but x_perm is on {x_perm.device}")
     ep = dist.get_world_size(group)
     num_experts = counts.numel()
     if num_experts % ep:
@@ -65,8 +75,14 @@ def dispatch(x_perm: torch.Tensor, counts: torch.Tensor, group: object | None = 
     counts = counts.to(torch.int64).contiguous()
     recv_counts = torch.empty_like(counts)
     dist.all_to_all_single(recv_counts, counts, group=group)  # [src, local expert]
-    sizes = torch.stack([counts.view(ep, local).sum(1), recv_counts.view(ep, local).sum(1)])
-    send_sizes, recv_sizes = sizes.tolist()  # the one host sync
+    sizes = torch.stack([counts.view(ep, local).sum(1), recv_counts.view(ep, local).sum(1),
+                         counts.min().expand(ep)])
+    send_sizes, recv_sizes, (smallest, *_) = sizes.tolist()  # the one host sync
+    if smallest < 0:
+        raise ValueError(f"counts holds a negative count ({smallest}): {counts.tolist()}")
+    if sum(send_sizes) > x_perm.shape[0]:
+        raise ValueError(f"counts sums to {sum(send_sizes)}, more than the {x_perm.shape[0]} "
+                         "rows of x_perm")
     received = x_perm.new_empty(sum(recv_sizes), x_perm.shape[1])
     received = all_to_all_single(received, x_perm[: sum(send_sizes)].contiguous(),
                                  output_split_sizes=recv_sizes, input_split_sizes=send_sizes,

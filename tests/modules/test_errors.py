@@ -24,6 +24,9 @@ G, K, N = 3, 8, 4
         ((G, K, N), {"parallel_mode": "row", "reduce_output": False}, ValueError,
          r"reduce_output=False .* use return_bias=True"),
         ((G, K, N), {"init_method": 3}, TypeError, r"init_method must be callable, got 3"),
+        ((G, K, N), {"params_dtype": torch.int32}, TypeError,
+         r"params_dtype=torch.int32: expected a floating-point"),
+        ((G, K, N), {"return_bias": "y"}, TypeError, r"return_bias must be a bool, got 'y'"),
     ],
 )
 def test_constructor_errors(args, kwargs, error, pattern):
@@ -116,3 +119,28 @@ def test_mlp_errors():
         gl.GroupedMLP(2, 8, 16, activation="tanh")
     with pytest.raises(ValueError, match=r"return_bias=True"):
         gl.GroupedMLP(2, 8, 16, return_bias=True)
+
+
+@pytest.mark.parametrize(
+    "build, error, pattern",
+    [
+        (lambda: gl.GroupedMLP(2, 4, 2.0), TypeError, r"ffn_hidden_size is 2.0 of type float"),
+        (lambda: gl.GroupedMLP(0, 4, 8), ValueError, r"num_experts is 0: must be >= 1"),
+        (lambda: gl.GroupedMLP(2, 4, 8, activation=["relu"]), ValueError,
+         r"activation=\['relu'\] is not one of"),
+        (lambda: gl.GroupedMLP(2, 4, 8, tp_size="2"), ValueError, r"tp_size='2' must be an int"),
+        (lambda: gl.ExpertParallelMoE(4, 8, "4", 2), TypeError, r"num_experts is '4' of type str"),
+        (lambda: gl.ExpertParallelMoE(4, 8, 0, 1), ValueError, r"num_experts is 0: must be >= 1"),
+        (lambda: gl.ExpertParallelMoE(4, 8, 4, 1.5), TypeError, r"top_k is 1.5 of type float"),
+        (lambda: gl.ExpertParallelMoE(4, 8, 4, True), TypeError, r"top_k is True of type bool"),
+        (lambda: gl.ExpertParallelMoE(4, 8, 4, 2)(torch.randn(3, 5)), ValueError,
+         r"x is \(3, 5\): expected a \(tokens, 4\) tensor"),
+        (lambda: gl.GroupedLinear(G, K, N)(torch.randn(6, K), [2, 2, 2], return_bias="y"),
+         TypeError, r"return_bias must be None or a bool, got 'y'"),
+        (lambda: gl.GroupedLinear(G, K, N)(torch.ones(6, K, dtype=torch.long), [2, 2, 2]),
+         TypeError, r"x has dtype torch.int64: expected a floating-point tensor"),
+    ],
+)
+def test_argument_errors_name_the_argument(build, error, pattern):
+    with pytest.raises(error, match=pattern):
+        build()

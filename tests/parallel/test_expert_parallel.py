@@ -2,6 +2,7 @@
 
 import os
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -52,3 +53,27 @@ def _worker(rank, world, port):
 
 def test_expert_parallel_moe_matches_single_process():
     mp.spawn(_worker, args=(2, _free_port()), nprocs=2, join=True)
+
+
+def test_dispatch_rejects_bad_counts():
+    """dispatch names the bad argument: before any communication for types and shapes, after
+    its one host read for negative counts and counts past the rows (a 1-rank gloo group)."""
+    x = torch.randn(6, 4)
+    with pytest.raises(ValueError, match=r"x_perm is \(6,\)"):
+        gl.parallel.dispatch(torch.randn(6), torch.tensor([3, 3]))
+    with pytest.raises(TypeError, match="counts must be an integer tensor"):
+        gl.parallel.dispatch(x, torch.tensor([3.0, 3.0]))
+    with pytest.raises(ValueError, match=r"counts has shape \(1, 2\)"):
+        gl.parallel.dispatch(x, torch.tensor([[3, 3]]))
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0,
+                            world_size=1)
+    try:
+        with pytest.raises(ValueError, match="negative count"):
+            gl.parallel.dispatch(x, torch.tensor([7, -1]))
+        with pytest.raises(ValueError, match="sums to 7, more than the 6 rows"):
+            gl.parallel.dispatch(x, torch.tensor([4, 3]))
+        received, local_counts, plan = gl.parallel.dispatch(x, torch.tensor([2, 3]))
+        assert torch.equal(received, x[:5]) and local_counts.tolist() == [2, 3]
+        assert torch.equal(gl.parallel.combine(received, plan)[:5], x[:5])
+    finally:
+        dist.destroy_process_group()
