@@ -320,6 +320,13 @@ class GroupedLinear(nn.Module):
                     )
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
                                       unexpected_keys, error_msgs)
+        # Cached FP8 copies describe the weights before the load: re-quantize them in place
+        # (their buffers stay, so captured CUDA graphs read the loaded weights).
+        if self._fp8_weight_cache:
+            with torch.no_grad():
+                weight = self.grouped_weight()
+                for cached in self._fp8_weight_cache.values():
+                    cached.refresh_(weight)
 
     def extra_repr(self) -> str:
         parts = [
@@ -351,6 +358,9 @@ def _remap_layout(state_dict: dict, prefix: str, name: str, num_groups: int, sin
     expert_keys = [f"{prefix}{name}{i}" for i in range(num_groups)]
     if single and single_key not in state_dict and all(k in state_dict for k in expert_keys):
         pieces = [state_dict[k] for k in expert_keys]
+        for key, piece in zip(expert_keys, pieces):
+            if not isinstance(piece, torch.Tensor):
+                raise ValueError(f"state dict entry {key!r} is {piece!r}, expected a tensor")
         shapes = {tuple(p.shape) for p in pieces}
         if len(shapes) != 1:
             raise ValueError(f"state dict entries {expert_keys[0]!r}.. have mixed shapes {shapes}")

@@ -177,15 +177,18 @@ def _quantize_weight(weight: torch.Tensor, recipe: Float8Recipe) -> torch.Tensor
 
 
 def _dgrad_operands(grad_out: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor,
-                    recipe: Float8Recipe) -> tuple[torch.Tensor, torch.Tensor]:
+                    recipe: Float8Recipe, quantized: bool = False
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """The dgrad GEMM's operands as it sees them. Float8Rowwise: the weight's forward FP8
     values (scaled per output channel, not dequantized) and the gradient multiplied by the
     weight's per-channel factors, then quantized per token: the same product, with the
     weight's scales moved across the reduced dimension, and no second weight copy. The
-    other recipes: the gradient per token tile or group, the weight dequantized."""
+    other recipes: the gradient per token tile or group, the weight dequantized.
+    ``quantized``: ``weight`` is already the forward's dequantized FP8 weight (a cached
+    one), used as it is (rowwise: its codes and factors recovered by quantizing it again)."""
     if not isinstance(recipe, Float8Rowwise):
         return (_quantize_tokens(grad_out, offsets, recipe.gradient_dtype, recipe),
-                _quantize_weight(weight, recipe))
+                weight if quantized else _quantize_weight(weight, recipe))
     G, N, K = weight.shape
     codes, inv = q.quantize_rows_reference(weight.reshape(G * N, K), recipe.forward_dtype,
                                            recipe.power_of_two_scales)
@@ -241,6 +244,9 @@ class Fp8GroupedLinearFunction(torch.autograd.Function):
         ctx.save_for_backward(x, weight, offsets)
         ctx.config = config
         ctx.bias_dtype = bias.dtype if bias is not None else None
+        # The dgrad reads the weight the forward read (a cached copy may be older than
+        # ``weight``), as the GPU paths do with the cache's dgrad copy.
+        ctx.cached_emulated = cached_weight.emulated if cached_weight is not None else None
         return out.to(x.dtype)
 
     @staticmethod
@@ -251,7 +257,9 @@ class Fp8GroupedLinearFunction(torch.autograd.Function):
         grad_out = grad_out.contiguous()
         grad_x = None
         if ctx.needs_input_grad[0]:
-            dy_q, w_q = _dgrad_operands(grad_out, weight.detach(), offsets, recipe)
+            cached = ctx.cached_emulated
+            dy_q, w_q = _dgrad_operands(grad_out, weight.detach() if cached is None else cached,
+                                        offsets, recipe, quantized=cached is not None)
             grad_x = grouped_gemm.dgrad(dy_q, w_q, offsets, None, "loop").to(x.dtype)
 
         def grad_weight():

@@ -144,3 +144,10 @@ def test_mlp_errors():
 def test_argument_errors_name_the_argument(build, error, pattern):
     with pytest.raises(error, match=pattern):
         build()
+
+
+def test_state_dict_entry_that_is_not_a_tensor():
+    state = gl.GroupedLinear(2, K, N, single_grouped_weight=False).state_dict()
+    state["weight1"] = None
+    with pytest.raises(ValueError, match="state dict entry 'weight1' is None, expected a tensor"):
+        gl.GroupedLinear(2, K, N).load_state_dict(state)

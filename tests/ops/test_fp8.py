@@ -139,3 +139,34 @@ def test_no_rows(recipe):
     assert y.shape == (0, 5)
     y.sum().backward()
     assert torch.equal(w.grad, torch.zeros_like(w)) and torch.equal(b.grad, torch.zeros_like(b))
+
+
+@pytest.mark.parametrize("recipe", [Float8Rowwise(), Float8Tensorwise(), gl.recipes.Float8Blockwise()],
+                         ids=repr)
+def test_stale_cache_dgrad_uses_the_cached_weight(recipe):
+    """``is_first_microbatch=False`` after a weight update computes with the cached weight:
+    forward and input gradient both (as the GPU paths' cached dgrad copy does)."""
+    torch.manual_seed(0)
+    layer = gl.GroupedLinear(2, 32, 16, bias=False, recipe=recipe)
+    x, grad = torch.randn(12, 32), torch.randn(12, 16)
+    layer(x, [5, 7], is_first_microbatch=True)  # fills the cache
+    before = gl.GroupedLinear(2, 32, 16, bias=False, recipe=recipe)
+    before.load_state_dict(layer.state_dict())
+    with torch.no_grad():
+        layer.weight.mul_(2)
+    grads = []
+    for module, microbatch in ((layer, False), (before, None)):
+        xx = x.clone().requires_grad_()
+        module(xx, [5, 7], is_first_microbatch=microbatch).backward(grad)
+        grads.append(xx.grad)
+    assert rel_err(grads[0], grads[1]) < 1e-6
+
+
+def test_loading_a_state_dict_refreshes_the_cache():
+    torch.manual_seed(0)
+    layer = gl.GroupedLinear(2, 32, 16, recipe=Float8Rowwise())
+    other = gl.GroupedLinear(2, 32, 16, recipe=Float8Rowwise())
+    x = torch.randn(12, 32)
+    layer(x, [5, 7], is_first_microbatch=True)
+    layer.load_state_dict(other.state_dict())
+    assert torch.equal(layer(x, [5, 7], is_first_microbatch=False), other(x, [5, 7]))
