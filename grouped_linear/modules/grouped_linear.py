@@ -104,8 +104,14 @@ class GroupedLinear(nn.Module):
         if params_dtype is not None and (not isinstance(params_dtype, torch.dtype)
                                          or not params_dtype.is_floating_point):
             raise TypeError(f"params_dtype={params_dtype!r}: expected a floating-point torch.dtype")
-        if not isinstance(return_bias, bool):
-            raise TypeError(f"return_bias must be a bool, got {return_bias!r}")
+        flags = {"bias": bias, "return_bias": return_bias,
+                 "single_grouped_weight": single_grouped_weight,
+                 "single_grouped_bias": single_grouped_bias,
+                 "delay_wgrad_compute": delay_wgrad_compute,
+                 "fuse_wgrad_accumulation": fuse_wgrad_accumulation, "reduce_output": reduce_output}
+        for name, value in flags.items():
+            if not isinstance(value, bool):
+                raise TypeError(f"{name} must be a bool, got {value!r}")
         self.use_bias = bool(bias)
         self.return_bias = return_bias
         self.single_grouped_weight = single_grouped_weight
@@ -244,7 +250,7 @@ class GroupedLinear(nn.Module):
                 and not self.delay_wgrad_compute and not self.fuse_wgrad_accumulation)
 
     def _grouped_forward(self, x, m_splits, is_first_microbatch, *, add_bias: bool) -> torch.Tensor:
-        if is_first_microbatch not in (None, True, False):
+        if is_first_microbatch is not None and not isinstance(is_first_microbatch, bool):
             raise TypeError(f"is_first_microbatch must be None or a bool, got {is_first_microbatch!r}")
         weights, names = self._weight_params()
         needs_grad = torch.is_grad_enabled() and any(w.requires_grad for w in weights)

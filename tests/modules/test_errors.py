@@ -151,3 +151,17 @@ def test_state_dict_entry_that_is_not_a_tensor():
     state["weight1"] = None
     with pytest.raises(ValueError, match="state dict entry 'weight1' is None, expected a tensor"):
         gl.GroupedLinear(2, K, N).load_state_dict(state)
+
+
+@pytest.mark.parametrize("flag", ["bias", "single_grouped_weight", "single_grouped_bias",
+                                  "delay_wgrad_compute", "fuse_wgrad_accumulation"])
+def test_flags_must_be_bools(flag):
+    with pytest.raises(TypeError, match=f"{flag} must be a bool, got 'no'"):
+        gl.GroupedLinear(G, K, N, **{flag: "no"})
+
+
+@pytest.mark.parametrize("value", [1, 0, torch.tensor(True)])
+def test_is_first_microbatch_must_be_a_bool(value):
+    layer = gl.GroupedLinear(G, K, N)
+    with pytest.raises(TypeError, match="is_first_microbatch must be None or a bool"):
+        layer(torch.randn(6, K), [2, 2, 2], is_first_microbatch=value)
