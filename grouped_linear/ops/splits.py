@@ -26,7 +26,10 @@ SPLIT_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
 
 def _int32_tensor(values) -> torch.Tensor:
     """A CPU int32 tensor of Python ints, built from a buffer (a few times faster than
-    ``torch.tensor`` on a list, which converts element by element)."""
+    ``torch.tensor`` on a list, which converts element by element); ``torch.tensor`` while
+    torch.compile traces (it cannot trace the buffer)."""
+    if torch.compiler.is_compiling():
+        return torch.tensor(list(values), dtype=torch.int32)
     buffer = array.array("i", values)
     return torch.frombuffer(buffer, dtype=torch.int32) if buffer else torch.empty(0, dtype=torch.int32)
 

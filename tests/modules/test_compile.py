@@ -54,3 +54,17 @@ def test_activation_checkpointing():
     mlp(x_ref, [4, 0, 8]).sum().backward()
     for a, b in zip(got, _grads(mlp, x_ref)):
         torch.testing.assert_close(a, b)
+
+
+def test_compiled_with_host_list_splits_and_list_input():
+    """Python-list splits and a list input compile with fullgraph (the split values are
+    constants of the graph, so new values compile again) and match eager."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    for module in (gl.GroupedLinear(2, 16, 8, params_dtype=torch.float64),
+                   gl.GroupedMLP(2, 16, 8, params_dtype=torch.float64)):
+        compiled = torch.compile(module, fullgraph=True)
+        x = torch.randn(5, 16, dtype=torch.float64)
+        want = module(x, [2, 3])
+        torch.testing.assert_close(compiled(x, [2, 3]), want, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(compiled([x[:2], x[2:]]), want, rtol=1e-12, atol=1e-12)
