@@ -356,12 +356,16 @@ def run_bench(
         if unknown:
             raise ValueError(f"unknown column(s) {unknown}; available: {list(COLUMNS)}")
     fp8_here = dev.type == "cuda" and torch_dtype == torch.bfloat16 and fp8_gemm.available(dev)
+    asked = columns
     columns = [c for c in COLUMNS
                if (columns is None or c in columns)
                and (c != "torch" or dev.type == "cuda")
                and (c != "torchao" or (dev.type == "cuda" and torch_dtype == torch.bfloat16
                                        and torchao_available()))
                and (c not in _FP8_COLUMNS or fp8_here)]
+    if not columns:
+        raise ValueError(f"none of the columns {asked} runs on {dev.type} in {dtype_name} "
+                         "(torch, torchao and the FP8 columns need CUDA, bf16 and, for FP8, sm90)")
 
     with warnings.catch_warnings():
         # torch warns once when autograd's CUDA thread first creates its cuBLAS handle.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 from collections.abc import Sequence
 
 __all__ = ["build_parser", "main"]
@@ -61,9 +62,36 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _names(flag: str, value: str | None, parser: argparse.ArgumentParser) -> list[str] | None:
+    """A comma-separated option as a list of names (``None`` when not given)."""
+    if value is None:
+        return None
+    names = [name.strip() for name in value.split(",") if name.strip()]
+    if not names:
+        parser.error(f"{flag} {value!r} names nothing")
+    return names
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command line; returns the process exit code."""
-    args = build_parser().parse_args(argv)
+    """Run the command line; returns the process exit code. Bad arguments, including those
+    only the commands can judge (unknown shapes or columns, a device that is missing), end
+    with a usage message and exit code 2 rather than a traceback."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    import torch
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device is available here")
+    json_path = getattr(args, "json_path", None)
+    if json_path is not None and not os.path.isdir(os.path.dirname(os.path.abspath(json_path))):
+        parser.error(f"--json {json_path}: its directory does not exist")
+    try:
+        return _run(args, parser)
+    except ValueError as error:
+        parser.error(str(error))
+
+
+def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if args.command == "demo":
         from .demo import run_demo
 
@@ -87,14 +115,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     from .bench import run_bench
 
-    names = [n.strip() for n in args.shapes.split(",") if n.strip()] if args.shapes else None
     run_bench(
-        shapes=names,
+        shapes=_names("--shapes", args.shapes, parser),
         device=args.device,
         dtype=args.dtype,
         json_path=args.json_path,
         plot_path=args.plot_path,
         reps=args.reps,
-        columns=[c.strip() for c in args.columns.split(",") if c.strip()] if args.columns else None,
+        columns=_names("--columns", args.columns, parser),
     )
     return 0

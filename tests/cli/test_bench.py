@@ -4,6 +4,7 @@ import json
 import math
 
 import pytest
+import torch
 
 from grouped_linear.cli.bench import Shape, load_shapes, run_bench, scale_for_cpu
 from grouped_linear.cli.main import main
@@ -71,3 +72,34 @@ def test_format_table_and_text_progress(capsys):
     bar.set_postfix_str("loss 1.0")
     bar.close()
     assert "3/3" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["bench", "--shapes", "nosuch"], "unknown shape(s) ['nosuch']"),
+    (["bench", "--columns", "nosuch"], "unknown column(s) ['nosuch']"),
+    (["bench", "--columns", ","], "--columns ',' names nothing"),
+    (["bench", "--shapes", ",,"], "--shapes ',,' names nothing"),
+    (["bench", "--json", "/nonexistent-dir/x.json"], "its directory does not exist"),
+    (["demo", "--ep", "3"], "ep=3 must divide num_experts=8"),
+])
+def test_command_line_errors_are_usage_errors(argv, message, capsys):
+    """Bad arguments end with argparse's usage message and exit code 2, before any work."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_cuda_device_without_cuda_is_a_usage_error(monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for argv in (["bench", "--device", "cuda"], ["demo", "--device", "cuda"]):
+        with pytest.raises(SystemExit):
+            main(argv)
+        assert "no CUDA device is available" in capsys.readouterr().err
+
+
+def test_no_column_that_runs_here(monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit):
+        main(["bench", "--device", "cpu", "--columns", "torch"])
+    assert "none of the columns ['torch'] runs on cpu" in capsys.readouterr().err
