@@ -93,7 +93,7 @@ def relayout(src: torch.Tensor, src_ends: torch.Tensor, dst_ends: torch.Tensor,
     """
     G = dst_ends.shape[0]
     if (not use_triton(src) or src.dim() != 2 or src.stride(-1) != 1 or src.shape[0] == 0
-            or num_dst_rows == 0 or G > 4096):
+            or num_dst_rows == 0 or G > 4096 or src.is_complex()):  # Triton has no complex
         return relayout_reference(src, src_ends, dst_ends, num_dst_rows)
     H = src.shape[1]
     dst = torch.empty(num_dst_rows, H, device=src.device, dtype=src.dtype)
@@ -178,7 +178,7 @@ def _combine_rows_kernel(src_ptr, dst_ptr, map_ptr, weights_ptr, T, K, R_src, H,
 
 def _rows_kernel_ok(src: torch.Tensor) -> bool:
     return (use_triton(src) and src.dim() == 2 and src.stride(-1) == 1
-            and src.dtype != torch.float64 and src.shape[1] > 0)
+            and src.dtype != torch.float64 and not src.is_complex() and src.shape[1] > 0)
 
 
 def gather_rows(src: torch.Tensor, index: torch.Tensor,
