@@ -32,6 +32,11 @@ def check_main_grad(params: Sequence[torch.nn.Parameter], names: Sequence[str]) 
             raise ValueError(
                 f"{name}.main_grad has shape {tuple(main_grad.shape)}, expected {tuple(param.shape)}"
             )
+        if not main_grad.is_floating_point() or main_grad.device != param.device:
+            raise TypeError(
+                f"{name}.main_grad is {main_grad.dtype} on {main_grad.device}: expected a "
+                f"floating-point tensor on {param.device}"
+            )
 
 
 def _accumulate_grad(param: torch.Tensor, grad: torch.Tensor) -> None:

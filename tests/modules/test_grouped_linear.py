@@ -206,6 +206,9 @@ def test_fused_main_grad_missing_is_an_error():
         split(x, SIZES)
     with torch.no_grad():  # inference needs no main_grad
         assert split(x, SIZES).shape == (sum(SIZES), N)
+    layer.weight.main_grad = torch.zeros(G, N, K, dtype=torch.int32)
+    with pytest.raises(TypeError, match=r"weight\.main_grad is torch\.int32 on cpu"):
+        layer(x, SIZES)  # at the forward, not deep in the backward
 
 
 def test_is_first_microbatch_accepted_and_ignored():
