@@ -23,6 +23,11 @@ from ..ops.weight_grad import WeightGradSink, check_main_grad
 from ..parallel.tensor_parallel import TensorParallel, copy_to_tp_region, reduce_from_tp_region
 from ..recipes import check_recipe, current_recipe
 
+try:  # sharded parameters (FSDP2's fully_shard); absent from builds without distributed
+    from torch.distributed.tensor import DTensor, distribute_tensor
+except ImportError:  # pragma: no cover
+    DTensor = distribute_tensor = None
+
 __all__ = ["GroupedLinear"]
 
 
@@ -191,11 +196,37 @@ class GroupedLinear(nn.Module):
         same numbers from the same seed. Under tensor parallelism every rank
         draws the full expert and keeps its slice, so the full weight equals the
         unsharded layer's for the same seed.
+
+        Parameters sharded by ``fully_shard`` (FSDP2) are drawn in full on every rank and
+        each keeps its shard (``distribute_tensor`` takes rank 0's draw), so the deferred
+        initialisation pattern (``meta`` device, ``fully_shard``, ``to_empty``, then this)
+        gives the unsharded layer's values for the same seed.
         """
+        own = dict(self.named_parameters(recurse=False))
+        with torch.no_grad():
+            if DTensor is None or not any(isinstance(p, DTensor) for p in own.values()):
+                self._initialise(self.weight_list(), self.bias_list())
+                return
+            full = {name: torch.empty(p.shape, dtype=p.dtype, device=p.to_local().device)
+                    for name, p in own.items()}
+            G = self.num_gemms
+            weights = (list(full["weight"].unbind(0)) if self.single_grouped_weight
+                       else [full[f"weight{i}"] for i in range(G)])
+            biases = None
+            if self.use_bias:
+                biases = (list(full["bias"].unbind(0)) if self.single_grouped_bias
+                          else [full[f"bias{i}"] for i in range(G)])
+            self._initialise(weights, biases)
+            for name, param in own.items():
+                param.copy_(distribute_tensor(full[name], param.device_mesh, param.placements))
+
+    def _initialise(self, weights: list[torch.Tensor], biases: list[torch.Tensor] | None) -> None:
+        """Fill the per-expert ``weights`` ``(N, K)`` then ``biases`` ``(N,)`` in place (local
+        shards under tensor parallelism, drawn in full)."""
         bound = 1.0 / math.sqrt(self.in_features)
         sharded = self.tp.mode is not None
         with torch.no_grad():
-            for weight in self.weight_list():
+            for weight in weights:
                 full = weight.new_empty(self.out_features, self.in_features) if sharded else weight
                 if self.init_method is not None:
                     self.init_method(full)
@@ -203,7 +234,7 @@ class GroupedLinear(nn.Module):
                     nn.init.kaiming_uniform_(full, a=math.sqrt(5))
                 if sharded:
                     weight.copy_(self.tp.shard_weight(full))
-            for bias in self.bias_list() or []:
+            for bias in biases or []:
                 full = bias.new_empty(self.out_features) if sharded else bias
                 nn.init.uniform_(full, -bound, bound)
                 if sharded:
@@ -234,6 +265,12 @@ class GroupedLinear(nn.Module):
         if return_bias is not None and not isinstance(return_bias, bool):
             raise TypeError(f"return_bias must be None or a bool, got {return_bias!r}")
         return_bias = self.return_bias if return_bias is None else return_bias
+        if (self.tp.mode == "row" and not self.tp.reduce_output and self.use_bias
+                and not return_bias):
+            raise ValueError(
+                "return_bias=False with reduce_output=False: the caller reduces the output, "
+                "so the bias must be added after that reduction (return_bias=True)"
+            )
         out = self._grouped_forward(x, m_splits, is_first_microbatch, add_bias=not return_bias)
         if not return_bias:
             return out
@@ -305,7 +342,20 @@ class GroupedLinear(nn.Module):
 
         Only does work with ``delay_wgrad_compute=True``; gradients accumulate
         into ``.grad`` (or ``main_grad`` with ``fuse_wgrad_accumulation``).
+        Not with ``fully_shard`` (FSDP2): it swaps the parameters back to their shards and
+        reduces their gradients when the backward ends, so a pending gradient would land
+        on a parameter that is no longer the layer's; that raises ``ValueError``.
         """
+        current = {id(p) for p in self.parameters(recurse=False)}
+        for sink, _ in self._pending_wgrads:
+            if any(id(p) not in current for p in sink.weights + (sink.biases or [])):
+                self._pending_wgrads.clear()
+                raise ValueError(
+                    "backward_dw: the layer's parameters were replaced after the forward that "
+                    "queued this gradient (fully_shard reshards them when the backward ends), "
+                    "so it cannot reach them: delay_wgrad_compute=True does not work under "
+                    "FSDP2's fully_shard"
+                )
         WeightGradSink.flush(self._pending_wgrads)
 
     # ------------------------------------------------------------------ state dict

@@ -137,6 +137,12 @@ class GroupedMLP(nn.Module):
             fc1_kwargs.update(parallel_mode="column", tp_column_blocks=2 if gated else 1)
             fc1_kwargs.pop("reduce_output", None)
             fc2_kwargs.update(parallel_mode="row")
+            if (grouped_linear_kwargs.get("reduce_output") is False
+                    and grouped_linear_kwargs.get("bias", True)):
+                raise ValueError(
+                    "GroupedMLP with reduce_output=False leaves fc2's reduction to the caller, "
+                    "who must then add fc2's bias after it: use bias=False and add it yourself"
+                )
         self.fc1 = GroupedLinear(num_experts, hidden_size, fc1_out, **fc1_kwargs)
         self.fc2 = GroupedLinear(num_experts, ffn_hidden_size, hidden_size, **fc2_kwargs)
 

@@ -69,3 +69,42 @@ def _worker(rank, world, port, checkpoint_dir):
 def test_fully_shard_trains_like_one_process_and_checkpoints():
     with tempfile.TemporaryDirectory() as checkpoint_dir:
         mp.spawn(_worker, args=(2, _free_port(), checkpoint_dir), nprocs=2, join=True)
+
+
+def _deferred_init_worker(rank, world, port):
+    os.environ.pop("TRITON_INTERPRET", None)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)
+    try:
+        mesh = init_device_mesh("cpu", (world,))
+        for single in (True, False):  # both layouts
+            layouts = {"single_grouped_weight": single, "single_grouped_bias": single}
+            torch.manual_seed(0)
+            ref = gl.GroupedMLP(E, H, FFN, **layouts)
+            with torch.device("meta"):
+                model = gl.GroupedMLP(E, H, FFN, **layouts)
+            _shard(model, mesh).to_empty(device="cpu")
+            torch.manual_seed(0)
+            model.fc1.reset_parameters()
+            model.fc2.reset_parameters()
+            for (name, p), p_ref in zip(model.named_parameters(), ref.parameters()):
+                assert torch.equal(p.full_tensor(), p_ref), (single, name)
+        # A delayed weight gradient cannot reach parameters that fully_shard swapped back.
+        layer = gl.GroupedLinear(E, H, FFN, delay_wgrad_compute=True)
+        fully_shard(layer, mesh=mesh)
+        layer(torch.randn(sum(SIZES), H), SIZES).sum().backward()
+        try:
+            layer.backward_dw()
+        except ValueError as error:
+            assert "does not work under FSDP2's fully_shard" in str(error)
+        else:
+            raise AssertionError("backward_dw under fully_shard did not raise")
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_deferred_init_under_fully_shard_and_delayed_wgrad_error():
+    """meta -> fully_shard -> to_empty -> reset_parameters gives the unsharded layer's values
+    for the same seed (both layouts); delay_wgrad_compute under fully_shard raises."""
+    mp.spawn(_deferred_init_worker, args=(2, _free_port()), nprocs=2, join=True)

@@ -3,6 +3,7 @@
 import os
 import socket
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -119,3 +120,22 @@ def _worker(rank, world, port):
 
 def test_tensor_parallel_matches_single_process():
     mp.spawn(_worker, args=(2, _free_port()), nprocs=2, join=True)
+
+
+def test_row_layer_without_reduction_needs_the_bias_returned():
+    """reduce_output=False leaves the reduction to the caller: a call asking for the bias to
+    be added (return_bias=False) is an error, as it is at construction; GroupedMLP says so
+    at construction."""
+    with pytest.raises(ValueError, match="GroupedMLP with reduce_output=False"):
+        gl.GroupedMLP(2, 8, 6, tp_size=2, reduce_output=False)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0,
+                            world_size=1)
+    try:
+        layer = gl.GroupedLinear(3, 8, 6, parallel_mode="row", tp_size=1,
+                                 tp_group=dist.group.WORLD, reduce_output=False, return_bias=True)
+        out, bias = layer(torch.randn(8, 8), [3, 0, 5])
+        assert out.shape == (8, 6) and bias is layer.bias
+        with pytest.raises(ValueError, match="return_bias=False with reduce_output=False"):
+            layer(torch.randn(8, 8), [3, 0, 5], return_bias=False)
+    finally:
+        dist.destroy_process_group()
