@@ -13,7 +13,7 @@ import itertools
 import operator
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import InitVar, dataclass
 
 import torch
 
@@ -63,9 +63,13 @@ class GroupSplits:
     device: torch.device
     host_sizes: tuple[int, ...] | None
     device_sizes: torch.Tensor | None = None
+    # normalize_splits passes ``checked=True``: it has validated the sizes already.
+    checked: InitVar[bool] = False
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, checked: bool) -> None:
         # A GroupSplits may also be built by hand: hold it to what normalize_splits checks.
+        if checked:
+            return
         if (self.host_sizes is None) == (self.device_sizes is None):
             raise ValueError("GroupSplits takes exactly one of host_sizes and device_sizes, got "
                              f"host_sizes={self.host_sizes!r}, device_sizes={self.device_sizes!r}")
@@ -203,7 +207,8 @@ def normalize_splits(
         if torch.compiler.is_compiling():
             # Traced: never read split values on the host (that would break the graph
             # and specialise on them); treat them as device splits, clamped in the graph.
-            return GroupSplits(num_groups, num_rows, device, None, m_splits.to(device))
+            return GroupSplits(num_groups, num_rows, device, None, m_splits.to(device),
+                               checked=True)
         if m_splits.device.type == "cpu":
             sizes = [int(v) for v in m_splits.tolist()]
         else:
@@ -220,7 +225,7 @@ def normalize_splits(
                     raise ValueError(
                         f"{name} sums to {int(m_splits.sum())}, more than the {num_rows} input rows"
                     )
-            return GroupSplits(num_groups, num_rows, device, None, m_splits)
+            return GroupSplits(num_groups, num_rows, device, None, m_splits, checked=True)
     elif isinstance(m_splits, (list, tuple)):
         if len(m_splits) != num_groups:
             raise ValueError(f"{name} has length {len(m_splits)} but num_gemms is {num_groups}")
@@ -230,4 +235,4 @@ def normalize_splits(
             f"{name} is {type(m_splits).__name__}: expected a list of ints or an integer tensor"
         )
     _check_host_sizes(sizes, num_rows, name)
-    return GroupSplits(num_groups, num_rows, device, tuple(sizes))
+    return GroupSplits(num_groups, num_rows, device, tuple(sizes), checked=True)
