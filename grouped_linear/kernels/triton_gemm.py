@@ -19,6 +19,7 @@ import torch
 
 from ._triton import cdiv, kernel, next_power_of_2, tl, triton
 from .bias import bias_grad_reference
+from .offsets import group_offsets
 
 __all__ = ["forward", "dgrad", "wgrad", "backward", "fits", "MAX_GROUPS"]
 
@@ -302,8 +303,7 @@ def wgrad(grad_out: torch.Tensor, x: torch.Tensor, sizes: torch.Tensor,
     if N == 0 or K == 0:
         # Nothing to multiply; the bias sums still cover each group's (clamped) rows.
         if grad_b is not None:
-            ends = sizes.to(torch.int64).clamp(min=0).cumsum(0).clamp(max=M)
-            grad_b = bias_grad_reference(grad_out, ends, x.dtype)
+            grad_b = bias_grad_reference(grad_out, group_offsets(sizes, M), x.dtype)
         return grad_w.zero_(), grad_b
     block_m, block_n, block_k = 64, 64, 64
     grid = (G * cdiv(N, block_n) * cdiv(K, block_k),)
