@@ -150,17 +150,21 @@ class GroupedLinear(nn.Module):
     # ------------------------------------------------------------------ parameters
     def weight_list(self) -> list[torch.Tensor]:
         """The ``G`` per-expert ``(out, in)`` weights (views in the single layout)."""
-        if self.single_grouped_weight:
-            return list(self.weight.unbind(0))
-        return [getattr(self, f"weight{i}") for i in range(self.num_gemms)]
+        return self._per_expert("weight", self.single_grouped_weight)
 
     def bias_list(self) -> list[torch.Tensor] | None:
         """The ``G`` per-expert ``(out,)`` biases, or ``None`` without bias."""
-        if not self.use_bias:
-            return None
-        if self.single_grouped_bias:
-            return list(self.bias.unbind(0))
-        return [getattr(self, f"bias{i}") for i in range(self.num_gemms)]
+        return self._per_expert("bias", self.single_grouped_bias) if self.use_bias else None
+
+    def _per_expert(self, name: str, single: bool,
+                    lookup: Callable[[str], torch.Tensor] | None = None) -> list[torch.Tensor]:
+        """``name``'s ``G`` per-expert tensors: the stacked tensor's slices in the single
+        layout, else ``name0``, ``name1``, ... ``lookup`` finds a tensor by its parameter
+        name (default: the layer's own parameter)."""
+        lookup = lookup if lookup is not None else (lambda key: getattr(self, key))
+        if single:
+            return list(lookup(name).unbind(0))
+        return [lookup(f"{name}{i}") for i in range(self.num_gemms)]
 
     def _weight_params(self) -> tuple[list[nn.Parameter], list[str]]:
         if self.single_grouped_weight:
@@ -209,13 +213,9 @@ class GroupedLinear(nn.Module):
                 return
             full = {name: torch.empty(p.shape, dtype=p.dtype, device=p.to_local().device)
                     for name, p in own.items()}
-            G = self.num_gemms
-            weights = (list(full["weight"].unbind(0)) if self.single_grouped_weight
-                       else [full[f"weight{i}"] for i in range(G)])
-            biases = None
-            if self.use_bias:
-                biases = (list(full["bias"].unbind(0)) if self.single_grouped_bias
-                          else [full[f"bias{i}"] for i in range(G)])
+            weights = self._per_expert("weight", self.single_grouped_weight, full.__getitem__)
+            biases = (self._per_expert("bias", self.single_grouped_bias, full.__getitem__)
+                      if self.use_bias else None)
             self._initialise(weights, biases)
             for name, param in own.items():
                 param.copy_(distribute_tensor(full[name], param.device_mesh, param.placements))
