@@ -18,6 +18,7 @@ from ..ops.activation import bias_activation
 from ..ops.checks import check_int
 from ..ops.grouped_linear import join_inputs
 from ..ops.splits import GroupSplits, normalize_splits
+from ..parallel.tensor_parallel import check_tp_size
 from .grouped_linear import GroupedLinear
 
 __all__ = ["GroupedMLP", "ACTIVATIONS", "GATED_ACTIVATIONS"]
@@ -118,9 +119,7 @@ class GroupedMLP(nn.Module):
         ffn_hidden_size = check_int("ffn_hidden_size", ffn_hidden_size)
         if not isinstance(activation, str) or activation not in ACTIVATIONS:
             raise ValueError(f"activation={activation!r} is not one of {tuple(ACTIVATIONS)}")
-        tp_size = grouped_linear_kwargs.get("tp_size", 1)
-        if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
-            raise ValueError(f"tp_size={tp_size!r} must be an int >= 1")
+        tp_size = check_tp_size(grouped_linear_kwargs.get("tp_size", 1))
         if grouped_linear_kwargs.get("return_bias", False):
             raise ValueError("return_bias=True is not supported by GroupedMLP")
         self.num_experts = num_experts

@@ -14,7 +14,15 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-__all__ = ["TensorParallel", "copy_to_tp_region", "reduce_from_tp_region"]
+__all__ = ["TensorParallel", "check_tp_size", "copy_to_tp_region", "reduce_from_tp_region"]
+
+
+def check_tp_size(size: object) -> int:
+    """``tp_size`` as given, or ``ValueError`` naming it when it is not an int >= 1."""
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ValueError(f"tp_size={size!r} must be an int >= 1")
+    return size
+
 
 MODES = (None, "column", "row")
 
@@ -38,8 +46,7 @@ class TensorParallel:
         """Validate the constructor arguments of a layer and read the rank."""
         if mode not in MODES:
             raise ValueError(f"parallel_mode={mode!r} is not one of {MODES}")
-        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-            raise ValueError(f"tp_size={size!r} must be an int >= 1")
+        check_tp_size(size)
         if mode is None:
             if size != 1:
                 raise ValueError(f"tp_size={size} needs parallel_mode='column' or 'row'")
