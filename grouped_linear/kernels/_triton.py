@@ -23,10 +23,6 @@ except ImportError:  # pragma: no cover - exercised only without triton installe
         def jit(fn=None, **_kwargs):
             return fn if fn is not None else (lambda f: f)
 
-        @staticmethod
-        def cdiv(a, b):
-            return -(-a // b)
-
     triton = tl = _Stub()
 
 __all__ = ["triton", "tl", "HAS_TRITON", "interpreting", "use_triton", "kernel", "FAST_LAUNCH",
