@@ -8,8 +8,10 @@
   token-contiguous, one zero-padded block each, by their quantization kernel (the GEMM
   reduces over the tokens and reads whole blocks).
 
-One fused quantization pass per operand (:mod:`grouped_linear.kernels.quantize_blocks`),
-GEMMs from :mod:`grouped_linear.kernels.fp8_triton_gemm`; any group size, rows past the
+One fused quantization pass per operand (:mod:`grouped_linear.kernels.quantize_blocks`);
+the GEMMs from :mod:`grouped_linear.kernels.fp8_gluon_gemm` on Hopper (asynchronous MMAs
+that overlap each block's rescale) and :mod:`grouped_linear.kernels.fp8_triton_gemm`
+elsewhere (CPU, other GPUs, operands TMA cannot address); any group size, rows past the
 splits' sum written as zeros by the GEMMs themselves, nothing read back to the host.
 """
 
@@ -18,11 +20,31 @@ from __future__ import annotations
 import torch
 
 from ..kernels import bias as bias_kernels
+from ..kernels import fp8_gluon_gemm as gluon_gemm
 from ..kernels import fp8_triton_gemm as fg
 from ..kernels import quantize_blocks as qb
 from .fp8 import Fp8Config, Fp8Weight, quantize_weight, weight_and_bias_grads
 
 __all__ = ["Fp8BlockwiseFunction"]
+
+# The Gluon GEMMs where they apply; ``False`` keeps every GEMM on the Triton kernels
+# (benchmarks compare the two).
+USE_GLUON = True
+
+
+def _grouped_mm(a, a_inv, w_data, w_inv, sizes, out_dtype):
+    """``a @ W_g^T`` per group, block-scaled (forward: the weight; dgrad: its transpose)."""
+    if USE_GLUON and gluon_gemm.supported(a, w_data):
+        return gluon_gemm.grouped_mm(a, a_inv, w_data, w_inv, sizes, out_dtype=out_dtype)
+    return fg.grouped_mm(a, a_inv, w_data, w_inv, sizes, transpose_weight=True,
+                         scaling="blockwise", out_dtype=out_dtype)
+
+
+def _wgrad(dy_t, dy_inv, x_t, x_inv, sizes, num_rows, out_dtype):
+    if USE_GLUON and gluon_gemm.wgrad_supported(dy_t, x_t):
+        return gluon_gemm.blockwise_wgrad(dy_t, dy_inv, x_t, x_inv, sizes, num_rows,
+                                          out_dtype=out_dtype)
+    return fg.blockwise_wgrad(dy_t, dy_inv, x_t, x_inv, sizes, num_rows, out_dtype=out_dtype)
 
 
 class Fp8BlockwiseFunction(torch.autograd.Function):
@@ -33,8 +55,7 @@ class Fp8BlockwiseFunction(torch.autograd.Function):
         recipe = config.recipe
         x_data, x_inv = qb.quantize_row_tiles(x, recipe.forward_dtype, recipe.power_of_two_scales)
         w = cached if cached is not None else quantize_weight(weight.detach(), recipe, "triton")
-        out = fg.grouped_mm(x_data, x_inv, w.forward_data, w.forward_inv, sizes,
-                            transpose_weight=True, scaling="blockwise", out_dtype=x.dtype)
+        out = _grouped_mm(x_data, x_inv, w.forward_data, w.forward_inv, sizes, x.dtype)
         if bias is not None:
             out = bias_kernels.bias_epilogue_(out, bias, offsets, False)
         ctx.save_for_backward(x, weight, sizes, offsets, w.dgrad_data, w.dgrad_inv)
@@ -52,16 +73,14 @@ class Fp8BlockwiseFunction(torch.autograd.Function):
         grad_x = None
         if ctx.needs_input_grad[0]:
             dy_data, dy_inv = qb.quantize_row_tiles(grad_out, fp8_grad, pow2)
-            grad_x = fg.grouped_mm(dy_data, dy_inv, wt_data, wt_inv, sizes, transpose_weight=True,
-                                   scaling="blockwise", out_dtype=x.dtype)
+            grad_x = _grouped_mm(dy_data, dy_inv, wt_data, wt_inv, sizes, x.dtype)
 
         def grad_weight():
             dy_t, dy_inv_blocks = qb.quantize_token_blocks(grad_out, sizes, fp8_grad, pow2,
                                                            transpose=True)
             x_t, x_inv_blocks = qb.quantize_token_blocks(x, sizes, recipe.forward_dtype, pow2,
                                                          transpose=True)
-            return fg.blockwise_wgrad(dy_t, dy_inv_blocks, x_t, x_inv_blocks, sizes, x.shape[0],
-                                      out_dtype=weight.dtype)
+            return _wgrad(dy_t, dy_inv_blocks, x_t, x_inv_blocks, sizes, x.shape[0], weight.dtype)
 
         grad_w, grad_b = weight_and_bias_grads(ctx, grad_out, offsets, grad_weight)
         return grad_x, grad_w, grad_b, None, None, None, None

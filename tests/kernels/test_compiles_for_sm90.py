@@ -22,6 +22,7 @@ import sys
 import pytest
 import torch
 
+from grouped_linear.kernels import fp8_gluon_gemm as gg
 from grouped_linear.kernels import fp8_triton_gemm as fg
 from grouped_linear.kernels import layout, routing
 from grouped_linear.kernels import quantize as q
@@ -202,7 +203,65 @@ PIPELINED = {"fp8 mm rowwise", "fp8 mm blockwise", "fp8 blockwise wgrad", "fp8 g
 VECTOR_LOADS = {"rows", "rows of pieces", "rows, scale per group", "group amax"}
 
 
+def _compile_gluon(kernel, pointers, constants, num_warps):
+    """A Gluon kernel: its ``*_desc`` arguments are TMA descriptors of 128 x 128 FP8 tiles."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    layout = gl.NVMMASharedLayout.get_default_for([gg.BLOCK, gg.BLOCK], gl.float8e4nv)
+    descriptor = f"tensordesc<fp8e4nv[{gg.BLOCK}, {gg.BLOCK}],{layout!r}>"
+    constants = {**constants, "num_warps": num_warps}
+    signature = {}
+    for param in kernel.params:
+        if param.is_constexpr or param.name in constants:
+            signature[param.name] = "constexpr"
+        elif param.name.endswith("_desc"):
+            signature[param.name] = descriptor
+        elif param.name.endswith("_ptr"):
+            signature[param.name] = pointers.get(param.name, "*fp32")
+        else:
+            signature[param.name] = "i32"
+    aligned = {(i,): [["tt.divisibility", 16]] for i, param in enumerate(kernel.params)
+               if signature[param.name] not in ("constexpr", descriptor)}
+    source = GluonASTSource(kernel, signature, constants, aligned)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": num_warps})
+
+
+# Gluon kernels: each 128-deep block's MMA must stay in flight while the previous block's
+# partial product is rescaled (``wgmma.wait_group 1``), operands arrive by TMA.
+GLUON_CASES = {
+    "gluon blockwise mm": (gg._blockwise_mm_kernel if HAS_TRITON and gg.HAS_GLUON else None,
+                           {"out_ptr": "*bf16", "sizes_ptr": "*i64"},
+                           {"BLOCK_G": 32, "NUM_PROGRAMS": 132, "STAGES": gg.MM_CONFIG[2],
+                            "UNROLL": gg.MM_UNROLL},
+                           gg.MM_CONFIG[1]),
+    "gluon blockwise wgrad": (gg._blockwise_wgrad_kernel if HAS_TRITON and gg.HAS_GLUON else None,
+                              {"dw_ptr": "*bf16", "sizes_ptr": "*i64"},
+                              {"BLOCK_G": 32, "STAGES": gg.WGRAD_CONFIG[2],
+                               "UNROLL": gg.MM_UNROLL}, gg.WGRAD_CONFIG[1]),
+}
+
+
+def _check_gluon(name: str) -> str:
+    kernel, pointers, constants, num_warps = GLUON_CASES[name]
+    try:
+        compiled = _compile_gluon(kernel, pointers, constants, num_warps)
+    except Exception as error:  # noqa: BLE001 (reported per case)
+        return f"compile error: {type(error).__name__}: {str(error)[:500]}"
+    ptx = compiled.asm["ptx"]
+    if not compiled.asm.get("cubin"):
+        return "no cubin"
+    if "wgmma.wait_group.sync.aligned 1;" not in ptx:
+        return "no MMA stays in flight across a rescale"
+    if "cp.async.bulk.tensor" not in ptx:
+        return "the operands are not loaded by TMA"
+    return "ok"
+
+
 def _check(name: str) -> str:
+    if name in GLUON_CASES:
+        return _check_gluon(name)
     kernel, pointers, constants, num_warps = CASES[name]
     try:
         compiled = _compile(kernel, pointers, constants, num_warps)
@@ -230,13 +289,13 @@ def results():
     return json.loads(child.stdout.splitlines()[-1])
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", list(CASES) + list(GLUON_CASES))
 def test_kernel_compiles_for_sm90(results, name):
     assert results[name] == "ok", results[name]
 
 
 if __name__ == "__main__":
-    outcome = {name: _check(name) for name in CASES}
+    outcome = {name: _check(name) for name in list(CASES) + list(GLUON_CASES)}
     if "--json" in sys.argv:
         print(json.dumps(outcome))
     else:

@@ -1,0 +1,113 @@
+"""The Gluon (Hopper) block-scaled FP8 GEMMs against float32 matmuls of the dequantized
+operands and against the Triton kernels they replace on sm90.
+
+Gluon has no CPU interpreter: these run in ``make test-gpu``; CI compiles the same kernels
+for sm90 (tests/kernels/test_compiles_for_sm90.py) and runs the Triton kernels with the
+same contracts under the interpreter (tests/kernels/test_fp8_triton_gemm.py).
+"""
+
+import pytest
+import torch
+
+from grouped_linear.kernels import fp8_gluon_gemm as gg
+from grouped_linear.kernels import fp8_triton_gemm as fg
+from grouped_linear.kernels import quantize_blocks as qb
+from tests.reference import rel_err
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not (torch.cuda.is_available() and gg.HAS_GLUON
+                            and torch.cuda.get_device_capability() == (9, 0)),
+                       reason="needs an sm90 GPU and Triton's Gluon"),
+]
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+# fp32 accumulation of exact FP8 products: only the order of the sums differs
+TOL = 2e-3
+
+
+def _fp8(*shape, dtype=E4M3):
+    return (torch.randn(*shape, device="cuda") * 40).clamp(-448, 448).to(dtype)
+
+
+def _factors(*shape):
+    return torch.rand(*shape, device="cuda") * 0.1 + 0.01
+
+
+CASES = [  # (sizes, rows past the groups, R, W): ragged ends, empty groups, one block deep
+    ([70, 0, 133, 1], 9, 208, 136),
+    ([0, 0], 4, 256, 128),
+    ([300, 1000], 0, 2048, 384),
+    ([64], 0, 256, 128),
+    ([1, 128, 0, 255, 700], 31, 1040, 272),
+]
+
+
+@pytest.mark.parametrize("sizes, tail, R, W", CASES)
+@pytest.mark.parametrize("b_dtype", [E4M3, E5M2])
+def test_grouped_mm_against_dequantized_float32(sizes, tail, R, W, b_dtype):
+    G, M = len(sizes), sum(sizes) + tail
+    a, weight = _fp8(M, R), _fp8(G, W, R, dtype=b_dtype)
+    a_inv, w_inv = _factors(M, -(-R // 128)), _factors(G, -(-W // 128), -(-R // 128))
+    sizes_t = torch.tensor(sizes, device="cuda")
+    assert gg.supported(a, weight)
+    got = gg.grouped_mm(a, a_inv, weight, w_inv, sizes_t, out_dtype=torch.float32)
+    want = fg.grouped_mm_reference(a, a_inv, weight, w_inv, sizes_t, transpose_weight=True,
+                                   scaling="blockwise", out_dtype=torch.float32)
+    assert got.shape == (M, W)
+    assert rel_err(got, want) < TOL
+    assert torch.equal(got[sum(sizes):], torch.zeros_like(got[sum(sizes):]))
+
+
+def test_grouped_mm_bf16_output_matches_triton_kernel():
+    sizes = torch.tensor([513, 0, 1200, 7], device="cuda")
+    M, R, W = 1720 + 40, 1024, 512
+    a, weight = _fp8(M, R), _fp8(4, W, R)
+    a_inv, w_inv = _factors(M, R // 128), _factors(4, W // 128, R // 128)
+    got = gg.grouped_mm(a, a_inv, weight, w_inv, sizes)
+    want = fg.grouped_mm(a, a_inv, weight, w_inv, sizes, transpose_weight=True,
+                         scaling="blockwise")
+    assert got.dtype == torch.bfloat16
+    assert rel_err(got, want) < 1e-2
+
+
+def test_device_sizes_past_the_rows_are_clamped():
+    a, weight = _fp8(100, 128), _fp8(2, 128, 128)
+    a_inv, w_inv = _factors(100, 1), _factors(2, 1, 1)
+    sizes = torch.tensor([60, 500], device="cuda")  # sums past M: the second group ends at 100
+    got = gg.grouped_mm(a, a_inv, weight, w_inv, sizes, out_dtype=torch.float32)
+    want = fg.grouped_mm_reference(a, a_inv, weight, w_inv, sizes, transpose_weight=True,
+                                   scaling="blockwise", out_dtype=torch.float32)
+    assert rel_err(got, want) < TOL
+
+
+def test_unsupported_operands_are_refused():
+    a, weight = _fp8(64, 200), _fp8(1, 128, 200)  # 200-byte rows: not a TMA row pitch
+    assert not gg.supported(a, weight)
+    a, weight = _fp8(64, 256), _fp8(1, 128, 256)
+    assert gg.supported(a, weight)
+    assert not gg.supported(_fp8(64, 128), _fp8(1, 128, 128))  # one block: nothing to overlap
+    assert not gg.supported(a[:, :128], weight[:, :, :128])  # not contiguous
+    assert not gg.supported(a.float(), weight)
+
+
+@pytest.mark.parametrize("sizes, tail, N, K", [([70, 0, 133, 1], 9, 136, 200),
+                                               ([0, 0], 3, 128, 128),
+                                               ([1000, 24, 300], 0, 384, 256)])
+def test_blockwise_wgrad_against_dequantized_float32(sizes, tail, N, K):
+    M = sum(sizes) + tail
+    sizes_t = torch.tensor(sizes, device="cuda")
+    dy = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+    dy_t, dy_inv = qb.quantize_token_blocks(dy, sizes_t, E4M3, True, transpose=True)
+    x_t, x_inv = qb.quantize_token_blocks(x, sizes_t, E4M3, True, transpose=True)
+    assert gg.wgrad_supported(dy_t, x_t)
+    got = gg.blockwise_wgrad(dy_t, dy_inv, x_t, x_inv, sizes_t, M, out_dtype=torch.float32)
+    want = fg.blockwise_wgrad_reference(dy_t, dy_inv, x_t, x_inv, sizes_t, M,
+                                        out_dtype=torch.float32)
+    assert got.shape == (len(sizes), N, K)
+    for g, size in enumerate(sizes):
+        if size == 0:
+            assert torch.equal(got[g], torch.zeros_like(got[g]))
+        else:
+            assert rel_err(got[g], want[g]) < TOL
