@@ -138,13 +138,22 @@ if HAS_GLUON:
 
     @gluon.jit
     def _wgrad_step(dy_desc, x_desc, bars, dy_bufs, x_bufs, i, into, n_blocks, first_block, n0,
-                    k0, STAGES: gl.constexpr, BLOCK_T: gl.constexpr):
+                    k0, x_lines, stride_xi, STAGES: gl.constexpr, BLOCK_T: gl.constexpr):
         """The wgrad's step ``i`` (token block ``first_block + i``): refill the stage two steps
         back for step ``i + STAGES - 2``, start block ``i``'s MMA into ``into``'s registers."""
         ahead = i + STAGES - 2
         _issue_loads(dy_desc, x_desc, n0, k0, (first_block + ahead) * BLOCK_T, bars, dy_bufs,
                      x_bufs, ahead, STAGES, ahead < n_blocks)
-        return _issue_mma(bars, dy_bufs, x_bufs, i, into, STAGES)
+        partial = _issue_mma(bars, dy_bufs, x_bufs, i, into, STAGES)
+        # block i's column factors, read after its MMA is waited for (next step): into L1 now
+        _prefetch_l1(x_lines + (first_block + i).to(gl.int64) * stride_xi)
+        return partial
+
+    @gluon.jit
+    def _prefetch_l1(pointers):
+        """``prefetch.global.L1`` of each address (no registers held, nothing waited for)."""
+        gl.inline_asm_elementwise("prefetch.global.L1 [$1];\n\tmov.b32 $0, 0;", "=r,l",
+                                  [pointers], dtype=gl.int32, is_pure=False, pack=1)
 
     @gluon.jit
     def _rescale_outer(acc, partial, block, dy_rows, row_mask, stride_dyi, x_cols, col_mask,
@@ -310,13 +319,16 @@ if HAS_GLUON:
         free_b = gl.zeros([BLOCK_N, BLOCK_K], gl.float32, layout=mma_layout)
         dy_rows = dy_inv_ptr + rows
         x_cols = x_inv_ptr + cols
+        line_layout: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
+        x_lines = x_inv_ptr + k0 + gl.arange(0, BLOCK_K // 32, layout=line_layout) * 32  # lines
         unrolled = n_blocks // UNROLL * UNROLL
         for i in range(0, unrolled, UNROLL):
             running = _wgrad_step(dy_desc, x_desc, bars, dy_bufs, x_bufs, i, free_a, n_blocks,
-                                  first_block, n0, k0, STAGES, BLOCK_T)
+                                  first_block, n0, k0, x_lines, stride_xi, STAGES, BLOCK_T)
             for j in gl.static_range(1, UNROLL):
                 following = _wgrad_step(dy_desc, x_desc, bars, dy_bufs, x_bufs, i + j, free_b,
-                                        n_blocks, first_block, n0, k0, STAGES, BLOCK_T)
+                                        n_blocks, first_block, n0, k0, x_lines, stride_xi,
+                                        STAGES, BLOCK_T)
                 acc, free_b = _rescale_outer(acc, running, first_block + i + j - 1, dy_rows,
                                              row_mask, stride_dyi, x_cols, col_mask, stride_xi, 1)
                 running = following
@@ -324,7 +336,7 @@ if HAS_GLUON:
                                          row_mask, stride_dyi, x_cols, col_mask, stride_xi, 0)
         for i in range(unrolled, n_blocks):
             running = _wgrad_step(dy_desc, x_desc, bars, dy_bufs, x_bufs, i, free_a, n_blocks,
-                                  first_block, n0, k0, STAGES, BLOCK_T)
+                                  first_block, n0, k0, x_lines, stride_xi, STAGES, BLOCK_T)
             acc, free_a = _rescale_outer(acc, running, first_block + i, dy_rows, row_mask,
                                          stride_dyi, x_cols, col_mask, stride_xi, 0)
         _store_tile(dw_ptr + g.to(gl.int64) * stride_dwg, acc, n0, N - n0, k0, K - k0, stride_dwn,

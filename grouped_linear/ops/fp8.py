@@ -141,7 +141,7 @@ class Fp8Weight:
         elif path == "triton":  # 128x128 blocks: dgrad reads the same factors transposed
             self.forward_data, self.forward_inv = qb.quantize_weight_blocks(
                 weight, recipe.forward_dtype, recipe.power_of_two_scales)
-            self.dgrad_data = self.forward_data.transpose(1, 2).contiguous()
+            self.dgrad_data = transpose_groups(self.forward_data)  # one tiled pass
             self.dgrad_inv = self.forward_inv.transpose(1, 2)  # a view: refreshed with it
         else:
             self.emulated = _quantize_weight(weight, recipe)
