@@ -239,7 +239,8 @@ GLUON_CASES = {
     "gluon blockwise wgrad": (gg._blockwise_wgrad_kernel if HAS_TRITON and gg.HAS_GLUON else None,
                               {"dw_ptr": "*bf16", "sizes_ptr": "*i64"},
                               {"BLOCK_G": 32, "STAGES": gg.WGRAD_CONFIG[2],
-                               "UNROLL": gg.MM_UNROLL}, gg.WGRAD_CONFIG[1]),
+                               "UNROLL": gg.MM_UNROLL, "GROUP_N": gg.WGRAD_GROUP_N},
+                              gg.WGRAD_CONFIG[1]),
 }
 
 
