@@ -42,7 +42,8 @@ try:  # Gluon ships with Triton >= 3.5; without it only the Triton kernels run
 except ImportError:  # pragma: no cover - older Triton
     HAS_GLUON = False
 
-__all__ = ["HAS_GLUON", "supported", "grouped_mm", "blockwise_wgrad", "MM_CONFIG", "WGRAD_CONFIG"]
+__all__ = ["HAS_GLUON", "supported", "wgrad_supported", "grouped_mm", "blockwise_wgrad",
+           "MM_CONFIG", "WGRAD_CONFIG"]
 
 BLOCK = 128  # the scaling block, also every tile's depth and the weight-side tile width
 # (rows per tile, warps, shared-memory stages): the tile is two warp groups of 64 rows;

@@ -1,7 +1,7 @@
 """The Gluon (Hopper) block-scaled FP8 GEMMs against float32 matmuls of the dequantized
 operands and against the Triton kernels they replace on sm90.
 
-Gluon has no CPU interpreter: these run in ``make test-gpu``; CI compiles the same kernels
+Gluon has no CPU interpreter: the kernel tests run in ``make test-gpu``; CI compiles the kernels
 for sm90 (tests/kernels/test_compiles_for_sm90.py) and runs the Triton kernels with the
 same contracts under the interpreter (tests/kernels/test_fp8_triton_gemm.py).
 """
@@ -14,12 +14,8 @@ from grouped_linear.kernels import fp8_triton_gemm as fg
 from grouped_linear.kernels import quantize_blocks as qb
 from tests.reference import rel_err
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not (torch.cuda.is_available() and gg.HAS_GLUON
-                            and torch.cuda.get_device_capability() == (9, 0)),
-                       reason="needs an sm90 GPU and Triton's Gluon"),
-]
+HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+sm90 = pytest.mark.skipif(not (HOPPER and gg.HAS_GLUON), reason="needs an sm90 GPU and Gluon")
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 # fp32 accumulation of exact FP8 products: only the order of the sums differs
@@ -43,6 +39,8 @@ CASES = [  # (sizes, rows past the groups, R, W): ragged ends, empty groups, one
 ]
 
 
+@pytest.mark.gpu
+@sm90
 @pytest.mark.parametrize("sizes, tail, R, W", CASES)
 @pytest.mark.parametrize("b_dtype", [E4M3, E5M2])
 def test_grouped_mm_against_dequantized_float32(sizes, tail, R, W, b_dtype):
@@ -59,6 +57,8 @@ def test_grouped_mm_against_dequantized_float32(sizes, tail, R, W, b_dtype):
     assert torch.equal(got[sum(sizes):], torch.zeros_like(got[sum(sizes):]))
 
 
+@pytest.mark.gpu
+@sm90
 def test_grouped_mm_bf16_output_matches_triton_kernel():
     sizes = torch.tensor([513, 0, 1200, 7], device="cuda")
     M, R, W = 1720 + 40, 1024, 512
@@ -71,6 +71,8 @@ def test_grouped_mm_bf16_output_matches_triton_kernel():
     assert rel_err(got, want) < 1e-2
 
 
+@pytest.mark.gpu
+@sm90
 def test_device_sizes_past_the_rows_are_clamped():
     a, weight = _fp8(100, 128), _fp8(2, 128, 128)
     a_inv, w_inv = _factors(100, 1), _factors(2, 1, 1)
@@ -81,6 +83,8 @@ def test_device_sizes_past_the_rows_are_clamped():
     assert rel_err(got, want) < TOL
 
 
+@pytest.mark.gpu
+@sm90
 def test_unsupported_operands_are_refused():
     a, weight = _fp8(64, 200), _fp8(1, 128, 200)  # 200-byte rows: not a TMA row pitch
     assert not gg.supported(a, weight)
@@ -91,6 +95,8 @@ def test_unsupported_operands_are_refused():
     assert not gg.supported(a.float(), weight)
 
 
+@pytest.mark.gpu
+@sm90
 @pytest.mark.parametrize("sizes, tail, N, K", [([70, 0, 133, 1], 9, 136, 200),
                                                ([0, 0], 3, 128, 128),
                                                ([1000, 24, 300], 0, 384, 256)])
@@ -111,3 +117,10 @@ def test_blockwise_wgrad_against_dequantized_float32(sizes, tail, N, K):
             assert torch.equal(got[g], torch.zeros_like(got[g]))
         else:
             assert rel_err(got[g], want[g]) < TOL
+
+
+def test_cpu_operands_go_to_the_triton_kernels():
+    a = torch.zeros(64, 256).to(E4M3)
+    weight = torch.zeros(1, 128, 256).to(E4M3)
+    assert not gg.supported(a, weight)
+    assert not gg.wgrad_supported(a.t().contiguous(), a.t().contiguous())
