@@ -18,6 +18,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 
 import pytest
 import torch
@@ -257,6 +258,20 @@ def _check_gluon(name: str) -> str:
         return "no MMA stays in flight across a rescale"
     if "cp.async.bulk.tensor" not in ptx:
         return "the operands are not loaded by TMA"
+    # ptxas serializes the asynchronous MMAs when registers run short or an in-flight
+    # accumulator is copied (notes C7512-C7515): the kernel would lose its overlap silently
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "kernel.ptx")
+        with open(path, "w") as f:
+            f.write(ptx)
+        report = subprocess.run([ptxas, "-arch=sm_90a", "-v", path, "-o", os.devnull],
+                                capture_output=True, text=True)
+    notes = report.stdout + report.stderr
+    if "wgmma.mma_async instructions are serialized" in notes:
+        return "ptxas serializes the MMAs: " + notes.split("Potential Performance Loss:")[-1][:200]
+    if " 0 bytes spill stores" not in notes:
+        return "register spills"
     return "ok"
 
 
