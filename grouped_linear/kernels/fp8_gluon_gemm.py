@@ -89,6 +89,23 @@ if HAS_GLUON:
         return g, end, row0, (local % n_tiles).to(gl.int32)
 
     @gluon.jit
+    def _operand_ring(a_desc, b_desc, STAGES: gl.constexpr):
+        """``STAGES`` shared-memory stages for one tile of each operand, and their barriers."""
+        a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape,
+                                           a_desc.layout)
+        b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape,
+                                           b_desc.layout)
+        bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for stage in gl.static_range(STAGES):
+            mbarrier.init(bars.index(stage), count=1)
+        return a_bufs, b_bufs, bars
+
+    @gluon.jit
+    def _release_ring(bars, STAGES: gl.constexpr):
+        for stage in gl.static_range(STAGES):
+            mbarrier.invalidate(bars.index(stage))
+
+    @gluon.jit
     def _issue_loads(a_desc, b_desc, a_row, b_row, k, bars, a_bufs, b_bufs, step,
                      STAGES: gl.constexpr, pred):
         """TMA both operand tiles of pipeline step ``step`` into its stage."""
@@ -196,13 +213,7 @@ if HAS_GLUON:
         # every warp holds the whole table: lookups reduce within a warp, no shared memory
         table_layout: gl.constexpr = gl.BlockedLayout([BLOCK_G // 32], [32], [num_warps], [0])
 
-        a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape,
-                                           a_desc.layout)
-        b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape,
-                                           b_desc.layout)
-        bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(STAGES):
-            mbarrier.init(bars.index(i), count=1)
+        a_bufs, b_bufs, bars = _operand_ring(a_desc, b_desc, STAGES)
 
         gs, starts, ends, tile_begin, tile_end, total = _tile_list(
             sizes_ptr, G, M, W, BLOCK_M, BLOCK_N, BLOCK_G, table_layout)
@@ -269,8 +280,7 @@ if HAS_GLUON:
             _store_tile(out_ptr, acc, row0, end - row0, col_tile * BLOCK_N,
                         W - col_tile * BLOCK_N, stride_om, num_warps, BLOCK_M, BLOCK_N)
 
-        for i in gl.static_range(STAGES):
-            mbarrier.invalidate(bars.index(i))
+        _release_ring(bars, STAGES)
 
 
     @gluon.jit
@@ -309,13 +319,7 @@ if HAS_GLUON:
                              axis=0)
         n_blocks = gl.sum(gl.where(gs == g, blocks, 0), axis=0)
 
-        dy_bufs = gl.allocate_shared_memory(dy_desc.dtype, [STAGES] + dy_desc.block_type.shape,
-                                            dy_desc.layout)
-        x_bufs = gl.allocate_shared_memory(x_desc.dtype, [STAGES] + x_desc.block_type.shape,
-                                           x_desc.layout)
-        bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        for stage in gl.static_range(STAGES):
-            mbarrier.init(bars.index(stage), count=1)
+        dy_bufs, x_bufs, bars = _operand_ring(dy_desc, x_desc, STAGES)
         for p in gl.static_range(STAGES - 2):
             _issue_loads(dy_desc, x_desc, n0, k0, (first_block + p) * BLOCK_T, bars, dy_bufs,
                          x_bufs, p, STAGES, p < n_blocks)
@@ -352,8 +356,7 @@ if HAS_GLUON:
                                          stride_dyi, x_cols, col_mask, stride_xi, 0)
         _store_tile(dw_ptr + g.to(gl.int64) * stride_dwg, acc, n0, N - n0, k0, K - k0, stride_dwn,
                     num_warps, BLOCK_N, BLOCK_K)
-        for stage in gl.static_range(STAGES):
-            mbarrier.invalidate(bars.index(stage))
+        _release_ring(bars, STAGES)
 
 
 def supported(a: torch.Tensor, weight: torch.Tensor) -> bool:
