@@ -317,7 +317,8 @@ def blockwise_wgrad_reference(dy_blocks, dy_inv, x_blocks, x_inv, sizes, num_row
                               out_dtype=torch.bfloat16, *, group_scales=False):
     ends = sizes.to(torch.int64).clamp(min=0).cumsum(0).clamp(max=num_rows).tolist()
     out = torch.zeros(sizes.shape[0], dy_blocks.shape[0], x_blocks.shape[0],
-                      dtype=torch.float32, device=dy_blocks.device)
+                      dtype=torch.promote_types(dy_inv.dtype, torch.float32),
+                      device=dy_blocks.device)  # float64 factors: a float64 reference
     start, block = 0, 0
     for g, end in enumerate(ends):
         for _ in range(start, end, BLOCK):
