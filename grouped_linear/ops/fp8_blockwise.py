@@ -41,7 +41,7 @@ def _grouped_mm(a, a_inv, w_data, w_inv, sizes, out_dtype):
 
 
 def _wgrad(dy_t, dy_inv, x_t, x_inv, sizes, num_rows, out_dtype):
-    if USE_GLUON and gluon_gemm.wgrad_supported(dy_t, x_t):
+    if USE_GLUON and gluon_gemm.wgrad_supported(dy_t, dy_inv, x_t, x_inv):
         return gluon_gemm.blockwise_wgrad(dy_t, dy_inv, x_t, x_inv, sizes, num_rows,
                                           out_dtype=out_dtype)
     return fg.blockwise_wgrad(dy_t, dy_inv, x_t, x_inv, sizes, num_rows, out_dtype=out_dtype)

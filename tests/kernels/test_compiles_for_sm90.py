@@ -204,18 +204,22 @@ PIPELINED = {"fp8 mm rowwise", "fp8 mm blockwise", "fp8 blockwise wgrad", "fp8 g
 VECTOR_LOADS = {"rows", "rows of pieces", "rows, scale per group", "group amax"}
 
 
-def _compile_gluon(kernel, pointers, constants, num_warps):
-    """A Gluon kernel: its ``*_desc`` arguments are TMA descriptors of 128 x 128 FP8 tiles."""
+def _compile_gluon(kernel, pointers, constants, num_warps, maxnreg=None):
+    """A Gluon kernel: its ``*_desc`` arguments are TMA descriptors of 128 x 128 FP8 tiles,
+    ``*_inv_desc`` ones of 128-float rows of factors."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
     layout = gl.NVMMASharedLayout.get_default_for([gg.BLOCK, gg.BLOCK], gl.float8e4nv)
     descriptor = f"tensordesc<fp8e4nv[{gg.BLOCK}, {gg.BLOCK}],{layout!r}>"
+    factors = f"tensordesc<fp32[1, {gg.BLOCK}],{gg._factor_layout()!r}>"  # *_inv_desc
     constants = {**constants, "num_warps": num_warps}
     signature = {}
     for param in kernel.params:
         if param.is_constexpr or param.name in constants:
             signature[param.name] = "constexpr"
+        elif param.name.endswith("_inv_desc"):
+            signature[param.name] = factors
         elif param.name.endswith("_desc"):
             signature[param.name] = descriptor
         elif param.name.endswith("_ptr"):
@@ -223,10 +227,12 @@ def _compile_gluon(kernel, pointers, constants, num_warps):
         else:
             signature[param.name] = "i32"
     aligned = {(i,): [["tt.divisibility", 16]] for i, param in enumerate(kernel.params)
-               if signature[param.name] not in ("constexpr", descriptor)}
+               if signature[param.name] not in ("constexpr", descriptor, factors)}
     source = GluonASTSource(kernel, signature, constants, aligned)
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": num_warps})
+    options = {"num_warps": num_warps}
+    if maxnreg is not None:
+        options["maxnreg"] = maxnreg
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
 
 
 # Gluon kernels: each 128-deep block's MMA must stay in flight while the previous block's
@@ -236,19 +242,19 @@ GLUON_CASES = {
                            {"out_ptr": "*bf16", "sizes_ptr": "*i64"},
                            {"BLOCK_G": 32, "NUM_PROGRAMS": 132, "STAGES": gg.MM_CONFIG[2],
                             "UNROLL": gg.MM_UNROLL},
-                           gg.MM_CONFIG[1]),
+                           gg.MM_CONFIG[1], None),
     "gluon blockwise wgrad": (gg._blockwise_wgrad_kernel if HAS_TRITON and gg.HAS_GLUON else None,
                               {"dw_ptr": "*bf16", "sizes_ptr": "*i64"},
                               {"BLOCK_G": 32, "STAGES": gg.WGRAD_CONFIG[2],
                                "UNROLL": gg.MM_UNROLL, "GROUP_N": gg.WGRAD_GROUP_N},
-                              gg.WGRAD_CONFIG[1]),
+                              gg.WGRAD_CONFIG[1], gg.WGRAD_MAXNREG),
 }
 
 
 def _check_gluon(name: str) -> str:
-    kernel, pointers, constants, num_warps = GLUON_CASES[name]
+    kernel, pointers, constants, num_warps, maxnreg = GLUON_CASES[name]
     try:
-        compiled = _compile_gluon(kernel, pointers, constants, num_warps)
+        compiled = _compile_gluon(kernel, pointers, constants, num_warps, maxnreg)
     except Exception as error:  # noqa: BLE001 (reported per case)
         return f"compile error: {type(error).__name__}: {str(error)[:500]}"
     ptx = compiled.asm["ptx"]
@@ -258,6 +264,8 @@ def _check_gluon(name: str) -> str:
         return "no MMA stays in flight across a rescale"
     if "cp.async.bulk.tensor" not in ptx:
         return "the operands are not loaded by TMA"
+    if maxnreg is not None and "setmaxnreg" not in ptx:
+        return "no register split between warp-specialized partitions"
     # ptxas serializes the asynchronous MMAs when registers run short or an in-flight
     # accumulator is copied (notes C7512-C7515): the kernel would lose its overlap silently
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
