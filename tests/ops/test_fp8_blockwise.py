@@ -13,15 +13,15 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = 1e-5 if DEVICE == "cpu" else 2e-3  # FP8 tensor cores accumulate with fewer bits
 
 
-def _run(function, x, w, b, sizes, tail, recipe, cached=None):
-    x = x.detach().clone().requires_grad_()
-    w = w.detach().clone().requires_grad_()
+def _run(function, x, w, b, sizes, tail, recipe, cached=None, x_grad=True, w_grad=True):
+    x = x.detach().clone().requires_grad_(x_grad)
+    w = w.detach().clone().requires_grad_(w_grad)
     b = b.detach().clone().requires_grad_()
     size_tensor = torch.tensor(sizes, device=DEVICE)
     offsets = size_tensor.cumsum(0).to(torch.int32)
     config = Fp8Config(recipe, tail > 0, None)
     if function is Fp8BlockwiseFunction:
-        y = function.apply(x, w, b, size_tensor, offsets, config, cached)
+        y = function.apply(x, w, b, size_tensor, offsets, config, cached, w_grad)
     else:
         y = function.apply(x, w, b, offsets, config, None)
     grad = torch.randn(y.shape, generator=torch.Generator().manual_seed(3)).to(DEVICE, y.dtype)
@@ -59,3 +59,20 @@ def test_triton_blockwise_uses_the_cached_weight():
     assert torch.equal(fresh[0], cached[0])
     stale = _run(Fp8BlockwiseFunction, x, w * 2, b, sizes, 0, recipe, cache)
     assert torch.equal(stale[0], fresh[0])  # the forward reads the cache, not the weight
+
+
+@pytest.mark.parametrize("x_grad, w_grad", [(True, False), (False, True)])
+def test_triton_blockwise_with_one_operand_frozen(x_grad, w_grad):
+    """Only the gradient asked for: the forward quantizes x for the weight gradient only
+    when one will be taken, the backward reads dy once or twice as needed."""
+    sizes, tail, K, N = [70, 0, 133], 9, 200, 136
+    recipe = Float8Blockwise()
+    x = torch.randn(sum(sizes) + tail, K).to(DEVICE)
+    w = (torch.randn(len(sizes), N, K) / 16).to(DEVICE)
+    b = torch.randn(len(sizes), N).to(DEVICE)
+    got = _run(Fp8BlockwiseFunction, x, w, b, sizes, tail, recipe, x_grad=x_grad, w_grad=w_grad)
+    want = _run(Fp8GroupedLinearFunction, x, w, b, sizes, tail, recipe)
+    assert (got[1] is None) != x_grad and (got[2] is None) != w_grad
+    for name, a, c in zip(("y", "dx", "dW", "db"), got, want):
+        if a is not None:
+            assert rel_err(a, c) < TOL, (name, rel_err(a, c))
