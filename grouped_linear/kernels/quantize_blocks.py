@@ -19,8 +19,6 @@ factors are the float32 ``1 / scale`` of each tile.
   column), ``inv`` ``(cdiv(M, tile) + G, C)``. The weight-gradient GEMM's operands
   (``dy`` and ``x``), scaled along the tokens it reduces over; blocks never straddle a
   group boundary.
-* :func:`quantize_row_tiles_and_token_blocks`: row tiles and token blocks of one operand
-  from one read (the recipe's ``x`` in the forward, ``dy`` in the backward).
 
 Each kernel has its plain-PyTorch reference beside it. Where Triton cannot run on the
 tensor's device, or the tensor is empty, the reference runs instead.
@@ -36,21 +34,15 @@ from .triton_gemm import _group_rows
 
 __all__ = ["quantize_row_tiles", "quantize_row_tiles_reference", "quantize_weight_blocks",
            "quantize_weight_blocks_reference", "quantize_token_blocks",
-           "quantize_token_blocks_reference", "quantize_row_tiles_and_token_blocks",
-           "token_block_index", "token_block_columns",
+           "quantize_token_blocks_reference", "token_block_index", "token_block_columns",
            "num_token_blocks",
-           "ROW_TILES_CONFIG", "WEIGHT_BLOCKS_CONFIG", "TOKEN_BLOCKS_CONFIG",
-           "BOTH_LAYOUTS_CONFIG"]
+           "ROW_TILES_CONFIG", "WEIGHT_BLOCKS_CONFIG", "TOKEN_BLOCKS_CONFIG"]
 
 # Launch shapes: (rows per program, warps) for row tiles, (warps,) for weight blocks,
-# (columns per program, warps) for token blocks, (columns per slice, warps) for both
-# layouts at once.
+# (columns per program, warps) for token blocks.
 ROW_TILES_CONFIG = (32, 4)
 WEIGHT_BLOCKS_CONFIG = (8,)
 TOKEN_BLOCKS_CONFIG = (64, 4)
-# One 128-column slice at 8 warps: 901 against 929 us for the two separate passes on a
-# 65536 x 7168 bf16 operand (H200); slices of 32/64 columns at 4/8 warps ran 1113-1863 us.
-BOTH_LAYOUTS_CONFIG = (128, 8)
 
 
 # --------------------------------------------------------------------------- row tiles
@@ -221,14 +213,24 @@ def quantize_token_blocks_reference(t: torch.Tensor, sizes: torch.Tensor, fp8_dt
     return data, 1.0 / scale
 
 
+@kernel
 @triton.jit
-def _token_block_rows(sizes_ptr, M, G, b, TILE: tl.constexpr, BLOCK_T: tl.constexpr,
-                      BLOCK_G: tl.constexpr):
-    """Global token block ``b``: its rows (``BLOCK_T`` slots), which of them are real, and
-    whether it belongs to a group (not the tail or unused).
+def _quantize_token_blocks_kernel(t_ptr, sizes_ptr, q_ptr, inv_ptr, M, C, G, stride_tm, stride_tc,
+                                  stride_qm, stride_qc, FP8_MAX: tl.constexpr,
+                                  POW2: tl.constexpr, TILE: tl.constexpr,
+                                  BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
+                                  BLOCK_G: tl.constexpr, BLOCK_LAYOUT: tl.constexpr):
+    """Global block ``pid0`` x columns ``[pid1 * BLOCK_C, +BLOCK_C)``.
 
-    Blocks are numbered group after group, then the tail (rows past the last group, cut
-    into ``TILE`` rows too), then unused ones (no rows); ``BLOCK_G > G``."""
+    Blocks are numbered group after group, then the tail (rows past the last group,
+    cut into ``TILE`` rows too), then unused ones: a group's block gets one scale per
+    column; a tail block writes zeros and ``inv`` 1; an unused block only ``inv`` 1.
+    ``q[m, c]`` is at ``q_ptr + m * stride_qm + c * stride_qc``, ``inv``
+    ``(cdiv(M, TILE) + G, C)``, ``BLOCK_G > G``. ``BLOCK_LAYOUT``: block ``b``'s rows go to
+    ``b * TILE + [0, TILE)`` instead, all ``TILE`` of them (zeros past the group's end)."""
+    b = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    col_mask = cols < C
     gs, starts, ends = _group_rows(sizes_ptr, G, M, BLOCK_G)  # slot G: the tail
     counts = (ends - starts + TILE - 1) // TILE
     block_end = tl.cumsum(counts, axis=0)
@@ -239,26 +241,15 @@ def _token_block_rows(sizes_ptr, M, G, b, TILE: tl.constexpr, BLOCK_T: tl.conste
     in_group = tl.sum(tl.where(owner & (gs < G), 1, 0), axis=0) > 0
     offs = tl.arange(0, BLOCK_T)
     rows = start + local * TILE + offs
-    return rows, (offs < TILE) & (rows < end), in_group
-
-
-@triton.jit
-def _quantize_block_columns(t_ptr, q_ptr, inv_ptr, b, rows, row_mask, in_group, cols, C,
-                            stride_tm, stride_tc, stride_qm, stride_qc, FP8_MAX: tl.constexpr,
-                            POW2: tl.constexpr, TILE: tl.constexpr, BLOCK_T: tl.constexpr,
-                            BLOCK_LAYOUT: tl.constexpr):
-    """Token block ``b`` x columns ``cols``: one scale per column (1 outside groups, whose
-    values count as zeros), the FP8 values stored, ``inv[b, cols]``. Returns the values."""
-    col_mask = cols < C
+    row_mask = (offs < TILE) & (rows < end)
     mask = row_mask[:, None] & col_mask[None, :]
     rows64 = rows.to(tl.int64)[:, None]
     cols64 = cols.to(tl.int64)[None, :]
     values = tl.load(t_ptr + rows64 * stride_tm + cols64 * stride_tc, mask=mask & in_group,
                      other=0.0).to(tl.float32)
-    scale = _scale(tl.max(tl.abs(values), axis=0), FP8_MAX, POW2)
+    scale = _scale(tl.max(tl.abs(values), axis=0), FP8_MAX, POW2)  # 1 outside groups
     scaled = tl.clamp(values * scale[None, :], -FP8_MAX, FP8_MAX)
     if BLOCK_LAYOUT:
-        offs = tl.arange(0, BLOCK_T)
         slots = (b.to(tl.int64) * TILE + offs)[:, None]
         tl.store(q_ptr + slots * stride_qm + cols64 * stride_qc, scaled.to(q_ptr.dtype.element_ty),
                  mask=(offs < TILE)[:, None] & col_mask[None, :])
@@ -266,67 +257,6 @@ def _quantize_block_columns(t_ptr, q_ptr, inv_ptr, b, rows, row_mask, in_group, 
         tl.store(q_ptr + rows64 * stride_qm + cols64 * stride_qc,
                  scaled.to(q_ptr.dtype.element_ty), mask=mask)
     tl.store(inv_ptr + b.to(tl.int64) * C + cols, 1.0 / scale, mask=col_mask)
-    return values
-
-
-@kernel
-@triton.jit
-def _quantize_token_blocks_kernel(t_ptr, sizes_ptr, q_ptr, inv_ptr, M, C, G, stride_tm, stride_tc,
-                                  stride_qm, stride_qc, FP8_MAX: tl.constexpr,
-                                  POW2: tl.constexpr, TILE: tl.constexpr,
-                                  BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
-                                  BLOCK_G: tl.constexpr, BLOCK_LAYOUT: tl.constexpr):
-    """Global block ``pid0`` (numbered as :func:`_token_block_rows` says) x columns
-    ``[pid1 * BLOCK_C, +BLOCK_C)``: a group's block gets one scale per column; a tail block
-    writes zeros and ``inv`` 1; an unused block only ``inv`` 1. ``q[m, c]`` is at ``q_ptr +
-    m * stride_qm + c * stride_qc``, ``inv`` ``(cdiv(M, TILE) + G, C)``. ``BLOCK_LAYOUT``:
-    block ``b``'s rows go to ``b * TILE + [0, TILE)`` instead, all ``TILE`` of them (zeros
-    past the group's end)."""
-    b = tl.program_id(0)
-    rows, row_mask, in_group = _token_block_rows(sizes_ptr, M, G, b, TILE, BLOCK_T, BLOCK_G)
-    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    _quantize_block_columns(t_ptr, q_ptr, inv_ptr, b, rows, row_mask, in_group, cols, C,
-                            stride_tm, stride_tc, stride_qm, stride_qc, FP8_MAX, POW2, TILE,
-                            BLOCK_T, BLOCK_LAYOUT)
-
-
-@kernel
-@triton.jit
-def _quantize_both_layouts_kernel(t_ptr, sizes_ptr, q_ptr, inv_ptr, rq_ptr, rinv_ptr, M, C, G,
-                                  stride_tm, stride_tc, stride_qm, stride_qc,
-                                  FP8_MAX: tl.constexpr, POW2: tl.constexpr, TILE: tl.constexpr,
-                                  BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
-                                  BLOCK_G: tl.constexpr):
-    """Token block ``pid0`` x columns ``[pid1 * TILE, +TILE)`` as
-    :func:`_quantize_token_blocks_kernel` in the block layout, and the same values as 1xTILE
-    row tiles into contiguous ``rq`` ``(M, C)`` and ``rinv`` ``(M, cdiv(C, TILE))`` (zeros
-    and 1 for rows past the last group). The row tile's amax comes first, from a pass over
-    its ``TILE // BLOCK_C`` column slices; the second pass reads them again (from L2, where
-    the first pass keeps them) and writes both layouts."""
-    b = tl.program_id(0)
-    rows, row_mask, in_group = _token_block_rows(sizes_ptr, M, G, b, TILE, BLOCK_T, BLOCK_G)
-    rows64 = rows.to(tl.int64)[:, None]
-    first_col = tl.program_id(1) * TILE
-    row_amax = tl.zeros([BLOCK_T], dtype=tl.float32)
-    for part in tl.static_range(TILE // BLOCK_C):
-        cols = first_col + part * BLOCK_C + tl.arange(0, BLOCK_C)
-        mask = (row_mask & in_group)[:, None] & (cols < C)[None, :]
-        # kept in L2 for the second pass (and a load the compiler will not merge with it)
-        values = tl.load(t_ptr + rows64 * stride_tm + cols.to(tl.int64)[None, :] * stride_tc,
-                         mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
-        row_amax = tl.maximum(row_amax, tl.max(tl.abs(values), axis=1))
-    row_scale = _scale(row_amax, FP8_MAX, POW2)
-    for part in tl.static_range(TILE // BLOCK_C):
-        cols = first_col + part * BLOCK_C + tl.arange(0, BLOCK_C)
-        values = _quantize_block_columns(t_ptr, q_ptr, inv_ptr, b, rows, row_mask, in_group,
-                                         cols, C, stride_tm, stride_tc, stride_qm, stride_qc,
-                                         FP8_MAX, POW2, TILE, BLOCK_T, True)
-        row_scaled = tl.clamp(values * row_scale[:, None], -FP8_MAX, FP8_MAX)
-        tl.store(rq_ptr + rows64 * C + cols.to(tl.int64)[None, :],
-                 row_scaled.to(rq_ptr.dtype.element_ty),
-                 mask=row_mask[:, None] & (cols < C)[None, :])
-    tl.store(rinv_ptr + rows.to(tl.int64) * tl.num_programs(1) + tl.program_id(1),
-             1.0 / row_scale, mask=row_mask)
 
 
 def quantize_token_blocks(t: torch.Tensor, sizes: torch.Tensor, fp8_dtype: torch.dtype,
@@ -367,38 +297,6 @@ def quantize_token_blocks(t: torch.Tensor, sizes: torch.Tensor, fp8_dtype: torch
         BLOCK_G=max(2, next_power_of_2(G + 1)), BLOCK_LAYOUT=transpose, num_warps=warps,
     )
     return _finish(data, fp8_dtype), inv
-
-
-def quantize_row_tiles_and_token_blocks(t: torch.Tensor, sizes: torch.Tensor,
-                                        fp8_dtype: torch.dtype, power_of_two: bool,
-                                        tile: int = 128):
-    """Both block layouts of one grouped operand from one read of it: ``((row_data,
-    row_inv), (block_data, block_inv))`` as :func:`quantize_row_tiles` (rows past the last
-    group: zeros, factor 1) and :func:`quantize_token_blocks` with ``transpose=True``."""
-    M, C = t.shape
-    G = sizes.shape[0]
-    if not use_triton(t) or t.numel() == 0 or next_power_of_2(tile) != tile:
-        ends = sizes.to(device=t.device, dtype=torch.int64).clamp(min=0).sum().clamp(max=M)
-        in_groups = torch.arange(M, device=t.device) < ends
-        rows = quantize_row_tiles(t * in_groups[:, None].to(t.dtype), fp8_dtype, power_of_two,
-                                  tile)
-        return rows, quantize_token_blocks(t, sizes, fp8_dtype, power_of_two, tile,
-                                           transpose=True)
-    blocks = num_token_blocks(M, G, tile)
-    sizes = sizes.to(t.device).contiguous()
-    block_data = _fp8_buffer((C, blocks * tile), t.device, fp8_dtype)
-    block_inv = torch.empty(blocks, C, device=t.device, dtype=torch.float32)
-    row_data = _fp8_buffer((M, C), t.device, fp8_dtype)
-    row_inv = torch.empty(M, cdiv(C, tile), device=t.device, dtype=torch.float32)
-    block_c, warps = BOTH_LAYOUTS_CONFIG
-    _quantize_both_layouts_kernel[(blocks, cdiv(C, tile))](
-        t, sizes, block_data, block_inv, row_data, row_inv, M, C, G, t.stride(0), t.stride(1),
-        block_data.stride(1), block_data.stride(0), FP8_MAX=torch.finfo(fp8_dtype).max,
-        POW2=power_of_two, TILE=tile, BLOCK_T=tile, BLOCK_C=min(block_c, tile),
-        BLOCK_G=max(2, next_power_of_2(G + 1)), num_warps=warps,
-    )
-    return ((_finish(row_data, fp8_dtype), row_inv),
-            (_finish(block_data, fp8_dtype), block_inv))
 
 
 def token_block_columns(sizes: torch.Tensor, num_rows: int, tile: int = 128) -> torch.Tensor:

@@ -8,13 +8,11 @@
   token-contiguous, one zero-padded block each, by their quantization kernel (the GEMM
   reduces over the tokens and reads whole blocks).
 
-One quantization pass per operand (:mod:`grouped_linear.kernels.quantize_blocks`): ``x``'s
-row tiles and token blocks from one read in the forward (backward keeps the FP8 token
-blocks, not ``x``), ``dy``'s likewise in the backward. The GEMMs come from
-:mod:`grouped_linear.kernels.fp8_gluon_gemm` on Hopper (asynchronous MMAs that overlap each
-block's rescale) and :mod:`grouped_linear.kernels.fp8_triton_gemm` elsewhere (CPU, other
-GPUs, operands TMA cannot address); any group size, rows past the splits' sum written as
-zeros by the GEMMs themselves, nothing read back to the host.
+One fused quantization pass per operand (:mod:`grouped_linear.kernels.quantize_blocks`);
+the GEMMs from :mod:`grouped_linear.kernels.fp8_gluon_gemm` on Hopper (asynchronous MMAs
+that overlap each block's rescale) and :mod:`grouped_linear.kernels.fp8_triton_gemm`
+elsewhere (CPU, other GPUs, operands TMA cannot address); any group size, rows past the
+splits' sum written as zeros by the GEMMs themselves, nothing read back to the host.
 """
 
 from __future__ import annotations
@@ -53,53 +51,36 @@ class Fp8BlockwiseFunction(torch.autograd.Function):
     """``y = x @ W_g^T + b_g`` per group with the three GEMMs in block-scaled FP8."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, sizes, offsets, config: Fp8Config, cached: Fp8Weight | None,
-                weight_grad_ahead: bool):
-        """``weight_grad_ahead``: a backward will want the weight's gradient (grad mode on
-        and the weight requiring it; inside ``forward`` autograd cannot tell)."""
+    def forward(ctx, x, weight, bias, sizes, offsets, config: Fp8Config, cached: Fp8Weight | None):
         recipe = config.recipe
-        pow2 = recipe.power_of_two_scales
-        if weight_grad_ahead:
-            # the wgrad's token blocks of x from the same read as the forward's row tiles;
-            # backward keeps them (FP8) instead of x
-            (x_data, x_inv), x_blocks = qb.quantize_row_tiles_and_token_blocks(
-                x, sizes, recipe.forward_dtype, pow2)
-        else:
-            x_data, x_inv = qb.quantize_row_tiles(x, recipe.forward_dtype, pow2)
-            x_blocks = (None, None)
+        x_data, x_inv = qb.quantize_row_tiles(x, recipe.forward_dtype, recipe.power_of_two_scales)
         w = cached if cached is not None else quantize_weight(weight.detach(), recipe, "triton")
         out = _grouped_mm(x_data, x_inv, w.forward_data, w.forward_inv, sizes, x.dtype)
         if bias is not None:
             out = bias_kernels.bias_epilogue_(out, bias, offsets, False)
-        ctx.save_for_backward(*x_blocks, weight, sizes, offsets, w.dgrad_data, w.dgrad_inv)
+        ctx.save_for_backward(x, weight, sizes, offsets, w.dgrad_data, w.dgrad_inv)
         ctx.config = config
         ctx.bias_dtype = bias.dtype if bias is not None else None
-        ctx.x_dtype, ctx.num_rows = x.dtype, x.shape[0]
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        x_t, x_inv_blocks, weight, sizes, offsets, wt_data, wt_inv = ctx.saved_tensors
+        x, weight, sizes, offsets, wt_data, wt_inv = ctx.saved_tensors
         config: Fp8Config = ctx.config
         recipe = config.recipe
         fp8_grad, pow2 = recipe.gradient_dtype, recipe.power_of_two_scales
         grad_out = grad_out.contiguous()
         grad_x = None
-        dy_blocks = None
         if ctx.needs_input_grad[0]:
-            if ctx.needs_input_grad[1]:  # dy read once for both GEMMs
-                (dy_data, dy_inv), dy_blocks = qb.quantize_row_tiles_and_token_blocks(
-                    grad_out, sizes, fp8_grad, pow2)
-            else:
-                dy_data, dy_inv = qb.quantize_row_tiles(grad_out, fp8_grad, pow2)
-            grad_x = _grouped_mm(dy_data, dy_inv, wt_data, wt_inv, sizes, ctx.x_dtype)
-            del dy_data, dy_inv
+            dy_data, dy_inv = qb.quantize_row_tiles(grad_out, fp8_grad, pow2)
+            grad_x = _grouped_mm(dy_data, dy_inv, wt_data, wt_inv, sizes, x.dtype)
 
         def grad_weight():
-            dy_t, dy_inv_blocks = dy_blocks if dy_blocks is not None else \
-                qb.quantize_token_blocks(grad_out, sizes, fp8_grad, pow2, transpose=True)
-            return _wgrad(dy_t, dy_inv_blocks, x_t, x_inv_blocks, sizes, ctx.num_rows,
-                          weight.dtype)
+            dy_t, dy_inv_blocks = qb.quantize_token_blocks(grad_out, sizes, fp8_grad, pow2,
+                                                           transpose=True)
+            x_t, x_inv_blocks = qb.quantize_token_blocks(x, sizes, recipe.forward_dtype, pow2,
+                                                         transpose=True)
+            return _wgrad(dy_t, dy_inv_blocks, x_t, x_inv_blocks, sizes, x.shape[0], weight.dtype)
 
         grad_w, grad_b = weight_and_bias_grads(ctx, grad_out, offsets, grad_weight)
-        return grad_x, grad_w, grad_b, None, None, None, None, None
+        return grad_x, grad_w, grad_b, None, None, None, None

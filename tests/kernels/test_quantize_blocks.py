@@ -225,24 +225,3 @@ def test_token_blocks_transposed_layout(sizes, tail):
     rest = torch.ones(blocks * 128, dtype=torch.bool)
     rest[columns[used]] = False
     assert torch.all(data_t.float().cpu()[:, rest] == 0)
-
-
-@pytest.mark.parametrize("sizes, tail, C, pow2", [([0, 1, 129, 130, 0], 5, 200, False),
-                                                  ([300], 0, 128, True), ([50, 90], -20, 70, True),
-                                                  ([0, 0], 7, 130, False)])
-def test_row_tiles_and_token_blocks_in_one_pass(sizes, tail, C, pow2):
-    """Both layouts equal the two separate passes (row tiles of rows past the groups: 0)."""
-    M = sum(sizes) + tail
-    t = _mixed(M, C).to(torch.bfloat16).to(DEVICE)
-    size_tensor = torch.tensor(sizes, device=DEVICE)
-    (row_data, row_inv), (block_data, block_inv) = qb.quantize_row_tiles_and_token_blocks(
-        t, size_tensor, E4M3, pow2)
-    used = min(sum(sizes), M)
-    in_groups = t.clone()
-    in_groups[used:] = 0
-    _check_pair((row_data, row_inv), qb.quantize_row_tiles(in_groups, E4M3, pow2), E4M3)
-    assert torch.all(row_data[used:].float() == 0) and torch.all(row_inv[used:] == 1)
-    want_data, want_inv = qb.quantize_token_blocks(t, size_tensor, E4M3, pow2, transpose=True)
-    assert block_data.shape == want_data.shape and block_data.dtype == E4M3
-    assert torch.equal(block_inv, want_inv)
-    assert torch.equal(block_data.view(torch.uint8), want_data.view(torch.uint8))
