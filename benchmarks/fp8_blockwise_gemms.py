@@ -2,9 +2,9 @@
 
 ``PYTHONPATH=. python benchmarks/fp8_blockwise_gemms.py [shape ...]``: on the bench shapes,
 forward (``x @ W^T``), dgrad (``dy @ W``, as the recipe runs it: the transposed weight copy)
-and wgrad (token-block operands) through ``fp8_triton_gemm`` and ``fp8_gluon_gemm`` on the
-same quantized operands; do_bench medians in TFLOP/s (``2 M K N`` per GEMM), and whether the
-two kernels' bf16 outputs are identical.
+and wgrad (token-block operands) through ``fp8_triton_gemm`` and the Gluon kernels
+(``fp8_gluon_gemm``, ``fp8_gluon_wgrad``) on the same quantized operands; do_bench medians in
+TFLOP/s (``2 M K N`` per GEMM), and whether the two kernels' bf16 outputs are identical.
 """
 
 import sys
@@ -14,6 +14,7 @@ import triton.testing
 
 from grouped_linear.cli.bench import load_shapes
 from grouped_linear.kernels import fp8_gluon_gemm as gg
+from grouped_linear.kernels import fp8_gluon_wgrad as gw
 from grouped_linear.kernels import fp8_triton_gemm as fg
 from grouped_linear.kernels import quantize_blocks as qb
 
@@ -42,7 +43,7 @@ def _wgrad(M, K, N, sizes):
     dy_t = qb.quantize_token_blocks(dy, sizes, E4M3, True, transpose=True)
     x_t = qb.quantize_token_blocks(x, sizes, E4M3, True, transpose=True)
     triton_fn = lambda: fg.blockwise_wgrad(*dy_t, *x_t, sizes, M)  # noqa: E731
-    gluon_fn = lambda: gg.blockwise_wgrad(*dy_t, *x_t, sizes, M)  # noqa: E731
+    gluon_fn = lambda: gw.blockwise_wgrad(*dy_t, *x_t, sizes, M)  # noqa: E731
     same = torch.equal(triton_fn(), gluon_fn())
     flops = 2 * M * K * N
     return _tflops(flops, triton_fn), _tflops(flops, gluon_fn), same

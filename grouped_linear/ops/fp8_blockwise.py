@@ -9,10 +9,11 @@
   reduces over the tokens and reads whole blocks).
 
 One fused quantization pass per operand (:mod:`grouped_linear.kernels.quantize_blocks`);
-the GEMMs from :mod:`grouped_linear.kernels.fp8_gluon_gemm` on Hopper (asynchronous MMAs
-that overlap each block's rescale) and :mod:`grouped_linear.kernels.fp8_triton_gemm`
-elsewhere (CPU, other GPUs, operands TMA cannot address); any group size, rows past the
-splits' sum written as zeros by the GEMMs themselves, nothing read back to the host.
+the GEMMs from :mod:`grouped_linear.kernels.fp8_gluon_gemm` and
+:mod:`grouped_linear.kernels.fp8_gluon_wgrad` on Hopper (asynchronous MMAs that overlap each
+block's rescale) and :mod:`grouped_linear.kernels.fp8_triton_gemm` elsewhere (CPU, other
+GPUs, operands TMA cannot address); any group size, rows past the splits' sum written as
+zeros by the GEMMs themselves, nothing read back to the host.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 
 from ..kernels import bias as bias_kernels
 from ..kernels import fp8_gluon_gemm as gluon_gemm
+from ..kernels import fp8_gluon_wgrad as gluon_wgrad
 from ..kernels import fp8_triton_gemm as fg
 from ..kernels import quantize_blocks as qb
 from .fp8 import Fp8Config, Fp8Weight, quantize_weight, weight_and_bias_grads
@@ -41,8 +43,8 @@ def _grouped_mm(a, a_inv, w_data, w_inv, sizes, out_dtype):
 
 
 def _wgrad(dy_t, dy_inv, x_t, x_inv, sizes, num_rows, out_dtype):
-    if USE_GLUON and gluon_gemm.wgrad_supported(dy_t, dy_inv, x_t, x_inv):
-        return gluon_gemm.blockwise_wgrad(dy_t, dy_inv, x_t, x_inv, sizes, num_rows,
+    if USE_GLUON and gluon_wgrad.wgrad_supported(dy_t, dy_inv, x_t, x_inv):
+        return gluon_wgrad.blockwise_wgrad(dy_t, dy_inv, x_t, x_inv, sizes, num_rows,
                                           out_dtype=out_dtype)
     return fg.blockwise_wgrad(dy_t, dy_inv, x_t, x_inv, sizes, num_rows, out_dtype=out_dtype)
 

@@ -24,6 +24,7 @@ import pytest
 import torch
 
 from grouped_linear.kernels import fp8_gluon_gemm as gg
+from grouped_linear.kernels import fp8_gluon_wgrad as gw
 from grouped_linear.kernels import fp8_triton_gemm as fg
 from grouped_linear.kernels import layout, routing
 from grouped_linear.kernels import quantize as q
@@ -212,7 +213,7 @@ def _compile_gluon(kernel, pointers, constants, num_warps, maxnreg=None):
 
     layout = gl.NVMMASharedLayout.get_default_for([gg.BLOCK, gg.BLOCK], gl.float8e4nv)
     descriptor = f"tensordesc<fp8e4nv[{gg.BLOCK}, {gg.BLOCK}],{layout!r}>"
-    factors = f"tensordesc<fp32[1, {gg.BLOCK}],{gg._factor_layout()!r}>"  # *_inv_desc
+    factors = f"tensordesc<fp32[1, {gg.BLOCK}],{gw._factor_layout()!r}>"  # *_inv_desc
     constants = {**constants, "num_warps": num_warps}
     signature = {}
     for param in kernel.params:
@@ -243,11 +244,11 @@ GLUON_CASES = {
                            {"BLOCK_G": 32, "NUM_PROGRAMS": 132, "STAGES": gg.MM_CONFIG[2],
                             "UNROLL": gg.MM_UNROLL},
                            gg.MM_CONFIG[1], None),
-    "gluon blockwise wgrad": (gg._blockwise_wgrad_kernel if HAS_TRITON and gg.HAS_GLUON else None,
+    "gluon blockwise wgrad": (gw._blockwise_wgrad_kernel if HAS_TRITON and gg.HAS_GLUON else None,
                               {"dw_ptr": "*bf16", "sizes_ptr": "*i64"},
-                              {"BLOCK_G": 32, "STAGES": gg.WGRAD_CONFIG[2],
-                               "UNROLL": gg.MM_UNROLL, "GROUP_N": gg.WGRAD_GROUP_N},
-                              gg.WGRAD_CONFIG[1], gg.WGRAD_MAXNREG),
+                              {"BLOCK_G": 32, "STAGES": gw.WGRAD_CONFIG[2],
+                               "UNROLL": gg.MM_UNROLL, "GROUP_N": gw.WGRAD_GROUP_N},
+                              gw.WGRAD_CONFIG[1], gw.WGRAD_MAXNREG),
 }
 
 

@@ -1,0 +1,245 @@
+"""The block-scaled FP8 weight gradient for Hopper in Gluon: ``dW_g = dy_g^T @ x_g``.
+
+Both operands come in the token-block layout of
+:func:`grouped_linear.kernels.quantize_blocks.quantize_token_blocks` (``transpose=True``):
+128-token blocks of each group, one factor per (block, column) on each side, so every
+block's partial product is rescaled by an outer product of the two factor rows. One program
+per (group, N tile, K tile). A loader warp of its own (warp specialization) keeps a ring of
+shared-memory stages full by TMA, each stage holding a block's two operand tiles and their
+two 128-float factor rows; the 8 MMA warps keep two warp-group MMAs in flight as
+:mod:`grouped_linear.kernels.fp8_gluon_gemm` does, and hand a stage back once its MMA is
+waited for and its factors read.
+
+Same contract, arguments and reference as
+:func:`grouped_linear.kernels.fp8_triton_gemm.blockwise_wgrad`, whose kernel serves CPU,
+other GPUs and operands TMA cannot describe (:func:`wgrad_supported`).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from ._triton import cdiv, next_power_of_2
+from .fp8_gluon_gemm import BLOCK, HAS_GLUON, MM_UNROLL
+
+if HAS_GLUON:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        tma,
+        warpgroup_mma_wait,
+    )
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from .fp8_gluon_gemm import (
+        _GL_DTYPES,
+        _add,
+        _descriptor,
+        _is_sm90,
+        _issue_mma,
+        _mma_layout,
+        _operand_ring,
+        _release_ring,
+        _store_tile,
+    )
+
+__all__ = ["wgrad_supported", "blockwise_wgrad", "WGRAD_CONFIG"]
+
+# (tile rows and columns, warps, shared-memory stages) of the MMA warps
+WGRAD_CONFIG = (128, 8, 4)
+# N tiles per run of the wgrad's program order: 650-680 against 610-640 TFLOP/s one N tile
+# at a time on the 8-group shapes (H200)
+WGRAD_GROUP_N = 8
+# The wgrad runs its 8 MMA warps beside one TMA warp (a warp group of 4 for the register
+# file): 12 warps at 168 registers fill the 64K registers of an SM; the MMA warps then take
+# 240 each and the loader's warp group 24.
+WGRAD_MAXNREG = 168
+
+if HAS_GLUON:
+
+    @gluon.jit
+    def _issue_wgrad_loads(dy_desc, x_desc, dy_inv_desc, x_inv_desc, n0, k0, block, bars,
+                           dy_bufs, x_bufs, dy_inv_bufs, x_inv_bufs, step,
+                           STAGES: gl.constexpr, pred):
+        """TMA token block ``block``'s operand tiles and their factors (a 128-float row of
+        each, zero past the matrix's edge) into step ``step``'s stage."""
+        stage = step % STAGES
+        bar = bars.index(stage)
+        BLOCK_T: gl.constexpr = dy_desc.block_type.shape[1]
+        mbarrier.expect(bar, dy_desc.block_type.nbytes + x_desc.block_type.nbytes
+                        + dy_inv_desc.block_type.nbytes + x_inv_desc.block_type.nbytes,
+                        pred=pred)
+        tma.async_copy_global_to_shared(dy_desc, [n0, block * BLOCK_T], bar,
+                                        dy_bufs.index(stage), pred)
+        tma.async_copy_global_to_shared(x_desc, [k0, block * BLOCK_T], bar, x_bufs.index(stage),
+                                        pred)
+        tma.async_copy_global_to_shared(dy_inv_desc, [block, n0], bar, dy_inv_bufs.index(stage),
+                                        pred)
+        tma.async_copy_global_to_shared(x_inv_desc, [block, k0], bar, x_inv_bufs.index(stage),
+                                        pred)
+
+    @gluon.jit
+    def _rescale_outer(acc, partial, dy_inv_bufs, x_inv_bufs, step, STAGES: gl.constexpr,
+                       PENDING: gl.constexpr):
+        """As :func:`_rescale_rows` with step ``step``'s factors per row and per column, read
+        from its stage (the column factors after the wait: they take 32 registers a thread)."""
+        layout: gl.constexpr = acc.type.layout
+        stage = step % STAGES
+        dy_scale = dy_inv_bufs.index(stage).reshape([acc.shape[0]]).load(gl.SliceLayout(1, layout))
+        done = warpgroup_mma_wait(PENDING, deps=[partial])
+        x_scale = x_inv_bufs.index(stage).reshape([acc.shape[1]]).load(gl.SliceLayout(0, layout))
+        return acc + done * dy_scale[:, None] * x_scale[None, :], done
+
+    @gluon.jit
+    def _wgrad_loader(dy_desc, x_desc, dy_inv_desc, x_inv_desc, dy_bufs, x_bufs, dy_inv_bufs,
+                      x_inv_bufs, ready, empty, n0, k0, first_block, n_blocks):
+        """Loader partition (one warp): fills stage ``i % STAGES`` with token block ``i`` once
+        the MMA warps have released it."""
+        STAGES: gl.constexpr = dy_bufs.type.shape[0]
+        for i in range(n_blocks):
+            mbarrier.wait(empty.index(i % STAGES), ((i // STAGES) & 1) ^ 1)
+            _issue_wgrad_loads(dy_desc, x_desc, dy_inv_desc, x_inv_desc, n0, k0, first_block + i,
+                               ready, dy_bufs, x_bufs, dy_inv_bufs, x_inv_bufs, i, STAGES, True)
+
+    @gluon.jit
+    def _release(empty, step, STAGES: gl.constexpr):
+        """Hand step ``step``'s stage back to the loader (its MMA waited for, its factors
+        read: the fence orders those reads before the TMA writes that follow)."""
+        fence_async_shared()
+        mbarrier.arrive(empty.index(step % STAGES), count=1)
+
+    @gluon.jit
+    def _wgrad_mma(dy_bufs, x_bufs, dy_inv_bufs, x_inv_bufs, ready, empty, n_blocks,
+                   UNROLL: gl.constexpr, layout: gl.constexpr):
+        """MMA partition: the product over ``n_blocks`` token blocks, pairs of MMAs in flight."""
+        STAGES: gl.constexpr = dy_bufs.type.shape[0]
+        BLOCK_N: gl.constexpr = dy_bufs.type.shape[1]
+        BLOCK_K: gl.constexpr = x_bufs.type.shape[1]
+        acc = gl.zeros([BLOCK_N, BLOCK_K], gl.float32, layout=layout)
+        free_a = gl.zeros([BLOCK_N, BLOCK_K], gl.float32, layout=layout)
+        free_b = gl.zeros([BLOCK_N, BLOCK_K], gl.float32, layout=layout)
+        unrolled = n_blocks // UNROLL * UNROLL
+        for i in range(0, unrolled, UNROLL):
+            running = _issue_mma(ready, dy_bufs, x_bufs, i, free_a, STAGES)
+            for j in gl.static_range(1, UNROLL):
+                following = _issue_mma(ready, dy_bufs, x_bufs, i + j, free_b, STAGES)
+                acc, free_b = _rescale_outer(acc, running, dy_inv_bufs, x_inv_bufs, i + j - 1,
+                                             STAGES, 1)
+                _release(empty, i + j - 1, STAGES)
+                running = following
+            acc, free_a = _rescale_outer(acc, running, dy_inv_bufs, x_inv_bufs, i + UNROLL - 1,
+                                         STAGES, 0)
+            _release(empty, i + UNROLL - 1, STAGES)
+        for i in range(unrolled, n_blocks):
+            running = _issue_mma(ready, dy_bufs, x_bufs, i, free_a, STAGES)
+            acc, free_a = _rescale_outer(acc, running, dy_inv_bufs, x_inv_bufs, i, STAGES, 0)
+            _release(empty, i, STAGES)
+        return (acc,)
+
+    @gluon.jit
+    def _blockwise_wgrad_kernel(dy_desc, x_desc, dy_inv_desc, x_inv_desc, dw_ptr, sizes_ptr, M,
+                                N, K, G, stride_dwg, stride_dwn, BLOCK_G: gl.constexpr,
+                                STAGES: gl.constexpr, UNROLL: gl.constexpr,
+                                GROUP_N: gl.constexpr, num_warps: gl.constexpr):
+        """One (group, N tile, K tile) of ``dW_g = dy_g^T x_g`` over the group's token blocks
+        (whole 128-token blocks, zero past the group's end: no masks along the tokens). A
+        loader warp keeps the ring full (a stage is refilled once the MMA warps release it),
+        so the MMA warps never wait on the copies' issue."""
+        BLOCK_N: gl.constexpr = dy_desc.block_type.shape[0]
+        BLOCK_T: gl.constexpr = dy_desc.block_type.shape[1]
+        BLOCK_K: gl.constexpr = x_desc.block_type.shape[0]
+        mma_layout: gl.constexpr = _mma_layout(BLOCK_N, BLOCK_K, num_warps)
+        table_layout: gl.constexpr = gl.BlockedLayout([BLOCK_G // 32], [32], [num_warps], [0])
+
+        n_tiles = gl.cdiv(N, BLOCK_N)
+        k_tiles = gl.cdiv(K, BLOCK_K)
+        pid = gl.program_id(0)
+        g = pid // (n_tiles * k_tiles)
+        # within a group, runs of GROUP_N N tiles sweep the K tiles together: the programs
+        # resident at once share their dy and x rows in L2
+        local = pid % (n_tiles * k_tiles)
+        run_n0 = local // (GROUP_N * k_tiles) * GROUP_N
+        run_n = gl.minimum(n_tiles - run_n0, GROUP_N)
+        in_run = local % (GROUP_N * k_tiles)
+        n0 = (run_n0 + in_run % run_n) * BLOCK_N
+        k0 = (in_run // run_n) * BLOCK_K
+        gs = gl.arange(0, BLOCK_G, layout=table_layout)
+        sizes = gl.maximum(gl.load(sizes_ptr + gs, mask=gs < G, other=0).to(gl.int64), 0)
+        inclusive = gl.associative_scan(sizes, 0, _add)
+        ends = gl.minimum(inclusive, M)
+        starts = gl.minimum(inclusive - sizes, M)
+        blocks = ((ends - starts + BLOCK_T - 1) // BLOCK_T).to(gl.int32)
+        first_block = gl.sum(gl.where(gs == g, gl.associative_scan(blocks, 0, _add) - blocks, 0),
+                             axis=0)
+        n_blocks = gl.sum(gl.where(gs == g, blocks, 0), axis=0)
+
+        dy_bufs, x_bufs, ready = _operand_ring(dy_desc, x_desc, STAGES)
+        dy_inv_bufs = gl.allocate_shared_memory(gl.float32, [STAGES] + dy_inv_desc.block_type.shape,
+                                                dy_inv_desc.layout)
+        x_inv_bufs = gl.allocate_shared_memory(gl.float32, [STAGES] + x_inv_desc.block_type.shape,
+                                               x_inv_desc.layout)
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for stage in gl.static_range(STAGES):
+            mbarrier.init(empty.index(stage), count=1)
+        results = gl.warp_specialize([
+            (_wgrad_mma, (dy_bufs, x_bufs, dy_inv_bufs, x_inv_bufs, ready, empty, n_blocks,
+                          UNROLL, mma_layout)),
+            (_wgrad_loader, (dy_desc, x_desc, dy_inv_desc, x_inv_desc, dy_bufs, x_bufs,
+                             dy_inv_bufs, x_inv_bufs, ready, empty, n0, k0, first_block,
+                             n_blocks)),
+        ], [1], [24])
+        acc = results[0]
+        _store_tile(dw_ptr + g.to(gl.int64) * stride_dwg, acc, n0, N - n0, k0, K - k0, stride_dwn,
+                    num_warps, BLOCK_N, BLOCK_K)
+        _release_ring(ready, STAGES)
+        _release_ring(empty, STAGES)
+
+
+def wgrad_supported(dy_blocks: torch.Tensor, dy_inv: torch.Tensor, x_blocks: torch.Tensor,
+                    x_inv: torch.Tensor) -> bool:
+    """Whether :func:`blockwise_wgrad` takes these token-block operands and factors (as
+    :func:`supported`: sm90, unit stride along the tokens, 16-byte aligned rows; float32
+    factor rows that TMA can address too)."""
+    return (HAS_GLUON and dy_blocks.is_cuda and _is_sm90(dy_blocks.device.index or 0)
+            and dy_blocks.dtype in _GL_DTYPES and x_blocks.dtype in _GL_DTYPES
+            and dy_blocks.shape[1] == x_blocks.shape[1] < 2**31 - 2 * BLOCK
+            and all(t.dim() == 2 and t.stride(1) == 1 and t.stride(0) % 16 == 0
+                    and t.data_ptr() % 16 == 0 for t in (dy_blocks, x_blocks))
+            and all(inv.dtype == torch.float32 and inv.dim() == 2 and inv.stride(1) == 1
+                    and inv.stride(0) % 4 == 0 and inv.data_ptr() % 16 == 0
+                    and inv.shape[1] == data.shape[0]
+                    for inv, data in ((dy_inv, dy_blocks), (x_inv, x_blocks))))
+
+
+@functools.cache
+def _factor_layout():
+    return gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=2)
+
+
+def _factor_descriptor(inv: torch.Tensor):
+    """One 128-float row of a token block's factors per TMA copy."""
+    return TensorDescriptor(inv, list(inv.shape), list(inv.stride()), [1, BLOCK],
+                            _factor_layout())
+
+
+def blockwise_wgrad(dy_blocks: torch.Tensor, dy_inv: torch.Tensor, x_blocks: torch.Tensor,
+                    x_inv: torch.Tensor, sizes: torch.Tensor, num_rows: int,
+                    out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """``(G, N, K)``: ``dW_g = dy_g^T @ x_g``; arguments as
+    :func:`grouped_linear.kernels.fp8_triton_gemm.blockwise_wgrad` (per-block factors).
+    Needs :func:`wgrad_supported` operands."""
+    N, K, G = dy_blocks.shape[0], x_blocks.shape[0], sizes.shape[0]
+    dw = torch.empty(G, N, K, device=dy_blocks.device, dtype=out_dtype)
+    if N == 0 or K == 0 or G == 0 or dy_blocks.shape[1] == 0:
+        return dw.zero_()
+    tile, warps, stages = WGRAD_CONFIG
+    _blockwise_wgrad_kernel[(G * cdiv(N, tile) * cdiv(K, tile),)](
+        _descriptor(dy_blocks, tile, BLOCK), _descriptor(x_blocks, tile, BLOCK),
+        _factor_descriptor(dy_inv), _factor_descriptor(x_inv), dw, sizes, num_rows, N, K, G,
+        dw.stride(0), dw.stride(1), BLOCK_G=max(32, next_power_of_2(G)), STAGES=stages,
+        UNROLL=MM_UNROLL, GROUP_N=WGRAD_GROUP_N, num_warps=warps, maxnreg=WGRAD_MAXNREG)
+    return dw
