@@ -244,6 +244,11 @@ GLUON_CASES = {
                            {"BLOCK_G": 32, "NUM_PROGRAMS": 132, "STAGES": gg.MM_CONFIG[2],
                             "UNROLL": gg.MM_UNROLL},
                            gg.MM_CONFIG[1], None),
+    "gluon blockwise mm, warp-specialized": (
+        gg._blockwise_mm_ws_kernel if HAS_TRITON and gg.HAS_GLUON else None,
+        {"out_ptr": "*bf16", "sizes_ptr": "*i64"},
+        {"BLOCK_G": 32, "NUM_PROGRAMS": 132, "STAGES": gg.MM_CONFIG[2], "UNROLL": gg.MM_UNROLL},
+        gg.MM_CONFIG[1], gg.MM_MAXNREG),
     "gluon blockwise wgrad": (gw._blockwise_wgrad_kernel if HAS_TRITON and gg.HAS_GLUON else None,
                               {"dw_ptr": "*bf16", "sizes_ptr": "*i64"},
                               {"BLOCK_G": 32, "STAGES": gw.WGRAD_CONFIG[2],
