@@ -4,9 +4,10 @@
 forward (``x @ W^T``), dgrad (``dy @ W``, as the recipe runs it: the transposed weight copy)
 and wgrad (token-block operands) through ``fp8_triton_gemm`` and the Gluon kernels
 (``fp8_gluon_gemm``, ``fp8_gluon_wgrad``) on the same quantized operands; do_bench medians in
-TFLOP/s (``2 M K N`` per GEMM), and whether the kernels' bf16 outputs are identical. The
-forward/dgrad kernel runs twice: as used, and warp-specialized (``grouped_mm(...,
-warp_specialized=True)``: a loader warp issues the copies).
+TFLOP/s (``2 M K N`` per GEMM), and whether the kernels' bf16 outputs are identical. Each
+Gluon kernel runs twice, plain and as its variant (column ``variant``): the forward/dgrad
+warp-specialized (``grouped_mm(..., warp_specialized=True)``), the wgrad persistent
+(``blockwise_wgrad(..., persistent=True)``).
 """
 
 import sys
@@ -46,25 +47,26 @@ def _wgrad(M, K, N, sizes):
     dy_t = qb.quantize_token_blocks(dy, sizes, E4M3, True, transpose=True)
     x_t = qb.quantize_token_blocks(x, sizes, E4M3, True, transpose=True)
     triton_fn = lambda: fg.blockwise_wgrad(*dy_t, *x_t, sizes, M)  # noqa: E731
-    gluon_fn = lambda: gw.blockwise_wgrad(*dy_t, *x_t, sizes, M)  # noqa: E731
-    same = torch.equal(triton_fn(), gluon_fn())
+    gluon_fn = lambda: gw.blockwise_wgrad(*dy_t, *x_t, sizes, M, persistent=False)  # noqa: E731
+    persistent_fn = lambda: gw.blockwise_wgrad(*dy_t, *x_t, sizes, M, persistent=True)  # noqa: E731
+    same = torch.equal(triton_fn(), gluon_fn()) and torch.equal(gluon_fn(), persistent_fn())
     flops = 2 * M * K * N
-    return _tflops(flops, triton_fn), _tflops(flops, gluon_fn), float("nan"), same
+    return _tflops(flops, triton_fn), _tflops(flops, gluon_fn), _tflops(flops, persistent_fn), same
 
 
 def main(names):
     shapes = load_shapes()
     print(f"{'shape':22s} {'GEMM':6s} {'Triton':>7s} {'Gluon':>7s} {'ratio':>6s} "
-          f"{'Gluon ws':>9s} {'ws/Gluon':>9s}  identical")
+          f"{'variant':>8s} {'var/Gluon':>9s}  identical")
     for name in names or [n for n in shapes if not n.startswith("small")]:
         shape = shapes[name]
         M, K, N = sum(shape.splits), shape.K, shape.N
         sizes = torch.tensor(list(shape.splits), device="cuda")
-        for gemm, (tri, glu, ws, same) in (("fwd", _mm(M, K, N, sizes)),
+        for gemm, (tri, glu, variant, same) in (("fwd", _mm(M, K, N, sizes)),
                                            ("dgrad", _mm(M, N, K, sizes)),
                                            ("wgrad", _wgrad(M, K, N, sizes))):
-            print(f"{name:22s} {gemm:6s} {tri:7.0f} {glu:7.0f} {glu / tri:6.2f} {ws:9.0f} "
-                  f"{ws / glu:9.2f}  {same}")
+            print(f"{name:22s} {gemm:6s} {tri:7.0f} {glu:7.0f} {glu / tri:6.2f} {variant:8.0f} "
+                  f"{variant / glu:9.2f}  {same}")
 
 
 if __name__ == "__main__":

@@ -58,6 +58,9 @@ WGRAD_GROUP_N = 8
 # file): 12 warps at 168 registers fill the 64K registers of an SM; the MMA warps then take
 # 240 each and the loader's warp group 24.
 WGRAD_MAXNREG = 168
+# Persistent variant: one program per SM walks its tiles (the loader runs into the next tile
+# while the MMA warps store the last one). Off until measured against one program per tile.
+WGRAD_PERSISTENT = False
 
 if HAS_GLUON:
 
@@ -95,15 +98,24 @@ if HAS_GLUON:
         return acc + done * dy_scale[:, None] * x_scale[None, :], done
 
     @gluon.jit
-    def _wgrad_loader(dy_desc, x_desc, dy_inv_desc, x_inv_desc, dy_bufs, x_bufs, dy_inv_bufs,
-                      x_inv_bufs, ready, empty, n0, k0, first_block, n_blocks):
-        """Loader partition (one warp): fills stage ``i % STAGES`` with token block ``i`` once
-        the MMA warps have released it."""
+    def _load_tile(dy_desc, x_desc, dy_inv_desc, x_inv_desc, dy_bufs, x_bufs, dy_inv_bufs,
+                   x_inv_bufs, ready, empty, step0, n0, k0, first_block, n_blocks):
+        """Loader: one tile's token blocks ``first_block + i`` into the stages of steps
+        ``step0 + i``, each once the MMA warps have released it."""
         STAGES: gl.constexpr = dy_bufs.type.shape[0]
         for i in range(n_blocks):
-            mbarrier.wait(empty.index(i % STAGES), ((i // STAGES) & 1) ^ 1)
+            step = step0 + i
+            mbarrier.wait(empty.index(step % STAGES), ((step // STAGES) & 1) ^ 1)
             _issue_wgrad_loads(dy_desc, x_desc, dy_inv_desc, x_inv_desc, n0, k0, first_block + i,
-                               ready, dy_bufs, x_bufs, dy_inv_bufs, x_inv_bufs, i, STAGES, True)
+                               ready, dy_bufs, x_bufs, dy_inv_bufs, x_inv_bufs, step, STAGES,
+                               True)
+
+    @gluon.jit
+    def _wgrad_loader(dy_desc, x_desc, dy_inv_desc, x_inv_desc, dy_bufs, x_bufs, dy_inv_bufs,
+                      x_inv_bufs, ready, empty, n0, k0, first_block, n_blocks):
+        """Loader partition (one warp) of the one-tile kernel."""
+        _load_tile(dy_desc, x_desc, dy_inv_desc, x_inv_desc, dy_bufs, x_bufs, dy_inv_bufs,
+                   x_inv_bufs, ready, empty, 0, n0, k0, first_block, n_blocks)
 
     @gluon.jit
     def _release(empty, step, STAGES: gl.constexpr):
@@ -113,9 +125,10 @@ if HAS_GLUON:
         mbarrier.arrive(empty.index(step % STAGES), count=1)
 
     @gluon.jit
-    def _wgrad_mma(dy_bufs, x_bufs, dy_inv_bufs, x_inv_bufs, ready, empty, n_blocks,
-                   UNROLL: gl.constexpr, layout: gl.constexpr):
-        """MMA partition: the product over ``n_blocks`` token blocks, pairs of MMAs in flight."""
+    def _tile_product(dy_bufs, x_bufs, dy_inv_bufs, x_inv_bufs, ready, empty, step0, n_blocks,
+                      UNROLL: gl.constexpr, layout: gl.constexpr):
+        """The product over one tile's ``n_blocks`` token blocks (pipeline steps ``step0 +
+        i``), pairs of MMAs in flight, each stage released once done with."""
         STAGES: gl.constexpr = dy_bufs.type.shape[0]
         BLOCK_N: gl.constexpr = dy_bufs.type.shape[1]
         BLOCK_K: gl.constexpr = x_bufs.type.shape[1]
@@ -124,21 +137,66 @@ if HAS_GLUON:
         free_b = gl.zeros([BLOCK_N, BLOCK_K], gl.float32, layout=layout)
         unrolled = n_blocks // UNROLL * UNROLL
         for i in range(0, unrolled, UNROLL):
-            running = _issue_mma(ready, dy_bufs, x_bufs, i, free_a, STAGES)
+            running = _issue_mma(ready, dy_bufs, x_bufs, step0 + i, free_a, STAGES)
             for j in gl.static_range(1, UNROLL):
-                following = _issue_mma(ready, dy_bufs, x_bufs, i + j, free_b, STAGES)
-                acc, free_b = _rescale_outer(acc, running, dy_inv_bufs, x_inv_bufs, i + j - 1,
-                                             STAGES, 1)
-                _release(empty, i + j - 1, STAGES)
+                following = _issue_mma(ready, dy_bufs, x_bufs, step0 + i + j, free_b, STAGES)
+                acc, free_b = _rescale_outer(acc, running, dy_inv_bufs, x_inv_bufs,
+                                             step0 + i + j - 1, STAGES, 1)
+                _release(empty, step0 + i + j - 1, STAGES)
                 running = following
-            acc, free_a = _rescale_outer(acc, running, dy_inv_bufs, x_inv_bufs, i + UNROLL - 1,
-                                         STAGES, 0)
-            _release(empty, i + UNROLL - 1, STAGES)
+            acc, free_a = _rescale_outer(acc, running, dy_inv_bufs, x_inv_bufs,
+                                         step0 + i + UNROLL - 1, STAGES, 0)
+            _release(empty, step0 + i + UNROLL - 1, STAGES)
         for i in range(unrolled, n_blocks):
-            running = _issue_mma(ready, dy_bufs, x_bufs, i, free_a, STAGES)
-            acc, free_a = _rescale_outer(acc, running, dy_inv_bufs, x_inv_bufs, i, STAGES, 0)
-            _release(empty, i, STAGES)
-        return (acc,)
+            running = _issue_mma(ready, dy_bufs, x_bufs, step0 + i, free_a, STAGES)
+            acc, free_a = _rescale_outer(acc, running, dy_inv_bufs, x_inv_bufs, step0 + i,
+                                         STAGES, 0)
+            _release(empty, step0 + i, STAGES)
+        return acc
+
+    @gluon.jit
+    def _wgrad_mma(dy_bufs, x_bufs, dy_inv_bufs, x_inv_bufs, ready, empty, n_blocks,
+                   UNROLL: gl.constexpr, layout: gl.constexpr):
+        """MMA partition of the one-tile kernel: the tile's product."""
+        return (_tile_product(dy_bufs, x_bufs, dy_inv_bufs, x_inv_bufs, ready, empty, 0,
+                              n_blocks, UNROLL, layout),)
+
+    @gluon.jit
+    def _wgrad_tile(tile, n_tiles, k_tiles, GROUP_N: gl.constexpr, BLOCK_N: gl.constexpr,
+                    BLOCK_K: gl.constexpr):
+        """Tile ``tile``'s group and first N and K. Within a group, runs of GROUP_N N tiles
+        sweep the K tiles together: the tiles running at once share their dy and x rows in
+        L2."""
+        g = tile // (n_tiles * k_tiles)
+        local = tile % (n_tiles * k_tiles)
+        run_n0 = local // (GROUP_N * k_tiles) * GROUP_N
+        run_n = gl.minimum(n_tiles - run_n0, GROUP_N)
+        in_run = local % (GROUP_N * k_tiles)
+        return g, (run_n0 + in_run % run_n) * BLOCK_N, (in_run // run_n) * BLOCK_K
+
+    @gluon.jit
+    def _group_blocks(sizes_ptr, G, M, BLOCK_T: gl.constexpr, BLOCK_G: gl.constexpr,
+                      layout: gl.constexpr):
+        """Per-group vectors: each group's first global token block and its block count."""
+        gs = gl.arange(0, BLOCK_G, layout=layout)
+        sizes = gl.maximum(gl.load(sizes_ptr + gs, mask=gs < G, other=0).to(gl.int64), 0)
+        inclusive = gl.associative_scan(sizes, 0, _add)
+        ends = gl.minimum(inclusive, M)
+        starts = gl.minimum(inclusive - sizes, M)
+        blocks = ((ends - starts + BLOCK_T - 1) // BLOCK_T).to(gl.int32)
+        return gs, gl.associative_scan(blocks, 0, _add) - blocks, blocks
+
+    @gluon.jit
+    def _factor_rings(dy_inv_desc, x_inv_desc, STAGES: gl.constexpr):
+        """The factor rows' stages and the ring's "empty" barriers."""
+        dy_inv_bufs = gl.allocate_shared_memory(gl.float32, [STAGES] + dy_inv_desc.block_type.shape,
+                                                dy_inv_desc.layout)
+        x_inv_bufs = gl.allocate_shared_memory(gl.float32, [STAGES] + x_inv_desc.block_type.shape,
+                                               x_inv_desc.layout)
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for stage in gl.static_range(STAGES):
+            mbarrier.init(empty.index(stage), count=1)
+        return dy_inv_bufs, x_inv_bufs, empty
 
     @gluon.jit
     def _blockwise_wgrad_kernel(dy_desc, x_desc, dy_inv_desc, x_inv_desc, dw_ptr, sizes_ptr, M,
@@ -154,37 +212,14 @@ if HAS_GLUON:
         BLOCK_K: gl.constexpr = x_desc.block_type.shape[0]
         mma_layout: gl.constexpr = _mma_layout(BLOCK_N, BLOCK_K, num_warps)
         table_layout: gl.constexpr = gl.BlockedLayout([BLOCK_G // 32], [32], [num_warps], [0])
-
-        n_tiles = gl.cdiv(N, BLOCK_N)
-        k_tiles = gl.cdiv(K, BLOCK_K)
-        pid = gl.program_id(0)
-        g = pid // (n_tiles * k_tiles)
-        # within a group, runs of GROUP_N N tiles sweep the K tiles together: the programs
-        # resident at once share their dy and x rows in L2
-        local = pid % (n_tiles * k_tiles)
-        run_n0 = local // (GROUP_N * k_tiles) * GROUP_N
-        run_n = gl.minimum(n_tiles - run_n0, GROUP_N)
-        in_run = local % (GROUP_N * k_tiles)
-        n0 = (run_n0 + in_run % run_n) * BLOCK_N
-        k0 = (in_run // run_n) * BLOCK_K
-        gs = gl.arange(0, BLOCK_G, layout=table_layout)
-        sizes = gl.maximum(gl.load(sizes_ptr + gs, mask=gs < G, other=0).to(gl.int64), 0)
-        inclusive = gl.associative_scan(sizes, 0, _add)
-        ends = gl.minimum(inclusive, M)
-        starts = gl.minimum(inclusive - sizes, M)
-        blocks = ((ends - starts + BLOCK_T - 1) // BLOCK_T).to(gl.int32)
-        first_block = gl.sum(gl.where(gs == g, gl.associative_scan(blocks, 0, _add) - blocks, 0),
-                             axis=0)
+        g, n0, k0 = _wgrad_tile(gl.program_id(0), gl.cdiv(N, BLOCK_N), gl.cdiv(K, BLOCK_K),
+                                GROUP_N, BLOCK_N, BLOCK_K)
+        gs, firsts, blocks = _group_blocks(sizes_ptr, G, M, BLOCK_T, BLOCK_G, table_layout)
+        first_block = gl.sum(gl.where(gs == g, firsts, 0), axis=0)
         n_blocks = gl.sum(gl.where(gs == g, blocks, 0), axis=0)
 
         dy_bufs, x_bufs, ready = _operand_ring(dy_desc, x_desc, STAGES)
-        dy_inv_bufs = gl.allocate_shared_memory(gl.float32, [STAGES] + dy_inv_desc.block_type.shape,
-                                                dy_inv_desc.layout)
-        x_inv_bufs = gl.allocate_shared_memory(gl.float32, [STAGES] + x_inv_desc.block_type.shape,
-                                               x_inv_desc.layout)
-        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        for stage in gl.static_range(STAGES):
-            mbarrier.init(empty.index(stage), count=1)
+        dy_inv_bufs, x_inv_bufs, empty = _factor_rings(dy_inv_desc, x_inv_desc, STAGES)
         results = gl.warp_specialize([
             (_wgrad_mma, (dy_bufs, x_bufs, dy_inv_bufs, x_inv_bufs, ready, empty, n_blocks,
                           UNROLL, mma_layout)),
@@ -195,6 +230,83 @@ if HAS_GLUON:
         acc = results[0]
         _store_tile(dw_ptr + g.to(gl.int64) * stride_dwg, acc, n0, N - n0, k0, K - k0, stride_dwn,
                     num_warps, BLOCK_N, BLOCK_K)
+        _release_ring(ready, STAGES)
+        _release_ring(empty, STAGES)
+
+
+    @gluon.jit
+    def _persistent_loader(dy_desc, x_desc, dy_inv_desc, x_inv_desc, dy_bufs, x_bufs,
+                           dy_inv_bufs, x_inv_bufs, ready, empty, sizes_ptr, M, N, K, G,
+                           BLOCK_G: gl.constexpr, GROUP_N: gl.constexpr,
+                           NUM_PROGRAMS: gl.constexpr):
+        """Loader partition (one warp) of the persistent kernel: the program's tiles in
+        order, the ring filled across tile boundaries."""
+        BLOCK_N: gl.constexpr = dy_desc.block_type.shape[0]
+        BLOCK_T: gl.constexpr = dy_desc.block_type.shape[1]
+        BLOCK_K: gl.constexpr = x_desc.block_type.shape[0]
+        table_layout: gl.constexpr = gl.BlockedLayout([BLOCK_G // 32], [32], [1], [0])
+        gs, firsts, blocks = _group_blocks(sizes_ptr, G, M, BLOCK_T, BLOCK_G, table_layout)
+        n_tiles = gl.cdiv(N, BLOCK_N)
+        k_tiles = gl.cdiv(K, BLOCK_K)
+        pid = gl.program_id(0)
+        my_tiles = gl.cdiv(G * n_tiles * k_tiles - pid, NUM_PROGRAMS)
+        step = 0
+        for t in range(0, my_tiles):
+            g, n0, k0 = _wgrad_tile(pid + t * NUM_PROGRAMS, n_tiles, k_tiles, GROUP_N, BLOCK_N,
+                                    BLOCK_K)
+            n_blocks = gl.sum(gl.where(gs == g, blocks, 0), axis=0)
+            _load_tile(dy_desc, x_desc, dy_inv_desc, x_inv_desc, dy_bufs, x_bufs, dy_inv_bufs,
+                       x_inv_bufs, ready, empty, step, n0, k0,
+                       gl.sum(gl.where(gs == g, firsts, 0), axis=0), n_blocks)
+            step += n_blocks
+
+    @gluon.jit
+    def _persistent_tiles(dy_bufs, x_bufs, dy_inv_bufs, x_inv_bufs, ready, empty, dw_ptr,
+                          sizes_ptr, M, N, K, G, stride_dwg, stride_dwn, BLOCK_G: gl.constexpr,
+                          GROUP_N: gl.constexpr, NUM_PROGRAMS: gl.constexpr,
+                          UNROLL: gl.constexpr, num_warps: gl.constexpr):
+        """MMA partition of the persistent kernel: each tile's product, then its store (the
+        loader meanwhile fills the ring with the next tile's blocks)."""
+        BLOCK_N: gl.constexpr = dy_bufs.type.shape[1]
+        BLOCK_T: gl.constexpr = dy_bufs.type.shape[2]
+        BLOCK_K: gl.constexpr = x_bufs.type.shape[1]
+        mma_layout: gl.constexpr = _mma_layout(BLOCK_N, BLOCK_K, num_warps)
+        table_layout: gl.constexpr = gl.BlockedLayout([BLOCK_G // 32], [32], [num_warps], [0])
+        gs, _firsts, blocks = _group_blocks(sizes_ptr, G, M, BLOCK_T, BLOCK_G, table_layout)
+        n_tiles = gl.cdiv(N, BLOCK_N)
+        k_tiles = gl.cdiv(K, BLOCK_K)
+        pid = gl.program_id(0)
+        my_tiles = gl.cdiv(G * n_tiles * k_tiles - pid, NUM_PROGRAMS)
+        step = 0
+        for t in range(0, my_tiles):
+            g, n0, k0 = _wgrad_tile(pid + t * NUM_PROGRAMS, n_tiles, k_tiles, GROUP_N, BLOCK_N,
+                                    BLOCK_K)
+            n_blocks = gl.sum(gl.where(gs == g, blocks, 0), axis=0)
+            acc = _tile_product(dy_bufs, x_bufs, dy_inv_bufs, x_inv_bufs, ready, empty, step,
+                                n_blocks, UNROLL, mma_layout)
+            _store_tile(dw_ptr + g.to(gl.int64) * stride_dwg, acc, n0, N - n0, k0, K - k0,
+                        stride_dwn, num_warps, BLOCK_N, BLOCK_K)
+            step += n_blocks
+
+    @gluon.jit
+    def _blockwise_wgrad_persistent_kernel(dy_desc, x_desc, dy_inv_desc, x_inv_desc, dw_ptr,
+                                           sizes_ptr, M, N, K, G, stride_dwg, stride_dwn,
+                                           BLOCK_G: gl.constexpr, STAGES: gl.constexpr,
+                                           UNROLL: gl.constexpr, GROUP_N: gl.constexpr,
+                                           NUM_PROGRAMS: gl.constexpr,
+                                           num_warps: gl.constexpr):
+        """:func:`_blockwise_wgrad_kernel` over tiles ``pid, pid + NUM_PROGRAMS, ...``: the
+        loader prefetches the next tile's blocks while the MMA warps store the last one."""
+        dy_bufs, x_bufs, ready = _operand_ring(dy_desc, x_desc, STAGES)
+        dy_inv_bufs, x_inv_bufs, empty = _factor_rings(dy_inv_desc, x_inv_desc, STAGES)
+        gl.warp_specialize([
+            (_persistent_tiles, (dy_bufs, x_bufs, dy_inv_bufs, x_inv_bufs, ready, empty, dw_ptr,
+                                 sizes_ptr, M, N, K, G, stride_dwg, stride_dwn, BLOCK_G,
+                                 GROUP_N, NUM_PROGRAMS, UNROLL, num_warps)),
+            (_persistent_loader, (dy_desc, x_desc, dy_inv_desc, x_inv_desc, dy_bufs, x_bufs,
+                                  dy_inv_bufs, x_inv_bufs, ready, empty, sizes_ptr, M, N, K, G,
+                                  BLOCK_G, GROUP_N, NUM_PROGRAMS)),
+        ], [1], [24])
         _release_ring(ready, STAGES)
         _release_ring(empty, STAGES)
 
@@ -228,18 +340,26 @@ def _factor_descriptor(inv: torch.Tensor):
 
 def blockwise_wgrad(dy_blocks: torch.Tensor, dy_inv: torch.Tensor, x_blocks: torch.Tensor,
                     x_inv: torch.Tensor, sizes: torch.Tensor, num_rows: int,
-                    out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+                    out_dtype: torch.dtype = torch.bfloat16,
+                    persistent: bool | None = None) -> torch.Tensor:
     """``(G, N, K)``: ``dW_g = dy_g^T @ x_g``; arguments as
     :func:`grouped_linear.kernels.fp8_triton_gemm.blockwise_wgrad` (per-block factors).
-    Needs :func:`wgrad_supported` operands."""
+    Needs :func:`wgrad_supported` operands. ``persistent``: one program per SM over the tiles
+    instead of one per tile (default :data:`WGRAD_PERSISTENT`)."""
     N, K, G = dy_blocks.shape[0], x_blocks.shape[0], sizes.shape[0]
     dw = torch.empty(G, N, K, device=dy_blocks.device, dtype=out_dtype)
     if N == 0 or K == 0 or G == 0 or dy_blocks.shape[1] == 0:
         return dw.zero_()
     tile, warps, stages = WGRAD_CONFIG
-    _blockwise_wgrad_kernel[(G * cdiv(N, tile) * cdiv(K, tile),)](
-        _descriptor(dy_blocks, tile, BLOCK), _descriptor(x_blocks, tile, BLOCK),
-        _factor_descriptor(dy_inv), _factor_descriptor(x_inv), dw, sizes, num_rows, N, K, G,
-        dw.stride(0), dw.stride(1), BLOCK_G=max(32, next_power_of_2(G)), STAGES=stages,
-        UNROLL=MM_UNROLL, GROUP_N=WGRAD_GROUP_N, num_warps=warps, maxnreg=WGRAD_MAXNREG)
+    tiles = G * cdiv(N, tile) * cdiv(K, tile)
+    args = (_descriptor(dy_blocks, tile, BLOCK), _descriptor(x_blocks, tile, BLOCK),
+            _factor_descriptor(dy_inv), _factor_descriptor(x_inv), dw, sizes, num_rows, N, K, G,
+            dw.stride(0), dw.stride(1))
+    options = dict(BLOCK_G=max(32, next_power_of_2(G)), STAGES=stages, UNROLL=MM_UNROLL,
+                   GROUP_N=WGRAD_GROUP_N, num_warps=warps, maxnreg=WGRAD_MAXNREG)
+    if WGRAD_PERSISTENT if persistent is None else persistent:
+        programs = min(torch.cuda.get_device_properties(dw.device).multi_processor_count, tiles)
+        _blockwise_wgrad_persistent_kernel[(programs,)](*args, NUM_PROGRAMS=programs, **options)
+    else:
+        _blockwise_wgrad_kernel[(tiles,)](*args, **options)
     return dw

@@ -254,6 +254,12 @@ GLUON_CASES = {
                               {"BLOCK_G": 32, "STAGES": gw.WGRAD_CONFIG[2],
                                "UNROLL": gg.MM_UNROLL, "GROUP_N": gw.WGRAD_GROUP_N},
                               gw.WGRAD_CONFIG[1], gw.WGRAD_MAXNREG),
+    "gluon blockwise wgrad, persistent": (
+        gw._blockwise_wgrad_persistent_kernel if HAS_TRITON and gg.HAS_GLUON else None,
+        {"dw_ptr": "*bf16", "sizes_ptr": "*i64"},
+        {"BLOCK_G": 32, "STAGES": gw.WGRAD_CONFIG[2], "UNROLL": gg.MM_UNROLL,
+         "GROUP_N": gw.WGRAD_GROUP_N, "NUM_PROGRAMS": 132},
+        gw.WGRAD_CONFIG[1], gw.WGRAD_MAXNREG),
 }
 
 
