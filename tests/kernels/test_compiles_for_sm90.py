@@ -29,6 +29,7 @@ from grouped_linear.kernels import fp8_triton_gemm as fg
 from grouped_linear.kernels import layout, routing
 from grouped_linear.kernels import quantize as q
 from grouped_linear.kernels import quantize_blocks as qb
+from grouped_linear.kernels import quantize_blocks_gluon as qbg
 from grouped_linear.kernels import quantize_columns_tiled as qct
 from grouped_linear.kernels import quantize_folded as qf
 from grouped_linear.kernels import quantize_groups as qg
@@ -207,13 +208,14 @@ VECTOR_LOADS = {"rows", "rows of pieces", "rows, scale per group", "group amax"}
 
 def _compile_gluon(kernel, pointers, constants, num_warps, maxnreg=None):
     """A Gluon kernel: its ``*_desc`` arguments are TMA descriptors of 128 x 128 FP8 tiles,
-    ``*_inv_desc`` ones of 128-float rows of factors."""
+    ``*_inv_desc`` ones of 128-float rows of factors, ``t_desc`` of 128 x 128 bf16 tiles."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
     layout = gl.NVMMASharedLayout.get_default_for([gg.BLOCK, gg.BLOCK], gl.float8e4nv)
     descriptor = f"tensordesc<fp8e4nv[{gg.BLOCK}, {gg.BLOCK}],{layout!r}>"
     factors = f"tensordesc<fp32[1, {gg.BLOCK}],{gw._factor_layout()!r}>"  # *_inv_desc
+    bf16_tile = f"tensordesc<bf16[{qbg.TILE}, {qbg.TILE}],{qbg._tile_layout()!r}>"  # t_desc
     constants = {**constants, "num_warps": num_warps}
     signature = {}
     for param in kernel.params:
@@ -221,6 +223,8 @@ def _compile_gluon(kernel, pointers, constants, num_warps, maxnreg=None):
             signature[param.name] = "constexpr"
         elif param.name.endswith("_inv_desc"):
             signature[param.name] = factors
+        elif param.name == "t_desc":
+            signature[param.name] = bf16_tile
         elif param.name.endswith("_desc"):
             signature[param.name] = descriptor
         elif param.name.endswith("_ptr"):
@@ -228,7 +232,7 @@ def _compile_gluon(kernel, pointers, constants, num_warps, maxnreg=None):
         else:
             signature[param.name] = "i32"
     aligned = {(i,): [["tt.divisibility", 16]] for i, param in enumerate(kernel.params)
-               if signature[param.name] not in ("constexpr", descriptor, factors)}
+               if signature[param.name] not in ("constexpr", descriptor, factors, bf16_tile)}
     source = GluonASTSource(kernel, signature, constants, aligned)
     options = {"num_warps": num_warps}
     if maxnreg is not None:
@@ -260,7 +264,13 @@ GLUON_CASES = {
         {"BLOCK_G": 32, "STAGES": gw.WGRAD_CONFIG[2], "UNROLL": gg.MM_UNROLL,
          "GROUP_N": gw.WGRAD_GROUP_N, "NUM_PROGRAMS": 132},
         gw.WGRAD_CONFIG[1], gw.WGRAD_MAXNREG),
+    "gluon row tiles and token blocks": (
+        qbg._quantize_both_kernel if HAS_TRITON and gg.HAS_GLUON else None,
+        {"sizes_ptr": "*i64", "rq_ptr": F8, "q_ptr": F8},
+        {"FP8_MAX": FP8_MAX, "POW2": True, "SLICE_": qbg.SLICE, "BLOCK_G": 32}, qbg.WARPS, None),
 }
+# Gluon kernels without MMAs (the MMA checks do not apply).
+GLUON_STREAMING = {"gluon row tiles and token blocks"}
 
 
 def _check_gluon(name: str) -> str:
@@ -272,6 +282,10 @@ def _check_gluon(name: str) -> str:
     ptx = compiled.asm["ptx"]
     if not compiled.asm.get("cubin"):
         return "no cubin"
+    if name in GLUON_STREAMING:
+        if "cp.async.bulk.tensor" not in ptx:
+            return "the tile is not loaded by TMA"
+        return "ok" if "st.global.v4" in ptx else "the FP8 stores are not 16-byte vectors"
     if "wgmma.wait_group.sync.aligned 1;" not in ptx:
         return "no MMA stays in flight across a rescale"
     if "cp.async.bulk.tensor" not in ptx:
