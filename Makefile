@@ -59,6 +59,7 @@ bench-details:
 	PYTHONPATH=. $(PYTHON) benchmarks/fp8_vs_torchao.py
 	PYTHONPATH=. $(PYTHON) benchmarks/fp8_blockwise_gemms.py
 	PYTHONPATH=. $(PYTHON) benchmarks/fp8_block_quantize.py
+	PYTHONPATH=. $(PYTHON) benchmarks/blockwise_variants.py
 	PYTHONPATH=. $(PYTHON) benchmarks/fp8_launches.py
 
 clean:

@@ -8,7 +8,9 @@
   token-contiguous, one zero-padded block each, by their quantization kernel (the GEMM
   reduces over the tokens and reads whole blocks).
 
-One fused quantization pass per operand (:mod:`grouped_linear.kernels.quantize_blocks`);
+One fused quantization pass per operand and layout
+(:mod:`grouped_linear.kernels.quantize_blocks`; both layouts from one read with
+``ONE_READ_QUANTIZATION``);
 the GEMMs from :mod:`grouped_linear.kernels.fp8_gluon_gemm` and
 :mod:`grouped_linear.kernels.fp8_gluon_wgrad` on Hopper (asynchronous MMAs that overlap each
 block's rescale) and :mod:`grouped_linear.kernels.fp8_triton_gemm` elsewhere (CPU, other
@@ -25,6 +27,7 @@ from ..kernels import fp8_gluon_gemm as gluon_gemm
 from ..kernels import fp8_gluon_wgrad as gluon_wgrad
 from ..kernels import fp8_triton_gemm as fg
 from ..kernels import quantize_blocks as qb
+from ..kernels import quantize_blocks_gluon as qbg
 from .fp8 import Fp8Config, Fp8Weight, quantize_weight, weight_and_bias_grads
 
 __all__ = ["Fp8BlockwiseFunction"]
@@ -32,6 +35,20 @@ __all__ = ["Fp8BlockwiseFunction"]
 # The Gluon GEMMs where they apply; ``False`` keeps every GEMM on the Triton kernels
 # (benchmarks compare the two).
 USE_GLUON = True
+# Each operand's two layouts (row tiles, token blocks) from one read: x's in the forward
+# (backward then keeps its FP8 token blocks instead of x), dy's in the backward. Off until
+# the Gluon one-read kernel is measured in the step (its Triton predecessor made steps at
+# 128 groups slower).
+ONE_READ_QUANTIZATION = False
+
+
+def _both_layouts(t, sizes, fp8_dtype, power_of_two):
+    """``((row_data, row_inv), (block_data, block_inv))`` of ``t`` (see
+    :mod:`grouped_linear.kernels.quantize_blocks_gluon`): one read on Hopper, two passes
+    elsewhere."""
+    if USE_GLUON and qbg.supported(t):
+        return qbg.quantize_row_tiles_and_token_blocks(t, sizes, fp8_dtype, power_of_two)
+    return qbg.two_passes(t, sizes, fp8_dtype, power_of_two)
 
 
 def _grouped_mm(a, a_inv, w_data, w_inv, sizes, out_dtype):
@@ -53,36 +70,52 @@ class Fp8BlockwiseFunction(torch.autograd.Function):
     """``y = x @ W_g^T + b_g`` per group with the three GEMMs in block-scaled FP8."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, sizes, offsets, config: Fp8Config, cached: Fp8Weight | None):
+    def forward(ctx, x, weight, bias, sizes, offsets, config: Fp8Config, cached: Fp8Weight | None,
+                weight_grad_ahead: bool = True):
+        """``weight_grad_ahead``: a backward may want the weight's gradient (grad mode on and
+        the weight requiring it; inside ``forward`` autograd cannot tell)."""
         recipe = config.recipe
-        x_data, x_inv = qb.quantize_row_tiles(x, recipe.forward_dtype, recipe.power_of_two_scales)
+        pow2 = recipe.power_of_two_scales
+        x_blocks = (None, None)
+        if ONE_READ_QUANTIZATION and weight_grad_ahead:
+            (x_data, x_inv), x_blocks = _both_layouts(x, sizes, recipe.forward_dtype, pow2)
+        else:
+            x_data, x_inv = qb.quantize_row_tiles(x, recipe.forward_dtype, pow2)
         w = cached if cached is not None else quantize_weight(weight.detach(), recipe, "triton")
         out = _grouped_mm(x_data, x_inv, w.forward_data, w.forward_inv, sizes, x.dtype)
         if bias is not None:
             out = bias_kernels.bias_epilogue_(out, bias, offsets, False)
-        ctx.save_for_backward(x, weight, sizes, offsets, w.dgrad_data, w.dgrad_inv)
+        # x itself only where backward must quantize it again
+        ctx.save_for_backward(x if x_blocks[0] is None else None, *x_blocks, weight, sizes,
+                              offsets, w.dgrad_data, w.dgrad_inv)
         ctx.config = config
         ctx.bias_dtype = bias.dtype if bias is not None else None
+        ctx.x_dtype, ctx.num_rows = x.dtype, x.shape[0]
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        x, weight, sizes, offsets, wt_data, wt_inv = ctx.saved_tensors
+        x, x_t, x_inv_blocks, weight, sizes, offsets, wt_data, wt_inv = ctx.saved_tensors
         config: Fp8Config = ctx.config
         recipe = config.recipe
         fp8_grad, pow2 = recipe.gradient_dtype, recipe.power_of_two_scales
         grad_out = grad_out.contiguous()
         grad_x = None
+        dy_blocks = None
         if ctx.needs_input_grad[0]:
-            dy_data, dy_inv = qb.quantize_row_tiles(grad_out, fp8_grad, pow2)
-            grad_x = _grouped_mm(dy_data, dy_inv, wt_data, wt_inv, sizes, x.dtype)
+            if ONE_READ_QUANTIZATION and ctx.needs_input_grad[1]:
+                (dy_data, dy_inv), dy_blocks = _both_layouts(grad_out, sizes, fp8_grad, pow2)
+            else:
+                dy_data, dy_inv = qb.quantize_row_tiles(grad_out, fp8_grad, pow2)
+            grad_x = _grouped_mm(dy_data, dy_inv, wt_data, wt_inv, sizes, ctx.x_dtype)
+            del dy_data, dy_inv
 
         def grad_weight():
-            dy_t, dy_inv_blocks = qb.quantize_token_blocks(grad_out, sizes, fp8_grad, pow2,
-                                                           transpose=True)
-            x_t, x_inv_blocks = qb.quantize_token_blocks(x, sizes, recipe.forward_dtype, pow2,
-                                                         transpose=True)
-            return _wgrad(dy_t, dy_inv_blocks, x_t, x_inv_blocks, sizes, x.shape[0], weight.dtype)
+            dy_t, dy_inv_blocks = dy_blocks if dy_blocks is not None else \
+                qb.quantize_token_blocks(grad_out, sizes, fp8_grad, pow2, transpose=True)
+            xt, xt_inv = (x_t, x_inv_blocks) if x is None else \
+                qb.quantize_token_blocks(x, sizes, recipe.forward_dtype, pow2, transpose=True)
+            return _wgrad(dy_t, dy_inv_blocks, xt, xt_inv, sizes, ctx.num_rows, weight.dtype)
 
         grad_w, grad_b = weight_and_bias_grads(ctx, grad_out, offsets, grad_weight)
-        return grad_x, grad_w, grad_b, None, None, None, None
+        return grad_x, grad_w, grad_b, None, None, None, None, None

@@ -383,7 +383,8 @@ def apply_grouped_linear(
                                                         fp8_config, cached_weight)
         if path == "triton" and x.shape[0] > 0:
             return Fp8BlockwiseFunction.apply(x, weight, bias, splits.size_tensor, splits.offsets,
-                                              fp8_config, cached_weight)
+                                              fp8_config, cached_weight,
+                                              torch.is_grad_enabled() and weight.requires_grad)
         if path != "emulated":  # no rows: the emulation handles the degenerate case
             cached_weight = None
         return Fp8GroupedLinearFunction.apply(x, weight, bias, splits.offsets, fp8_config,

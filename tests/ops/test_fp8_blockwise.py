@@ -4,6 +4,7 @@ emulation of the same recipe, which the numerics tests check against float64."""
 import pytest
 import torch
 
+from grouped_linear.ops import fp8_blockwise
 from grouped_linear.ops.fp8 import Fp8Config, Fp8GroupedLinearFunction, quantize_weight
 from grouped_linear.ops.fp8_blockwise import Fp8BlockwiseFunction
 from grouped_linear.recipes import Float8Blockwise
@@ -21,7 +22,7 @@ def _run(function, x, w, b, sizes, tail, recipe, cached=None, x_grad=True, w_gra
     offsets = size_tensor.cumsum(0).to(torch.int32)
     config = Fp8Config(recipe, tail > 0, None)
     if function is Fp8BlockwiseFunction:
-        y = function.apply(x, w, b, size_tensor, offsets, config, cached)
+        y = function.apply(x, w, b, size_tensor, offsets, config, cached, w_grad)
     else:
         y = function.apply(x, w, b, offsets, config, None)
     grad = torch.randn(y.shape, generator=torch.Generator().manual_seed(3)).to(DEVICE, y.dtype)
@@ -31,7 +32,9 @@ def _run(function, x, w, b, sizes, tail, recipe, cached=None, x_grad=True, w_gra
 
 @pytest.mark.parametrize("sizes, tail", [([70, 0, 133, 1], 9), ([200], 0), ([0, 0], 5)])
 @pytest.mark.parametrize("pow2", [False, True])
-def test_triton_blockwise_matches_the_emulation(sizes, tail, pow2):
+@pytest.mark.parametrize("one_read", [False, True])
+def test_triton_blockwise_matches_the_emulation(sizes, tail, pow2, one_read, monkeypatch):
+    monkeypatch.setattr(fp8_blockwise, "ONE_READ_QUANTIZATION", one_read)
     G, K, N = len(sizes), 200, 136
     M = sum(sizes) + tail
     recipe = Float8Blockwise(power_of_two_scales=pow2)
@@ -62,8 +65,10 @@ def test_triton_blockwise_uses_the_cached_weight():
 
 
 @pytest.mark.parametrize("x_grad, w_grad", [(True, False), (False, True)])
-def test_triton_blockwise_with_one_operand_frozen(x_grad, w_grad):
+@pytest.mark.parametrize("one_read", [False, True])
+def test_triton_blockwise_with_one_operand_frozen(x_grad, w_grad, one_read, monkeypatch):
     """Only the gradient asked for, each against the emulation."""
+    monkeypatch.setattr(fp8_blockwise, "ONE_READ_QUANTIZATION", one_read)
     sizes, tail, K, N = [70, 0, 133], 9, 200, 136
     recipe = Float8Blockwise()
     x = torch.randn(sum(sizes) + tail, K).to(DEVICE)
@@ -75,3 +80,22 @@ def test_triton_blockwise_with_one_operand_frozen(x_grad, w_grad):
     for name, a, c in zip(("y", "dx", "dW", "db"), got, want):
         if a is not None:
             assert rel_err(a, c) < TOL, (name, rel_err(a, c))
+
+
+def test_one_read_keeps_fp8_blocks_of_x_instead_of_x(monkeypatch):
+    """With one-read quantization the forward saves x's FP8 token blocks, not x."""
+    monkeypatch.setattr(fp8_blockwise, "ONE_READ_QUANTIZATION", True)
+    sizes, K, N = [70, 60], 256, 128
+    x = torch.randn(130, K, device=DEVICE, requires_grad=True)
+    w = torch.randn(2, N, K, device=DEVICE, requires_grad=True)
+    size_tensor = torch.tensor(sizes, device=DEVICE)
+    config = Fp8Config(Float8Blockwise(), False, None)
+    y = Fp8BlockwiseFunction.apply(x, w, None, size_tensor, size_tensor.cumsum(0).int(), config,
+                                   None, True)
+    saved = y.grad_fn.saved_tensors
+    assert saved[0] is None and saved[1].dtype == torch.float8_e4m3fn
+    assert saved[1].shape == (K, (-(-130 // 128) + 2) * 128)
+    monkeypatch.setattr(fp8_blockwise, "ONE_READ_QUANTIZATION", False)
+    y = Fp8BlockwiseFunction.apply(x, w, None, size_tensor, size_tensor.cumsum(0).int(), config,
+                                   None, True)
+    assert y.grad_fn.saved_tensors[0] is x and y.grad_fn.saved_tensors[1] is None
