@@ -96,10 +96,15 @@ if HAS_GLUON:
                                            a_desc.layout)
         b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape,
                                            b_desc.layout)
+        return a_bufs, b_bufs, _stage_barriers(STAGES)
+
+    @gluon.jit
+    def _stage_barriers(STAGES: gl.constexpr):
+        """One initialized mbarrier per stage of a ring."""
         bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         for stage in gl.static_range(STAGES):
             mbarrier.init(bars.index(stage), count=1)
-        return a_bufs, b_bufs, bars
+        return bars
 
     @gluon.jit
     def _release_ring(bars, STAGES: gl.constexpr):
@@ -147,9 +152,28 @@ if HAS_GLUON:
                      gl.where(in_tile, ahead, ahead - k_blocks) * BLOCK_K, bars, a_bufs, b_bufs,
                      step + STAGES - 2, STAGES, step + STAGES - 2 < steps)
         partial = _issue_mma(bars, a_bufs, b_bufs, step, into, STAGES)
-        scale = gl.load(a_inv_rows + kb, mask=row_mask, other=0.0) \
+        return partial, _block_scale(a_inv_rows, row_mask, b_inv_tile, stride_bir, has_group, kb)
+
+    @gluon.jit
+    def _block_scale(a_inv_rows, row_mask, b_inv_tile, stride_bir, has_group, kb):
+        """Block ``kb``'s factor per row: the row's 1x128 factor times the weight block's."""
+        return gl.load(a_inv_rows + kb, mask=row_mask, other=0.0) \
             * gl.load(b_inv_tile + kb * stride_bir, mask=has_group, other=0.0)
-        return partial, scale
+
+    @gluon.jit
+    def _program_tiles(total, NUM_PROGRAMS: gl.constexpr):
+        """A persistent program's id and how many of the ``total`` tiles ``pid, pid +
+        NUM_PROGRAMS, ...`` it takes."""
+        pid = gl.program_id(0)
+        return pid, gl.maximum(gl.cdiv(total - pid, NUM_PROGRAMS), 0).to(gl.int32)
+
+    @gluon.jit
+    def _tile_factors(a_inv_ptr, b_inv_ptr, rows, row0, end, g, col_tile, G, stride_ai,
+                      stride_big, stride_biw):
+        """Where a tile's factors are: its rows' (masked past the group's end) and its
+        weight blocks' (none for the rows past the groups, ``g == G``)."""
+        return (rows < (end - row0), a_inv_ptr + (row0 + rows).to(gl.int64) * stride_ai,
+                b_inv_ptr + g.to(gl.int64) * stride_big + col_tile * stride_biw, g < G)
 
     @gluon.jit
     def _rescale_rows(acc, partial, scale, PENDING: gl.constexpr):
@@ -190,8 +214,7 @@ if HAS_GLUON:
             sizes_ptr, G, M, W, BLOCK_M, BLOCK_N, BLOCK_G, table_layout)
         n_tiles = gl.cdiv(W, BLOCK_N)
         k_blocks = gl.cdiv(R, BLOCK_K)
-        pid = gl.program_id(0)
-        my_tiles = gl.maximum(gl.cdiv(total - pid, NUM_PROGRAMS), 0).to(gl.int32)
+        pid, my_tiles = _program_tiles(total, NUM_PROGRAMS)
         steps = my_tiles * k_blocks
 
         # The producer runs STAGES - 2 steps ahead (the host guarantees that many blocks per
@@ -214,10 +237,9 @@ if HAS_GLUON:
                 tile + NUM_PROGRAMS, gs, starts, ends, tile_begin, tile_end, n_tiles, BLOCK_M)
             b_row = g * W + col_tile * BLOCK_N
             next_b_row = next_g * W + next_col_tile * BLOCK_N
-            row_mask = rows < (end - row0)
-            a_inv_rows = a_inv_ptr + (row0 + rows).to(gl.int64) * stride_ai
-            b_inv_tile = b_inv_ptr + g.to(gl.int64) * stride_big + col_tile * stride_biw
-            has_group = g < G
+            row_mask, a_inv_rows, b_inv_tile, has_group = _tile_factors(
+                a_inv_ptr, b_inv_ptr, rows, row0, end, g, col_tile, G, stride_ai, stride_big,
+                stride_biw)
             # Two partial products alternate: block kb + 1's MMA is issued before block kb's
             # partial is waited for and rescaled, in runs of UNROLL blocks unrolled at compile
             # time. No MMA is in flight across a loop's back edge: a loop-carried copy of an
@@ -267,8 +289,7 @@ if HAS_GLUON:
             sizes_ptr, G, M, W, BLOCK_M, BLOCK_N, BLOCK_G, table_layout)
         n_tiles = gl.cdiv(W, BLOCK_N)
         k_blocks = gl.cdiv(R, BLOCK_K)
-        pid = gl.program_id(0)
-        my_tiles = gl.maximum(gl.cdiv(total - pid, NUM_PROGRAMS), 0).to(gl.int32)
+        pid, my_tiles = _program_tiles(total, NUM_PROGRAMS)
         step = 0
         for t in range(0, my_tiles):
             g, _end, row0, col_tile = _tile_origin(pid + t * NUM_PROGRAMS, gs, starts, ends,
@@ -303,17 +324,15 @@ if HAS_GLUON:
             sizes_ptr, G, M, W, BLOCK_M, BLOCK_N, BLOCK_G, table_layout)
         n_tiles = gl.cdiv(W, BLOCK_N)
         k_blocks = gl.cdiv(R, BLOCK_K)
-        pid = gl.program_id(0)
-        my_tiles = gl.maximum(gl.cdiv(total - pid, NUM_PROGRAMS), 0).to(gl.int32)
+        pid, my_tiles = _program_tiles(total, NUM_PROGRAMS)
         rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, mma_layout))
         step = 0
         for t in range(0, my_tiles):
             g, end, row0, col_tile = _tile_origin(pid + t * NUM_PROGRAMS, gs, starts, ends,
                                                   tile_begin, tile_end, n_tiles, BLOCK_M)
-            row_mask = rows < (end - row0)
-            a_inv_rows = a_inv_ptr + (row0 + rows).to(gl.int64) * stride_ai
-            b_inv_tile = b_inv_ptr + g.to(gl.int64) * stride_big + col_tile * stride_biw
-            has_group = g < G
+            row_mask, a_inv_rows, b_inv_tile, has_group = _tile_factors(
+                a_inv_ptr, b_inv_ptr, rows, row0, end, g, col_tile, G, stride_ai, stride_big,
+                stride_biw)
             acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=mma_layout)
             free_a = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=mma_layout)
             free_b = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=mma_layout)
@@ -342,12 +361,6 @@ if HAS_GLUON:
                         W - col_tile * BLOCK_N, stride_om, num_warps, BLOCK_M, BLOCK_N)
 
     @gluon.jit
-    def _block_scale(a_inv_rows, row_mask, b_inv_tile, stride_bir, has_group, kb):
-        """Block ``kb``'s factor per row: the row's 1x128 factor times the weight block's."""
-        return gl.load(a_inv_rows + kb, mask=row_mask, other=0.0) \
-            * gl.load(b_inv_tile + kb * stride_bir, mask=has_group, other=0.0)
-
-    @gluon.jit
     def _blockwise_mm_ws_kernel(a_desc, b_desc, a_inv_ptr, b_inv_ptr, out_ptr, sizes_ptr, M, W,
                                 R, G, stride_ai, stride_big, stride_biw, stride_bir, stride_om,
                                 BLOCK_G: gl.constexpr, NUM_PROGRAMS: gl.constexpr,
@@ -356,9 +369,7 @@ if HAS_GLUON:
         """:func:`_blockwise_mm_kernel` with a loader warp of its own: the MMA warps never
         issue copies, and the loader runs ``STAGES`` blocks ahead across tile boundaries."""
         a_bufs, b_bufs, ready = _operand_ring(a_desc, b_desc, STAGES)
-        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        for stage in gl.static_range(STAGES):
-            mbarrier.init(empty.index(stage), count=1)
+        empty = _stage_barriers(STAGES)
         gl.warp_specialize([
             (_mm_tiles, (a_bufs, b_bufs, ready, empty, a_inv_ptr, b_inv_ptr, out_ptr, sizes_ptr,
                          M, W, R, G, stride_ai, stride_big, stride_biw, stride_bir, stride_om,

@@ -28,7 +28,6 @@ if HAS_GLUON:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (
-        fence_async_shared,
         mbarrier,
         tma,
         warpgroup_mma_wait,
@@ -43,7 +42,9 @@ if HAS_GLUON:
         _issue_mma,
         _mma_layout,
         _operand_ring,
+        _program_tiles,
         _release_ring,
+        _release_stage,
         _store_tile,
     )
 
@@ -118,13 +119,6 @@ if HAS_GLUON:
                    x_inv_bufs, ready, empty, 0, n0, k0, first_block, n_blocks)
 
     @gluon.jit
-    def _release(empty, step, STAGES: gl.constexpr):
-        """Hand step ``step``'s stage back to the loader (its MMA waited for, its factors
-        read: the fence orders those reads before the TMA writes that follow)."""
-        fence_async_shared()
-        mbarrier.arrive(empty.index(step % STAGES), count=1)
-
-    @gluon.jit
     def _tile_product(dy_bufs, x_bufs, dy_inv_bufs, x_inv_bufs, ready, empty, step0, n_blocks,
                       UNROLL: gl.constexpr, layout: gl.constexpr):
         """The product over one tile's ``n_blocks`` token blocks (pipeline steps ``step0 +
@@ -142,16 +136,16 @@ if HAS_GLUON:
                 following = _issue_mma(ready, dy_bufs, x_bufs, step0 + i + j, free_b, STAGES)
                 acc, free_b = _rescale_outer(acc, running, dy_inv_bufs, x_inv_bufs,
                                              step0 + i + j - 1, STAGES, 1)
-                _release(empty, step0 + i + j - 1, STAGES)
+                _release_stage(empty, step0 + i + j - 1, STAGES)
                 running = following
             acc, free_a = _rescale_outer(acc, running, dy_inv_bufs, x_inv_bufs,
                                          step0 + i + UNROLL - 1, STAGES, 0)
-            _release(empty, step0 + i + UNROLL - 1, STAGES)
+            _release_stage(empty, step0 + i + UNROLL - 1, STAGES)
         for i in range(unrolled, n_blocks):
             running = _issue_mma(ready, dy_bufs, x_bufs, step0 + i, free_a, STAGES)
             acc, free_a = _rescale_outer(acc, running, dy_inv_bufs, x_inv_bufs, step0 + i,
                                          STAGES, 0)
-            _release(empty, step0 + i, STAGES)
+            _release_stage(empty, step0 + i, STAGES)
         return acc
 
     @gluon.jit
@@ -187,18 +181,6 @@ if HAS_GLUON:
         return gs, gl.associative_scan(blocks, 0, _add) - blocks, blocks
 
     @gluon.jit
-    def _factor_rings(dy_inv_desc, x_inv_desc, STAGES: gl.constexpr):
-        """The factor rows' stages and the ring's "empty" barriers."""
-        dy_inv_bufs = gl.allocate_shared_memory(gl.float32, [STAGES] + dy_inv_desc.block_type.shape,
-                                                dy_inv_desc.layout)
-        x_inv_bufs = gl.allocate_shared_memory(gl.float32, [STAGES] + x_inv_desc.block_type.shape,
-                                               x_inv_desc.layout)
-        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        for stage in gl.static_range(STAGES):
-            mbarrier.init(empty.index(stage), count=1)
-        return dy_inv_bufs, x_inv_bufs, empty
-
-    @gluon.jit
     def _blockwise_wgrad_kernel(dy_desc, x_desc, dy_inv_desc, x_inv_desc, dw_ptr, sizes_ptr, M,
                                 N, K, G, stride_dwg, stride_dwn, BLOCK_G: gl.constexpr,
                                 STAGES: gl.constexpr, UNROLL: gl.constexpr,
@@ -219,7 +201,7 @@ if HAS_GLUON:
         n_blocks = gl.sum(gl.where(gs == g, blocks, 0), axis=0)
 
         dy_bufs, x_bufs, ready = _operand_ring(dy_desc, x_desc, STAGES)
-        dy_inv_bufs, x_inv_bufs, empty = _factor_rings(dy_inv_desc, x_inv_desc, STAGES)
+        dy_inv_bufs, x_inv_bufs, empty = _operand_ring(dy_inv_desc, x_inv_desc, STAGES)
         results = gl.warp_specialize([
             (_wgrad_mma, (dy_bufs, x_bufs, dy_inv_bufs, x_inv_bufs, ready, empty, n_blocks,
                           UNROLL, mma_layout)),
@@ -248,8 +230,7 @@ if HAS_GLUON:
         gs, firsts, blocks = _group_blocks(sizes_ptr, G, M, BLOCK_T, BLOCK_G, table_layout)
         n_tiles = gl.cdiv(N, BLOCK_N)
         k_tiles = gl.cdiv(K, BLOCK_K)
-        pid = gl.program_id(0)
-        my_tiles = gl.cdiv(G * n_tiles * k_tiles - pid, NUM_PROGRAMS)
+        pid, my_tiles = _program_tiles(G * n_tiles * k_tiles, NUM_PROGRAMS)
         step = 0
         for t in range(0, my_tiles):
             g, n0, k0 = _wgrad_tile(pid + t * NUM_PROGRAMS, n_tiles, k_tiles, GROUP_N, BLOCK_N,
@@ -275,8 +256,7 @@ if HAS_GLUON:
         gs, _firsts, blocks = _group_blocks(sizes_ptr, G, M, BLOCK_T, BLOCK_G, table_layout)
         n_tiles = gl.cdiv(N, BLOCK_N)
         k_tiles = gl.cdiv(K, BLOCK_K)
-        pid = gl.program_id(0)
-        my_tiles = gl.cdiv(G * n_tiles * k_tiles - pid, NUM_PROGRAMS)
+        pid, my_tiles = _program_tiles(G * n_tiles * k_tiles, NUM_PROGRAMS)
         step = 0
         for t in range(0, my_tiles):
             g, n0, k0 = _wgrad_tile(pid + t * NUM_PROGRAMS, n_tiles, k_tiles, GROUP_N, BLOCK_N,
@@ -298,7 +278,7 @@ if HAS_GLUON:
         """:func:`_blockwise_wgrad_kernel` over tiles ``pid, pid + NUM_PROGRAMS, ...``: the
         loader prefetches the next tile's blocks while the MMA warps store the last one."""
         dy_bufs, x_bufs, ready = _operand_ring(dy_desc, x_desc, STAGES)
-        dy_inv_bufs, x_inv_bufs, empty = _factor_rings(dy_inv_desc, x_inv_desc, STAGES)
+        dy_inv_bufs, x_inv_bufs, empty = _operand_ring(dy_inv_desc, x_inv_desc, STAGES)
         gl.warp_specialize([
             (_persistent_tiles, (dy_bufs, x_bufs, dy_inv_bufs, x_inv_bufs, ready, empty, dw_ptr,
                                  sizes_ptr, M, N, K, G, stride_dwg, stride_dwn, BLOCK_G,
