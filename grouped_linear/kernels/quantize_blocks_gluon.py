@@ -30,7 +30,7 @@ if HAS_GLUON:
     from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    from .fp8_gluon_gemm import _add, _is_sm90
+    from .fp8_gluon_gemm import _is_sm90, _tile_list, _tile_origin
 
 __all__ = ["supported", "quantize_row_tiles_and_token_blocks", "two_passes", "TILE", "SLICE",
            "WARPS"]
@@ -55,28 +55,6 @@ if HAS_GLUON:
         return gl.minimum(gl.maximum(values * scale, -FP8_MAX), FP8_MAX)
 
     @gluon.jit
-    def _block_rows(sizes_ptr, G, M, b, TILE_: gl.constexpr, BLOCK_G: gl.constexpr,
-                    num_warps: gl.constexpr):
-        """Token block ``b``'s first row, end row (exclusive) and whether it belongs to a
-        group, numbered as :func:`grouped_linear.kernels.quantize_blocks.token_block_index`
-        (groups' blocks, then the tail's, then unused ones, which have no rows)."""
-        layout: gl.constexpr = gl.BlockedLayout([BLOCK_G // 32], [32], [num_warps], [0])
-        gs = gl.arange(0, BLOCK_G, layout=layout)
-        sizes = gl.maximum(gl.load(sizes_ptr + gs, mask=gs < G, other=0).to(gl.int64), 0)
-        inclusive = gl.associative_scan(sizes, 0, _add)
-        ends = gl.where(gs == G, M, gl.minimum(inclusive, M))  # slot G: the tail
-        starts = gl.where(gs <= G, gl.minimum(inclusive - sizes, M), 0)
-        ends = gl.where(gs <= G, ends, 0)
-        counts = (ends - starts + TILE_ - 1) // TILE_
-        block_end = gl.associative_scan(counts, 0, _add)
-        owner = (block_end - counts <= b) & (b < block_end)
-        local = b - gl.sum(gl.where(owner, block_end - counts, 0), axis=0)
-        start = gl.sum(gl.where(owner, starts, 0), axis=0) + local * TILE_
-        end = gl.sum(gl.where(owner, ends, 0), axis=0)
-        in_group = gl.sum(gl.where(owner & (gs < G), 1, 0), axis=0) > 0
-        return start.to(gl.int32), end.to(gl.int32), in_group
-
-    @gluon.jit
     def _quantize_both_kernel(t_desc, sizes_ptr, rq_ptr, rinv_ptr, q_ptr, inv_ptr, M, C, G,
                               stride_q, FP8_MAX: gl.constexpr, POW2: gl.constexpr,
                               SLICE_: gl.constexpr, BLOCK_G: gl.constexpr,
@@ -94,8 +72,14 @@ if HAS_GLUON:
         TILE_C: gl.constexpr = t_desc.block_type.shape[1]
         b = gl.program_id(0)
         col0 = gl.program_id(1) * TILE_C
-        start, end, in_group = _block_rows(sizes_ptr, G, M, b, TILE_R, BLOCK_G, num_warps)
-        valid_rows = gl.where(in_group, end - start, 0)  # rows whose values count
+        # token blocks are the row tiles of a one-column grouped output: groups' blocks, then
+        # the tail's (slot G), then unused ones (no owner: no rows)
+        table_layout: gl.constexpr = gl.BlockedLayout([BLOCK_G // 32], [32], [num_warps], [0])
+        gs, starts, ends, block_begin, block_end, _total = _tile_list(
+            sizes_ptr, G, M, 1, TILE_R, 1, BLOCK_G, table_layout)
+        g, end, start, _col = _tile_origin(b, gs, starts, ends, block_begin, block_end, 1,
+                                           TILE_R)
+        valid_rows = gl.where(g < G, end - start, 0)  # rows whose values count
 
         tile = gl.allocate_shared_memory(t_desc.dtype, t_desc.block_type.shape, t_desc.layout)
         bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
