@@ -67,24 +67,18 @@ if HAS_GLUON:
 
     @gluon.jit
     def _issue_wgrad_loads(dy_desc, x_desc, dy_inv_desc, x_inv_desc, n0, k0, block, bars,
-                           dy_bufs, x_bufs, dy_inv_bufs, x_inv_bufs, step,
-                           STAGES: gl.constexpr, pred):
+                           dy_bufs, x_bufs, dy_inv_bufs, x_inv_bufs, step, STAGES: gl.constexpr):
         """TMA token block ``block``'s operand tiles and their factors (a 128-float row of
         each, zero past the matrix's edge) into step ``step``'s stage."""
         stage = step % STAGES
         bar = bars.index(stage)
         BLOCK_T: gl.constexpr = dy_desc.block_type.shape[1]
         mbarrier.expect(bar, dy_desc.block_type.nbytes + x_desc.block_type.nbytes
-                        + dy_inv_desc.block_type.nbytes + x_inv_desc.block_type.nbytes,
-                        pred=pred)
-        tma.async_copy_global_to_shared(dy_desc, [n0, block * BLOCK_T], bar,
-                                        dy_bufs.index(stage), pred)
-        tma.async_copy_global_to_shared(x_desc, [k0, block * BLOCK_T], bar, x_bufs.index(stage),
-                                        pred)
-        tma.async_copy_global_to_shared(dy_inv_desc, [block, n0], bar, dy_inv_bufs.index(stage),
-                                        pred)
-        tma.async_copy_global_to_shared(x_inv_desc, [block, k0], bar, x_inv_bufs.index(stage),
-                                        pred)
+                        + dy_inv_desc.block_type.nbytes + x_inv_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(dy_desc, [n0, block * BLOCK_T], bar, dy_bufs.index(stage))
+        tma.async_copy_global_to_shared(x_desc, [k0, block * BLOCK_T], bar, x_bufs.index(stage))
+        tma.async_copy_global_to_shared(dy_inv_desc, [block, n0], bar, dy_inv_bufs.index(stage))
+        tma.async_copy_global_to_shared(x_inv_desc, [block, k0], bar, x_inv_bufs.index(stage))
 
     @gluon.jit
     def _rescale_outer(acc, partial, dy_inv_bufs, x_inv_bufs, step, STAGES: gl.constexpr,
@@ -108,8 +102,7 @@ if HAS_GLUON:
             step = step0 + i
             mbarrier.wait(empty.index(step % STAGES), ((step // STAGES) & 1) ^ 1)
             _issue_wgrad_loads(dy_desc, x_desc, dy_inv_desc, x_inv_desc, n0, k0, first_block + i,
-                               ready, dy_bufs, x_bufs, dy_inv_bufs, x_inv_bufs, step, STAGES,
-                               True)
+                               ready, dy_bufs, x_bufs, dy_inv_bufs, x_inv_bufs, step, STAGES)
 
     @gluon.jit
     def _wgrad_loader(dy_desc, x_desc, dy_inv_desc, x_inv_desc, dy_bufs, x_bufs, dy_inv_bufs,
