@@ -1,4 +1,4 @@
-"""Float8Blockwise's forward+backward with each optional kernel variant on or off (CUDA).
+"""Float8Blockwise's forward+backward with its kernel choices switched (CUDA).
 
 ``PYTHONPATH=. python benchmarks/blockwise_variants.py [shape ...]``: the bench's
 ``fp8_block`` column (``GroupedLinear`` without bias, CUDA splits) under each setting below,
@@ -6,11 +6,10 @@ with bf16 ``F.grouped_mm`` beside it, in three alternating rounds in one process
 the same machine differ by up to 20%; alternation keeps the comparison fair). TFLOP/s
 (3 x 2 M K N per step) per round, then the median ratio to ``grouped_mm``.
 
-* ``plain``: every variant off;
-* ``mm_ws``: the forward/dgrad kernel warp-specialized (``MM_WARP_SPECIALIZED``);
-* ``wgrad_persistent``: the wgrad persistent (``WGRAD_PERSISTENT``);
-* ``one_read``: each operand's two layouts from one read (``ONE_READ_QUANTIZATION``);
-* ``all``: the three together.
+* ``default``: the library's choices;
+* ``two_reads``: each operand's layouts quantized apart (``ONE_READ_QUANTIZATION`` off);
+* ``wgrad_per_tile`` / ``wgrad_persistent``: the wgrad kernel forced to one program per
+  tile / one per SM (``WGRAD_PERSISTENT_ROWS`` 0 / unbounded).
 """
 
 import statistics
@@ -20,24 +19,25 @@ import torch
 
 from grouped_linear.cli import bench
 from grouped_linear.cli.timing import median_seconds
-from grouped_linear.kernels import fp8_gluon_gemm, fp8_gluon_wgrad
+from grouped_linear.kernels import fp8_gluon_wgrad
 from grouped_linear.ops import fp8_blockwise
 
-SWITCHES = ((fp8_gluon_gemm, "MM_WARP_SPECIALIZED"), (fp8_gluon_wgrad, "WGRAD_PERSISTENT"),
-            (fp8_blockwise, "ONE_READ_QUANTIZATION"))
-SETTINGS = {"plain": (), "mm_ws": (0,), "wgrad_persistent": (1,), "one_read": (2,),
-            "all": (0, 1, 2)}
+SETTINGS = {"default": {},
+            "two_reads": {(fp8_blockwise, "ONE_READ_QUANTIZATION"): False},
+            "wgrad_per_tile": {(fp8_gluon_wgrad, "WGRAD_PERSISTENT_ROWS"): 0},
+            "wgrad_persistent": {(fp8_gluon_wgrad, "WGRAD_PERSISTENT_ROWS"): 2**62}}
+SWITCHES = sorted({key for setting in SETTINGS.values() for key in setting}, key=str)
 DEFAULT_SHAPES = ("dsv3_ep32_fc1", "te_jagged_8", "qwen35_397b_ep64_fc1", "qwen35_397b_ep64_fc2",
                   "qwen3_30b_g128_skew")
 
 
-def _set(switched_on):
-    for index, (module, name) in enumerate(SWITCHES):
-        setattr(module, name, index in switched_on)
+def _set(setting, defaults):
+    for (module, name), default in defaults.items():
+        setattr(module, name, setting.get((module, name), default))
 
 
 def main(names):
-    defaults = [getattr(module, name) for module, name in SWITCHES]
+    defaults = {(module, name): getattr(module, name) for module, name in SWITCHES}
     shapes = bench.load_shapes()
     device = torch.device("cuda")
     print(f"{'shape':22s} {'setting':17s} {'TFLOP/s per round':>26s} {'/torch':>7s}")
@@ -50,7 +50,7 @@ def main(names):
         rounds = {label: [] for label in ("torch", *SETTINGS)}
         for _ in range(3):
             for label in rounds:
-                _set(SETTINGS.get(label, ()))
+                _set(SETTINGS.get(label, {}), defaults)
                 case = cases["torch" if label == "torch" else "block"]
                 seconds = median_seconds(case.forward_backward, device,
                                          grad_to_none=case.leaves)
@@ -61,8 +61,7 @@ def main(names):
             print(f"{name:22s} {label:17s} {' / '.join(f'{v:6.0f}' for v in values):>26s} "
                   f"{ratio:7.2f}")
         del cases, grad
-    for (module, name), value in zip(SWITCHES, defaults):
-        setattr(module, name, value)
+    _set({}, defaults)
 
 
 if __name__ == "__main__":

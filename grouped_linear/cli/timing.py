@@ -111,13 +111,17 @@ def median_seconds(
     grad_to_none: Sequence[torch.Tensor] = (),
     reps: int = 5,
     warmup: int = 1,
-    cuda_warmup_ms: int = 25,
+    cuda_warmup_ms: int = 500,
     cuda_rep_ms: int = 100,
 ) -> float:
     """Median wall time of one call of ``fn``, in seconds.
 
     On CUDA: ``triton.testing.do_bench`` (CUDA events, L2 flushed between
-    calls) with ``cuda_warmup_ms``/``cuda_rep_ms``. On CPU: ``warmup`` untimed
+    calls) with ``cuda_warmup_ms``/``cuda_rep_ms``. The warm-up is long on
+    purpose: a GPU at its power limit lowers its clocks within a few hundred
+    milliseconds of sustained load, so a short warm-up would time the first case
+    after an idle gap at boost clocks and later ones throttled (the steady state a
+    training run sees). On CPU: ``warmup`` untimed
     calls, then the median of ``reps`` calls timed with ``time.perf_counter``.
     ``grad_to_none`` are reset before every call so that backward passes do not
     accumulate into existing gradients.

@@ -10,8 +10,7 @@ ring of shared-memory stages, and each stage is refilled once the MMA that read 
 :func:`grouped_mm`: ``out[rows of g] = A[rows of g] @ B_g^T`` (forward: ``B = W``; dgrad:
 ``B = W^T`` as the recipe's transposed weight copy), persistent over the (group, row tile,
 column tile) list of :mod:`grouped_linear.kernels.fp8_triton_gemm`; rows past the last
-group are written as zeros; optionally warp-specialized (a loader warp issues the copies
-across tiles, :data:`MM_WARP_SPECIALIZED`). The weight gradient is
+group are written as zeros. The weight gradient is
 :mod:`grouped_linear.kernels.fp8_gluon_wgrad` (built from the pieces here).
 
 Same contract, arguments and reference as :mod:`grouped_linear.kernels.fp8_triton_gemm`,
@@ -52,11 +51,6 @@ BLOCK = 128  # the scaling block, also every tile's depth and the weight-side ti
 MM_CONFIG = (128, 8, 4)
 # Blocks per compile-time unrolled run: the tensor cores wait for one rescale per run.
 MM_UNROLL = 2
-# Warp-specialized variant: a loader warp issues the TMA copies across tiles while the 8 MMA
-# warps (240 registers each: maxnreg 168 over 12 warps) wait, multiply, rescale and store.
-# Off until measured against the single-partition kernel (benchmarks/fp8_blockwise_gemms.py).
-MM_WARP_SPECIALIZED = False
-MM_MAXNREG = 168
 
 if HAS_GLUON:
 
@@ -276,110 +270,11 @@ if HAS_GLUON:
         _release_ring(bars, STAGES)
 
     @gluon.jit
-    def _mm_loader(a_desc, b_desc, a_bufs, b_bufs, ready, empty, sizes_ptr, M, W, R, G,
-                   BLOCK_G: gl.constexpr, NUM_PROGRAMS: gl.constexpr):
-        """Loader partition (one warp): the program's tiles in order, each tile's blocks into
-        the ring, a stage refilled once the MMA warps release it."""
-        STAGES: gl.constexpr = a_bufs.type.shape[0]
-        BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
-        BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
-        BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
-        table_layout: gl.constexpr = gl.BlockedLayout([BLOCK_G // 32], [32], [1], [0])
-        gs, starts, ends, tile_begin, tile_end, total = _tile_list(
-            sizes_ptr, G, M, W, BLOCK_M, BLOCK_N, BLOCK_G, table_layout)
-        n_tiles = gl.cdiv(W, BLOCK_N)
-        k_blocks = gl.cdiv(R, BLOCK_K)
-        pid, my_tiles = _program_tiles(total, NUM_PROGRAMS)
-        step = 0
-        for t in range(0, my_tiles):
-            g, _end, row0, col_tile = _tile_origin(pid + t * NUM_PROGRAMS, gs, starts, ends,
-                                                   tile_begin, tile_end, n_tiles, BLOCK_M)
-            b_row = g * W + col_tile * BLOCK_N
-            for kb in range(0, k_blocks):
-                mbarrier.wait(empty.index(step % STAGES), ((step // STAGES) & 1) ^ 1)
-                _issue_loads(a_desc, b_desc, row0, b_row, kb * BLOCK_K, ready, a_bufs, b_bufs,
-                             step, STAGES, True)
-                step += 1
-
-    @gluon.jit
     def _release_stage(empty, step, STAGES: gl.constexpr):
         """Hand step ``step``'s stage back to the loader (its MMA waited for; the fence
         orders the MMA warps' reads before the TMA writes that follow)."""
         fence_async_shared()
         mbarrier.arrive(empty.index(step % STAGES), count=1)
-
-    @gluon.jit
-    def _mm_tiles(a_bufs, b_bufs, ready, empty, a_inv_ptr, b_inv_ptr, out_ptr, sizes_ptr, M, W,
-                  R, G, stride_ai, stride_big, stride_biw, stride_bir, stride_om,
-                  BLOCK_G: gl.constexpr, NUM_PROGRAMS: gl.constexpr, UNROLL: gl.constexpr,
-                  num_warps: gl.constexpr):
-        """MMA partition: as :func:`_blockwise_mm_kernel`'s loop, the operands from the ring."""
-        STAGES: gl.constexpr = a_bufs.type.shape[0]
-        BLOCK_M: gl.constexpr = a_bufs.type.shape[1]
-        BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
-        BLOCK_N: gl.constexpr = b_bufs.type.shape[1]
-        mma_layout: gl.constexpr = _mma_layout(BLOCK_M, BLOCK_N, num_warps)
-        table_layout: gl.constexpr = gl.BlockedLayout([BLOCK_G // 32], [32], [num_warps], [0])
-        gs, starts, ends, tile_begin, tile_end, total = _tile_list(
-            sizes_ptr, G, M, W, BLOCK_M, BLOCK_N, BLOCK_G, table_layout)
-        n_tiles = gl.cdiv(W, BLOCK_N)
-        k_blocks = gl.cdiv(R, BLOCK_K)
-        pid, my_tiles = _program_tiles(total, NUM_PROGRAMS)
-        rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, mma_layout))
-        step = 0
-        for t in range(0, my_tiles):
-            g, end, row0, col_tile = _tile_origin(pid + t * NUM_PROGRAMS, gs, starts, ends,
-                                                  tile_begin, tile_end, n_tiles, BLOCK_M)
-            row_mask, a_inv_rows, b_inv_tile, has_group = _tile_factors(
-                a_inv_ptr, b_inv_ptr, rows, row0, end, g, col_tile, G, stride_ai, stride_big,
-                stride_biw)
-            acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=mma_layout)
-            free_a = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=mma_layout)
-            free_b = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=mma_layout)
-            k_unrolled = k_blocks // UNROLL * UNROLL
-            for kb in range(0, k_unrolled, UNROLL):
-                running = _issue_mma(ready, a_bufs, b_bufs, step, free_a, STAGES)
-                scale = _block_scale(a_inv_rows, row_mask, b_inv_tile, stride_bir, has_group, kb)
-                for j in gl.static_range(1, UNROLL):
-                    following = _issue_mma(ready, a_bufs, b_bufs, step + j, free_b, STAGES)
-                    next_scale = _block_scale(a_inv_rows, row_mask, b_inv_tile, stride_bir,
-                                              has_group, kb + j)
-                    acc, free_b = _rescale_rows(acc, running, scale, 1)
-                    _release_stage(empty, step + j - 1, STAGES)
-                    running = following
-                    scale = next_scale
-                acc, free_a = _rescale_rows(acc, running, scale, 0)
-                _release_stage(empty, step + UNROLL - 1, STAGES)
-                step += UNROLL
-            for kb in range(k_unrolled, k_blocks):
-                running = _issue_mma(ready, a_bufs, b_bufs, step, free_a, STAGES)
-                scale = _block_scale(a_inv_rows, row_mask, b_inv_tile, stride_bir, has_group, kb)
-                acc, free_a = _rescale_rows(acc, running, scale, 0)
-                _release_stage(empty, step, STAGES)
-                step += 1
-            _store_tile(out_ptr, acc, row0, end - row0, col_tile * BLOCK_N,
-                        W - col_tile * BLOCK_N, stride_om, num_warps, BLOCK_M, BLOCK_N)
-
-    @gluon.jit
-    def _blockwise_mm_ws_kernel(a_desc, b_desc, a_inv_ptr, b_inv_ptr, out_ptr, sizes_ptr, M, W,
-                                R, G, stride_ai, stride_big, stride_biw, stride_bir, stride_om,
-                                BLOCK_G: gl.constexpr, NUM_PROGRAMS: gl.constexpr,
-                                STAGES: gl.constexpr, UNROLL: gl.constexpr,
-                                num_warps: gl.constexpr):
-        """:func:`_blockwise_mm_kernel` with a loader warp of its own: the MMA warps never
-        issue copies, and the loader runs ``STAGES`` blocks ahead across tile boundaries."""
-        a_bufs, b_bufs, ready = _operand_ring(a_desc, b_desc, STAGES)
-        empty = _stage_barriers(STAGES)
-        gl.warp_specialize([
-            (_mm_tiles, (a_bufs, b_bufs, ready, empty, a_inv_ptr, b_inv_ptr, out_ptr, sizes_ptr,
-                         M, W, R, G, stride_ai, stride_big, stride_biw, stride_bir, stride_om,
-                         BLOCK_G, NUM_PROGRAMS, UNROLL, num_warps)),
-            (_mm_loader, (a_desc, b_desc, a_bufs, b_bufs, ready, empty, sizes_ptr, M, W, R, G,
-                          BLOCK_G, NUM_PROGRAMS)),
-        ], [1], [24])
-        _release_ring(ready, STAGES)
-        _release_ring(empty, STAGES)
-
 
 
 def supported(a: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -415,13 +310,11 @@ def _descriptor(t: torch.Tensor, rows: int, cols: int):
 
 
 def grouped_mm(a: torch.Tensor, a_inv: torch.Tensor, weight: torch.Tensor, w_inv: torch.Tensor,
-               sizes: torch.Tensor, *, out_dtype: torch.dtype = torch.bfloat16,
-               warp_specialized: bool | None = None) -> torch.Tensor:
+               sizes: torch.Tensor, *, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """FP8 ``a`` ``(M, R)`` (1x128 factors ``a_inv`` ``(M, cdiv(R, 128))``) times each group's
     ``weight`` ``(G, W, R)`` transposed (128x128 block factors ``w_inv``
     ``(G, cdiv(W, 128), cdiv(R, 128))``): ``(M, W)`` in ``out_dtype``. ``sizes``: ``(G,)`` on
-    the device, clamped in the kernel. Needs :func:`supported` operands.
-    ``warp_specialized``: the kernel with a loader warp (default :data:`MM_WARP_SPECIALIZED`)."""
+    the device, clamped in the kernel. Needs :func:`supported` operands."""
     M, R = a.shape
     G, width = weight.shape[0], weight.shape[1]
     out = torch.empty(M, width, device=a.device, dtype=out_dtype)
@@ -436,12 +329,9 @@ def grouped_mm(a: torch.Tensor, a_inv: torch.Tensor, weight: torch.Tensor, w_inv
     programs = max(1, min(torch.cuda.get_device_properties(a.device).multi_processor_count,
                           upper_tiles))
     a_inv = a_inv.contiguous()
-    ws = MM_WARP_SPECIALIZED if warp_specialized is None else warp_specialized
-    kernel, extra = (_blockwise_mm_ws_kernel, {"maxnreg": MM_MAXNREG}) if ws \
-        else (_blockwise_mm_kernel, {})
-    kernel[(programs,)](
+    _blockwise_mm_kernel[(programs,)](
         a_desc, b_desc, a_inv, w_inv, out, sizes, M, width, R, G, a_inv.stride(0),
         w_inv.stride(0), w_inv.stride(1), w_inv.stride(2), out.stride(0),
         BLOCK_G=max(32, next_power_of_2(G + 1)), NUM_PROGRAMS=programs, STAGES=stages,
-        UNROLL=MM_UNROLL, num_warps=warps, **extra)
+        UNROLL=MM_UNROLL, num_warps=warps)
     return out

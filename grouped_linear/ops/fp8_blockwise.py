@@ -8,9 +8,11 @@
   token-contiguous, one zero-padded block each, by their quantization kernel (the GEMM
   reduces over the tokens and reads whole blocks).
 
-One fused quantization pass per operand and layout
-(:mod:`grouped_linear.kernels.quantize_blocks`; both layouts from one read with
-``ONE_READ_QUANTIZATION``);
+Both layouts of ``x`` (in the forward, when the weight's gradient may be wanted) and of
+``dy`` (in the backward) from one read of each
+(:mod:`grouped_linear.kernels.quantize_blocks_gluon` on Hopper; elsewhere one pass per
+layout, :mod:`grouped_linear.kernels.quantize_blocks`), so backward keeps ``x``'s FP8
+token blocks rather than ``x``;
 the GEMMs from :mod:`grouped_linear.kernels.fp8_gluon_gemm` and
 :mod:`grouped_linear.kernels.fp8_gluon_wgrad` on Hopper (asynchronous MMAs that overlap each
 block's rescale) and :mod:`grouped_linear.kernels.fp8_triton_gemm` elsewhere (CPU, other
@@ -35,20 +37,21 @@ __all__ = ["Fp8BlockwiseFunction"]
 # The Gluon GEMMs where they apply; ``False`` keeps every GEMM on the Triton kernels
 # (benchmarks compare the two).
 USE_GLUON = True
-# Each operand's two layouts (row tiles, token blocks) from one read: x's in the forward
-# (backward then keeps its FP8 token blocks instead of x), dy's in the backward. Off until
-# the Gluon one-read kernel is measured in the step (its Triton predecessor made steps at
-# 128 groups slower).
-ONE_READ_QUANTIZATION = False
+# Each operand's two layouts (row tiles, token blocks) together: x's in the forward
+# (backward then keeps its FP8 token blocks instead of x), dy's in the backward. ``False``
+# quantizes each layout where it is used (benchmarks compare the two: the H200 step is level
+# to 8% faster with it).
+ONE_READ_QUANTIZATION = True
 
 
 def _both_layouts(t, sizes, fp8_dtype, power_of_two):
-    """``((row_data, row_inv), (block_data, block_inv))`` of ``t`` (see
-    :mod:`grouped_linear.kernels.quantize_blocks_gluon`): one read on Hopper, two passes
-    elsewhere."""
+    """``((row_data, row_inv), (block_data, block_inv))`` of ``t``: one read on Hopper
+    (:mod:`grouped_linear.kernels.quantize_blocks_gluon`), one pass per layout elsewhere (the
+    row tiles of rows past the groups are then not zeroed: no GEMM reads them)."""
     if USE_GLUON and qbg.supported(t):
         return qbg.quantize_row_tiles_and_token_blocks(t, sizes, fp8_dtype, power_of_two)
-    return qbg.two_passes(t, sizes, fp8_dtype, power_of_two)
+    return (qb.quantize_row_tiles(t, fp8_dtype, power_of_two, qbg.TILE),
+            qb.quantize_token_blocks(t, sizes, fp8_dtype, power_of_two, qbg.TILE, transpose=True))
 
 
 def _grouped_mm(a, a_inv, w_data, w_inv, sizes, out_dtype):

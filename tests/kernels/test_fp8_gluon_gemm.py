@@ -42,15 +42,13 @@ CASES = [  # (sizes, rows past the groups, R, W): ragged ends, empty groups, one
 @sm90
 @pytest.mark.parametrize("sizes, tail, R, W", CASES)
 @pytest.mark.parametrize("b_dtype", [E4M3, E5M2])
-@pytest.mark.parametrize("warp_specialized", [False, True])
-def test_grouped_mm_against_float64_reference(sizes, tail, R, W, b_dtype, warp_specialized):
+def test_grouped_mm_against_float64_reference(sizes, tail, R, W, b_dtype):
     G, M = len(sizes), sum(sizes) + tail
     a, weight = _fp8(M, R), _fp8(G, W, R, dtype=b_dtype)
     a_inv, w_inv = _factors(M, -(-R // 128)), _factors(G, -(-W // 128), -(-R // 128))
     sizes_t = torch.tensor(sizes, device="cuda")
     assert gg.supported(a, weight)
-    got = gg.grouped_mm(a, a_inv, weight, w_inv, sizes_t, out_dtype=torch.float32,
-                        warp_specialized=warp_specialized)
+    got = gg.grouped_mm(a, a_inv, weight, w_inv, sizes_t, out_dtype=torch.float32)
     want = fg.grouped_mm_reference(a, a_inv.double(), weight, w_inv.double(), sizes_t,
                                    transpose_weight=True, scaling="blockwise",
                                    out_dtype=torch.float64)
@@ -75,28 +73,11 @@ def test_grouped_mm_bf16_output_matches_triton_kernel():
 
 @pytest.mark.gpu
 @sm90
-def test_warp_specialized_kernel_matches_the_other_bit_for_bit():
-    """Many tiles per program (the loader crosses tile boundaries), skewed and empty
-    groups, a tail: the same products in the same order."""
-    sizes = torch.tensor([9000, 0, 13, 6000, 2500], device="cuda")
-    M, R, W = 17600, 768, 640
-    a, weight = _fp8(M, R), _fp8(5, W, R)
-    a_inv, w_inv = _factors(M, R // 128), _factors(5, W // 128, R // 128)
-    plain = gg.grouped_mm(a, a_inv, weight, w_inv, sizes, warp_specialized=False)
-    specialized = gg.grouped_mm(a, a_inv, weight, w_inv, sizes, warp_specialized=True)
-    assert torch.equal(plain, specialized)
-    assert torch.equal(specialized[17513:], torch.zeros_like(specialized[17513:]))
-
-
-@pytest.mark.gpu
-@sm90
-@pytest.mark.parametrize("warp_specialized", [False, True])
-def test_device_sizes_past_the_rows_are_clamped(warp_specialized):
+def test_device_sizes_past_the_rows_are_clamped():
     a, weight = _fp8(100, 128), _fp8(2, 128, 128)
     a_inv, w_inv = _factors(100, 1), _factors(2, 1, 1)
     sizes = torch.tensor([60, 500], device="cuda")  # sums past M: the second group ends at 100
-    got = gg.grouped_mm(a, a_inv, weight, w_inv, sizes, out_dtype=torch.float32,
-                        warp_specialized=warp_specialized)
+    got = gg.grouped_mm(a, a_inv, weight, w_inv, sizes, out_dtype=torch.float32)
     want = fg.grouped_mm_reference(a, a_inv.double(), weight, w_inv.double(), sizes,
                                    transpose_weight=True, scaling="blockwise",
                                    out_dtype=torch.float64)
