@@ -4,9 +4,7 @@
 forward (``x @ W^T``), dgrad (``dy @ W``, as the recipe runs it: the transposed weight copy)
 and wgrad (token-block operands) through ``fp8_triton_gemm`` and the Gluon kernels
 (``fp8_gluon_gemm``, ``fp8_gluon_wgrad``) on the same quantized operands; do_bench medians in
-TFLOP/s (``2 M K N`` per GEMM), and whether the kernels' bf16 outputs are identical. The
-Gluon wgrad runs as both its kernels: one program per tile (column ``Gluon``) and persistent
-(column ``persistent``); which one the layer takes depends on the rows per group.
+TFLOP/s (``2 M K N`` per GEMM), and whether the kernels' bf16 outputs are identical.
 """
 
 import sys
@@ -36,7 +34,7 @@ def _mm(M, R, W, sizes):
     gluon_fn = lambda: gg.grouped_mm(*a, *w, sizes)  # noqa: E731
     same = torch.equal(triton_fn(), gluon_fn())
     flops = 2 * M * R * W
-    return _tflops(flops, triton_fn), _tflops(flops, gluon_fn), None, same
+    return _tflops(flops, triton_fn), _tflops(flops, gluon_fn), same
 
 
 def _wgrad(M, K, N, sizes):
@@ -45,27 +43,24 @@ def _wgrad(M, K, N, sizes):
     dy_t = qb.quantize_token_blocks(dy, sizes, E4M3, True, transpose=True)
     x_t = qb.quantize_token_blocks(x, sizes, E4M3, True, transpose=True)
     triton_fn = lambda: fg.blockwise_wgrad(*dy_t, *x_t, sizes, M)  # noqa: E731
-    gluon_fn = lambda: gw.blockwise_wgrad(*dy_t, *x_t, sizes, M, persistent=False)  # noqa: E731
-    persistent_fn = lambda: gw.blockwise_wgrad(*dy_t, *x_t, sizes, M, persistent=True)  # noqa: E731
-    same = torch.equal(triton_fn(), gluon_fn()) and torch.equal(gluon_fn(), persistent_fn())
+    gluon_fn = lambda: gw.blockwise_wgrad(*dy_t, *x_t, sizes, M)  # noqa: E731
+    same = torch.equal(triton_fn(), gluon_fn())
     flops = 2 * M * K * N
-    return _tflops(flops, triton_fn), _tflops(flops, gluon_fn), _tflops(flops, persistent_fn), same
+    return _tflops(flops, triton_fn), _tflops(flops, gluon_fn), same
 
 
 def main(names):
     shapes = load_shapes()
     print(f"{'shape':22s} {'GEMM':6s} {'Triton':>7s} {'Gluon':>7s} {'ratio':>6s} "
-          f"{'persistent':>10s} {'pers/Gluon':>10s}  identical")
+          "  identical")
     for name in names or [n for n in shapes if not n.startswith("small")]:
         shape = shapes[name]
         M, K, N = sum(shape.splits), shape.K, shape.N
         sizes = torch.tensor(list(shape.splits), device="cuda")
-        for gemm, (tri, glu, persistent, same) in (("fwd", _mm(M, K, N, sizes)),
-                                                   ("dgrad", _mm(M, N, K, sizes)),
-                                                   ("wgrad", _wgrad(M, K, N, sizes))):
-            extra = f"{'-':>10s} {'-':>10s}" if persistent is None else \
-                f"{persistent:10.0f} {persistent / glu:10.2f}"
-            print(f"{name:22s} {gemm:6s} {tri:7.0f} {glu:7.0f} {glu / tri:6.2f} {extra}  {same}")
+        for gemm, (tri, glu, same) in (("fwd", _mm(M, K, N, sizes)),
+                                       ("dgrad", _mm(M, N, K, sizes)),
+                                       ("wgrad", _wgrad(M, K, N, sizes))):
+            print(f"{name:22s} {gemm:6s} {tri:7.0f} {glu:7.0f} {glu / tri:6.2f}  {same}")
 
 
 if __name__ == "__main__":

@@ -4,11 +4,13 @@ Both operands come in the token-block layout of
 :func:`grouped_linear.kernels.quantize_blocks.quantize_token_blocks` (``transpose=True``):
 128-token blocks of each group, one factor per (block, column) on each side, so every
 block's partial product is rescaled by an outer product of the two factor rows. One program
-per (group, N tile, K tile). A loader warp of its own (warp specialization) keeps a ring of
-shared-memory stages full by TMA, each stage holding a block's two operand tiles and their
-two 128-float factor rows; the 8 MMA warps keep two warp-group MMAs in flight as
-:mod:`grouped_linear.kernels.fp8_gluon_gemm` does, and hand a stage back once its MMA is
-waited for and its factors read.
+per SM walks the (group, N tile, K tile) list. A loader warp of its own (warp
+specialization) keeps a ring of shared-memory stages full by TMA, across tile boundaries,
+each stage holding a block's two operand tiles and their two 128-float factor rows; the 8
+MMA warps keep two warp-group MMAs in flight as :mod:`grouped_linear.kernels.fp8_gluon_gemm`
+does, and hand a stage back once its MMA is waited for and its factors read. (One program
+per tile instead ran 0-9% slower on the 8-group shapes and 16-21% slower at 16 and 128
+groups on the H200: each tile paid its own pipeline fill and an unhidden store.)
 
 Same contract, arguments and reference as
 :func:`grouped_linear.kernels.fp8_triton_gemm.blockwise_wgrad`, whose kernel serves CPU,
@@ -59,10 +61,6 @@ WGRAD_GROUP_N = 8
 # file): 12 warps at 168 registers fill the 64K registers of an SM; the MMA warps then take
 # 240 each and the loader's warp group 24.
 WGRAD_MAXNREG = 168
-# Persistent variant: one program per SM walks its tiles (the loader runs into the next tile
-# while the MMA warps store the last one). It pays off where tiles are short: groups of fewer
-# rows than this on average (H200: +16-20% at 1-1.3k rows a group, level within +-4% at 8k+).
-WGRAD_PERSISTENT_ROWS = 4096
 
 if HAS_GLUON:
 
@@ -106,13 +104,6 @@ if HAS_GLUON:
                                ready, dy_bufs, x_bufs, dy_inv_bufs, x_inv_bufs, step, STAGES)
 
     @gluon.jit
-    def _wgrad_loader(dy_desc, x_desc, dy_inv_desc, x_inv_desc, dy_bufs, x_bufs, dy_inv_bufs,
-                      x_inv_bufs, ready, empty, n0, k0, first_block, n_blocks):
-        """Loader partition (one warp) of the one-tile kernel."""
-        _load_tile(dy_desc, x_desc, dy_inv_desc, x_inv_desc, dy_bufs, x_bufs, dy_inv_bufs,
-                   x_inv_bufs, ready, empty, 0, n0, k0, first_block, n_blocks)
-
-    @gluon.jit
     def _tile_product(dy_bufs, x_bufs, dy_inv_bufs, x_inv_bufs, ready, empty, step0, n_blocks,
                       UNROLL: gl.constexpr, layout: gl.constexpr):
         """The product over one tile's ``n_blocks`` token blocks (pipeline steps ``step0 +
@@ -143,13 +134,6 @@ if HAS_GLUON:
         return acc
 
     @gluon.jit
-    def _wgrad_mma(dy_bufs, x_bufs, dy_inv_bufs, x_inv_bufs, ready, empty, n_blocks,
-                   UNROLL: gl.constexpr, layout: gl.constexpr):
-        """MMA partition of the one-tile kernel: the tile's product."""
-        return (_tile_product(dy_bufs, x_bufs, dy_inv_bufs, x_inv_bufs, ready, empty, 0,
-                              n_blocks, UNROLL, layout),)
-
-    @gluon.jit
     def _wgrad_tile(tile, n_tiles, k_tiles, GROUP_N: gl.constexpr, BLOCK_N: gl.constexpr,
                     BLOCK_K: gl.constexpr):
         """Tile ``tile``'s group and first N and K. Within a group, runs of GROUP_N N tiles
@@ -175,48 +159,12 @@ if HAS_GLUON:
         return gs, gl.associative_scan(blocks, 0, _add) - blocks, blocks
 
     @gluon.jit
-    def _blockwise_wgrad_kernel(dy_desc, x_desc, dy_inv_desc, x_inv_desc, dw_ptr, sizes_ptr, M,
-                                N, K, G, stride_dwg, stride_dwn, BLOCK_G: gl.constexpr,
-                                STAGES: gl.constexpr, UNROLL: gl.constexpr,
-                                GROUP_N: gl.constexpr, num_warps: gl.constexpr):
-        """One (group, N tile, K tile) of ``dW_g = dy_g^T x_g`` over the group's token blocks
-        (whole 128-token blocks, zero past the group's end: no masks along the tokens). A
-        loader warp keeps the ring full (a stage is refilled once the MMA warps release it),
-        so the MMA warps never wait on the copies' issue."""
-        BLOCK_N: gl.constexpr = dy_desc.block_type.shape[0]
-        BLOCK_T: gl.constexpr = dy_desc.block_type.shape[1]
-        BLOCK_K: gl.constexpr = x_desc.block_type.shape[0]
-        mma_layout: gl.constexpr = _mma_layout(BLOCK_N, BLOCK_K, num_warps)
-        table_layout: gl.constexpr = gl.BlockedLayout([BLOCK_G // 32], [32], [num_warps], [0])
-        g, n0, k0 = _wgrad_tile(gl.program_id(0), gl.cdiv(N, BLOCK_N), gl.cdiv(K, BLOCK_K),
-                                GROUP_N, BLOCK_N, BLOCK_K)
-        gs, firsts, blocks = _group_blocks(sizes_ptr, G, M, BLOCK_T, BLOCK_G, table_layout)
-        first_block = gl.sum(gl.where(gs == g, firsts, 0), axis=0)
-        n_blocks = gl.sum(gl.where(gs == g, blocks, 0), axis=0)
-
-        dy_bufs, x_bufs, ready = _operand_ring(dy_desc, x_desc, STAGES)
-        dy_inv_bufs, x_inv_bufs, empty = _operand_ring(dy_inv_desc, x_inv_desc, STAGES)
-        results = gl.warp_specialize([
-            (_wgrad_mma, (dy_bufs, x_bufs, dy_inv_bufs, x_inv_bufs, ready, empty, n_blocks,
-                          UNROLL, mma_layout)),
-            (_wgrad_loader, (dy_desc, x_desc, dy_inv_desc, x_inv_desc, dy_bufs, x_bufs,
-                             dy_inv_bufs, x_inv_bufs, ready, empty, n0, k0, first_block,
-                             n_blocks)),
-        ], [1], [24])
-        acc = results[0]
-        _store_tile(dw_ptr + g.to(gl.int64) * stride_dwg, acc, n0, N - n0, k0, K - k0, stride_dwn,
-                    num_warps, BLOCK_N, BLOCK_K)
-        _release_ring(ready, STAGES)
-        _release_ring(empty, STAGES)
-
-
-    @gluon.jit
-    def _persistent_loader(dy_desc, x_desc, dy_inv_desc, x_inv_desc, dy_bufs, x_bufs,
+    def _wgrad_loader(dy_desc, x_desc, dy_inv_desc, x_inv_desc, dy_bufs, x_bufs,
                            dy_inv_bufs, x_inv_bufs, ready, empty, sizes_ptr, M, N, K, G,
                            BLOCK_G: gl.constexpr, GROUP_N: gl.constexpr,
                            NUM_PROGRAMS: gl.constexpr):
-        """Loader partition (one warp) of the persistent kernel: the program's tiles in
-        order, the ring filled across tile boundaries."""
+        """Loader partition (one warp): the program's tiles in order, the ring filled across
+        tile boundaries (a stage refilled once the MMA warps release it)."""
         BLOCK_N: gl.constexpr = dy_desc.block_type.shape[0]
         BLOCK_T: gl.constexpr = dy_desc.block_type.shape[1]
         BLOCK_K: gl.constexpr = x_desc.block_type.shape[0]
@@ -236,12 +184,12 @@ if HAS_GLUON:
             step += n_blocks
 
     @gluon.jit
-    def _persistent_tiles(dy_bufs, x_bufs, dy_inv_bufs, x_inv_bufs, ready, empty, dw_ptr,
+    def _wgrad_tiles(dy_bufs, x_bufs, dy_inv_bufs, x_inv_bufs, ready, empty, dw_ptr,
                           sizes_ptr, M, N, K, G, stride_dwg, stride_dwn, BLOCK_G: gl.constexpr,
                           GROUP_N: gl.constexpr, NUM_PROGRAMS: gl.constexpr,
                           UNROLL: gl.constexpr, num_warps: gl.constexpr):
-        """MMA partition of the persistent kernel: each tile's product, then its store (the
-        loader meanwhile fills the ring with the next tile's blocks)."""
+        """MMA partition: each tile's product, then its store (the loader meanwhile fills the
+        ring with the next tile's blocks)."""
         BLOCK_N: gl.constexpr = dy_bufs.type.shape[1]
         BLOCK_T: gl.constexpr = dy_bufs.type.shape[2]
         BLOCK_K: gl.constexpr = x_bufs.type.shape[1]
@@ -263,21 +211,21 @@ if HAS_GLUON:
             step += n_blocks
 
     @gluon.jit
-    def _blockwise_wgrad_persistent_kernel(dy_desc, x_desc, dy_inv_desc, x_inv_desc, dw_ptr,
-                                           sizes_ptr, M, N, K, G, stride_dwg, stride_dwn,
-                                           BLOCK_G: gl.constexpr, STAGES: gl.constexpr,
-                                           UNROLL: gl.constexpr, GROUP_N: gl.constexpr,
-                                           NUM_PROGRAMS: gl.constexpr,
-                                           num_warps: gl.constexpr):
-        """:func:`_blockwise_wgrad_kernel` over tiles ``pid, pid + NUM_PROGRAMS, ...``: the
-        loader prefetches the next tile's blocks while the MMA warps store the last one."""
+    def _blockwise_wgrad_kernel(dy_desc, x_desc, dy_inv_desc, x_inv_desc, dw_ptr, sizes_ptr, M,
+                                N, K, G, stride_dwg, stride_dwn, BLOCK_G: gl.constexpr,
+                                STAGES: gl.constexpr, UNROLL: gl.constexpr,
+                                GROUP_N: gl.constexpr, NUM_PROGRAMS: gl.constexpr,
+                                num_warps: gl.constexpr):
+        """Tiles ``pid, pid + NUM_PROGRAMS, ...`` of the (group, N tile, K tile) list of ``dW_g
+        = dy_g^T x_g``, each over its group's token blocks (whole 128-token blocks, zero past
+        the group's end: no masks along the tokens)."""
         dy_bufs, x_bufs, ready = _operand_ring(dy_desc, x_desc, STAGES)
         dy_inv_bufs, x_inv_bufs, empty = _operand_ring(dy_inv_desc, x_inv_desc, STAGES)
         gl.warp_specialize([
-            (_persistent_tiles, (dy_bufs, x_bufs, dy_inv_bufs, x_inv_bufs, ready, empty, dw_ptr,
+            (_wgrad_tiles, (dy_bufs, x_bufs, dy_inv_bufs, x_inv_bufs, ready, empty, dw_ptr,
                                  sizes_ptr, M, N, K, G, stride_dwg, stride_dwn, BLOCK_G,
                                  GROUP_N, NUM_PROGRAMS, UNROLL, num_warps)),
-            (_persistent_loader, (dy_desc, x_desc, dy_inv_desc, x_inv_desc, dy_bufs, x_bufs,
+            (_wgrad_loader, (dy_desc, x_desc, dy_inv_desc, x_inv_desc, dy_bufs, x_bufs,
                                   dy_inv_bufs, x_inv_bufs, ready, empty, sizes_ptr, M, N, K, G,
                                   BLOCK_G, GROUP_N, NUM_PROGRAMS)),
         ], [1], [24])
@@ -314,29 +262,21 @@ def _factor_descriptor(inv: torch.Tensor):
 
 def blockwise_wgrad(dy_blocks: torch.Tensor, dy_inv: torch.Tensor, x_blocks: torch.Tensor,
                     x_inv: torch.Tensor, sizes: torch.Tensor, num_rows: int,
-                    out_dtype: torch.dtype = torch.bfloat16,
-                    persistent: bool | None = None) -> torch.Tensor:
+                    out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """``(G, N, K)``: ``dW_g = dy_g^T @ x_g``; arguments as
     :func:`grouped_linear.kernels.fp8_triton_gemm.blockwise_wgrad` (per-block factors).
-    Needs :func:`wgrad_supported` operands. ``persistent``: one program per SM over the tiles
-    instead of one per tile (default: when the groups average fewer than
-    :data:`WGRAD_PERSISTENT_ROWS` rows)."""
+    Needs :func:`wgrad_supported` operands."""
     N, K, G = dy_blocks.shape[0], x_blocks.shape[0], sizes.shape[0]
     dw = torch.empty(G, N, K, device=dy_blocks.device, dtype=out_dtype)
     if N == 0 or K == 0 or G == 0 or dy_blocks.shape[1] == 0:
         return dw.zero_()
     tile, warps, stages = WGRAD_CONFIG
     tiles = G * cdiv(N, tile) * cdiv(K, tile)
-    args = (_descriptor(dy_blocks, tile, BLOCK), _descriptor(x_blocks, tile, BLOCK),
-            _factor_descriptor(dy_inv), _factor_descriptor(x_inv), dw, sizes, num_rows, N, K, G,
-            dw.stride(0), dw.stride(1))
-    options = dict(BLOCK_G=max(32, next_power_of_2(G)), STAGES=stages, UNROLL=MM_UNROLL,
-                   GROUP_N=WGRAD_GROUP_N, num_warps=warps, maxnreg=WGRAD_MAXNREG)
-    if persistent is None:
-        persistent = num_rows < WGRAD_PERSISTENT_ROWS * G
-    if persistent:
-        programs = min(torch.cuda.get_device_properties(dw.device).multi_processor_count, tiles)
-        _blockwise_wgrad_persistent_kernel[(programs,)](*args, NUM_PROGRAMS=programs, **options)
-    else:
-        _blockwise_wgrad_kernel[(tiles,)](*args, **options)
+    programs = min(torch.cuda.get_device_properties(dw.device).multi_processor_count, tiles)
+    _blockwise_wgrad_kernel[(programs,)](
+        _descriptor(dy_blocks, tile, BLOCK), _descriptor(x_blocks, tile, BLOCK),
+        _factor_descriptor(dy_inv), _factor_descriptor(x_inv), dw, sizes, num_rows, N, K, G,
+        dw.stride(0), dw.stride(1), BLOCK_G=max(32, next_power_of_2(G)), STAGES=stages,
+        UNROLL=MM_UNROLL, GROUP_N=WGRAD_GROUP_N, NUM_PROGRAMS=programs, num_warps=warps,
+        maxnreg=WGRAD_MAXNREG)
     return dw

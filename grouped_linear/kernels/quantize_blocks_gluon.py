@@ -37,11 +37,9 @@ __all__ = ["supported", "quantize_row_tiles_and_token_blocks", "two_passes", "TI
 
 TILE = 128  # the recipe's block: rows of a token block, columns of a row tile
 SLICE = 32  # rows (row tiles) or columns (token blocks) read from shared memory at a time
-WARPS = 4
-# Threads of a warp along the tokens in the token-block pass: 2 (2-way bank conflicts,
-# 32-byte stores) ran at 2.6 TB/s on the H200, 1 (none, 16-byte stores) at 2.0, the first
-# layout (8 along the tokens: 8-way conflicts) at 2.35.
-TOKEN_THREADS = 2
+# A multiple of 4 (the token-block pass puts 4 warps along the tokens). H200: 8 warps (64
+# registers) level with 4 (80) on the 8-group shapes, 6-11% faster at 16 and 128 groups.
+WARPS = 8
 
 if HAS_GLUON:
 
@@ -55,23 +53,83 @@ if HAS_GLUON:
         return scale
 
     @gluon.jit
-    def _saturate(values, scale, FP8_MAX: gl.constexpr):
-        return gl.minimum(gl.maximum(values * scale, -FP8_MAX), FP8_MAX)
+    def _to_fp8(values, scale, dtype: gl.constexpr):
+        """``values * scale`` in FP8: the conversion saturates at the format's largest finite
+        value, which is where :func:`grouped_linear.kernels.quantize_blocks`'s explicit
+        clamp puts it too (bit for bit for finite inputs; a NaN stays NaN here)."""
+        return (values * scale).to(dtype)
+
+    @gluon.jit
+    def _row_tiles(tile, rq_ptr, rinv_ptr, start, rows_here, valid_rows, col0, C,
+                   FP8_MAX: gl.constexpr, POW2: gl.constexpr, SLICE_: gl.constexpr,
+                   MASKED: gl.constexpr, num_warps: gl.constexpr):
+        """The tile's rows in 1 x TILE row tiles: 16-byte vectors of one row per thread, a
+        row's columns in 16 threads. Rows ``[rows_here, TILE)`` belong to the next group and
+        are not stored; with ``MASKED`` rows ``[valid_rows, rows_here)`` are stored as zeros
+        (factor 1): the blocks of the rows past the groups."""
+        TILE_R: gl.constexpr = tile.type.shape[0]
+        TILE_C: gl.constexpr = tile.type.shape[1]
+        row_layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [num_warps, 1], [1, 0])
+        cols = col0 + gl.arange(0, TILE_C, layout=gl.SliceLayout(0, row_layout))
+        for part in gl.static_range(TILE_R // SLICE_):
+            local = part * SLICE_ + gl.arange(0, SLICE_, layout=gl.SliceLayout(1, row_layout))
+            values = tile.slice(part * SLICE_, SLICE_, dim=0).load(row_layout).to(gl.float32)
+            if MASKED:
+                values = gl.where((local < valid_rows)[:, None], values, 0.0)
+            scale = _scale(gl.max(gl.abs(values), axis=1), FP8_MAX, POW2)
+            rows = (start + local).to(gl.int64)
+            row_mask = local < rows_here
+            gl.store(rq_ptr + rows[:, None] * C + cols[None, :],
+                     _to_fp8(values, scale[:, None], rq_ptr.dtype.element_ty),
+                     mask=row_mask[:, None] & (cols < C)[None, :])
+            gl.store(rinv_ptr + rows * gl.num_programs(1) + gl.program_id(1), 1.0 / scale,
+                     mask=row_mask)
+
+    @gluon.jit
+    def _token_blocks(tile, q_ptr, inv_ptr, b, valid_rows, col0, C, stride_q,
+                      FP8_MAX: gl.constexpr, POW2: gl.constexpr, SLICE_: gl.constexpr,
+                      MASKED: gl.constexpr, num_warps: gl.constexpr):
+        """The tile as token block ``b``: per column, the amax over the block's rows (with
+        ``MASKED``, rows from ``valid_rows`` on count as zeros), 16 consecutive tokens of one
+        column per thread (16-byte stores) into ``q[c, b * TILE + i]``. A warp's load reads
+        2 rows 16 apart (they share banks under the tile's swizzle: 2-way conflicts) and 16
+        columns; 4 warps cover the 128 rows, more warps split the columns. H200: 2.6 TB/s
+        against 2.0 with 1 row per load (no conflicts, but 16-byte pieces of 32 columns per
+        store) and 2.35 with 8 (8-way conflicts)."""
+        TILE_R: gl.constexpr = tile.type.shape[0]
+        TILE_C: gl.constexpr = tile.type.shape[1]
+        col_layout: gl.constexpr = gl.BlockedLayout([16, 1], [2, 16], [4, num_warps // 4], [0, 1])
+        tokens = gl.arange(0, TILE_R, layout=gl.SliceLayout(1, col_layout))
+        slots = (b.to(gl.int64) * TILE_R + tokens)[:, None]
+        for part in gl.static_range(TILE_C // SLICE_):
+            cols = col0 + part * SLICE_ + gl.arange(0, SLICE_, layout=gl.SliceLayout(0, col_layout))
+            values = tile.slice(part * SLICE_, SLICE_, dim=1).load(col_layout).to(gl.float32)
+            if MASKED:
+                values = gl.where((tokens < valid_rows)[:, None], values, 0.0)
+            scale = _scale(gl.max(gl.abs(values), axis=0), FP8_MAX, POW2)
+            col_mask = cols < C
+            gl.store(q_ptr + cols.to(gl.int64)[None, :] * stride_q + slots,
+                     _to_fp8(values, scale[None, :], q_ptr.dtype.element_ty),
+                     mask=col_mask[None, :])
+            gl.store(inv_ptr + b.to(gl.int64) * C + cols, 1.0 / scale, mask=col_mask)
 
     @gluon.jit
     def _quantize_both_kernel(t_desc, sizes_ptr, rq_ptr, rinv_ptr, q_ptr, inv_ptr, M, C, G,
                               stride_q, FP8_MAX: gl.constexpr, POW2: gl.constexpr,
                               SLICE_: gl.constexpr, BLOCK_G: gl.constexpr,
-                              TOKEN_THREADS: gl.constexpr, num_warps: gl.constexpr):
+                              num_warps: gl.constexpr):
         """Token block ``pid0`` x columns ``[pid1 * TILE, +TILE)``: the bf16 tile by TMA into
         shared memory (zeros past the matrix), then
 
-        * row slices: each row's amax over the tile's columns, the row tile into contiguous
-          ``rq`` ``(M, C)`` and ``rinv[row, pid1]`` (zeros and 1 for the tail's rows; rows
-          past the block, which belong to the next group, untouched);
-        * column slices: each column's amax over the block's rows, the block into ``q``
-          (``q[c, b * TILE + i]``, ``stride_q`` per column: zeros past the block's rows and
-          in blocks outside the groups) and ``inv[b, c]`` (1 outside the groups)."""
+        * :func:`_row_tiles`: each row's amax over the tile's columns, the row tile into
+          contiguous ``rq`` ``(M, C)`` and ``rinv[row, pid1]`` (zeros and 1 for the tail's
+          rows; rows past the block, which belong to the next group, untouched);
+        * :func:`_token_blocks`: each column's amax over the block's rows, the block into
+          ``q`` (``q[c, b * TILE + i]``, ``stride_q`` per column: zeros past the block's rows
+          and in blocks outside the groups) and ``inv[b, c]`` (1 outside the groups).
+
+        Only a group's last block (and the tail's) masks values: the others take the
+        unmasked code."""
         TILE_R: gl.constexpr = t_desc.block_type.shape[0]
         TILE_C: gl.constexpr = t_desc.block_type.shape[1]
         b = gl.program_id(0)
@@ -93,39 +151,16 @@ if HAS_GLUON:
         mbarrier.wait(bar, 0)
         mbarrier.invalidate(bar)
 
-        # row tiles: 16-byte vectors of one row per thread, a row's 128 columns in 16 threads
-        row_layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [num_warps, 1], [1, 0])
-        for part in gl.static_range(TILE_R // SLICE_):
-            local = part * SLICE_ + gl.arange(0, SLICE_, layout=gl.SliceLayout(1, row_layout))
-            cols = col0 + gl.arange(0, TILE_C, layout=gl.SliceLayout(0, row_layout))
-            values = tile.slice(part * SLICE_, SLICE_, dim=0).load(row_layout).to(gl.float32)
-            values = gl.where((local < valid_rows)[:, None], values, 0.0)
-            scale = _scale(gl.max(gl.abs(values), axis=1), FP8_MAX, POW2)
-            rows = (start + local).to(gl.int64)
-            row_mask = local < end - start
-            gl.store(rq_ptr + rows[:, None] * C + cols[None, :],
-                     _saturate(values, scale[:, None], FP8_MAX).to(rq_ptr.dtype.element_ty),
-                     mask=row_mask[:, None] & (cols < C)[None, :])
-            gl.store(rinv_ptr + rows * gl.num_programs(1) + gl.program_id(1), 1.0 / scale,
-                     mask=row_mask)
-
-        # token blocks: 16 consecutive tokens of one column per thread (16-byte stores); a
-        # warp's load reads TOKEN_THREADS rows 16 apart, 32 // TOKEN_THREADS columns of each
-        # (rows 16 apart share their banks under the tile's swizzle: 1 or 2 ways at most)
-        col_layout: gl.constexpr = gl.BlockedLayout(
-            [16, 1], [TOKEN_THREADS, 32 // TOKEN_THREADS], [num_warps, 1], [0, 1])
-        tokens = gl.arange(0, TILE_R, layout=gl.SliceLayout(1, col_layout))
-        slots = (b.to(gl.int64) * TILE_R + tokens)[:, None]
-        for part in gl.static_range(TILE_C // SLICE_):
-            cols = col0 + part * SLICE_ + gl.arange(0, SLICE_, layout=gl.SliceLayout(0, col_layout))
-            values = tile.slice(part * SLICE_, SLICE_, dim=1).load(col_layout).to(gl.float32)
-            values = gl.where((tokens < valid_rows)[:, None], values, 0.0)
-            scale = _scale(gl.max(gl.abs(values), axis=0), FP8_MAX, POW2)
-            col_mask = cols < C
-            gl.store(q_ptr + cols.to(gl.int64)[None, :] * stride_q + slots,
-                     _saturate(values, scale[None, :], FP8_MAX).to(q_ptr.dtype.element_ty),
-                     mask=col_mask[None, :])
-            gl.store(inv_ptr + b.to(gl.int64) * C + cols, 1.0 / scale, mask=col_mask)
+        if valid_rows < TILE_R:
+            _row_tiles(tile, rq_ptr, rinv_ptr, start, end - start, valid_rows, col0, C,
+                       FP8_MAX, POW2, SLICE_, True, num_warps)
+            _token_blocks(tile, q_ptr, inv_ptr, b, valid_rows, col0, C, stride_q, FP8_MAX,
+                          POW2, SLICE_, True, num_warps)
+        else:
+            _row_tiles(tile, rq_ptr, rinv_ptr, start, end - start, valid_rows, col0, C,
+                       FP8_MAX, POW2, SLICE_, False, num_warps)
+            _token_blocks(tile, q_ptr, inv_ptr, b, valid_rows, col0, C, stride_q, FP8_MAX,
+                          POW2, SLICE_, False, num_warps)
 
 
 def two_passes(t: torch.Tensor, sizes: torch.Tensor, fp8_dtype: torch.dtype,
@@ -174,6 +209,5 @@ def quantize_row_tiles_and_token_blocks(t: torch.Tensor, sizes: torch.Tensor,
     _quantize_both_kernel[(blocks, cdiv(C, TILE))](
         descriptor, sizes.contiguous(), row_data, row_inv, block_data, block_inv, M, C, G,
         block_data.stride(0), FP8_MAX=torch.finfo(fp8_dtype).max, POW2=power_of_two,
-        SLICE_=SLICE, BLOCK_G=max(32, next_power_of_2(G + 1)), TOKEN_THREADS=TOKEN_THREADS,
-        num_warps=WARPS)
+        SLICE_=SLICE, BLOCK_G=max(32, next_power_of_2(G + 1)), num_warps=WARPS)
     return (row_data, row_inv), (block_data, block_inv)

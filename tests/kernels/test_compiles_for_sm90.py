@@ -248,13 +248,8 @@ GLUON_CASES = {
                            {"BLOCK_G": 32, "NUM_PROGRAMS": 132, "STAGES": gg.MM_CONFIG[2],
                             "UNROLL": gg.MM_UNROLL},
                            gg.MM_CONFIG[1], None),
-    "gluon blockwise wgrad": (gw._blockwise_wgrad_kernel if HAS_TRITON and gg.HAS_GLUON else None,
-                              {"dw_ptr": "*bf16", "sizes_ptr": "*i64"},
-                              {"BLOCK_G": 32, "STAGES": gw.WGRAD_CONFIG[2],
-                               "UNROLL": gg.MM_UNROLL, "GROUP_N": gw.WGRAD_GROUP_N},
-                              gw.WGRAD_CONFIG[1], gw.WGRAD_MAXNREG),
-    "gluon blockwise wgrad, persistent": (
-        gw._blockwise_wgrad_persistent_kernel if HAS_TRITON and gg.HAS_GLUON else None,
+    "gluon blockwise wgrad": (
+        gw._blockwise_wgrad_kernel if HAS_TRITON and gg.HAS_GLUON else None,
         {"dw_ptr": "*bf16", "sizes_ptr": "*i64"},
         {"BLOCK_G": 32, "STAGES": gw.WGRAD_CONFIG[2], "UNROLL": gg.MM_UNROLL,
          "GROUP_N": gw.WGRAD_GROUP_N, "NUM_PROGRAMS": 132},
@@ -262,8 +257,7 @@ GLUON_CASES = {
     "gluon row tiles and token blocks": (
         qbg._quantize_both_kernel if HAS_TRITON and gg.HAS_GLUON else None,
         {"sizes_ptr": "*i64", "rq_ptr": F8, "q_ptr": F8},
-        {"FP8_MAX": FP8_MAX, "POW2": True, "SLICE_": qbg.SLICE, "BLOCK_G": 32,
-         "TOKEN_THREADS": qbg.TOKEN_THREADS}, qbg.WARPS, None),
+        {"FP8_MAX": FP8_MAX, "POW2": True, "SLICE_": qbg.SLICE, "BLOCK_G": 32}, qbg.WARPS, None),
 }
 # Gluon kernels without MMAs (the MMA checks do not apply).
 GLUON_STREAMING = {"gluon row tiles and token blocks"}
