@@ -10,10 +10,17 @@ Beside it: row gathers and scatters and the weighted k-way combine of routed row
 permute/unpermute moves; their routing map is in :mod:`grouped_linear.kernels.routing`).
 """
 
+import functools
+
 import torch
 
 from ._triton import cdiv, kernel, next_power_of_2, tl, triton, use_triton
 from .bias import _row_group
+
+try:  # grid dependency control (programmatic dependent launch), Triton >= 3.4
+    from triton.language.extra.cuda import gdc_wait
+except ImportError:  # pragma: no cover - older Triton or none
+    gdc_wait = None
 
 __all__ = ["relayout", "relayout_reference", "gather_rows", "gather_rows_reference",
            "combine_rows", "combine_rows_reference", "spread_rows", "spread_rows_reference",
@@ -32,6 +39,10 @@ ZERO_ROWS = 32
 # both together 3 % slower; write-through stores level.
 SCATTER_STORE_CACHE = ".cs"
 SCATTER_LOAD_EVICTION = ""
+# Programmatic dependent launch of the scatter (Hopper on): its programs may start while the
+# kernel before it (the routing map, the inverse slot map) finishes, read their source rows,
+# and wait (``griddepcontrol.wait``) before they read what that kernel wrote.
+SCATTER_PDL = True
 COMBINE_CONFIG = (2, 2048, 4)
 # Launch shape (tokens per program, columns per step, warps) of slot_dots (the gradient of
 # unpermute's weights). H200 sweep at hidden 4096 (65536 / 131072 slots): (8, 256, 4) 0.91 /
@@ -207,7 +218,7 @@ def _scatter_rows_kernel(src_ptr, dst_ptr, map_ptr, token_ptr, weights_ptr, T, K
                          stride_src, stride_dst, token_programs, HAS_WEIGHTS: tl.constexpr,
                          SLOTS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
                          ZERO_ROWS: tl.constexpr, STORE_CACHE: tl.constexpr,
-                         LOAD_EVICTION: tl.constexpr):
+                         LOAD_EVICTION: tl.constexpr, PDL: tl.constexpr):
     """A 1-D grid. The first ``token_programs * cdiv(H, BLOCK_H)`` programs: ``BLOCK_T``
     source rows by ``BLOCK_H`` columns each, read once and written to each of their ``K``
     slots' rows ``map[t, j]`` (those in ``[0, N)``), times ``weights[t, j]`` (float32) with
@@ -215,7 +226,9 @@ def _scatter_rows_kernel(src_ptr, dst_ptr, map_ptr, token_ptr, weights_ptr, T, K
     written as zeros where ``token[r] < 0`` (rows no slot holds); most blocks hold every
     row and return after one look. With ``SLOTS``, ``token_ptr`` holds a slot per row,
     trusted only where ``map`` sends that slot back to the row (so the rows no slot holds
-    may contain anything: the buffer needs no fill)."""
+    may contain anything: the buffer needs no fill). With ``PDL`` (launched as a
+    programmatic dependent of the kernel before it, which must not write ``src``) a program
+    waits for that kernel only after reading its source rows."""
     pid = tl.program_id(0)
     column_blocks = tl.cdiv(H, BLOCK_H)
     if pid < token_programs * column_blocks:
@@ -226,6 +239,8 @@ def _scatter_rows_kernel(src_ptr, dst_ptr, map_ptr, token_ptr, weights_ptr, T, K
         values = tl.load(src_ptr + tokens.to(tl.int64)[:, None] * stride_src + cols[None, :],
                          mask=token_mask[:, None] & col_mask, other=0.0,
                          eviction_policy=LOAD_EVICTION)
+        if PDL:
+            gdc_wait()
         for j in range(0, K):
             slot = tokens.to(tl.int64) * K + j
             row = tl.load(map_ptr + slot, mask=token_mask, other=-1).to(tl.int64)
@@ -238,6 +253,8 @@ def _scatter_rows_kernel(src_ptr, dst_ptr, map_ptr, token_ptr, weights_ptr, T, K
             tl.store(dst_ptr + row[:, None] * stride_dst + cols[None, :], out,
                      mask=valid[:, None] & col_mask, cache_modifier=STORE_CACHE)
     else:
+        if PDL:
+            gdc_wait()
         rows = (pid - token_programs * column_blocks) * ZERO_ROWS + tl.arange(0, ZERO_ROWS)
         in_range = rows < N
         token = tl.load(token_ptr + rows, mask=in_range, other=0)
@@ -259,7 +276,9 @@ def _scatter(src: torch.Tensor, row_map: torch.Tensor, held: torch.Tensor,
              weights: torch.Tensor | None, out_dtype: torch.dtype, slots: bool = False
              ) -> torch.Tensor:
     """Launch :func:`_scatter_rows_kernel`: ``held`` ``(N,)``, negative for rows no slot holds
-    (``slots``: the slot of each held row, anything for the others)."""
+    (``slots``: the slot of each held row, anything for the others). Both callers launch it
+    right after the kernel that wrote ``held`` (and ``row_map`` or not), which itself started
+    after ``src`` was complete: so the scatter may read ``src`` before that kernel ends."""
     tokens, k = row_map.shape
     num_rows, H = held.shape[0], src.shape[1]
     out = torch.empty(num_rows, H, device=src.device, dtype=out_dtype)
@@ -272,8 +291,24 @@ def _scatter(src: torch.Tensor, row_map: torch.Tensor, held: torch.Tensor,
         weights.contiguous() if weights is not None else src, tokens, k, num_rows, H,
         src.stride(0), out.stride(0), token_programs, HAS_WEIGHTS=weights is not None,
         SLOTS=slots, BLOCK_T=block_t, BLOCK_H=block_h, ZERO_ROWS=ZERO_ROWS,
-        STORE_CACHE=SCATTER_STORE_CACHE, LOAD_EVICTION=SCATTER_LOAD_EVICTION, num_warps=warps)
+        STORE_CACHE=SCATTER_STORE_CACHE, LOAD_EVICTION=SCATTER_LOAD_EVICTION, num_warps=warps,
+        **_pdl_options(src.device))
     return out
+
+
+def scatter_pdl(device: torch.device) -> bool:
+    """Whether the scatter launches as a programmatic dependent on ``device`` (sm90 on)."""
+    return SCATTER_PDL and gdc_wait is not None and device.type == "cuda" and _sm90_or_later(
+        device.index if device.index is not None else torch.cuda.current_device())
+
+
+def _pdl_options(device: torch.device) -> dict:
+    return {"PDL": True, "launch_pdl": True} if scatter_pdl(device) else {"PDL": False}
+
+
+@functools.cache
+def _sm90_or_later(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
 
 
 def scatter_rows(src: torch.Tensor, row_map: torch.Tensor, token_of_row: torch.Tensor
