@@ -15,9 +15,9 @@ from ._triton import cdiv, kernel, next_power_of_2, tl, triton, use_triton
 from .layout import _starts, scatter_pdl
 
 try:  # grid dependency control (programmatic dependent launch), Triton >= 3.4
-    from triton.language.extra.cuda import gdc_launch_dependents
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 except ImportError:  # pragma: no cover - older Triton or none
-    gdc_launch_dependents = None
+    gdc_launch_dependents = gdc_wait = None
 
 __all__ = ["routing_map", "routing_map_reference"]
 
@@ -91,7 +91,11 @@ def routing_map_reference(topk_indices: torch.Tensor, num_experts: int, multiple
 def _routing_kernel(topk_ptr, row_map_ptr, token_ptr, splits_ptr, work_ptr, S, K, E, N,
                     multiple, chunk, num_programs, PHASE: tl.constexpr, BLOCK: tl.constexpr,
                     RANK_BLOCK: tl.constexpr, ONE_HOT: tl.constexpr, BLOCK_E: tl.constexpr,
-                    BLOCK_P: tl.constexpr, TRIGGER: tl.constexpr):
+                    BLOCK_P: tl.constexpr, PDL: tl.constexpr):
+    # With PDL every phase lets the launch after it start at once (phase 2 after phase 1,
+    # the scatter after phase 2); phase 2 then waits for phase 1's counts before reading them.
+    if PDL:
+        gdc_launch_dependents()
     pid = tl.program_id(0)
     experts = tl.arange(0, BLOCK_E)
     lanes = tl.arange(0, BLOCK)
@@ -109,8 +113,8 @@ def _routing_kernel(topk_ptr, row_map_ptr, token_ptr, splits_ptr, work_ptr, S, K
         if PHASE == 1:
             tl.store(counts_ptr + pid * BLOCK_E + experts, hist)
     if PHASE != 1:
-        if TRIGGER:  # the scatter after this launch may start now (it waits for our writes)
-            gdc_launch_dependents()
+        if PDL and PHASE == 2:
+            gdc_wait()
         if PHASE == 0:  # one program: its counts are the totals, no chunk comes before
             total = hist.to(tl.int64)
             earlier = tl.zeros([BLOCK_E], dtype=tl.int64)
@@ -214,12 +218,12 @@ def routing_map(topk_indices: torch.Tensor, num_experts: int, multiple: int, num
     row_map = torch.empty(tokens, k, device=device, dtype=torch.int64)
     token_of_row = torch.empty(num_rows, device=device, dtype=torch.int64)
     phases = (1, 2) if programs > 1 else (0,)
-    trigger = gdc_launch_dependents is not None and scatter_pdl(device)
+    pdl = gdc_launch_dependents is not None and scatter_pdl(device)
     for phase in phases:
         _routing_kernel[(programs,)](
             topk_indices.contiguous(), row_map, token_of_row, m_splits, work, slots, max(k, 1),
             num_experts, num_rows, multiple, chunk, programs, PHASE=phase, BLOCK=block,
             RANK_BLOCK=rank_block, ONE_HOT=one_hot, BLOCK_E=block_e,
-            BLOCK_P=max(1, min(64, _ONE_HOT_TILE // block_e)), TRIGGER=trigger and phase != 1,
-            num_warps=8 if one_hot else 4)
+            BLOCK_P=max(1, min(64, _ONE_HOT_TILE // block_e)), PDL=pdl,
+            num_warps=8 if one_hot else 4, **({"launch_pdl": True} if pdl and phase == 2 else {}))
     return m_splits, row_map, token_of_row

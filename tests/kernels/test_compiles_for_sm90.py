@@ -188,7 +188,7 @@ CASES = {
                                   "splits_ptr": "*i64", "work_ptr": "*i32"},
         {"PHASE": phase, "BLOCK": 1024, "RANK_BLOCK": 1024 if experts <= 32 else 32,
          "ONE_HOT": experts <= 32, "BLOCK_E": experts, "BLOCK_P": 64 if experts <= 32 else 32,
-         "TRIGGER": phase != 1},
+         "PDL": True},
         8 if experts <= 32 else 4) for phase in (0, 1, 2) for experts in (8, 256)},
     "slot dots": (layout._slot_dots_kernel,
                   {"src_ptr": "*bf16", "grad_ptr": "*bf16", "map_ptr": "*i64"},
