@@ -159,10 +159,9 @@ if HAS_GLUON:
         return gs, gl.associative_scan(blocks, 0, _add) - blocks, blocks
 
     @gluon.jit
-    def _wgrad_loader(dy_desc, x_desc, dy_inv_desc, x_inv_desc, dy_bufs, x_bufs,
-                           dy_inv_bufs, x_inv_bufs, ready, empty, sizes_ptr, M, N, K, G,
-                           BLOCK_G: gl.constexpr, GROUP_N: gl.constexpr,
-                           NUM_PROGRAMS: gl.constexpr):
+    def _wgrad_loader(dy_desc, x_desc, dy_inv_desc, x_inv_desc, dy_bufs, x_bufs, dy_inv_bufs,
+                      x_inv_bufs, ready, empty, sizes_ptr, M, N, K, G, BLOCK_G: gl.constexpr,
+                      GROUP_N: gl.constexpr, NUM_PROGRAMS: gl.constexpr):
         """Loader partition (one warp): the program's tiles in order, the ring filled across
         tile boundaries (a stage refilled once the MMA warps release it)."""
         BLOCK_N: gl.constexpr = dy_desc.block_type.shape[0]
@@ -184,10 +183,10 @@ if HAS_GLUON:
             step += n_blocks
 
     @gluon.jit
-    def _wgrad_tiles(dy_bufs, x_bufs, dy_inv_bufs, x_inv_bufs, ready, empty, dw_ptr,
-                          sizes_ptr, M, N, K, G, stride_dwg, stride_dwn, BLOCK_G: gl.constexpr,
-                          GROUP_N: gl.constexpr, NUM_PROGRAMS: gl.constexpr,
-                          UNROLL: gl.constexpr, num_warps: gl.constexpr):
+    def _wgrad_tiles(dy_bufs, x_bufs, dy_inv_bufs, x_inv_bufs, ready, empty, dw_ptr, sizes_ptr,
+                     M, N, K, G, stride_dwg, stride_dwn, BLOCK_G: gl.constexpr,
+                     GROUP_N: gl.constexpr, NUM_PROGRAMS: gl.constexpr, UNROLL: gl.constexpr,
+                     num_warps: gl.constexpr):
         """MMA partition: each tile's product, then its store (the loader meanwhile fills the
         ring with the next tile's blocks)."""
         BLOCK_N: gl.constexpr = dy_bufs.type.shape[1]
@@ -223,11 +222,11 @@ if HAS_GLUON:
         dy_inv_bufs, x_inv_bufs, empty = _operand_ring(dy_inv_desc, x_inv_desc, STAGES)
         gl.warp_specialize([
             (_wgrad_tiles, (dy_bufs, x_bufs, dy_inv_bufs, x_inv_bufs, ready, empty, dw_ptr,
-                                 sizes_ptr, M, N, K, G, stride_dwg, stride_dwn, BLOCK_G,
-                                 GROUP_N, NUM_PROGRAMS, UNROLL, num_warps)),
+                            sizes_ptr, M, N, K, G, stride_dwg, stride_dwn, BLOCK_G, GROUP_N,
+                            NUM_PROGRAMS, UNROLL, num_warps)),
             (_wgrad_loader, (dy_desc, x_desc, dy_inv_desc, x_inv_desc, dy_bufs, x_bufs,
-                                  dy_inv_bufs, x_inv_bufs, ready, empty, sizes_ptr, M, N, K, G,
-                                  BLOCK_G, GROUP_N, NUM_PROGRAMS)),
+                             dy_inv_bufs, x_inv_bufs, ready, empty, sizes_ptr, M, N, K, G,
+                             BLOCK_G, GROUP_N, NUM_PROGRAMS)),
         ], [1], [24])
         _release_ring(ready, STAGES)
         _release_ring(empty, STAGES)

@@ -11,7 +11,8 @@ program holds little in registers: 4 bytes moved per element.
 
 :func:`quantize_row_tiles_and_token_blocks` takes the operands :func:`supported` accepts
 and returns what :func:`two_passes` (its reference: the two passes of
-:mod:`grouped_linear.kernels.quantize_blocks`) returns, bit for bit.
+:mod:`grouped_linear.kernels.quantize_blocks`) returns, bit for bit for finite inputs (a NaN
+stays NaN here; the reference's clamp turns it into the format's largest negative value).
 """
 
 from __future__ import annotations
