@@ -159,6 +159,29 @@ if HAS_GLUON:
         return gs, gl.associative_scan(blocks, 0, _add) - blocks, blocks
 
     @gluon.jit
+    def _tile_schedule(sizes_ptr, M, N, K, G, BLOCK_T: gl.constexpr, BLOCK_N: gl.constexpr,
+                       BLOCK_K: gl.constexpr, BLOCK_G: gl.constexpr, NUM_PROGRAMS: gl.constexpr,
+                       layout: gl.constexpr):
+        """What both partitions know of the program's tiles: the per-group block table
+        (:func:`_group_blocks`), the tile grid and this program's id and tile count."""
+        gs, firsts, blocks = _group_blocks(sizes_ptr, G, M, BLOCK_T, BLOCK_G, layout)
+        n_tiles = gl.cdiv(N, BLOCK_N)
+        k_tiles = gl.cdiv(K, BLOCK_K)
+        pid, my_tiles = _program_tiles(G * n_tiles * k_tiles, NUM_PROGRAMS)
+        return gs, firsts, blocks, n_tiles, k_tiles, pid, my_tiles
+
+    @gluon.jit
+    def _program_tile(t, pid, gs, firsts, blocks, n_tiles, k_tiles, GROUP_N: gl.constexpr,
+                      BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, NUM_PROGRAMS: gl.constexpr):
+        """The program's ``t``-th tile: its group, first N and K, and the group's first token
+        block and block count."""
+        g, n0, k0 = _wgrad_tile(pid + t * NUM_PROGRAMS, n_tiles, k_tiles, GROUP_N, BLOCK_N,
+                                BLOCK_K)
+        first_block = gl.sum(gl.where(gs == g, firsts, 0), axis=0)
+        n_blocks = gl.sum(gl.where(gs == g, blocks, 0), axis=0)
+        return g, n0, k0, first_block, n_blocks
+
+    @gluon.jit
     def _wgrad_loader(dy_desc, x_desc, dy_inv_desc, x_inv_desc, dy_bufs, x_bufs, dy_inv_bufs,
                       x_inv_bufs, ready, empty, sizes_ptr, M, N, K, G, BLOCK_G: gl.constexpr,
                       GROUP_N: gl.constexpr, NUM_PROGRAMS: gl.constexpr):
@@ -168,18 +191,16 @@ if HAS_GLUON:
         BLOCK_T: gl.constexpr = dy_desc.block_type.shape[1]
         BLOCK_K: gl.constexpr = x_desc.block_type.shape[0]
         table_layout: gl.constexpr = gl.BlockedLayout([BLOCK_G // 32], [32], [1], [0])
-        gs, firsts, blocks = _group_blocks(sizes_ptr, G, M, BLOCK_T, BLOCK_G, table_layout)
-        n_tiles = gl.cdiv(N, BLOCK_N)
-        k_tiles = gl.cdiv(K, BLOCK_K)
-        pid, my_tiles = _program_tiles(G * n_tiles * k_tiles, NUM_PROGRAMS)
+        gs, firsts, blocks, n_tiles, k_tiles, pid, my_tiles = _tile_schedule(
+            sizes_ptr, M, N, K, G, BLOCK_T, BLOCK_N, BLOCK_K, BLOCK_G, NUM_PROGRAMS,
+            table_layout)
         step = 0
         for t in range(0, my_tiles):
-            g, n0, k0 = _wgrad_tile(pid + t * NUM_PROGRAMS, n_tiles, k_tiles, GROUP_N, BLOCK_N,
-                                    BLOCK_K)
-            n_blocks = gl.sum(gl.where(gs == g, blocks, 0), axis=0)
+            _g, n0, k0, first_block, n_blocks = _program_tile(
+                t, pid, gs, firsts, blocks, n_tiles, k_tiles, GROUP_N, BLOCK_N, BLOCK_K,
+                NUM_PROGRAMS)
             _load_tile(dy_desc, x_desc, dy_inv_desc, x_inv_desc, dy_bufs, x_bufs, dy_inv_bufs,
-                       x_inv_bufs, ready, empty, step, n0, k0,
-                       gl.sum(gl.where(gs == g, firsts, 0), axis=0), n_blocks)
+                       x_inv_bufs, ready, empty, step, n0, k0, first_block, n_blocks)
             step += n_blocks
 
     @gluon.jit
@@ -194,15 +215,14 @@ if HAS_GLUON:
         BLOCK_K: gl.constexpr = x_bufs.type.shape[1]
         mma_layout: gl.constexpr = _mma_layout(BLOCK_N, BLOCK_K, num_warps)
         table_layout: gl.constexpr = gl.BlockedLayout([BLOCK_G // 32], [32], [num_warps], [0])
-        gs, _firsts, blocks = _group_blocks(sizes_ptr, G, M, BLOCK_T, BLOCK_G, table_layout)
-        n_tiles = gl.cdiv(N, BLOCK_N)
-        k_tiles = gl.cdiv(K, BLOCK_K)
-        pid, my_tiles = _program_tiles(G * n_tiles * k_tiles, NUM_PROGRAMS)
+        gs, firsts, blocks, n_tiles, k_tiles, pid, my_tiles = _tile_schedule(
+            sizes_ptr, M, N, K, G, BLOCK_T, BLOCK_N, BLOCK_K, BLOCK_G, NUM_PROGRAMS,
+            table_layout)
         step = 0
         for t in range(0, my_tiles):
-            g, n0, k0 = _wgrad_tile(pid + t * NUM_PROGRAMS, n_tiles, k_tiles, GROUP_N, BLOCK_N,
-                                    BLOCK_K)
-            n_blocks = gl.sum(gl.where(gs == g, blocks, 0), axis=0)
+            g, n0, k0, _first_block, n_blocks = _program_tile(
+                t, pid, gs, firsts, blocks, n_tiles, k_tiles, GROUP_N, BLOCK_N, BLOCK_K,
+                NUM_PROGRAMS)
             acc = _tile_product(dy_bufs, x_bufs, dy_inv_bufs, x_inv_bufs, ready, empty, step,
                                 n_blocks, UNROLL, mma_layout)
             _store_tile(dw_ptr + g.to(gl.int64) * stride_dwg, acc, n0, N - n0, k0, K - k0,
