@@ -134,3 +134,15 @@ def test_permute_and_unpermute_in_cuda_graph():
         for name, got, want in zip(("x_perm", "m_splits", "row_map", "y", "dx"), captured,
                                    eager):
             assert torch.equal(got, want), (seed, name)
+        # and against float64: every kept slot carries its token's row, weighted by its prob
+        kept = (indices >= 0).double()
+        counts = torch.stack([(indices == e).sum() for e in range(experts)])
+        assert torch.equal(captured[1].cpu(), ((counts + 15) // 16 * 16).cpu())
+        row_map = captured[2]
+        assert torch.equal(row_map >= 0, indices >= 0)
+        held = row_map[indices >= 0]
+        assert torch.equal(captured[0][held].double(),
+                           x.double()[torch.nonzero(indices >= 0)[:, 0]])
+        weight = (probs.double() * kept).sum(dim=1, keepdim=True)
+        assert rel_err(captured[3], 2 * x.double() * weight) < 1e-2, seed
+        assert rel_err(captured[4], 2 * grad.double() * weight) < 1e-2, seed

@@ -136,6 +136,7 @@ def test_weight_blocks_in_both_orientations(fp8, shape, strided):
         w = w.transpose(1, 2).contiguous().transpose(1, 2)  # same shape, not contiguous
     w = w.to(DEVICE)
     data, inv, data_t = qb.quantize_weight_blocks_both(w, fp8, True)
+    _check_pair((data, inv), qb.quantize_weight_blocks_reference(w, fp8, True), fp8)
     want_data, want_inv = qb.quantize_weight_blocks(w, fp8, True)
     assert data.dtype == data_t.dtype == fp8 and data_t.is_contiguous()
     assert torch.equal(data.view(torch.uint8), want_data.view(torch.uint8))
