@@ -7,9 +7,7 @@ the same machine differ by up to 20%; alternation keeps the comparison fair). TF
 (3 x 2 M K N per step) per round, then the median ratio to ``grouped_mm``.
 
 * ``default``: the library's choices;
-* ``two_reads``: each operand's layouts quantized apart (``ONE_READ_QUANTIZATION`` off);
-* ``weight_both``: the weight's forward codes and the dgrad's transposed copy from one pass
-  (``ops.fp8.WEIGHT_BLOCKS_BOTH_ORIENTATIONS`` on).
+* ``two_reads``: each operand's layouts quantized apart (``ONE_READ_QUANTIZATION`` off).
 """
 
 import statistics
@@ -19,11 +17,10 @@ import torch
 
 from grouped_linear.cli import bench
 from grouped_linear.cli.timing import median_seconds
-from grouped_linear.ops import fp8, fp8_blockwise
+from grouped_linear.ops import fp8_blockwise
 
 SETTINGS = {"default": {},
-            "two_reads": {(fp8_blockwise, "ONE_READ_QUANTIZATION"): False},
-            "weight_both": {(fp8, "WEIGHT_BLOCKS_BOTH_ORIENTATIONS"): True}}
+            "two_reads": {(fp8_blockwise, "ONE_READ_QUANTIZATION"): False}}
 SWITCHES = sorted({key for setting in SETTINGS.values() for key in setting}, key=str)
 DEFAULT_SHAPES = ("dsv3_ep32_fc1", "te_jagged_8", "qwen35_397b_ep64_fc1", "qwen35_397b_ep64_fc2",
                   "qwen3_30b_g128_skew")

@@ -36,8 +36,7 @@ __all__ = ["quantize_row_tiles", "quantize_row_tiles_reference", "quantize_weigh
            "quantize_weight_blocks_reference", "quantize_token_blocks",
            "quantize_token_blocks_reference", "token_block_index", "token_block_columns",
            "num_token_blocks",
-           "ROW_TILES_CONFIG", "WEIGHT_BLOCKS_CONFIG", "TOKEN_BLOCKS_CONFIG",
-           "quantize_weight_blocks_both"]
+           "ROW_TILES_CONFIG", "WEIGHT_BLOCKS_CONFIG", "TOKEN_BLOCKS_CONFIG"]
 
 # Launch shapes: (rows per program, warps) for row tiles, (warps,) for weight blocks,
 # (columns per program, warps) for token blocks.
@@ -120,15 +119,12 @@ def quantize_weight_blocks_reference(weight: torch.Tensor, fp8_dtype: torch.dtyp
 
 @kernel
 @triton.jit
-def _quantize_weight_blocks_kernel(w_ptr, q_ptr, qt_ptr, inv_ptr, N, K, stride_wg, stride_wn,
-                                   stride_wk, FP8_MAX: tl.constexpr, POW2: tl.constexpr,
-                                   BLOCK: tl.constexpr, BLOCK_P: tl.constexpr,
-                                   TRANSPOSED: tl.constexpr):
+def _quantize_weight_blocks_kernel(w_ptr, q_ptr, inv_ptr, N, K, stride_wg, stride_wn, stride_wk,
+                                   FP8_MAX: tl.constexpr, POW2: tl.constexpr,
+                                   BLOCK: tl.constexpr, BLOCK_P: tl.constexpr):
     """Expert ``pid0``, rows ``[pid1 * BLOCK, +BLOCK)`` of ``N`` x columns
     ``[pid2 * BLOCK, +BLOCK)`` of ``K``: one scale, ``inv[pid0, pid1, pid2]``; ``q`` is
-    contiguous ``(G, N, K)``, ``BLOCK_P >= BLOCK``. With ``TRANSPOSED`` the block also goes,
-    transposed, into contiguous ``qt`` ``(G, K, N)`` (the dgrad's copy: the same codes, so
-    the same factors read transposed)."""
+    contiguous ``(G, N, K)``, ``BLOCK_P >= BLOCK``."""
     g = tl.program_id(0).to(tl.int64)
     nb = tl.program_id(1)
     kb = tl.program_id(2)
@@ -143,11 +139,7 @@ def _quantize_weight_blocks_kernel(w_ptr, q_ptr, qt_ptr, inv_ptr, N, K, stride_w
     amax = tl.max(tl.max(tl.abs(values), axis=1), axis=0)
     scale = _scale(amax, FP8_MAX, POW2)
     scaled = tl.clamp(values * scale, -FP8_MAX, FP8_MAX)
-    codes = scaled.to(q_ptr.dtype.element_ty)
-    tl.store(q_ptr + g * N * K + ns64 * K + ks64, codes, mask=mask)
-    if TRANSPOSED:
-        tl.store(qt_ptr + g * N * K + tl.trans(ks64) * N + tl.trans(ns64), tl.trans(codes),
-                 mask=tl.trans(mask))
+    tl.store(q_ptr + g * N * K + ns64 * K + ks64, scaled.to(q_ptr.dtype.element_ty), mask=mask)
     n_blocks = tl.num_programs(1)
     k_blocks = tl.num_programs(2)
     tl.store(inv_ptr + (g * n_blocks + nb) * k_blocks + kb, 1.0 / scale)
@@ -160,34 +152,17 @@ def quantize_weight_blocks(weight: torch.Tensor, fp8_dtype: torch.dtype, power_o
     ``w[g, n, k] ~= data[g, n, k] * inv[g, n // block, k // block]``."""
     if not use_triton(weight) or weight.numel() == 0:
         return quantize_weight_blocks_reference(weight, fp8_dtype, power_of_two, block)
-    data, inv, _ = _weight_blocks(weight, fp8_dtype, power_of_two, block, transposed=False)
-    return data, inv
-
-
-def quantize_weight_blocks_both(weight: torch.Tensor, fp8_dtype: torch.dtype,
-                                power_of_two: bool, block: int = 128
-                                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`quantize_weight_blocks` plus the codes transposed, contiguous ``(G, K, N)``
-    (what the dgrad reads), from one read of the weight: ``(data, inv, data_t)``."""
-    if not use_triton(weight) or weight.numel() == 0:
-        data, inv = quantize_weight_blocks_reference(weight, fp8_dtype, power_of_two, block)
-        return data, inv, data.transpose(1, 2).contiguous()
-    return _weight_blocks(weight, fp8_dtype, power_of_two, block, transposed=True)
-
-
-def _weight_blocks(weight, fp8_dtype, power_of_two, block, transposed):
     G, N, K = weight.shape
     nb, kb = cdiv(N, block), cdiv(K, block)
     data = _fp8_buffer((G, N, K), weight.device, fp8_dtype)
-    data_t = _fp8_buffer((G, K, N), weight.device, fp8_dtype) if transposed else data
     inv = torch.empty(G, nb, kb, device=weight.device, dtype=torch.float32)
     (warps,) = WEIGHT_BLOCKS_CONFIG
     _quantize_weight_blocks_kernel[(G, nb, kb)](
-        weight, data, data_t, inv, N, K, weight.stride(0), weight.stride(1), weight.stride(2),
+        weight, data, inv, N, K, weight.stride(0), weight.stride(1), weight.stride(2),
         FP8_MAX=torch.finfo(fp8_dtype).max, POW2=power_of_two, BLOCK=block,
-        BLOCK_P=next_power_of_2(block), TRANSPOSED=transposed, num_warps=warps,
+        BLOCK_P=next_power_of_2(block), num_warps=warps,
     )
-    return _finish(data, fp8_dtype), inv, _finish(data_t, fp8_dtype) if transposed else None
+    return _finish(data, fp8_dtype), inv
 
 
 # --------------------------------------------------------------------------- token blocks

@@ -102,12 +102,6 @@ def fp8_path(recipe: Float8Recipe, x: torch.Tensor, weight: torch.Tensor) -> str
     return "emulated"
 
 
-# Float8Blockwise's weight: its forward codes and their transpose (the dgrad's copy) from
-# one read of the weight, instead of a quantization pass and a transpose pass (2.0 -> 1.6 GB
-# moved per step at 128 experts of 1536 x 2048). Off until measured on the GPU.
-WEIGHT_BLOCKS_BOTH_ORIENTATIONS = False
-
-
 def _device_weight(weight: torch.Tensor, recipe: Float8Recipe) -> tuple[torch.Tensor, ...]:
     """FP8 ``(G, N, K)`` + ``(G, N)`` factors (forward) and its transpose ``(G, K, N)`` +
     ``(G, K)`` factors (dgrad): the group's factor (tensorwise) or ones (rowwise, whose
@@ -145,13 +139,9 @@ class Fp8Weight:
             if isinstance(recipe, Float8Rowwise):
                 self.dgrad_fold = self.forward_inv
         elif path == "triton":  # 128x128 blocks: dgrad reads the same factors transposed
-            fp8, pow2 = recipe.forward_dtype, recipe.power_of_two_scales
-            if WEIGHT_BLOCKS_BOTH_ORIENTATIONS:
-                self.forward_data, self.forward_inv, self.dgrad_data = \
-                    qb.quantize_weight_blocks_both(weight, fp8, pow2)
-            else:
-                self.forward_data, self.forward_inv = qb.quantize_weight_blocks(weight, fp8, pow2)
-                self.dgrad_data = transpose_groups(self.forward_data)  # one tiled pass
+            self.forward_data, self.forward_inv = qb.quantize_weight_blocks(
+                weight, recipe.forward_dtype, recipe.power_of_two_scales)
+            self.dgrad_data = transpose_groups(self.forward_data)  # one tiled pass
             self.dgrad_inv = self.forward_inv.transpose(1, 2)  # a view: refreshed with it
         else:
             self.emulated = _quantize_weight(weight, recipe)

@@ -171,11 +171,8 @@ CASES = {
                                  qct.TILED_CONFIG[2]),
     "row tiles": (qb._quantize_row_tiles_kernel, {"t_ptr": "*bf16", "q_ptr": F8},
                   {"FP8_MAX": FP8_MAX, "POW2": False, "TILE": 128, "BLOCK_R": 32, "BLOCK_T": 128}, 4),
-    **{name: (qb._quantize_weight_blocks_kernel, {"w_ptr": "*bf16", "q_ptr": F8, "qt_ptr": F8},
-              {"FP8_MAX": FP8_MAX, "POW2": False, "BLOCK": 128, "BLOCK_P": 128,
-               "TRANSPOSED": transposed}, 8)
-       for name, transposed in (("weight blocks", False),
-                                ("weight blocks, both orientations", True))},
+    "weight blocks": (qb._quantize_weight_blocks_kernel, {"w_ptr": "*bf16", "q_ptr": F8},
+                      {"FP8_MAX": FP8_MAX, "POW2": False, "BLOCK": 128, "BLOCK_P": 128}, 8),
     "token blocks": (qb._quantize_token_blocks_kernel,
                      {"t_ptr": "*bf16", "sizes_ptr": "*i64", "q_ptr": F8},
                      {"FP8_MAX": FP8_MAX, "POW2": False, "TILE": 128, "BLOCK_T": 128, "BLOCK_C": 64,

@@ -125,27 +125,6 @@ def test_weight_blocks_strided():
     assert _dequant_same(_weight_dequant(data, inv), emulated, data, ref[0])
 
 
-@pytest.mark.parametrize("fp8", [E4M3, E5M2])
-@pytest.mark.parametrize("shape, strided", [((2, 200, 130), False), ((3, 128, 384), False),
-                                            ((2, 140, 150), True)])
-def test_weight_blocks_in_both_orientations(fp8, shape, strided):
-    """One pass writes the forward codes and their transpose: the same codes and factors
-    as the forward-only kernel, and the transpose exactly its transpose."""
-    w = _mixed(*shape)
-    if strided:
-        w = w.transpose(1, 2).contiguous().transpose(1, 2)  # same shape, not contiguous
-    w = w.to(DEVICE)
-    data, inv, data_t = qb.quantize_weight_blocks_both(w, fp8, True)
-    _check_pair((data, inv), qb.quantize_weight_blocks_reference(w, fp8, True), fp8)
-    want_data, want_inv = qb.quantize_weight_blocks(w, fp8, True)
-    assert data.dtype == data_t.dtype == fp8 and data_t.is_contiguous()
-    assert torch.equal(data.view(torch.uint8), want_data.view(torch.uint8))
-    assert torch.equal(inv, want_inv)
-    G, N, K = shape
-    assert data_t.shape == (G, K, N)
-    assert torch.equal(data_t.view(torch.uint8), data.transpose(1, 2).contiguous().view(torch.uint8))
-
-
 # --------------------------------------------------------------------------- token blocks
 def _token_blocks_loop(sizes: list[int], M: int, tile: int) -> list[tuple[int, int]]:
     """``(start, end)`` rows of each global block, written out group by group."""

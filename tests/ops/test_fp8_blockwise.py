@@ -4,7 +4,7 @@ emulation of the same recipe, which the numerics tests check against float64."""
 import pytest
 import torch
 
-from grouped_linear.ops import fp8, fp8_blockwise
+from grouped_linear.ops import fp8_blockwise
 from grouped_linear.ops.fp8 import Fp8Config, Fp8GroupedLinearFunction, quantize_weight
 from grouped_linear.ops.fp8_blockwise import Fp8BlockwiseFunction
 from grouped_linear.recipes import Float8Blockwise
@@ -99,18 +99,3 @@ def test_one_read_keeps_fp8_blocks_of_x_instead_of_x(monkeypatch):
     y = Fp8BlockwiseFunction.apply(x, w, None, size_tensor, size_tensor.cumsum(0).int(), config,
                                    None, True)
     assert y.grad_fn.saved_tensors[0] is x and y.grad_fn.saved_tensors[1] is None
-
-
-def test_weight_in_both_orientations_from_one_pass(monkeypatch):
-    """The weight's forward codes and the dgrad's transposed copy from one kernel: the same
-    buffers as a quantization pass plus a transpose pass, and the same step."""
-    recipe = Float8Blockwise()
-    w = (torch.randn(3, 136, 200) / 16).to(DEVICE)
-    separate = quantize_weight(w, recipe, "triton").buffers()
-    monkeypatch.setattr(fp8, "WEIGHT_BLOCKS_BOTH_ORIENTATIONS", True)
-    fused = quantize_weight(w, recipe, "triton")
-    for a, b in zip(fused.buffers(), separate):
-        assert a.shape == b.shape and a.dtype == b.dtype
-        assert torch.equal(a.view(torch.uint8) if a.element_size() == 1 else a,
-                           b.view(torch.uint8) if b.element_size() == 1 else b)
-    assert fused.dgrad_data.shape == (3, 200, 136) and fused.dgrad_data.is_contiguous()
