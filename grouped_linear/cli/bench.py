@@ -31,6 +31,7 @@ from __future__ import annotations
 import json
 import math
 import platform
+import statistics
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -228,17 +229,31 @@ def _tflops(flops: float, seconds: float) -> float:
 
 def _measure(column: str, shape: Shape, device: torch.device, dtype: torch.dtype,
              grad_out: torch.Tensor, reps: int) -> dict:
+    """One round of one column: forward and forward+backward seconds, peak memory."""
     case = _build_case(column, shape, device, dtype, grad_out)
-    fwd_s = median_seconds(case.forward, device, grad_to_none=case.leaves, reps=reps)
-    fb_s = median_seconds(case.forward_backward, device, grad_to_none=case.leaves, reps=reps)
-    peak = peak_memory_bytes(case.forward_backward, device, grad_to_none=case.leaves)
-    flops = case.flops or shape.flops
+    return {
+        "fwd_s": median_seconds(case.forward, device, grad_to_none=case.leaves, reps=reps),
+        "fwd_bwd_s": median_seconds(case.forward_backward, device, grad_to_none=case.leaves,
+                                    reps=reps),
+        "peak_mem_bytes": peak_memory_bytes(case.forward_backward, device,
+                                            grad_to_none=case.leaves),
+        "flops": case.flops or shape.flops,
+    }
+
+
+def _summarize(rounds: list[dict]) -> dict:
+    """A column's figures: the median over its rounds (each round's times kept too)."""
+    fwd_s = statistics.median(r["fwd_s"] for r in rounds)
+    fb_s = statistics.median(r["fwd_bwd_s"] for r in rounds)
+    flops = rounds[0]["flops"]
     return {
         "fwd_ms": fwd_s * 1e3,
         "fwd_bwd_ms": fb_s * 1e3,
         "fwd_tflops": _tflops(flops, fwd_s),
         "fwd_bwd_tflops": _tflops(3 * flops, fb_s),
-        "peak_mem_bytes": peak,
+        "peak_mem_bytes": rounds[0]["peak_mem_bytes"],
+        "rounds_fwd_ms": [r["fwd_s"] * 1e3 for r in rounds],
+        "rounds_fwd_bwd_ms": [r["fwd_bwd_s"] * 1e3 for r in rounds],
     }
 
 
@@ -250,22 +265,27 @@ def _ratio(a: dict | None, b: dict | None, key: str) -> float | None:
 
 # --------------------------------------------------------------------------- driver
 def _run_cases(selected: list[Shape], columns: list[str], dev: torch.device,
-               torch_dtype: torch.dtype, reps: int, quiet: bool) -> list[dict]:
-    """Measure every column on every shape, with a progress bar."""
+               torch_dtype: torch.dtype, reps: int, quiet: bool, rounds: int = 1) -> list[dict]:
+    """Measure every column on every shape, ``rounds`` times in alternation (all columns of
+    a shape, then all again), with a progress bar."""
     results = []
-    bar = progress(len(selected) * len(columns), desc="bench", disable=quiet)
+    bar = progress(len(selected) * len(columns) * rounds, desc="bench", disable=quiet)
     for shape in selected:
         torch.manual_seed(0)
         grad_out = _randn(shape.M, shape.N, device=dev, dtype=torch_dtype)
         entry = {"shape": shape.name, "G": shape.G, "M": shape.M, "K": shape.K, "N": shape.N,
                  "splits": list(shape.splits), "note": shape.note, "fwd_flops": shape.flops,
                  "columns": {}}
-        for column in columns:
-            bar.set_description(f"bench {shape.name}: {column}")
-            entry["columns"][column] = _measure(column, shape, dev, torch_dtype, grad_out, reps)
-            if dev.type == "cuda":
-                torch.cuda.empty_cache()
-            bar.update(1)
+        measured: dict[str, list[dict]] = {column: [] for column in columns}
+        for index in range(rounds):
+            for column in columns:
+                bar.set_description(f"bench {shape.name}: {column}"
+                                    + (f" (round {index + 1}/{rounds})" if rounds > 1 else ""))
+                measured[column].append(_measure(column, shape, dev, torch_dtype, grad_out, reps))
+                if dev.type == "cuda":
+                    torch.cuda.empty_cache()
+                bar.update(1)
+        entry["columns"] = {column: _summarize(runs) for column, runs in measured.items()}
         cols = entry["columns"]
         entry["ratios"] = {
             label: {key: _ratio(cols.get(name), cols.get(base), key)
@@ -306,6 +326,7 @@ def run_bench(
     quiet: bool = False,
     scale: bool | None = None,
     columns: Sequence[str] | None = None,
+    rounds: int = 1,
 ) -> dict:
     """Measure every column on every shape, print the table and return all numbers.
 
@@ -321,6 +342,9 @@ def run_bench(
         scale: scale the shapes down (default: on CPU, for packaged shapes only).
         columns: the columns to measure (default: every one available here; the
             FP8 columns need an sm90 GPU and bf16, ``torchao`` needs torchao).
+        rounds: measure each shape's columns this many times in alternation and report
+            the median per column (a shared GPU or host drifts between cases; rounds
+            spread that drift over every column).
 
     Returns:
         ``{"device", "dtype", "scaled", "columns", "results": [...], "table"}``;
@@ -328,6 +352,8 @@ def run_bench(
         ``fwd_tflops``, ``fwd_bwd_tflops`` and ``peak_mem_bytes`` (CUDA only),
         plus the ``gl/torch`` and ``gl/loop`` ratios.
     """
+    if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
+        raise ValueError(f"rounds={rounds!r}: expected a positive int")
     dev = resolve_device(device)
     dtype_name = dtype or ("bf16" if dev.type == "cuda" else "fp32")
     if dtype_name not in _DTYPES:
@@ -370,7 +396,7 @@ def run_bench(
     with warnings.catch_warnings():
         # torch warns once when autograd's CUDA thread first creates its cuBLAS handle.
         warnings.filterwarnings("ignore", message=".*no current CUDA context.*")
-        results = _run_cases(selected, columns, dev, torch_dtype, reps, quiet)
+        results = _run_cases(selected, columns, dev, torch_dtype, reps, quiet, rounds)
 
     report = {
         "device": str(dev),
@@ -383,6 +409,7 @@ def run_bench(
         "scale": {"split_divisor": CPU_SPLIT_DIVISOR, "feature_divisor": CPU_FEATURE_DIVISOR}
         if scale else None,
         "columns": columns,
+        "rounds": rounds,
         "results": results,
     }
     report["table"] = render_table(report)
@@ -430,7 +457,9 @@ def render_table(report: dict) -> str:
         rows.append(row)
     title = (f"grouped_linear bench on {report['device']} ({report['device_name']}), "
              f"{report['dtype']}, torch {report['torch_version']}: TFLOP/s forward / "
-             "forward+backward (median); gl = GroupedLinear with bias, nobias = without")
+             "forward+backward (median"
+             + (f" of {report['rounds']} alternating rounds" if report.get("rounds", 1) > 1 else "")
+             + "); gl = GroupedLinear with bias, nobias = without")
     parts = [format_table(headers, rows, title=title)]
     if on_cuda and all("bias_overhead" in e for e in report["results"]):
         mem_headers = ["shape", *(f"peak GiB {short.get(c, c)}" for c in columns),

@@ -56,6 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="compute dtype (default: bf16 on CUDA, fp32 on CPU; --suite gemm only)")
     bench.add_argument("--reps", type=int, default=5,
                        help="timed repetitions per case on CPU (default: 5)")
+    bench.add_argument("--rounds", type=int, default=1,
+                       help="measure each shape's columns this many times in alternation and "
+                       "report the median (gemm suite; default: 1)")
     bench.add_argument("--columns", default=None,
                        help="comma-separated columns to measure (gemm suite; default: all "
                        "available)")
@@ -103,11 +106,14 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         return 0
     if args.reps < 1:
         raise SystemExit(f"--reps must be >= 1, got {args.reps}")
+    if args.rounds < 1:
+        parser.error(f"--rounds must be >= 1, got {args.rounds}")
     if args.suite == "layouts":
         from .bench_layouts import run_layouts_bench
 
         given = [flag for flag, value in (("--shapes", args.shapes), ("--plot", args.plot_path),
-                                          ("--dtype", args.dtype), ("--columns", args.columns))
+                                          ("--dtype", args.dtype), ("--columns", args.columns),
+                                          ("--rounds", args.rounds if args.rounds != 1 else None))
                  if value is not None]
         if given:
             raise SystemExit(f"{', '.join(given)}: for --suite gemm only")
@@ -123,5 +129,6 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         plot_path=args.plot_path,
         reps=args.reps,
         columns=_names("--columns", args.columns, parser),
+        rounds=args.rounds,
     )
     return 0

@@ -6,6 +6,7 @@ import math
 import pytest
 import torch
 
+from grouped_linear.cli import bench as bench_module
 from grouped_linear.cli.bench import Shape, load_shapes, run_bench, scale_for_cpu
 from grouped_linear.cli.main import main
 from grouped_linear.cli.timing import Progress, format_table
@@ -79,6 +80,7 @@ def test_format_table_and_text_progress(capsys):
     (["bench", "--columns", "nosuch"], "unknown column(s) ['nosuch']"),
     (["bench", "--columns", ","], "--columns ',' names nothing"),
     (["bench", "--shapes", ",,"], "--shapes ',,' names nothing"),
+    (["bench", "--rounds", "0"], "--rounds must be >= 1, got 0"),
     (["bench", "--json", "/nonexistent-dir/x.json"], "its directory does not exist"),
     (["demo", "--ep", "3"], "ep=3 must divide num_experts=8"),
 ])
@@ -103,3 +105,27 @@ def test_no_column_that_runs_here(monkeypatch, capsys):
     with pytest.raises(SystemExit):
         main(["bench", "--device", "cpu", "--columns", "torch"])
     assert "none of the columns ['torch'] runs on cpu" in capsys.readouterr().err
+
+
+def test_rounds_report_the_median_of_alternating_rounds(monkeypatch):
+    """Each round measures every column once, in order; the figure is the rounds' median."""
+    calls = []
+    times = iter([5.0, 1.0, 3.0, 9.0, 2.0, 7.0, 4.0, 6.0, 8.0, 0.5, 1.5, 2.5])
+
+    def fake_measure(column, shape, device, dtype, grad_out, reps):
+        calls.append(column)
+        return {"fwd_s": next(times), "fwd_bwd_s": next(times), "peak_mem_bytes": None,
+                "flops": 1e12}
+
+    monkeypatch.setattr(bench_module, "_measure", fake_measure)
+    shapes = {"tiny": Shape("tiny", (5, 0, 11), 16, 24)}
+    report = run_bench(shapes, device="cpu", reps=1, quiet=True, columns=["loop", "gl_nobias"],
+                       rounds=3)
+    assert calls == ["loop", "gl_nobias"] * 3
+    loop = report["results"][0]["columns"]["loop"]
+    assert loop["rounds_fwd_ms"] == [5000.0, 2000.0, 8000.0]
+    assert loop["fwd_ms"] == 5000.0 and loop["fwd_bwd_ms"] == 1000.0  # of 5, 2, 8 / 1, 7, .5
+    assert loop["fwd_tflops"] == pytest.approx(1 / 5.0)
+    assert report["rounds"] == 3 and "median of 3 alternating rounds" in report["table"]
+    with pytest.raises(ValueError, match="rounds=0"):
+        run_bench(shapes, device="cpu", quiet=True, rounds=0)
