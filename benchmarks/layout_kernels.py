@@ -22,7 +22,7 @@ def main():
     tokens, k, experts = 8192, 8, 64
     topk = torch.randn(tokens, experts, device="cuda").topk(k, dim=-1).indices
     num_rows = tokens * k
-    _, row_map, token_of_row = routing.routing_map(topk, experts, 1, num_rows)
+    _, row_map, token_of_row, _ = routing.routing_map(topk, experts, 1, num_rows)
     for hidden in (4096, 7168):
         x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
         y = torch.randn(num_rows, hidden, device="cuda", dtype=torch.bfloat16)

@@ -4,6 +4,7 @@ Without Triton the kernel modules still import: ``triton.jit`` becomes a no-op
 decorator and only the plain-PyTorch references run.
 """
 
+import functools
 import os
 
 import torch
@@ -44,6 +45,15 @@ def next_power_of_2(n: int) -> int:
     """The smallest power of two ``>= n`` (``0`` for ``0``), as ``triton.next_power_of_2``
     but a plain function (see :func:`cdiv`)."""
     return 0 if n <= 0 else 1 << (n - 1).bit_length()
+
+
+@functools.lru_cache(maxsize=8)
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA ``device`` (persistent grids size by it); 4
+    elsewhere (the CPU interpreter)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
 
 
 def interpreting() -> bool:

@@ -29,8 +29,8 @@ from __future__ import annotations
 
 import torch
 
-from ._triton import cdiv, kernel, next_power_of_2, tl, triton
-from .triton_gemm import _group_rows, _program_count, _tile_list, _tile_origin
+from ._triton import cdiv, kernel, next_power_of_2, sm_count, tl, triton
+from .triton_gemm import _group_rows, _tile_list, _tile_origin
 
 __all__ = ["grouped_mm", "grouped_mm_reference", "blockwise_wgrad", "blockwise_wgrad_reference",
            "BLOCK"]
@@ -231,7 +231,7 @@ def grouped_mm(a: torch.Tensor, a_inv: torch.Tensor, weight: torch.Tensor, w_inv
             else (w_inv.stride(0), 0, w_inv.stride(1))
     block_m, warps, stages = (64, 4, 1) if a.device.type == "cpu" else MM_CONFIG
     upper_tiles = (cdiv(M, block_m) + G + 1) * cdiv(width, BLOCK)
-    programs = max(1, min(_program_count(a.device), upper_tiles))
+    programs = max(1, min(sm_count(a.device), upper_tiles))
     a_inv = a_inv.contiguous()
     _fp8_grouped_mm_kernel[(programs,)](
         a, a_inv, weight, w_inv, out, sizes, M, width, R, G,

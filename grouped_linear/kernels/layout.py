@@ -14,7 +14,7 @@ import functools
 
 import torch
 
-from ._triton import cdiv, kernel, next_power_of_2, tl, triton, use_triton
+from ._triton import cdiv, kernel, next_power_of_2, sm_count, tl, triton, use_triton
 from .bias import _row_group
 
 try:  # grid dependency control (programmatic dependent launch), Triton >= 3.4
@@ -33,6 +33,9 @@ SCATTER_CONFIG = (16, 256, 4)
 # Destination rows per program of the scatter's zero-fill part (it reads their slot entries,
 # then writes zeros across all columns only where a row holds no slot).
 ZERO_ROWS = 32
+# Programs per SM that share out the scatter's zero rows when the group sizes locate them
+# (permute): the first ones launched, so the zeros are written while the copies run.
+GAP_PROGRAMS_PER_SM = 4
 # Cache hints of the scatter's row stores and source loads ("" = Triton's defaults). H200,
 # permute forward / unpermute backward at 4096 x 65536 and 7168 x 131072 rows: streaming
 # stores (".cs") ~1 % faster than the default in two sweeps; "evict_first" loads alone level,
@@ -212,23 +215,62 @@ def gather_rows(src: torch.Tensor, index: torch.Tensor,
     return out.to(src.dtype)
 
 
+@triton.jit
+def _zero_gaps(dst_ptr, splits_ptr, counts_ptr, E, N, H, stride_dst, first_unit, stride_unit,
+               ROWS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_E: tl.constexpr,
+               STORE_CACHE: tl.constexpr):
+    """Zeros in the rows no slot holds, known from the group sizes: group ``e``'s last
+    ``splits[e] - counts[e]`` rows (its padding) and the rows past the last group. Counted
+    in row order, those rows form units of ``ROWS`` rows by one ``BLOCK_H`` column block;
+    the caller takes units ``first_unit, first_unit + stride_unit, ...``."""
+    slots = tl.arange(0, BLOCK_E)
+    is_group = slots < E
+    padded = tl.load(splits_ptr + slots, mask=is_group, other=0).to(tl.int64)
+    held = tl.load(counts_ptr + slots, mask=is_group, other=0).to(tl.int64)
+    total = tl.sum(padded, axis=0)
+    # slot E: the rows past the groups; slots above it: nothing
+    gap_row = tl.where(is_group, tl.cumsum(padded, axis=0) - padded + held, total)
+    gap_len = tl.where(is_group, padded - held, tl.where(slots == E, tl.maximum(N - total, 0), 0))
+    gap_end = tl.cumsum(gap_len, axis=0)
+    gap_begin = gap_end - gap_len
+    gaps = tl.sum(gap_len, axis=0)
+    column_blocks = tl.cdiv(H, BLOCK_H)
+    units = tl.cdiv(gaps, ROWS) * column_blocks
+    zeros = tl.zeros([ROWS, BLOCK_H], dtype=dst_ptr.dtype.element_ty)
+    for unit in range(first_unit.to(tl.int64), units, stride_unit):
+        z = (unit // column_blocks) * ROWS + tl.arange(0, ROWS)
+        owner = (gap_begin[None, :] <= z[:, None]) & (z[:, None] < gap_end[None, :])
+        rows = tl.sum(tl.where(owner, gap_row[None, :] + (z[:, None] - gap_begin[None, :]), 0),
+                      axis=1)
+        cols = (unit % column_blocks) * BLOCK_H + tl.arange(0, BLOCK_H)
+        keep = (z < gaps) & (rows < N)
+        tl.store(dst_ptr + rows[:, None] * stride_dst + cols[None, :], zeros,
+                 mask=keep[:, None] & (cols < H)[None, :], cache_modifier=STORE_CACHE)
+
+
 @kernel
 @triton.jit
-def _scatter_rows_kernel(src_ptr, dst_ptr, map_ptr, token_ptr, weights_ptr, T, K, N, H,
-                         stride_src, stride_dst, token_programs, HAS_WEIGHTS: tl.constexpr,
-                         SLOTS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
-                         ZERO_ROWS: tl.constexpr, STORE_CACHE: tl.constexpr,
-                         LOAD_EVICTION: tl.constexpr, PDL: tl.constexpr):
+def _scatter_rows_kernel(src_ptr, dst_ptr, map_ptr, token_ptr, weights_ptr, splits_ptr,
+                         counts_ptr, T, K, N, H, E, stride_src, stride_dst, token_programs,
+                         gap_programs, HAS_WEIGHTS: tl.constexpr, SLOTS: tl.constexpr,
+                         GAPS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
+                         BLOCK_E: tl.constexpr, ZERO_ROWS: tl.constexpr,
+                         STORE_CACHE: tl.constexpr, LOAD_EVICTION: tl.constexpr,
+                         PDL: tl.constexpr):
     """A 1-D grid. The first ``token_programs * cdiv(H, BLOCK_H)`` programs: ``BLOCK_T``
     source rows by ``BLOCK_H`` columns each, read once and written to each of their ``K``
     slots' rows ``map[t, j]`` (those in ``[0, N)``), times ``weights[t, j]`` (float32) with
-    ``HAS_WEIGHTS``. The others: ``ZERO_ROWS`` destination rows each, all their columns
-    written as zeros where ``token[r] < 0`` (rows no slot holds); most blocks hold every
-    row and return after one look. With ``SLOTS``, ``token_ptr`` holds a slot per row,
-    trusted only where ``map`` sends that slot back to the row (so the rows no slot holds
-    may contain anything: the buffer needs no fill). With ``PDL`` (launched as a
-    programmatic dependent of the kernel before it, which must not write ``src``) a program
-    waits for that kernel only after reading its source rows."""
+    ``HAS_WEIGHTS``. The rows no slot holds get zeros in one of two ways. With ``GAPS``
+    they follow from the ``E`` padded group sizes ``splits`` and the rows each group holds,
+    ``counts`` (the routing map's layout): the first ``gap_programs`` programs share them out
+    (:func:`_zero_gaps`), and there are no other programs. Otherwise the programs after the
+    token programs take ``ZERO_ROWS`` destination rows each, all their columns written as
+    zeros where ``token[r] < 0``; most blocks hold every row and return after one look.
+    With ``SLOTS``, ``token_ptr`` holds a slot per row, trusted only where ``map`` sends that
+    slot back to the row (so the rows no slot holds may contain anything: the buffer needs
+    no fill). With ``PDL`` (launched as a programmatic dependent of the kernel before it,
+    which must not write ``src``) a program waits for that kernel only after reading its
+    source rows."""
     pid = tl.program_id(0)
     column_blocks = tl.cdiv(H, BLOCK_H)
     if pid < token_programs * column_blocks:
@@ -252,6 +294,10 @@ def _scatter_rows_kernel(src_ptr, dst_ptr, map_ptr, token_ptr, weights_ptr, T, K
                 out = values
             tl.store(dst_ptr + row[:, None] * stride_dst + cols[None, :], out,
                      mask=valid[:, None] & col_mask, cache_modifier=STORE_CACHE)
+        if GAPS:
+            if pid < gap_programs:
+                _zero_gaps(dst_ptr, splits_ptr, counts_ptr, E, N, H, stride_dst, pid,
+                           gap_programs, BLOCK_T, BLOCK_H, BLOCK_E, STORE_CACHE)
     else:
         if PDL:
             gdc_wait()
@@ -273,24 +319,37 @@ def _scatter_rows_kernel(src_ptr, dst_ptr, map_ptr, token_ptr, weights_ptr, T, K
 
 
 def _scatter(src: torch.Tensor, row_map: torch.Tensor, held: torch.Tensor,
-             weights: torch.Tensor | None, out_dtype: torch.dtype, slots: bool = False
-             ) -> torch.Tensor:
+             weights: torch.Tensor | None, out_dtype: torch.dtype, slots: bool = False,
+             groups: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Launch :func:`_scatter_rows_kernel`: ``held`` ``(N,)``, negative for rows no slot holds
-    (``slots``: the slot of each held row, anything for the others). Both callers launch it
-    right after the kernel that wrote ``held`` (and ``row_map`` or not), which itself started
-    after ``src`` was complete: so the scatter may read ``src`` before that kernel ends."""
+    (``slots``: the slot of each held row, anything for the others); ``groups``: the padded
+    group sizes and each group's held rows, from which the unheld rows are found instead.
+    Both callers launch it right after the kernel that wrote ``held`` (and ``row_map`` or
+    not), which itself started after ``src`` was complete: so the scatter may read ``src``
+    before that kernel ends."""
     tokens, k = row_map.shape
     num_rows, H = held.shape[0], src.shape[1]
     out = torch.empty(num_rows, H, device=src.device, dtype=out_dtype)
     block_t, block_h, warps = SCATTER_CONFIG
     block_h = min(block_h, next_power_of_2(H))
     token_programs = cdiv(tokens, block_t)
-    grid = (token_programs * cdiv(H, block_h) + cdiv(num_rows, ZERO_ROWS),)
+    copy_programs = token_programs * cdiv(H, block_h)
+    if groups is not None:
+        splits, counts = groups
+        num_experts = splits.shape[0]
+        grid = (copy_programs,)
+        gap_programs = min(copy_programs, GAP_PROGRAMS_PER_SM * sm_count(src.device))
+    else:
+        splits = counts = row_map
+        num_experts = 0
+        grid = (copy_programs + cdiv(num_rows, ZERO_ROWS),)
+        gap_programs = 0
     _scatter_rows_kernel[grid](
         src, out, row_map.contiguous(), held.contiguous(),
-        weights.contiguous() if weights is not None else src, tokens, k, num_rows, H,
-        src.stride(0), out.stride(0), token_programs, HAS_WEIGHTS=weights is not None,
-        SLOTS=slots, BLOCK_T=block_t, BLOCK_H=block_h, ZERO_ROWS=ZERO_ROWS,
+        weights.contiguous() if weights is not None else src, splits, counts, tokens, k,
+        num_rows, H, num_experts, src.stride(0), out.stride(0), token_programs, gap_programs,
+        HAS_WEIGHTS=weights is not None, SLOTS=slots, GAPS=groups is not None, BLOCK_T=block_t,
+        BLOCK_H=block_h, BLOCK_E=next_power_of_2(num_experts + 1), ZERO_ROWS=ZERO_ROWS,
         STORE_CACHE=SCATTER_STORE_CACHE, LOAD_EVICTION=SCATTER_LOAD_EVICTION, num_warps=warps,
         **_pdl_options(src.device))
     return out
@@ -311,18 +370,23 @@ def _sm90_or_later(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index)[0] >= 9
 
 
-def scatter_rows(src: torch.Tensor, row_map: torch.Tensor, token_of_row: torch.Tensor
-                 ) -> torch.Tensor:
+def scatter_rows(src: torch.Tensor, row_map: torch.Tensor, token_of_row: torch.Tensor,
+                 groups: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """``(T, H)`` -> ``(N, H)`` with ``N = len(token_of_row)``: ``out[row_map[t, j]] = src[t]``,
     zero rows where ``token_of_row`` is negative. ``row_map`` ``(T, k)`` and ``token_of_row``
     must describe the same placement (as :func:`routing_map` returns them); the result
     equals ``gather_rows(src, token_of_row)`` but reads each source row once, however many
-    slots use it."""
+    slots use it.
+
+    ``groups``: ``(m_splits, counts)`` of that routing map (``(E,)`` padded group sizes and
+    the slots each group holds, summing to at most ``N``). The rows no slot holds are then
+    each group's last ``m_splits - counts`` rows and those past the groups, zeroed by the
+    copying programs themselves instead of by a scan of ``token_of_row`` at the end."""
     tokens, k = row_map.shape
     num_rows = token_of_row.shape[0]
     if not _rows_kernel_ok(src) or tokens == 0 or k == 0 or num_rows == 0:
         return gather_rows_reference(src, token_of_row)
-    return _scatter(src, row_map, token_of_row, None, src.dtype)
+    return _scatter(src, row_map, token_of_row, None, src.dtype, groups=groups)
 
 
 def spread_rows_reference(src: torch.Tensor, row_map: torch.Tensor, num_rows: int,

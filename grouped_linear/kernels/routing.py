@@ -7,11 +7,10 @@ and each row's token, on the device, without a host sync. :func:`routing_map_ref
 the plain-PyTorch version (a stable sort by expert).
 """
 
-import functools
 
 import torch
 
-from ._triton import cdiv, kernel, next_power_of_2, tl, triton, use_triton
+from ._triton import cdiv, kernel, next_power_of_2, sm_count, tl, triton, use_triton
 from .layout import _starts, scatter_pdl
 
 try:  # grid dependency control (programmatic dependent launch), Triton >= 3.4
@@ -47,7 +46,7 @@ _MIN_CHUNK = 256  # fewest slots per program
 
 def routing_map_reference(topk_indices: torch.Tensor, num_experts: int, multiple: int,
                           num_rows: int | None
-                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Plain-PyTorch :func:`routing_map` (a stable sort by expert); ``num_rows=None`` sizes
     ``token_of_row`` exactly, ``sum(m_splits)`` (a host read)."""
     tokens, k = topk_indices.shape
@@ -80,16 +79,16 @@ def routing_map_reference(topk_indices: torch.Tensor, num_experts: int, multiple
     local = rows - p_starts.index_select(0, clamped)
     held = (group < num_experts) & (local < counts.index_select(0, clamped))
     if slots == 0:
-        return m_splits, row_map, torch.full_like(rows, -1)
+        return m_splits, row_map, torch.full_like(rows, -1), counts
     sorted_pos = (starts.index_select(0, clamped) + local).clamp(0, slots - 1)
     token_of_row = torch.where(held, order.index_select(0, sorted_pos) // k, -1)
-    return m_splits, row_map, token_of_row
+    return m_splits, row_map, token_of_row, counts
 
 
 @kernel
 @triton.jit
-def _routing_kernel(topk_ptr, row_map_ptr, token_ptr, splits_ptr, work_ptr, S, K, E, N,
-                    multiple, chunk, num_programs, PHASE: tl.constexpr, BLOCK: tl.constexpr,
+def _routing_kernel(topk_ptr, row_map_ptr, token_ptr, splits_ptr, counts_ptr, work_ptr, S, K, E,
+                    N, multiple, chunk, num_programs, PHASE: tl.constexpr, BLOCK: tl.constexpr,
                     RANK_BLOCK: tl.constexpr, ONE_HOT: tl.constexpr, BLOCK_E: tl.constexpr,
                     BLOCK_P: tl.constexpr, PDL: tl.constexpr):
     # With PDL every phase lets the launch after it start at once (phase 2 after phase 1,
@@ -101,7 +100,7 @@ def _routing_kernel(topk_ptr, row_map_ptr, token_ptr, splits_ptr, work_ptr, S, K
     lanes = tl.arange(0, BLOCK)
     begin = pid.to(tl.int64) * chunk
     end = tl.minimum(begin + chunk, S)
-    counts_ptr = work_ptr  # (num_programs, BLOCK_E): each chunk's count per expert
+    chunk_counts_ptr = work_ptr  # (num_programs, BLOCK_E): each chunk's count per expert
     if PHASE != 2:
         hist = tl.zeros([BLOCK_E], dtype=tl.int32)
         for s0 in range(begin, end, BLOCK):
@@ -111,7 +110,7 @@ def _routing_kernel(topk_ptr, row_map_ptr, token_ptr, splits_ptr, work_ptr, S, K
             routed = in_chunk & (raw >= 0) & (raw < E)
             hist += tl.histogram(tl.where(routed, raw.to(tl.int32), 0), BLOCK_E, mask=routed)
         if PHASE == 1:
-            tl.store(counts_ptr + pid * BLOCK_E + experts, hist)
+            tl.store(chunk_counts_ptr + pid * BLOCK_E + experts, hist)
     if PHASE != 1:
         if PDL and PHASE == 2:
             gdc_wait()
@@ -123,15 +122,15 @@ def _routing_kernel(topk_ptr, row_map_ptr, token_ptr, splits_ptr, work_ptr, S, K
             earlier = tl.zeros([BLOCK_E], dtype=tl.int64)
             for p0 in range(0, num_programs, BLOCK_P):
                 chunks = p0 + tl.arange(0, BLOCK_P)
-                counts = tl.load(counts_ptr + chunks[:, None] * BLOCK_E + experts[None, :],
-                                 mask=(chunks < num_programs)[:, None], other=0,
-                                 cache_modifier=".cg")
-                total += tl.sum(counts, axis=0).to(tl.int64)
-                earlier += tl.sum(tl.where((chunks < pid)[:, None], counts, 0), axis=0).to(tl.int64)
+                seen = tl.load(chunk_counts_ptr + chunks[:, None] * BLOCK_E + experts[None, :],
+                               mask=(chunks < num_programs)[:, None], other=0, cache_modifier=".cg")
+                total += tl.sum(seen, axis=0).to(tl.int64)
+                earlier += tl.sum(tl.where((chunks < pid)[:, None], seen, 0), axis=0).to(tl.int64)
         padded = (total + multiple - 1) // multiple * multiple
         group_end = tl.cumsum(padded, axis=0)
         group_start = group_end - padded
         tl.store(splits_ptr + experts, padded, mask=(experts < E) & (pid == 0))
+        tl.store(counts_ptr + experts, total, mask=(experts < E) & (pid == 0))
         # Where this chunk's first slot of each expert goes: after the earlier chunks' slots.
         base = group_start + earlier
         rank_lanes = tl.arange(0, RANK_BLOCK)
@@ -173,16 +172,10 @@ def _routing_kernel(topk_ptr, row_map_ptr, token_ptr, splits_ptr, work_ptr, S, K
             tl.store(token_ptr + rows, -1, mask=rows < N)
 
 
-@functools.lru_cache(maxsize=8)
-def _max_programs(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 4
-
 
 def routing_map(topk_indices: torch.Tensor, num_experts: int, multiple: int, num_rows: int,
                 max_programs: int | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Where every routed slot goes in the expert-grouped, padded layout. No host sync.
 
     Args:
@@ -194,9 +187,11 @@ def routing_map(topk_indices: torch.Tensor, num_experts: int, multiple: int, num
         max_programs: at most this many chunks of slots (default: one per SM).
 
     Returns:
-        ``(m_splits, row_map, token_of_row)``: ``(E,)`` int64 padded group sizes; ``(T, k)``
-        int64 row of every slot (slots ascending within an expert), ``-1`` if dropped;
-        ``(num_rows,)`` int64 token of every row, ``-1`` for rows that hold no slot.
+        ``(m_splits, row_map, token_of_row, counts)``: ``(E,)`` int64 padded group sizes;
+        ``(T, k)`` int64 row of every slot (slots ascending within an expert), ``-1`` if
+        dropped; ``(num_rows,)`` int64 token of every row, ``-1`` for rows that hold no slot;
+        ``(E,)`` int64 slots routed to each expert (its group's first ``counts`` rows hold
+        them, the other ``m_splits - counts`` are padding).
     """
     tokens, k = topk_indices.shape
     slots = tokens * k
@@ -210,20 +205,21 @@ def routing_map(topk_indices: torch.Tensor, num_experts: int, multiple: int, num
     # histogram and a gather over all the experts (tuned on an H200, 64K to 256K slots).
     rank_block = max(16, _ONE_HOT_TILE // block_e) if one_hot else (32 if block_e <= 256 else 128)
     block = max(_COUNT_BLOCK, rank_block)
-    limit = max_programs if max_programs is not None else _max_programs(device)
+    limit = max_programs if max_programs is not None else sm_count(device)
     chunk = cdiv(max(cdiv(slots, limit), _MIN_CHUNK), rank_block) * rank_block
     programs = max(1, cdiv(slots, chunk))
     work = torch.empty(block_e * programs, device=device, dtype=torch.int32)
     m_splits = torch.empty(num_experts, device=device, dtype=torch.int64)
+    counts = torch.empty(num_experts, device=device, dtype=torch.int64)
     row_map = torch.empty(tokens, k, device=device, dtype=torch.int64)
     token_of_row = torch.empty(num_rows, device=device, dtype=torch.int64)
     phases = (1, 2) if programs > 1 else (0,)
     pdl = gdc_launch_dependents is not None and scatter_pdl(device)
     for phase in phases:
         _routing_kernel[(programs,)](
-            topk_indices.contiguous(), row_map, token_of_row, m_splits, work, slots, max(k, 1),
-            num_experts, num_rows, multiple, chunk, programs, PHASE=phase, BLOCK=block,
+            topk_indices.contiguous(), row_map, token_of_row, m_splits, counts, work, slots,
+            max(k, 1), num_experts, num_rows, multiple, chunk, programs, PHASE=phase, BLOCK=block,
             RANK_BLOCK=rank_block, ONE_HOT=one_hot, BLOCK_E=block_e,
             BLOCK_P=max(1, min(64, _ONE_HOT_TILE // block_e)), PDL=pdl,
             num_warps=8 if one_hot else 4, **({"launch_pdl": True} if pdl and phase == 2 else {}))
-    return m_splits, row_map, token_of_row
+    return m_splits, row_map, token_of_row, counts

@@ -13,11 +13,10 @@ Shapes: ``x`` ``(M, K)``, ``weight`` ``(G, N, K)``, ``bias`` ``(G, N)``,
 ``grad_out`` ``(M, N)``. All index arithmetic on rows and strides is int64.
 """
 
-import functools
 
 import torch
 
-from ._triton import cdiv, kernel, next_power_of_2, tl, triton
+from ._triton import cdiv, kernel, next_power_of_2, sm_count, tl, triton
 from .bias import bias_grad_reference
 from .offsets import group_offsets
 
@@ -209,13 +208,6 @@ def _grouped_backward_kernel(dy_ptr, x_ptr, w_ptr, dx_ptr, dw_ptr, db_ptr, sizes
                     UPCAST, DW_BLOCK_M, DW_BLOCK_N, DW_BLOCK_K, BLOCK_G)
 
 
-@functools.lru_cache(maxsize=8)
-def _program_count(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 4
-
-
 def _precision(dtype: torch.dtype) -> str:
     if dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32:
         return "ieee"
@@ -251,7 +243,7 @@ def _launch_mm(a, b_tensor, b_strides, bias, sizes, out, reduction):
     if M == 0 or width == 0:
         return out
     upper_tiles = (cdiv(M, block_m) + G + 1) * cdiv(width, block_n)
-    programs = max(1, min(_program_count(a.device), upper_tiles))
+    programs = max(1, min(sm_count(a.device), upper_tiles))
     stride_bg, stride_bk, stride_bn = b_strides
     _grouped_mm_kernel[(programs,)](
         a, b_tensor, bias if bias is not None else out, out, sizes, M, width, reduction, G,
@@ -329,7 +321,7 @@ def backward(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, size
         return (dgrad(grad_out, weight, sizes), *wgrad(grad_out, x, sizes, with_bias))
     grad_x = torch.empty(M, K, device=x.device, dtype=grad_out.dtype)
     grad_w, grad_b = _wgrad_buffers(x, G, N, K, with_bias)
-    dx_programs = _program_count(x.device)  # fixed: one binary whatever M is
+    dx_programs = sm_count(x.device)  # fixed: one binary whatever M is
     dw_block = 64
     dw_tiles = G * cdiv(N, dw_block) * cdiv(K, dw_block)
     _grouped_backward_kernel[(dx_programs + dw_tiles,)](

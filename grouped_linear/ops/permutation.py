@@ -52,14 +52,15 @@ class _PermuteRows(torch.autograd.Function):
     """Gather token rows into the expert-grouped layout; backward sums them back."""
 
     @staticmethod
-    def forward(ctx, x, token_of_row, row_map):  # type: ignore[override]
+    def forward(ctx, x, token_of_row, row_map, m_splits, counts):  # type: ignore[override]
         ctx.save_for_backward(row_map)
-        return layout_kernels.scatter_rows(x, row_map, token_of_row)  # each x row read once
+        # each x row read once; the padding rows located from the group sizes
+        return layout_kernels.scatter_rows(x, row_map, token_of_row, (m_splits, counts))
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
         (row_map,) = ctx.saved_tensors
-        return _combine(grad, row_map, None), None, None
+        return _combine(grad, row_map, None), None, None, None, None
 
 
 class _Unpermute(torch.autograd.Function):
@@ -164,14 +165,14 @@ def permute(
 
     with torch.no_grad():
         if on_host:  # exact size: N = sum(m_splits), read on the host
-            m_splits, row_map, token_of_row = routing.routing_map_reference(
+            m_splits, row_map, token_of_row, counts = routing.routing_map_reference(
                 topk_indices, num_experts, multiple, None)
         else:  # one kernel, no sync: N is the upper bound
             num_rows = topk_indices.numel() + num_experts * (multiple - 1)
-            m_splits, row_map, token_of_row = routing.routing_map(
+            m_splits, row_map, token_of_row, counts = routing.routing_map(
                 topk_indices, num_experts, multiple, num_rows)
 
-    x_perm = _PermuteRows.apply(x, token_of_row, row_map)
+    x_perm = _PermuteRows.apply(x, token_of_row, row_map, m_splits, counts)
     return x_perm, m_splits, row_map
 
 

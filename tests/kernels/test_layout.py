@@ -108,9 +108,12 @@ def test_spread_rows_ignores_stale_slot_entries(monkeypatch):
 
 @pytest.mark.parametrize("k, multiple, experts", [(1, 1, 4), (2, 16, 5), (8, 128, 16), (3, 4, 1)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_scatter_rows_equals_gather_by_token(k, multiple, experts, dtype):
+@pytest.mark.parametrize("located", [False, True])
+def test_scatter_rows_equals_gather_by_token(k, multiple, experts, dtype, located, monkeypatch):
     """The permute layout written source-row by source-row (each read once) equals the
-    gather by each row's token, padding and dropped slots included."""
+    gather by each row's token, padding and dropped slots included; the rows no slot holds
+    found by scanning the row tokens, or (``located``) from the group sizes. The output
+    buffer starts as NaN, so a row left unwritten shows."""
     tokens, H = 45, 300
     gen = torch.Generator().manual_seed(k * 100 + multiple)
     topk = torch.stack([torch.randperm(max(experts, k), generator=gen)[:k] % experts
@@ -118,9 +121,16 @@ def test_scatter_rows_equals_gather_by_token(k, multiple, experts, dtype):
     topk[2, 0] = -1  # a dropped slot
     topk = topk.to(DEVICE)
     num_rows = tokens * k + experts * (multiple - 1) + 7  # an upper bound with a tail
-    _, row_map, token_of_row = routing.routing_map_reference(topk, experts, multiple, num_rows)
+    m_splits, row_map, token_of_row, counts = routing.routing_map_reference(
+        topk, experts, multiple, num_rows)
     src = torch.randn(tokens, H, generator=gen).to(DEVICE, dtype)
-    got = layout.scatter_rows(src, row_map, token_of_row)
+    original_empty = torch.empty
+    monkeypatch.setattr(layout.torch, "empty",
+                        lambda *size, **kwargs: original_empty(*size, **kwargs).fill_(float("nan"))
+                        if kwargs.get("dtype") == dtype else original_empty(*size, **kwargs))
+    got = layout.scatter_rows(src, row_map, token_of_row,
+                              (m_splits, counts) if located else None)
+    monkeypatch.undo()
     assert got.shape == (num_rows, H)
     assert torch.equal(got, layout.gather_rows_reference(src, token_of_row))
     assert torch.all(got[token_of_row.cpu() < 0] == 0)

@@ -22,11 +22,12 @@ def _check_routing(topk, experts, multiple, max_programs=None, extra_rows=0):
     num_rows = topk.numel() + experts * (multiple - 1) + extra_rows  # the CUDA upper bound
     got = routing.routing_map(topk, experts, multiple, num_rows, max_programs=max_programs)
     want = routing.routing_map_reference(topk, experts, multiple, num_rows)
-    for name, a, b in zip(("m_splits", "row_map", "token_of_row"), got, want, strict=True):
+    for name, a, b in zip(("m_splits", "row_map", "token_of_row", "counts"), got, want,
+                          strict=True):
         assert a.dtype == torch.int64 and a.shape == b.shape, name
         assert torch.equal(a, b), name
     # and what they mean: every routed slot has its own row, which names its token
-    m_splits, row_map, token_of_row = (t.cpu() for t in got)
+    m_splits, row_map, token_of_row, counts = (t.cpu() for t in got)
     tokens, k = topk.shape
     routed = (topk >= 0) & (topk < experts)
     assert torch.equal(row_map < 0, ~routed.cpu())
@@ -34,6 +35,8 @@ def _check_routing(topk, experts, multiple, max_programs=None, extra_rows=0):
     assert torch.equal(token_of_row[held], torch.arange(tokens).repeat_interleave(k)[
         routed.cpu().reshape(-1)])
     assert int((token_of_row >= 0).sum()) == held.numel() and bool((m_splits % multiple == 0).all())
+    assert torch.equal(counts, torch.bincount(topk[routed].cpu(), minlength=experts))
+    assert bool((counts <= m_splits).all()) and bool((m_splits - counts < multiple).all())
     return got
 
 
@@ -75,8 +78,8 @@ def test_routing_map_edge_cases():
     _check_routing(_routing(gen, 40, 3, 7), 7, 3, extra_rows=10)  # more rows than the bound
     # out-of-range experts are dropped like -1, whatever their size
     topk = torch.tensor([[0, 9], [-7, 2], [2, 2**40], [1, -1]])
-    m_splits, row_map, token_of_row = _check_routing(topk, 3, 2)
-    assert m_splits.tolist() == [2, 2, 2]
+    m_splits, row_map, token_of_row, counts = _check_routing(topk, 3, 2)
+    assert m_splits.tolist() == [2, 2, 2] and counts.tolist() == [1, 1, 2]
     assert row_map.tolist() == [[0, -1], [-1, 4], [5, -1], [2, -1]]
     assert token_of_row.tolist()[:8] == [0, -1, 3, -1, 1, 2, -1, -1]
 
