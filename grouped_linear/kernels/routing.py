@@ -2,11 +2,10 @@
 
 :func:`routing_map` places the routed slots ``(t, j)`` of a ``(T, k)`` expert choice in the
 expert-grouped layout that ``permute`` writes: experts in order, slots ascending within an
-expert, each group padded to a multiple; it returns the padded group sizes, each slot's row
-and each row's token, on the device, without a host sync. :func:`routing_map_reference` is
-the plain-PyTorch version (a stable sort by expert).
+expert, each group padded to a multiple; it returns the padded group sizes, each slot's row,
+each row's token and each expert's slot count, on the device, without a host sync.
+:func:`routing_map_reference` is the plain-PyTorch version (a stable sort by expert).
 """
-
 
 import torch
 
@@ -170,7 +169,6 @@ def _routing_kernel(topk_ptr, row_map_ptr, token_ptr, splits_ptr, counts_ptr, wo
         for r0 in range(tl.sum(padded) + pid * BLOCK, N, num_programs * BLOCK):
             rows = r0 + lanes
             tl.store(token_ptr + rows, -1, mask=rows < N)
-
 
 
 def routing_map(topk_indices: torch.Tensor, num_experts: int, multiple: int, num_rows: int,
