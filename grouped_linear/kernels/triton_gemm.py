@@ -16,7 +16,7 @@ Shapes: ``x`` ``(M, K)``, ``weight`` ``(G, N, K)``, ``bias`` ``(G, N)``,
 
 import torch
 
-from ._triton import cdiv, kernel, next_power_of_2, sm_count, tl, triton
+from ._triton import LaunchPlan, cdiv, kernel, next_power_of_2, sm_count, tl, triton
 from .bias import bias_grad_reference
 from .offsets import group_offsets
 
@@ -235,8 +235,26 @@ def _rows_contiguous(t: torch.Tensor | None) -> torch.Tensor | None:
     return t if t is None or t.stride(-1) == 1 else t.contiguous()
 
 
-def _launch_mm(a, b_tensor, b_strides, bias, sizes, out, reduction):
-    a, bias = _rows_contiguous(a), _rows_contiguous(bias)
+# Launch plans (see :class:`~._triton.LaunchPlan`) of the forward and backward kernels, by a
+# key that fixes every integer and constexpr argument and every tensor's dtype and device:
+# a training step's small GEMMs then launch without Triton's argument binding.
+_PLANS: dict[tuple, LaunchPlan] = {}
+MAX_PLANS = 256  # geometries kept; the cache starts over when full
+
+
+def _keep_plan(key: tuple, plan: LaunchPlan | None) -> None:
+    if plan is None:
+        return
+    if len(_PLANS) >= MAX_PLANS:
+        _PLANS.clear()
+    _PLANS[key] = plan
+
+
+def _launch_mm(a, b_tensor, b_strides, bias, sizes, out, reduction, plan_key=None):
+    rows_a, rows_bias = _rows_contiguous(a), _rows_contiguous(bias)
+    if rows_a is not a or rows_bias is not bias:
+        plan_key = None  # the plan would stand for the copies' strides, not the inputs'
+    a, bias = rows_a, rows_bias
     M, width = out.shape
     G = sizes.shape[0]
     block_m, block_n, block_k = 64, 128, 64
@@ -245,14 +263,16 @@ def _launch_mm(a, b_tensor, b_strides, bias, sizes, out, reduction):
     upper_tiles = (cdiv(M, block_m) + G + 1) * cdiv(width, block_n)
     programs = max(1, min(sm_count(a.device), upper_tiles))
     stride_bg, stride_bk, stride_bn = b_strides
-    _grouped_mm_kernel[(programs,)](
-        a, b_tensor, bias if bias is not None else out, out, sizes, M, width, reduction, G,
-        a.stride(0), stride_bg, stride_bk, stride_bn, out.stride(0),
-        bias.stride(0) if bias is not None else 0,
-        HAS_BIAS=bias is not None, PRECISION=_precision(a.dtype), UPCAST=_upcast(a),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_G=_block_g(G),
-        NUM_PROGRAMS=programs, num_warps=4, num_stages=3,
-    )
+    args = (a, b_tensor, bias if bias is not None else out, out, sizes, M, width, reduction, G,
+            a.stride(0), stride_bg, stride_bk, stride_bn, out.stride(0),
+            bias.stride(0) if bias is not None else 0)
+    meta = dict(HAS_BIAS=bias is not None, PRECISION=_precision(a.dtype), UPCAST=_upcast(a),
+                BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_G=_block_g(G),
+                NUM_PROGRAMS=programs, num_warps=4, num_stages=3)
+    if plan_key is None:
+        _grouped_mm_kernel[(programs,)](*args, **meta)
+    else:
+        _keep_plan(plan_key, _grouped_mm_kernel.launch_planned((programs,), args, meta))
     return out
 
 
@@ -260,8 +280,15 @@ def forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
             sizes: torch.Tensor) -> torch.Tensor:
     """``(M, K) x (G, N, K) -> (M, N)`` with the bias added and tail rows zero."""
     out = torch.empty(x.shape[0], weight.shape[1], device=x.device, dtype=x.dtype)
+    key = ("forward", x.shape, x.stride(), x.dtype, weight.shape, weight.stride(), weight.dtype,
+           sizes.shape, sizes.dtype, x.get_device(), _precision(x.dtype),
+           None if bias is None else (bias.stride(), bias.dtype))
+    plan = _PLANS.get(key)
+    if plan is not None and plan(x, weight, out if bias is None else bias, out, sizes):
+        return out
     strides = (weight.stride(0), weight.stride(2), weight.stride(1))
-    return _launch_mm(x, weight, strides, bias, sizes, out, x.shape[1])
+    return _launch_mm(x, weight, strides, bias, sizes, out, x.shape[1],
+                      plan_key=key if plan is None else None)
 
 
 def dgrad(grad_out: torch.Tensor, weight: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:
@@ -306,17 +333,29 @@ def wgrad(grad_out: torch.Tensor, x: torch.Tensor, sizes: torch.Tensor,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_G=_block_g(G),
         num_warps=4, num_stages=3,
     )
-    return grad_w, (grad_b.to(x.dtype) if grad_b is not None else None)
+    return grad_w, _in_dtype(grad_b, x.dtype)
 
 
 def backward(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, sizes: torch.Tensor,
              with_bias: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """:func:`dgrad` and :func:`wgrad` in one launch: ``(grad_x (M, K), grad_w (G, N, K),
     grad_b (G, N) or None)``, the same values as the two calls."""
-    grad_out, x = _rows_contiguous(grad_out), _rows_contiguous(x)
     M, N = grad_out.shape
     K = x.shape[1]
     G = sizes.shape[0]
+    key = ("backward", grad_out.shape, grad_out.stride(), grad_out.dtype, x.shape, x.stride(),
+           x.dtype, weight.shape, weight.stride(), weight.dtype, sizes.shape, sizes.dtype,
+           x.get_device(), _precision(x.dtype), with_bias)
+    plan = _PLANS.get(key)
+    if plan is not None:
+        grad_x = torch.empty(M, K, device=x.device, dtype=grad_out.dtype)
+        grad_w, grad_b = _wgrad_buffers(x, G, N, K, with_bias)
+        if plan(grad_out, x, weight, grad_x, grad_w, grad_w if grad_b is None else grad_b, sizes):
+            return grad_x, grad_w, _in_dtype(grad_b, x.dtype)
+    rows_grad, rows_x = _rows_contiguous(grad_out), _rows_contiguous(x)
+    if rows_grad is not grad_out or rows_x is not x:
+        key = None  # the plan would stand for the copies' strides, not the inputs'
+    grad_out, x = rows_grad, rows_x
     if M == 0 or N == 0 or K == 0:
         return (dgrad(grad_out, weight, sizes), *wgrad(grad_out, x, sizes, with_bias))
     grad_x = torch.empty(M, K, device=x.device, dtype=grad_out.dtype)
@@ -324,13 +363,20 @@ def backward(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, size
     dx_programs = sm_count(x.device)  # fixed: one binary whatever M is
     dw_block = 64
     dw_tiles = G * cdiv(N, dw_block) * cdiv(K, dw_block)
-    _grouped_backward_kernel[(dx_programs + dw_tiles,)](
-        grad_out, x, weight, grad_x, grad_w, grad_b if grad_b is not None else grad_w, sizes,
-        M, N, K, G, grad_out.stride(0), x.stride(0), weight.stride(0), weight.stride(1),
-        weight.stride(2), grad_x.stride(0), grad_w.stride(0), grad_w.stride(1),
-        HAS_BIAS=with_bias, PRECISION=_precision(x.dtype), UPCAST=_upcast(x),
-        DX_BLOCK_M=64, DX_BLOCK_N=128, DX_BLOCK_K=64, DW_BLOCK_M=dw_block, DW_BLOCK_N=dw_block,
-        DW_BLOCK_K=dw_block, BLOCK_G=_block_g(G), DX_PROGRAMS=dx_programs,
-        num_warps=4, num_stages=3,
-    )
-    return grad_x, grad_w, (grad_b.to(x.dtype) if grad_b is not None else None)
+    grid = (dx_programs + dw_tiles,)
+    args = (grad_out, x, weight, grad_x, grad_w, grad_b if grad_b is not None else grad_w, sizes,
+            M, N, K, G, grad_out.stride(0), x.stride(0), weight.stride(0), weight.stride(1),
+            weight.stride(2), grad_x.stride(0), grad_w.stride(0), grad_w.stride(1))
+    meta = dict(HAS_BIAS=with_bias, PRECISION=_precision(x.dtype), UPCAST=_upcast(x),
+                DX_BLOCK_M=64, DX_BLOCK_N=128, DX_BLOCK_K=64, DW_BLOCK_M=dw_block,
+                DW_BLOCK_N=dw_block, DW_BLOCK_K=dw_block, BLOCK_G=_block_g(G),
+                DX_PROGRAMS=dx_programs, num_warps=4, num_stages=3)
+    if key is None or plan is not None:
+        _grouped_backward_kernel[grid](*args, **meta)
+    else:
+        _keep_plan(key, _grouped_backward_kernel.launch_planned(grid, args, meta))
+    return grad_x, grad_w, _in_dtype(grad_b, x.dtype)
+
+
+def _in_dtype(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    return t if t is None or t.dtype == dtype else t.to(dtype)

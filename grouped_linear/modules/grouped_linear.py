@@ -30,6 +30,8 @@ except ImportError:  # pragma: no cover
 
 __all__ = ["GroupedLinear"]
 
+_MISSING = object()  # a parameter name absent from ``_parameters``
+
 
 class GroupedLinear(nn.Module):
     r"""``G`` linear layers applied to ``G`` consecutive row groups of one input.
@@ -259,9 +261,14 @@ class GroupedLinear(nn.Module):
         that fold the bias into their next kernel, like ``GroupedMLP``).
         """
         if is_first_microbatch is None and return_bias is None and self._plain_call():
-            out = fast_grouped_linear(x, self.weight, self.bias, m_splits, self.backend)
-            if out is not None:
-                return out
+            # The parameters from their dict: ``self.weight`` goes through Module.__getattr__
+            # (a Python call each). Missing entries (a parametrization) take the full path.
+            params = self._parameters
+            weight, bias = params.get("weight"), params.get("bias", _MISSING)
+            if weight is not None and bias is not _MISSING:
+                out = fast_grouped_linear(x, weight, bias, m_splits, self.backend)
+                if out is not None:
+                    return out
         if return_bias is not None and not isinstance(return_bias, bool):
             raise TypeError(f"return_bias must be None or a bool, got {return_bias!r}")
         return_bias = self.return_bias if return_bias is None else return_bias

@@ -36,6 +36,7 @@ from .linear_steps import (
     wgrad_op,
 )
 from .splits import SPLIT_DTYPES, GroupSplits, debug_checks_enabled, normalize_splits
+from .triton_linear import apply_triton_linear
 from .weight_grad import WeightGradSink, route_weight_grads
 
 __all__ = ["grouped_linear", "apply_grouped_linear", "fast_grouped_linear", "resolve_backend",
@@ -77,20 +78,12 @@ class GroupedLinearFunction(torch.autograd.Function):
         need_b = need_b and bias_dtype is not None
         # Gradients of reductions such as y.sum() arrive with zero strides.
         grad_out = grad_out.contiguous()
-
-        def triton_grads(grad_w, grad_b):
-            """The Triton kernels' ``(grad_w, grad_b)``, each only where asked for (the bias
-            sums are stored in the input dtype)."""
-            if need_b and grad_b.dtype != bias_dtype:
-                grad_b = grad_b.to(bias_dtype)
-            return (grad_w if need_w else None), (grad_b if need_b else None)
-
         if config.backend == "triton" and need_x and (need_w or need_b) and config.sink is None:
             # Small problems: the whole backward in one launch.
             grad_x, grad_w, grad_b = step(triton_backward_op, triton_backward_impl)(
                 grad_out, x, weight, offsets, need_b
             )
-            return grad_x, *triton_grads(grad_w, grad_b), None, None, None
+            return grad_x, *_asked_grads(grad_w, grad_b, need_w, need_b, bias_dtype), None, None, None
         grad_x = None
         if need_x:
             grad_x = step(dgrad_op, dgrad_impl)(
@@ -99,9 +92,8 @@ class GroupedLinearFunction(torch.autograd.Function):
 
         def weight_and_bias_grads():
             if config.backend == "triton":
-                return triton_grads(*step(triton_wgrad_op, triton_wgrad_impl)(
-                    grad_out, x, offsets, need_b
-                ))
+                grad_w, grad_b = step(triton_wgrad_op, triton_wgrad_impl)(grad_out, x, offsets, need_b)
+                return _asked_grads(grad_w, grad_b, need_w, need_b, bias_dtype)
             grad_w = grad_b = None
             if need_w:
                 grad_w = step(wgrad_op, wgrad_impl)(grad_out, x, offsets, host_offsets, config.backend)
@@ -111,6 +103,14 @@ class GroupedLinearFunction(torch.autograd.Function):
 
         grad_w, grad_b = route_weight_grads(config.sink, need_w or need_b, weight_and_bias_grads)
         return grad_x, grad_w, grad_b, None, None, None
+
+
+def _asked_grads(grad_w, grad_b, need_w: bool, need_b: bool, bias_dtype):
+    """The Triton kernels' ``(grad_w, grad_b)``, each only where asked for (the bias sums are
+    stored in the input dtype)."""
+    if need_b and grad_b.dtype != bias_dtype:
+        grad_b = grad_b.to(bias_dtype)
+    return (grad_w if need_w else None), (grad_b if need_b else None)
 
 
 # --------------------------------------------------------------------------- validation
@@ -263,31 +263,67 @@ def fast_grouped_linear(
     of ``x``'s dtype there, with no recipe, ``torch.autocast``, tracing or debug checks
     active. It then does what :func:`apply_grouped_linear` does for that call, minus the
     :class:`GroupSplits` it would build; anything else (and every error) goes the full way.
-    Small problems are host-bound, so this is where their time goes.
+    Small problems are host-bound, so this is where their time goes: the checks of one
+    signature (shapes but the row count, dtypes, devices, backend) run once
+    (:func:`_fast_backend`), later calls look their verdict up.
     """
-    if type(x) is not torch.Tensor or type(m_splits) is not torch.Tensor:
+    if (type(x) is not torch.Tensor or type(m_splits) is not torch.Tensor or not x.is_cuda
+            or not isinstance(weight, torch.Tensor)):
         return None
+    shape = x.shape
+    if len(shape) != 2:
+        return None
+    key = (shape[1], shape[0] <= TRITON_AUTO_MAX_ROWS, x.dtype, x.device, m_splits.shape,
+           m_splits.dtype, m_splits.device, weight.shape, weight.dtype, weight.device,
+           None if bias is None else (bias.shape, bias.dtype, bias.device), backend)
+    resolved = _FAST_BACKENDS.get(key)
+    if resolved is None:
+        resolved = _fast_backend(x, weight, bias, m_splits, backend)
+        if len(_FAST_BACKENDS) >= _MAX_FAST_BACKENDS:
+            _FAST_BACKENDS.clear()
+        _FAST_BACKENDS[key] = resolved
+    if (not resolved or current_recipe() is not None or torch.is_autocast_enabled("cuda")
+            or torch.compiler.is_compiling() or debug_checks_enabled()):
+        return None
+    if resolved == "triton" and not _functorch_involved(x, weight, bias):
+        return apply_triton_linear(x, weight, bias, m_splits)
+    groups = m_splits if resolved == "triton" else group_offsets(m_splits, shape[0])
+    return _run(x, weight, bias, groups, None, _DEVICE_SPLIT_CONFIGS[resolved])
+
+
+# :func:`fast_grouped_linear`'s verdicts by call signature ("" where the fast path does not
+# apply); the cache starts over when full.
+_FAST_BACKENDS: dict[tuple, str] = {}
+_MAX_FAST_BACKENDS = 1024
+
+
+def _fast_backend(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                  m_splits: torch.Tensor, backend: str) -> str:
+    """The backend a call of this signature resolves to, or "" when the fast path does not
+    apply to it (see :func:`fast_grouped_linear`)."""
     device = x.device
-    if (device.type != "cuda" or m_splits.device != device or x.dim() != 2
-            or weight.dim() != 3 or m_splits.dim() != 1):
-        return None
+    if m_splits.device != device or weight.dim() != 3 or m_splits.dim() != 1:
+        return ""
     dtype = x.dtype
     num_groups, out_features, in_features = weight.shape
     if (x.shape[1] != in_features or m_splits.shape[0] != num_groups
             or weight.dtype != dtype or weight.device != device
             or m_splits.dtype not in SPLIT_DTYPES or not x.is_floating_point()):
-        return None
-    if bias is not None and (bias.shape != (num_groups, out_features) or bias.dtype != dtype
+        return ""
+    if bias is not None and (not isinstance(bias, torch.Tensor)
+                             or bias.shape != (num_groups, out_features) or bias.dtype != dtype
                              or bias.device != device):
-        return None
-    if (current_recipe() is not None or torch.is_autocast_enabled("cuda")
-            or torch.compiler.is_compiling() or debug_checks_enabled()):
-        return None
-    num_rows = x.shape[0]
-    resolved = resolve_backend(backend, device, dtype, in_features, out_features, num_rows,
-                               num_groups)
-    groups = m_splits if resolved == "triton" else group_offsets(m_splits, num_rows)
-    return _run(x, weight, bias, groups, None, _DEVICE_SPLIT_CONFIGS[resolved])
+        return ""
+    return resolve_backend(backend, device, dtype, in_features, out_features, x.shape[0],
+                           num_groups)
+
+
+def _functorch_involved(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether a functorch transform is active or an argument is one's (possibly dead)
+    wrapper: then only ``GroupedLinearFunction.apply`` may record the call."""
+    return (torch._C._are_functorch_transforms_active() or is_functorch_wrapped_tensor(x)
+            or is_functorch_wrapped_tensor(weight)
+            or (bias is not None and is_functorch_wrapped_tensor(bias)))
 
 
 # ``autograd.Function.apply``'s C implementation bound to GroupedLinearFunction: the Python
@@ -304,8 +340,7 @@ def _run(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group
     needs_graph = torch.is_grad_enabled() and (
         x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
     )
-    if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active() or any(
-            t is not None and is_functorch_wrapped_tensor(t) for t in (x, weight, bias)):
+    if torch.compiler.is_compiling() or _functorch_involved(x, weight, bias):
         return GroupedLinearFunction.apply(x, weight, bias, groups, host_offsets, config)
     if not needs_graph:
         return forward_impl(x, weight, bias, groups, host_offsets, config.backend,

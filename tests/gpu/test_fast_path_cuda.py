@@ -4,6 +4,7 @@ import importlib
 
 import pytest
 import torch
+import torch.nn.utils.parametrize as parametrize
 
 import grouped_linear as gl
 from tests.reference import reference_grads, rel_err
@@ -125,3 +126,48 @@ def test_other_calls_take_the_full_path(monkeypatch, case):
         ref = reference_grads(x, layer.weight, layer.bias, SIZES, torch.ones_like(y))[0]
         assert 1e-4 < rel_err(y, ref) < 6e-2  # FP8 error, not bf16's
     assert spy.calls >= 1
+
+
+@pytest.mark.parametrize("backend, scale, node", [
+    ("auto", 1, "TritonGroupedLinearFunctionBackward"),
+    ("triton", 4, "TritonGroupedLinearFunctionBackward"),
+    ("auto", 4, "GroupedLinearFunctionBackward"),
+    ("grouped", 1, "GroupedLinearFunctionBackward"),
+])
+def test_fast_path_records_the_triton_node_for_the_triton_backend(backend, scale, node):
+    """The triton backend's fast path records the cut-down node (ops/triton_linear.py); the
+    other backends, and the full path under debug checks, record the general one."""
+    layer = _layer(True, backend)
+    x = torch.randn(sum(SIZES) * scale, K, device="cuda", dtype=torch.bfloat16,
+                    requires_grad=True)
+    splits = torch.tensor([s * scale for s in SIZES], device="cuda")
+    assert type(layer(x, splits).grad_fn).__name__ == node
+
+
+def test_fast_path_verdicts_are_kept_per_signature(monkeypatch):
+    """A second row count of the same signature reuses the first call's verdict; the verdict
+    follows ``TRITON_AUTO_MAX_ROWS`` (part of the key), and a parametrized weight (absent from
+    ``_parameters``) is applied: the layer's call takes it through the full path."""
+    layer = _layer(True, "auto")
+    ops_module._FAST_BACKENDS.clear()
+    splits = torch.tensor(SIZES, device="cuda")
+    x = torch.randn(sum(SIZES) + 3, K, device="cuda", dtype=torch.bfloat16)
+    layer(x, splits)
+    layer(x[:-2], splits)
+    assert list(ops_module._FAST_BACKENDS.values()) == ["triton"]
+    monkeypatch.setattr(ops_module, "TRITON_AUTO_MAX_ROWS", 16)
+    y = layer(x, splits)
+    assert sorted(ops_module._FAST_BACKENDS.values()) == ["grouped", "triton"]
+    ref = reference_grads(x, layer.weight, layer.bias, SIZES, torch.ones_like(y))[0]
+    assert rel_err(y, ref) < 1e-2
+
+    class Doubled(torch.nn.Module):
+        def forward(self, weight):
+            return weight * 2
+
+    before = layer(x, splits)
+    parametrize.register_parametrization(layer, "weight", Doubled())
+    y = layer(x, splits)
+    assert torch.equal(layer.weight, layer.parametrizations.weight.original * 2)
+    ref = reference_grads(x, layer.weight, layer.bias, SIZES, torch.ones_like(y))[0]
+    assert rel_err(y, ref) < 1e-2 and rel_err(before, ref) > 0.3

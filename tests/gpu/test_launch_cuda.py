@@ -47,3 +47,106 @@ def test_switch_off_gives_the_same_result(monkeypatch):
     fast = triton_gemm.forward(x, weight, None, sizes)
     fast = triton_gemm.forward(x, weight, None, sizes)
     torch.testing.assert_close(fast, slow, rtol=0, atol=0)
+
+
+# --------------------------------------------------------------------------- launch plans
+def _no_binding(monkeypatch, kernel):
+    """Make every launch of ``kernel`` that is not a plan's fail."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("launched through Triton's argument binding")
+
+    monkeypatch.setattr(kernel, "_run", refuse)
+
+
+def test_forward_plan_launches_again_without_binding(monkeypatch):
+    """The second forward on a geometry launches the plan the first one left (the binding
+    path is made to fail), and both give the reference; a new geometry gets its own plan."""
+    torch.manual_seed(2)
+    triton_gemm._PLANS.clear()
+    weight = torch.randn(3, 48, 64, device="cuda", dtype=torch.bfloat16) / 8
+    bias = torch.randn(3, 48, device="cuda", dtype=torch.bfloat16)
+    sizes = torch.tensor([5, 0, 27], device="cuda")
+    x = torch.randn(40, 64, device="cuda", dtype=torch.bfloat16)
+    first = triton_gemm.forward(x, weight, bias, sizes)
+    assert len(triton_gemm._PLANS) == 1
+    with monkeypatch.context() as patch:
+        _no_binding(patch, triton_gemm._grouped_mm_kernel)
+        x2 = torch.randn(40, 64, device="cuda", dtype=torch.bfloat16)
+        second = triton_gemm.forward(x2, weight, bias, torch.tensor([20, 20, 0], device="cuda"))
+    for got, inp, split in ((first, x, [5, 0, 27]), (second, x2, [20, 20, 0])):
+        want = grouped_linear_ref(inp.double(), weight.double(), bias.double(), split)
+        assert rel_err(got, want) < 1e-2
+    triton_gemm.forward(x[:33], weight, bias, sizes)
+    assert len(triton_gemm._PLANS) == 2
+
+
+def test_plan_refuses_a_misaligned_address_it_was_not_built_for():
+    """Same shapes and strides, a data pointer 2 bytes off: a plan built on an aligned input
+    hands the launch back to Triton (which picks an unaligned binary); one built on the
+    misaligned input launches aligned ones too. Every result matches the reference."""
+    torch.manual_seed(3)
+    weight = torch.randn(2, 32, 64, device="cuda", dtype=torch.bfloat16) / 8
+    sizes = torch.tensor([10, 14], device="cuda")
+    base = torch.randn(24 * 64 + 1, device="cuda", dtype=torch.bfloat16)
+    aligned = base[:24 * 64].view(24, 64)
+    shifted = base[1:].view(24, 64)
+    assert aligned.stride() == shifted.stride() and shifted.data_ptr() % 16 == 2
+    for order in ((aligned, shifted, aligned), (shifted, aligned, shifted)):
+        triton_gemm._PLANS.clear()
+        for x in order:
+            got = triton_gemm.forward(x, weight, None, sizes)
+            want = grouped_linear_ref(x.double(), weight.double(), None, [10, 14])
+            assert rel_err(got, want) < 1e-2
+        assert len(triton_gemm._PLANS) == 1
+
+
+def test_backward_plan_matches_the_reference(monkeypatch):
+    torch.manual_seed(4)
+    triton_gemm._PLANS.clear()
+    G, N, K, M = 3, 32, 48, 50
+    weight = torch.randn(G, N, K, device="cuda", dtype=torch.bfloat16) / 8
+    sizes = torch.tensor([7, 0, 30], device="cuda")  # 13 tail rows
+    results = []
+    for step in range(3):
+        x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+        grad = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
+        with monkeypatch.context() as patch:
+            if step:
+                _no_binding(patch, triton_gemm._grouped_backward_kernel)
+            results.append((x, grad, triton_gemm.backward(grad, x, weight, sizes, True)))
+    for x, grad, (grad_x, grad_w, grad_b) in results:
+        gd, xd = grad.double(), x.double()
+        want_x = torch.zeros(M, K, dtype=torch.float64, device="cuda")
+        want_w = torch.zeros(G, N, K, dtype=torch.float64, device="cuda")
+        want_b = torch.zeros(G, N, dtype=torch.float64, device="cuda")
+        start = 0
+        for g, size in enumerate([7, 0, 30]):
+            rows = slice(start, start + size)
+            want_x[rows] = gd[rows] @ weight[g].double()
+            want_w[g] = gd[rows].t() @ xd[rows]
+            want_b[g] = gd[rows].sum(0)
+            start += size
+        assert rel_err(grad_x, want_x) < 1e-2
+        assert rel_err(grad_w, want_w) < 1e-2
+        assert rel_err(grad_b, want_b) < 1e-2
+        assert grad_b.dtype == torch.bfloat16
+
+
+def test_plans_step_aside_when_fast_launch_is_off_and_stay_bounded(monkeypatch):
+    torch.manual_seed(5)
+    triton_gemm._PLANS.clear()
+    weight = torch.randn(2, 16, 32, device="cuda")
+    sizes = torch.tensor([9, 11], device="cuda")
+    x = torch.randn(20, 32, device="cuda")
+    want = triton_gemm.forward(x, weight, None, sizes)
+    (plan,) = triton_gemm._PLANS.values()
+    monkeypatch.setattr(_triton, "FAST_LAUNCH", False)
+    assert plan(x, weight, want, want, sizes) is False
+    torch.testing.assert_close(triton_gemm.forward(x, weight, None, sizes), want, rtol=0, atol=0)
+    monkeypatch.setattr(_triton, "FAST_LAUNCH", True)
+    with pytest.raises(TypeError, match="takes 5 tensors, got 2"):
+        plan(x, weight)
+    monkeypatch.setattr(triton_gemm, "MAX_PLANS", 3)
+    for rows in range(1, 8):
+        triton_gemm.forward(x[:rows], weight, None, sizes)
+        assert len(triton_gemm._PLANS) <= 3

@@ -1,0 +1,66 @@
+"""The eager fast path of the ``triton`` backend: one launch forward, one launch backward.
+
+A small MoE step (a few hundred rows per expert) is host-bound: its GEMMs take a few µs
+of GPU time each, and the Python around them sets the pace. This autograd function is
+:class:`~grouped_linear.ops.grouped_linear.GroupedLinearFunction` cut down to what
+:func:`~grouped_linear.ops.grouped_linear.fast_grouped_linear` has already established
+(a plain CUDA tensor input, device splits, parameters of the input's dtype, no gradient
+routing, nothing tracing): it calls the Triton kernels directly, whose launch plans
+(:class:`~grouped_linear.kernels._triton.LaunchPlan`) skip Triton's argument binding,
+saves three tensors and no Python attributes, and builds no configuration object.
+``torch.compile``, functorch transforms and every other case go through
+``GroupedLinearFunction`` and its ``torch.library`` operators instead.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..kernels import triton_gemm
+
+__all__ = ["TritonGroupedLinearFunction", "apply_triton_linear"]
+
+
+class TritonGroupedLinearFunction(torch.autograd.Function):
+    """``y = x @ W_g^T + b_g`` per group with the split sizes on the device.
+
+    Forward: ``x`` ``(M, K)``, ``weight`` ``(G, N, K)``, ``bias`` ``(G, N)`` or ``None``,
+    ``sizes`` ``(G,)`` -> ``(M, N)``, rows past the groups zero. Backward: the input,
+    weight and bias gradients from one launch when the input's and a parameter's are both
+    needed (a training step), else from the separate dgrad and wgrad kernels.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, sizes):
+        ctx.save_for_backward(x, weight, sizes)
+        return triton_gemm.forward(x, weight, bias, sizes)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight, sizes = ctx.saved_tensors
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        # Gradients of reductions such as y.sum() arrive with zero strides.
+        grad_out = grad_out.contiguous()
+        if need_x and (need_w or need_b):
+            grad_x, grad_w, grad_b = triton_gemm.backward(grad_out, x, weight, sizes, need_b)
+        else:
+            grad_x = triton_gemm.dgrad(grad_out, weight, sizes) if need_x else None
+            grad_w = grad_b = None
+            if need_w or need_b:
+                grad_w, grad_b = triton_gemm.wgrad(grad_out, x, sizes, need_b)
+        return grad_x, (grad_w if need_w else None), grad_b, None
+
+
+# ``autograd.Function.apply``'s C implementation: the Python ``apply`` in front of it only
+# adds functorch handling, and callers of this path have checked that none is active.
+_apply = torch._C._FunctionBase.__dict__["apply"].__get__(None, TritonGroupedLinearFunction)
+
+
+def apply_triton_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                        sizes: torch.Tensor) -> torch.Tensor:
+    """``(M, K) x (G, N, K) (+ (G, N)) -> (M, N)`` through :class:`TritonGroupedLinearFunction`
+    where a graph is recorded, else the forward kernel alone (no autograd node)."""
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
+                                    or (bias is not None and bias.requires_grad)):
+        return _apply(x, weight, bias, sizes)
+    return triton_gemm.forward(x, weight, bias, sizes)
