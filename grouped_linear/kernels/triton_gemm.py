@@ -279,7 +279,7 @@ def _launch_mm(a, b_tensor, b_strides, bias, sizes, out, reduction, plan_key=Non
 def forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
             sizes: torch.Tensor) -> torch.Tensor:
     """``(M, K) x (G, N, K) -> (M, N)`` with the bias added and tail rows zero."""
-    out = torch.empty(x.shape[0], weight.shape[1], device=x.device, dtype=x.dtype)
+    out = x.new_empty((x.shape[0], weight.shape[1]))
     key = ("forward", x.shape, x.stride(), x.dtype, weight.shape, weight.stride(), weight.dtype,
            sizes.shape, sizes.dtype, x.get_device(), _precision(x.dtype),
            None if bias is None else (bias.stride(), bias.dtype))
@@ -304,9 +304,9 @@ def _wgrad_buffers(x: torch.Tensor, G: int, N: int, K: int,
     """The ``(G, N, K)`` weight gradient and, with ``with_bias``, the ``(G, N)`` bias sums.
     The CPU interpreter truncates float32 -> 16-bit stores: there the sums stay float32
     and torch rounds them."""
-    grad_w = torch.empty(G, N, K, device=x.device, dtype=x.dtype)
-    sums_dtype = torch.float32 if x.device.type == "cpu" else x.dtype
-    grad_b = torch.empty(G, N, device=x.device, dtype=sums_dtype) if with_bias else None
+    grad_w = x.new_empty((G, N, K))
+    sums_dtype = torch.float32 if x.is_cpu else x.dtype
+    grad_b = x.new_empty((G, N), dtype=sums_dtype) if with_bias else None
     return grad_w, grad_b
 
 
@@ -348,7 +348,7 @@ def backward(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, size
            x.get_device(), _precision(x.dtype), with_bias)
     plan = _PLANS.get(key)
     if plan is not None:
-        grad_x = torch.empty(M, K, device=x.device, dtype=grad_out.dtype)
+        grad_x = grad_out.new_empty((M, K))
         grad_w, grad_b = _wgrad_buffers(x, G, N, K, with_bias)
         if plan(grad_out, x, weight, grad_x, grad_w, grad_w if grad_b is None else grad_b, sizes):
             return grad_x, grad_w, _in_dtype(grad_b, x.dtype)
@@ -358,7 +358,7 @@ def backward(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, size
     grad_out, x = rows_grad, rows_x
     if M == 0 or N == 0 or K == 0:
         return (dgrad(grad_out, weight, sizes), *wgrad(grad_out, x, sizes, with_bias))
-    grad_x = torch.empty(M, K, device=x.device, dtype=grad_out.dtype)
+    grad_x = grad_out.new_empty((M, K))
     grad_w, grad_b = _wgrad_buffers(x, G, N, K, with_bias)
     dx_programs = sm_count(x.device)  # fixed: one binary whatever M is
     dw_block = 64
