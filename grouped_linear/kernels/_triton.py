@@ -144,7 +144,7 @@ class LaunchPlan:
     :meth:`_Kernel.launch_planned`, keeps it under a key that determines every integer and
     constexpr argument and every tensor's dtype and device, and then launches with
     ``plan(*tensors)``: no argument binding or specialization, only each tensor's address.
-    On the H200 machine's host that is ~7 µs per launch against ~18 µs for the cached
+    On the H200 machine's host that is ~9 µs per launch against ~18 µs for the cached
     path of :class:`_Kernel` (benchmarks/NOTES.md, "The small bf16 step, sixth look").
 
     ``plan(*tensors)`` returns ``False`` without launching when it cannot stand for
