@@ -268,8 +268,9 @@ def fast_grouped_linear(
     (:func:`_fast_backend`), later calls look their verdict up.
     """
     if (type(x) is not torch.Tensor or type(m_splits) is not torch.Tensor or not x.is_cuda
-            or not isinstance(weight, torch.Tensor)):
-        return None
+            or not isinstance(weight, torch.Tensor) or type(backend) is not str
+            or (bias is not None and not isinstance(bias, torch.Tensor))):
+        return None  # the full path checks (and rejects) anything unusual
     shape = x.shape
     if len(shape) != 2:
         return None

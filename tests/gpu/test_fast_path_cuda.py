@@ -171,3 +171,15 @@ def test_fast_path_verdicts_are_kept_per_signature(monkeypatch):
     assert torch.equal(layer.weight, layer.parametrizations.weight.original * 2)
     ref = reference_grads(x, layer.weight, layer.bias, SIZES, torch.ones_like(y))[0]
     assert rel_err(y, ref) < 1e-2 and rel_err(before, ref) > 0.3
+
+
+def test_unusual_arguments_reach_the_full_path_errors():
+    """A non-tensor bias or a non-string backend with otherwise plain CUDA arguments gets the
+    full path's TypeError / ValueError naming the argument, not an error from the lookup."""
+    layer = _layer(True, "auto")
+    x = torch.randn(sum(SIZES), K, device="cuda", dtype=torch.bfloat16)
+    splits = torch.tensor(SIZES, device="cuda")
+    with pytest.raises(TypeError, match="bias must be a torch.Tensor, got list"):
+        gl.grouped_linear(x, layer.weight, layer.bias.tolist(), splits)
+    with pytest.raises(ValueError, match=r"backend=\['auto'\] is not one of"):
+        gl.grouped_linear(x, layer.weight, layer.bias, splits, backend=["auto"])
