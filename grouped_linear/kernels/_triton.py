@@ -196,8 +196,14 @@ class LaunchPlan:
             if aligned and address & 15:
                 return False
             values[slot] = address
-        self._launch(*self._grid, torch._C._cuda_getCurrentRawStream(device), *self._middle,
-                     *values)
+        try:
+            self._launch(*self._grid, torch._C._cuda_getCurrentRawStream(device),
+                         *self._middle, *values)
+        except TypeError:
+            # A Triton whose launcher takes other arguments (it checks them before
+            # launching anything): use Triton's own path from now on.
+            _disable_fast_launch()
+            return False
         return True
 
 

@@ -150,3 +150,4 @@ def test_plans_step_aside_when_fast_launch_is_off_and_stay_bounded(monkeypatch):
     for rows in range(1, 8):
         triton_gemm.forward(x[:rows], weight, None, sizes)
         assert len(triton_gemm._PLANS) <= 3
+

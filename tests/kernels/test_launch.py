@@ -29,3 +29,63 @@ def test_interpreted_launches_are_not_cached():
     torch.testing.assert_close(out[:5], x[:5] @ weight[0].t())
     torch.testing.assert_close(out[5:], x[5:] @ weight[1].t())
     assert kernel._compiled == {} and _triton.FAST_LAUNCH
+
+
+# --------------------------------------------------------------------------- launch plans
+class _Launcher:
+    """Stands in for Triton's C launcher: records each call's arguments."""
+
+    def __init__(self, error=None):
+        self.calls = []
+        self.error = error
+
+    def __call__(self, *args):
+        if self.error is not None:
+            raise self.error
+        self.calls.append(args)
+
+
+def _plan(monkeypatch, launcher, device=0):
+    """A plan over (tensor, int, tensor, constexpr) with the first tensor's binary assuming a
+    16-byte aligned address, the second not; the current device is 0."""
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0, raising=False)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda d: 1234, raising=False)
+    monkeypatch.setattr(_triton, "FAST_LAUNCH", True)
+    middle = ("function", False, False, None, None, "metadata", None, None, None)
+    return _triton.LaunchPlan(launcher, (7, 1, 1), middle, [None, 40, None, 64], (0, 2),
+                              (True, False), device)
+
+
+def test_plan_passes_addresses_in_the_tensor_slots(monkeypatch):
+    launcher = _Launcher()
+    plan = _plan(monkeypatch, launcher)
+    a, b = torch.zeros(8), torch.zeros(8)
+    assert plan(a, b) is True
+    (args,) = launcher.calls
+    assert args == (7, 1, 1, 1234, "function", False, False, None, None, "metadata", None, None,
+                     None, a.data_ptr(), 40, b.data_ptr(), 64)
+
+
+def test_plan_declines_what_its_binary_cannot_take(monkeypatch):
+    """A misaligned address where the binary assumed alignment, another current device, or
+    the switch off: ``False`` and nothing launched; a misaligned address where the binary
+    assumed none launches. The wrong number of tensors is a TypeError."""
+    launcher = _Launcher()
+    plan = _plan(monkeypatch, launcher)
+    base = torch.zeros(16)
+    shifted = base[1:]  # 4 bytes past a 16-byte aligned address
+    assert shifted.data_ptr() % 16
+    assert plan(shifted, base) is False
+    assert plan(base, shifted) is True and len(launcher.calls) == 1
+    with pytest.raises(TypeError, match="takes 2 tensors, got 1"):
+        plan(base)
+    other_device = _plan(monkeypatch, launcher, device=1)
+    assert other_device(base, base) is False
+    monkeypatch.setattr(_triton, "FAST_LAUNCH", False)
+    assert plan(base, base) is False and len(launcher.calls) == 1
+
+
+def test_plan_turns_the_cached_paths_off_when_the_launcher_rejects_it(monkeypatch):
+    plan = _plan(monkeypatch, _Launcher(TypeError("function takes exactly 40 arguments")))
+    assert plan(torch.zeros(4), torch.zeros(4)) is False
+    assert _triton.FAST_LAUNCH is False
