@@ -36,7 +36,7 @@ from .linear_steps import (
     wgrad_op,
 )
 from .splits import SPLIT_DTYPES, GroupSplits, debug_checks_enabled, normalize_splits
-from .triton_linear import apply_triton_linear
+from .triton_linear import apply_triton_linear, records_graph
 from .weight_grad import WeightGradSink, route_weight_grads
 
 __all__ = ["grouped_linear", "apply_grouped_linear", "fast_grouped_linear", "resolve_backend",
@@ -311,8 +311,7 @@ def _fast_backend(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
             or weight.dtype != dtype or weight.device != device
             or m_splits.dtype not in SPLIT_DTYPES or not x.is_floating_point()):
         return ""
-    if bias is not None and (not isinstance(bias, torch.Tensor)
-                             or bias.shape != (num_groups, out_features) or bias.dtype != dtype
+    if bias is not None and (bias.shape != (num_groups, out_features) or bias.dtype != dtype
                              or bias.device != device):
         return ""
     return resolve_backend(backend, device, dtype, in_features, out_features, x.shape[0],
@@ -338,12 +337,9 @@ def _run(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group
          host_offsets: torch.Tensor | None, config: _CallConfig) -> torch.Tensor:
     """The autograd function where a graph is needed (or traced), else the forward step
     alone: inference builds no autograd node."""
-    needs_graph = torch.is_grad_enabled() and (
-        x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
-    )
     if torch.compiler.is_compiling() or _functorch_involved(x, weight, bias):
         return GroupedLinearFunction.apply(x, weight, bias, groups, host_offsets, config)
-    if not needs_graph:
+    if not records_graph(x, weight, bias):
         return forward_impl(x, weight, bias, groups, host_offsets, config.backend,
                             config.zero_tail)
     return _apply_without_functorch(x, weight, bias, groups, host_offsets, config)

@@ -18,7 +18,7 @@ import torch
 
 from ..kernels import triton_gemm
 
-__all__ = ["TritonGroupedLinearFunction", "apply_triton_linear"]
+__all__ = ["TritonGroupedLinearFunction", "apply_triton_linear", "records_graph"]
 
 
 class TritonGroupedLinearFunction(torch.autograd.Function):
@@ -51,6 +51,13 @@ class TritonGroupedLinearFunction(torch.autograd.Function):
         return grad_x, (grad_w if need_w else None), grad_b, None
 
 
+def records_graph(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether a grouped linear call on these tensors must record an autograd node."""
+    return torch.is_grad_enabled() and (
+        x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
+    )
+
+
 # ``autograd.Function.apply``'s C implementation: the Python ``apply`` in front of it only
 # adds functorch handling, and callers of this path have checked that none is active.
 _apply = torch._C._FunctionBase.__dict__["apply"].__get__(None, TritonGroupedLinearFunction)
@@ -60,7 +67,6 @@ def apply_triton_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
                         sizes: torch.Tensor) -> torch.Tensor:
     """``(M, K) x (G, N, K) (+ (G, N)) -> (M, N)`` through :class:`TritonGroupedLinearFunction`
     where a graph is recorded, else the forward kernel alone (no autograd node)."""
-    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
-                                    or (bias is not None and bias.requires_grad)):
+    if records_graph(x, weight, bias):
         return _apply(x, weight, bias, sizes)
     return triton_gemm.forward(x, weight, bias, sizes)
