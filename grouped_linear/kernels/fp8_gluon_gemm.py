@@ -60,11 +60,15 @@ if HAS_GLUON:
 
     @gluon.jit
     def _tile_list(sizes_ptr, G, M, W, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                   BLOCK_G: gl.constexpr, layout: gl.constexpr):
+                   BLOCK_G: gl.constexpr, layout: gl.constexpr, ENDS: gl.constexpr = False):
         """Per-slot vectors of the persistent schedule (slot ``G``: rows past the groups):
-        group starts/ends (clamped to ``[0, M]``), each slot's first tile and tile end."""
+        group starts/ends (clamped to ``[0, M]``), each slot's first tile and tile end.
+        ``sizes_ptr`` holds rows per group, or with ``ENDS`` non-decreasing cumulative ends."""
         gs = gl.arange(0, BLOCK_G, layout=layout)
-        sizes = gl.maximum(gl.load(sizes_ptr + gs, mask=gs < G, other=0).to(gl.int64), 0)
+        sizes = gl.load(sizes_ptr + gs, mask=gs < G, other=0).to(gl.int64)
+        if ENDS:
+            sizes -= gl.load(sizes_ptr + gs - 1, mask=(gs > 0) & (gs < G), other=0).to(gl.int64)
+        sizes = gl.maximum(sizes, 0)
         inclusive = gl.associative_scan(sizes, 0, _add)  # int64: any device sizes, clamped
         ends = gl.where(gs == G, M, gl.minimum(inclusive, M)).to(gl.int32)
         starts = gl.minimum(inclusive - sizes, M).to(gl.int32)

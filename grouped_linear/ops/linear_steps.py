@@ -6,7 +6,9 @@ Each step is a plain function, registered as a ``torch.library`` operator
 ``torch.compile`` to trace; eager calls go straight to the function (:func:`step`).
 ``offsets`` is the ``(G,)`` group tensor on the device: cumulative group ends for the
 ``loop`` and ``grouped`` backends, the raw split sizes for ``triton`` (whose kernels
-clamp them, zero the tail and fuse the bias themselves).
+clamp them, zero the tail and fuse the bias themselves). On Hopper the ``grouped``
+backend's forward and dgrad run :mod:`grouped_linear.kernels.gluon_gemm` where it takes
+the operands (bias in the epilogue, tail zeroed), torch's grouped GEMM elsewhere.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from ..kernels import bias as bias_kernels
-from ..kernels import grouped_gemm, triton_gemm
+from ..kernels import gluon_gemm, grouped_gemm, triton_gemm
 from .registry import compute_op, register_fake
 
 __all__ = [
@@ -35,6 +37,8 @@ def forward_impl(
 ) -> torch.Tensor:
     if backend == "triton":
         return triton_gemm.forward(x, weight, bias, offsets)
+    if backend == "grouped" and gluon_gemm.supported(x, weight):  # bias in the epilogue
+        return gluon_gemm.grouped_mm(x, weight, offsets, bias, ends=True)
     out = grouped_gemm.forward(x, weight, offsets, host_offsets, backend)
     return bias_kernels.bias_epilogue_(out, bias, offsets, zero_tail)
 
@@ -49,6 +53,9 @@ def dgrad_impl(
 ) -> torch.Tensor:
     if backend == "triton":
         return triton_gemm.dgrad(grad_out, weight, offsets)
+    if backend == "grouped" and gluon_gemm.supported(grad_out, weight, transposed_weight=True):
+        return gluon_gemm.grouped_mm(grad_out, weight, offsets, transposed_weight=True,
+                                     ends=True)
     grad_x = grouped_gemm.dgrad(grad_out, weight, offsets, host_offsets, backend)
     return bias_kernels.zero_tail_(grad_x, offsets) if zero_tail else grad_x
 

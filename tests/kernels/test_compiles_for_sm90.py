@@ -25,6 +25,7 @@ import torch
 
 from grouped_linear.kernels import fp8_gluon_gemm as gg
 from grouped_linear.kernels import fp8_gluon_wgrad as gw
+from grouped_linear.kernels import gluon_gemm as bg
 from grouped_linear.kernels import fp8_triton_gemm as fg
 from grouped_linear.kernels import layout, routing
 from grouped_linear.kernels import quantize as q
@@ -225,6 +226,8 @@ def _compile_gluon(kernel, pointers, constants, num_warps, maxnreg=None):
     for param in kernel.params:
         if param.is_constexpr or param.name in constants:
             signature[param.name] = "constexpr"
+        elif param.name in pointers:  # a pointer or a descriptor given by the case
+            signature[param.name] = pointers[param.name]
         elif param.name.endswith("_inv_desc"):
             signature[param.name] = factors
         elif param.name == "t_desc":
@@ -236,7 +239,8 @@ def _compile_gluon(kernel, pointers, constants, num_warps, maxnreg=None):
         else:
             signature[param.name] = "i32"
     aligned = {(i,): [["tt.divisibility", 16]] for i, param in enumerate(kernel.params)
-               if signature[param.name] not in ("constexpr", descriptor, factors, bf16_tile)}
+               if signature[param.name] != "constexpr"
+               and not signature[param.name].startswith("tensordesc")}
     source = GluonASTSource(kernel, signature, constants, aligned)
     options = {"num_warps": num_warps}
     if maxnreg is not None:
@@ -244,9 +248,34 @@ def _compile_gluon(kernel, pointers, constants, num_warps, maxnreg=None):
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
 
 
+def _bf16_descriptor(rows: int, cols: int) -> str:
+    from triton.experimental.gluon import language as gl
+
+    layout = gl.NVMMASharedLayout.get_default_for([rows, cols], gl.bfloat16)
+    return f"tensordesc<bf16[{rows}, {cols}],{layout!r}>"
+
+
+def _bf16_mm_case(transposed: bool):
+    """The bf16 grouped GEMM at its default launch shape (forward with bias, or dgrad)."""
+    if not (HAS_TRITON and gg.HAS_GLUON):
+        return None, {}, {}, 4, None
+    config = bg.MM_CONFIG
+    bm, bn, bk = config.block_m, config.block_n, config.block_k
+    pointers = {"a_desc": _bf16_descriptor(bm, bk),
+                "b_desc": _bf16_descriptor(*((bk, bn) if transposed else (bn, bk))),
+                "out_desc": _bf16_descriptor(bm, bn), "bias_ptr": "*bf16", "out_ptr": "*bf16",
+                "sizes_ptr": "*i32"}
+    constants = {"HAS_BIAS": not transposed, "TRANSPOSED": transposed, "ENDS": True,
+                 "TMA_STORE": config.tma_store, "GROUP_M": config.group_m, "BLOCK_G": 32,
+                 "NUM_PROGRAMS": 132, "STAGES": config.stages}
+    return bg._mm_kernel, pointers, constants, config.warps, None
+
+
 # Gluon kernels: each 128-deep block's MMA must stay in flight while the previous block's
 # partial product is rescaled (``wgmma.wait_group 1``), operands arrive by TMA.
 GLUON_CASES = {
+    "gluon bf16 mm (bias)": _bf16_mm_case(False),
+    "gluon bf16 mm (dgrad)": _bf16_mm_case(True),
     "gluon blockwise mm": (gg._blockwise_mm_kernel if HAS_TRITON and gg.HAS_GLUON else None,
                            {"out_ptr": "*bf16", "sizes_ptr": "*i64"},
                            {"BLOCK_G": 32, "NUM_PROGRAMS": 132, "STAGES": gg.MM_CONFIG[2],

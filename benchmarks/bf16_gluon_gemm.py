@@ -1,0 +1,86 @@
+"""bf16 grouped GEMMs alone: torch's ``grouped_mm`` (plus the bias pass) against
+:mod:`grouped_linear.kernels.gluon_gemm` (bias in the epilogue). CUDA, Hopper.
+
+``PYTHONPATH=. python benchmarks/bf16_gluon_gemm.py [--rounds R] [--config BMxBNxBKxWxS ...]
+[shape ...]``: on the bench shapes, forward without and with bias and the dgrad
+(``dy @ W``); do_bench medians in TFLOP/s (``2 M K N`` per GEMM), torch and each Gluon
+configuration alternating within a shape, for ``R`` rounds; and the relative difference
+``|gluon - torch| / |torch|`` of the outputs (both accumulate in float32).
+"""
+
+import argparse
+
+import torch
+import torch.nn.functional as F
+import triton.testing
+
+from grouped_linear.cli.bench import load_shapes
+from grouped_linear.kernels import bias as bias_kernels
+from grouped_linear.kernels import gluon_gemm
+
+
+def _tflops(flops: int, fn) -> float:
+    return flops / triton.testing.do_bench(fn, warmup=50, rep=150) / 1e9
+
+
+def _relative(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def _cases(M, K, N, splits, configs):
+    G = len(splits)
+    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(G, N, K, device="cuda", dtype=torch.bfloat16) / K ** 0.5
+    bias = torch.randn(G, N, device="cuda", dtype=torch.bfloat16)
+    ends = torch.tensor(splits, device="cuda").cumsum(0).to(torch.int32)
+
+    def torch_bias():
+        out = F.grouped_mm(x, w.transpose(-2, -1), offs=ends)
+        return bias_kernels.bias_epilogue_(out, bias, ends, False)
+
+    cases = {
+        "fwd": (2 * M * K * N, lambda: F.grouped_mm(x, w.transpose(-2, -1), offs=ends), {}),
+        "fwd+bias": (2 * M * K * N, torch_bias, {"bias": bias}),
+        "dgrad": (2 * M * K * N, lambda: F.grouped_mm(dy, w, offs=ends),
+                  {"transposed_weight": True}),
+    }
+    for gemm, (flops, torch_fn, options) in cases.items():
+        a = dy if options.get("transposed_weight") else x
+        gluon_fns = {}
+        for config in configs:
+            if gluon_gemm.supported(a, w, options.get("transposed_weight", False), config):
+                gluon_fns[config] = (lambda c=config, a=a, o=options: gluon_gemm.grouped_mm(
+                    a, w, ends, ends=True, config=c, **o))
+        yield gemm, flops, torch_fn, gluon_fns
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("shapes", nargs="*")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--config", action="append", default=[])
+    args = parser.parse_args()
+    configs = [tuple(int(v) for v in c.split("x")) for c in args.config] or [gluon_gemm.MM_CONFIG]
+    shapes = load_shapes()
+    names = args.shapes or [n for n in shapes if not n.startswith("small")]
+    header = "  ".join(f"{'x'.join(map(str, c)):>16s}" for c in configs)
+    print(f"{'shape':22s} {'GEMM':9s} {'torch':>7s}  {header}  rel. diff")
+    for name in names:
+        shape = shapes[name]
+        M, K, N = sum(shape.splits), shape.K, shape.N
+        for gemm, flops, torch_fn, gluon_fns in _cases(M, K, N, list(shape.splits), configs):
+            ref = torch_fn()
+            diffs = [_relative(fn(), ref) for fn in gluon_fns.values()]
+            rounds = []
+            for _ in range(args.rounds):
+                rounds.append([_tflops(flops, torch_fn)]
+                              + [_tflops(flops, fn) for fn in gluon_fns.values()])
+            best = [max(r[i] for r in rounds) for i in range(len(rounds[0]))]
+            cells = "  ".join(f"{v:16.1f}" for v in best[1:])
+            print(f"{name:22s} {gemm:9s} {best[0]:7.1f}  {cells}  "
+                  + " ".join(f"{d:.1e}" for d in diffs), flush=True)
+
+
+if __name__ == "__main__":
+    main()
