@@ -250,9 +250,14 @@ def supported(a: torch.Tensor, weight: torch.Tensor, transposed_weight: bool = F
             and max(a.shape[0], weight.shape[0] * rows_per_group) < 2**31 - 512)
 
 
+@functools.cache
+def _shared_layout(dtype: torch.dtype, rows: int, cols: int):
+    return gl.NVMMASharedLayout.get_default_for([rows, cols], _GL_DTYPES[dtype])
+
+
 def _descriptor(t: torch.Tensor, rows: int, cols: int):
-    layout = gl.NVMMASharedLayout.get_default_for([rows, cols], _GL_DTYPES[t.dtype])
-    return TensorDescriptor(t, list(t.shape), list(t.stride()), [rows, cols], layout)
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), [rows, cols],
+                            _shared_layout(t.dtype, rows, cols))
 
 
 def grouped_mm(a: torch.Tensor, weight: torch.Tensor, sizes: torch.Tensor,
