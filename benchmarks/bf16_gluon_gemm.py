@@ -1,11 +1,13 @@
 """bf16 grouped GEMMs alone: torch's ``grouped_mm`` (plus the bias pass) against
 :mod:`grouped_linear.kernels.gluon_gemm` (bias in the epilogue). CUDA, Hopper.
 
-``PYTHONPATH=. python benchmarks/bf16_gluon_gemm.py [--rounds R] [--config BMxBNxBKxWxS ...]
-[shape ...]``: on the bench shapes, forward without and with bias and the dgrad
-(``dy @ W``); do_bench medians in TFLOP/s (``2 M K N`` per GEMM), torch and each Gluon
-configuration alternating within a shape, for ``R`` rounds; and the relative difference
-``|gluon - torch| / |torch|`` of the outputs (both accumulate in float32).
+``PYTHONPATH=. python benchmarks/bf16_gluon_gemm.py [--rounds R] [--config
+BMxBNxBKxWxSxBANDxTMA ...] [shape ...]``: on the bench shapes, forward without and with bias,
+the dgrad (``dy @ W``) and the weight gradient without and with the bias gradient
+(:mod:`grouped_linear.kernels.gluon_wgrad`, in the first Gluon column); do_bench medians in
+TFLOP/s (``2 M K N`` per GEMM), torch and each Gluon configuration alternating within a
+shape, for ``R`` rounds; and the relative difference ``|gluon - torch| / |torch|`` of the
+outputs (both accumulate in float32).
 """
 
 import argparse
@@ -16,7 +18,7 @@ import triton.testing
 
 from grouped_linear.cli.bench import load_shapes
 from grouped_linear.kernels import bias as bias_kernels
-from grouped_linear.kernels import gluon_gemm
+from grouped_linear.kernels import gluon_gemm, gluon_wgrad
 
 
 def _tflops(flops: int, fn) -> float:
@@ -45,6 +47,7 @@ def _cases(M, K, N, splits, configs):
         "dgrad": (2 * M * K * N, lambda: F.grouped_mm(dy, w, offs=ends),
                   {"transposed_weight": True}),
     }
+    yield from _wgrad_cases(M, K, N, x, dy, ends)
     for gemm, (flops, torch_fn, options) in cases.items():
         a = dy if options.get("transposed_weight") else x
         gluon_fns = {}
@@ -53,6 +56,25 @@ def _cases(M, K, N, splits, configs):
                 gluon_fns[config] = (lambda c=config, a=a, o=options: gluon_gemm.grouped_mm(
                     a, w, ends, ends=True, config=c, **o))
         yield gemm, flops, torch_fn, gluon_fns
+
+
+def _wgrad_cases(M, K, N, x, dy, ends):
+    """The weight gradient (``grouped_mm(dy^T, x)``), and with the bias gradient (torch
+    plus the bias reduction pass; the Gluon kernel sums ``dy`` from its own tiles)."""
+    if not gluon_wgrad.supported(dy, x, ends.shape[0]):
+        return
+    flops = 2 * M * K * N
+    for with_bias in (False, True):
+        def torch_fn(with_bias=with_bias):
+            grad_w = F.grouped_mm(dy.t(), x, offs=ends)
+            if with_bias:
+                bias_kernels.bias_grad(dy, ends, torch.bfloat16)
+            return grad_w
+
+        def gluon_fn(with_bias=with_bias):
+            return gluon_wgrad.wgrad(dy, x, ends, with_bias)[0]
+
+        yield ("wgrad+bias" if with_bias else "wgrad"), flops, torch_fn, {"wgrad": gluon_fn}
 
 
 def main():

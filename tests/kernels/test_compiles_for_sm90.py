@@ -25,8 +25,9 @@ import torch
 
 from grouped_linear.kernels import fp8_gluon_gemm as gg
 from grouped_linear.kernels import fp8_gluon_wgrad as gw
-from grouped_linear.kernels import gluon_gemm as bg
 from grouped_linear.kernels import fp8_triton_gemm as fg
+from grouped_linear.kernels import gluon_gemm as bg
+from grouped_linear.kernels import gluon_wgrad as bwg
 from grouped_linear.kernels import layout, routing
 from grouped_linear.kernels import quantize as q
 from grouped_linear.kernels import quantize_blocks as qb
@@ -271,11 +272,26 @@ def _bf16_mm_case(transposed: bool):
     return bg._mm_kernel, pointers, constants, config.warps, None
 
 
-# Gluon kernels: each 128-deep block's MMA must stay in flight while the previous block's
-# partial product is rescaled (``wgmma.wait_group 1``), operands arrive by TMA.
+def _bf16_wgrad_case():
+    """The bf16 weight gradient with the bias sums, at its default launch shape."""
+    if not (HAS_TRITON and gg.HAS_GLUON):
+        return None, {}, {}, 4, None
+    config = bwg.WGRAD_CONFIG
+    bn, bk, bt = config.block_n, config.block_k, config.block_t
+    pointers = {"dy_desc": _bf16_descriptor(bt, bn), "x_desc": _bf16_descriptor(bt, bk),
+                "out_desc": _bf16_descriptor(bn, bk), "out_ptr": "*bf16",
+                "bias_grad_ptr": "*fp32", "ends_ptr": "*i32"}
+    constants = {"HAS_BIAS": True, "NUM_PROGRAMS": 132, "STAGES": config.stages}
+    return bwg._wgrad_kernel, pointers, constants, config.warps, None
+
+
+# Gluon kernels: each block's MMA must stay in flight while the next is issued or the
+# previous block's partial product is rescaled (``wgmma.wait_group 1``), operands arrive by
+# TMA.
 GLUON_CASES = {
     "gluon bf16 mm (bias)": _bf16_mm_case(False),
     "gluon bf16 mm (dgrad)": _bf16_mm_case(True),
+    "gluon bf16 wgrad (bias sums)": _bf16_wgrad_case(),
     "gluon blockwise mm": (gg._blockwise_mm_kernel if HAS_TRITON and gg.HAS_GLUON else None,
                            {"out_ptr": "*bf16", "sizes_ptr": "*i64"},
                            {"BLOCK_G": 32, "NUM_PROGRAMS": 132, "STAGES": gg.MM_CONFIG[2],
