@@ -4,7 +4,8 @@
 ``PYTHONPATH=. python benchmarks/bf16_gluon_gemm.py [--rounds R] [--config
 BMxBNxBKxWxSxBANDxTMA ...] [shape ...]``: on the bench shapes, forward without and with bias,
 the dgrad (``dy @ W``) and the weight gradient without and with the bias gradient
-(:mod:`grouped_linear.kernels.gluon_wgrad`, in the first Gluon column); do_bench medians in
+(:mod:`grouped_linear.kernels.gluon_wgrad`, in the first Gluon column; ``/b8``: its tile
+order in bands of 8 ``N`` tiles); do_bench medians in
 TFLOP/s (``2 M K N`` per GEMM), torch and each Gluon configuration alternating within a
 shape, for ``R`` rounds; and the relative difference ``|gluon - torch| / |torch|`` of the
 outputs (both accumulate in float32).
@@ -71,10 +72,13 @@ def _wgrad_cases(M, K, N, x, dy, ends):
                 bias_kernels.bias_grad(dy, ends, torch.bfloat16)
             return grad_w
 
-        def gluon_fn(with_bias=with_bias):
-            return gluon_wgrad.wgrad(dy, x, ends, with_bias)[0]
+        for band_n in (1, 8):  # tile order: each N tile's K tiles in a row, or bands of 8
+            def gluon_fn(with_bias=with_bias, band_n=band_n):
+                config = gluon_wgrad.WGRAD_CONFIG._replace(band_n=band_n)
+                return gluon_wgrad.wgrad(dy, x, ends, with_bias, config=config)[0]
 
-        yield ("wgrad+bias" if with_bias else "wgrad"), flops, torch_fn, {"wgrad": gluon_fn}
+            name = ("wgrad+bias" if with_bias else "wgrad") + (f"/b{band_n}" if band_n > 1 else "")
+            yield name, flops, torch_fn, {"wgrad": gluon_fn}
 
 
 def main():

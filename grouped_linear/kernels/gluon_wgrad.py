@@ -49,13 +49,15 @@ __all__ = ["WgradConfig", "WGRAD_CONFIG", "supported", "wgrad", "wgrad_reference
 
 class WgradConfig(NamedTuple):
     """Launch shape: ``N`` rows and ``K`` columns per output tile, rows of ``dy``/``x``
-    per pipeline step, warps, shared-memory stages."""
+    per pipeline step, warps, shared-memory stages, and ``N`` tiles per band of the tile
+    order (1: each ``N`` tile's ``K`` tiles in a row)."""
 
     block_n: int
     block_k: int
     block_t: int
     warps: int
     stages: int
+    band_n: int = 1
 
 
 # Two warp groups of 64 output rows, a 64 x 256 float32 accumulator each; a stage is a
@@ -132,8 +134,20 @@ if HAS_GLUON:
         return acc, bias_acc, step
 
     @gluon.jit
+    def _band_order(local, n_tiles, k_tiles, BAND_N: gl.constexpr):
+        """A group's ``local``-th tile as ``(N tile, K tile)``: bands of ``BAND_N`` ``N``
+        tiles, down the band's ``N`` tiles first, then along ``K``. The programs at work at
+        one time then read a band's columns of ``dy`` and a share of ``x``'s columns instead
+        of all of ``x`` (``BAND_N = 1``: each ``N`` tile's ``K`` tiles in a row)."""
+        band = BAND_N * k_tiles
+        first_n = (local // band) * BAND_N
+        band_n = gl.minimum(n_tiles - first_n, BAND_N)
+        in_band = local % band
+        return first_n + in_band % band_n, in_band // band_n
+
+    @gluon.jit
     def _wgrad_kernel(dy_desc, x_desc, out_desc, out_ptr, bias_grad_ptr, ends_ptr, N, K, G,
-                      HAS_BIAS: gl.constexpr, NUM_PROGRAMS: gl.constexpr,
+                      HAS_BIAS: gl.constexpr, BAND_N: gl.constexpr, NUM_PROGRAMS: gl.constexpr,
                       STAGES: gl.constexpr, num_warps: gl.constexpr):
         BLOCK_T: gl.constexpr = dy_desc.block_type.shape[0]
         BLOCK_N: gl.constexpr = dy_desc.block_type.shape[1]
@@ -168,8 +182,8 @@ if HAS_GLUON:
         for t in range(0, my_tiles):
             tile = pid + t * NUM_PROGRAMS
             g = tile // per_group
-            n0 = (tile % per_group) // k_tiles * BLOCK_N
-            k_tile = tile % k_tiles
+            n_tile, k_tile = _band_order(tile % per_group, n_tiles, k_tiles, BAND_N)
+            n0 = n_tile * BLOCK_N
             k0 = k_tile * BLOCK_K
             end = gl.load(ends_ptr + g)
             start = gl.load(ends_ptr + g - 1, mask=g > 0, other=0)
@@ -250,7 +264,7 @@ def wgrad(grad_out: torch.Tensor, x: torch.Tensor, ends: torch.Tensor, with_bias
     programs = max(1, min(_num_sms(x.device.index or 0), tiles))
     _wgrad_kernel[(programs,)](
         dy_desc, x_desc, out_desc, grad_w, grad_b if with_bias else grad_w, ends, N, K, G,
-        HAS_BIAS=with_bias, NUM_PROGRAMS=programs, STAGES=config.stages,
+        HAS_BIAS=with_bias, BAND_N=config.band_n, NUM_PROGRAMS=programs, STAGES=config.stages,
         num_warps=config.warps)
     return grad_w, grad_b
 

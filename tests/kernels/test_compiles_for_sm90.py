@@ -281,7 +281,7 @@ def _bf16_wgrad_case():
     pointers = {"dy_desc": _bf16_descriptor(bt, bn), "x_desc": _bf16_descriptor(bt, bk),
                 "out_desc": _bf16_descriptor(bn, bk), "out_ptr": "*bf16",
                 "bias_grad_ptr": "*fp32", "ends_ptr": "*i32"}
-    constants = {"HAS_BIAS": True, "NUM_PROGRAMS": 132, "STAGES": config.stages}
+    constants = {"HAS_BIAS": True, "BAND_N": 8, "NUM_PROGRAMS": 132, "STAGES": config.stages}
     return bwg._wgrad_kernel, pointers, constants, config.warps, None
 
 

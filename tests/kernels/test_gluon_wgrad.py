@@ -68,7 +68,8 @@ def test_not_supported_off_hopper_or_on_bad_operands():
 @sm90
 @pytest.mark.parametrize("sizes, tail, N, K", CASES)
 @pytest.mark.parametrize("with_bias", [True, False])
-def test_wgrad_against_float64(sizes, tail, N, K, with_bias):
+@pytest.mark.parametrize("band_n", [1, 3])
+def test_wgrad_against_float64(sizes, tail, N, K, with_bias, band_n):
     torch.manual_seed(1)
     M = sum(sizes) + tail
     dy = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
@@ -78,7 +79,8 @@ def test_wgrad_against_float64(sizes, tail, N, K, with_bias):
     x[sum(sizes):] = float("inf")
     ends = torch.tensor(sizes, device="cuda").cumsum(0).to(torch.int32)
     assert wg.supported(dy, x, len(sizes))
-    grad_w, grad_b = wg.wgrad(dy, x, ends, with_bias)
+    grad_w, grad_b = wg.wgrad(dy, x, ends, with_bias,
+                              config=wg.WGRAD_CONFIG._replace(band_n=band_n))
     want_w, want_b = _float64(dy, x, sizes)
     assert grad_w.shape == (len(sizes), N, K) and grad_w.dtype == torch.bfloat16
     assert rel_err(grad_w.cpu(), want_w) < BF16_TOL
