@@ -24,7 +24,7 @@ import functools
 
 import torch
 
-from ._triton import HAS_TRITON, cdiv, next_power_of_2
+from ._triton import HAS_TRITON, cdiv, next_power_of_2, sm_count
 
 try:  # Gluon ships with Triton >= 3.5; without it only the Triton kernels run
     from triton.experimental import gluon
@@ -301,10 +301,14 @@ def _is_sm90(device_index: int) -> bool:
 
 @functools.cache
 def _shared_layout(dtype: torch.dtype, rows: int, cols: int):
-    return gl.NVMMASharedLayout.get_default_for([rows, cols], _GL_DTYPES[dtype])
+    return gl.NVMMASharedLayout.get_default_for([rows, cols], _LAYOUT_DTYPES[dtype])
 
 
+# The FP8 operands these kernels take; TMA layouts also for the 16-bit operands of the
+# bf16/fp16 Gluon kernels (kernels/gluon_gemm.py, kernels/gluon_wgrad.py).
 _GL_DTYPES = {torch.float8_e4m3fn: gl.float8e4nv, torch.float8_e5m2: gl.float8e5} \
+    if HAS_GLUON else {}
+_LAYOUT_DTYPES = {**_GL_DTYPES, torch.bfloat16: gl.bfloat16, torch.float16: gl.float16} \
     if HAS_GLUON else {}
 
 
@@ -330,8 +334,7 @@ def grouped_mm(a: torch.Tensor, a_inv: torch.Tensor, weight: torch.Tensor, w_inv
     a_desc = _descriptor(a, block_m, BLOCK)
     b_desc = _descriptor(weight.view(G * width, R), BLOCK, BLOCK)
     upper_tiles = (cdiv(M, block_m) + G + 1) * cdiv(width, BLOCK)
-    programs = max(1, min(torch.cuda.get_device_properties(a.device).multi_processor_count,
-                          upper_tiles))
+    programs = max(1, min(sm_count(a.device), upper_tiles))
     a_inv = a_inv.contiguous()
     _blockwise_mm_kernel[(programs,)](
         a_desc, b_desc, a_inv, w_inv, out, sizes, M, width, R, G, a_inv.stride(0),

@@ -23,7 +23,7 @@ import functools
 
 import torch
 
-from ._triton import cdiv, next_power_of_2
+from ._triton import cdiv, next_power_of_2, sm_count
 from .fp8_gluon_gemm import BLOCK, HAS_GLUON, MM_UNROLL
 
 if HAS_GLUON:
@@ -291,7 +291,7 @@ def blockwise_wgrad(dy_blocks: torch.Tensor, dy_inv: torch.Tensor, x_blocks: tor
         return dw.zero_()
     tile, warps, stages = WGRAD_CONFIG
     tiles = G * cdiv(N, tile) * cdiv(K, tile)
-    programs = min(torch.cuda.get_device_properties(dw.device).multi_processor_count, tiles)
+    programs = min(sm_count(dw.device), tiles)
     _blockwise_wgrad_kernel[(programs,)](
         _descriptor(dy_blocks, tile, BLOCK), _descriptor(x_blocks, tile, BLOCK),
         _factor_descriptor(dy_inv), _factor_descriptor(x_inv), dw, sizes, num_rows, N, K, G,

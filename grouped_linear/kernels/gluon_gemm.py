@@ -26,13 +26,12 @@ TMA cannot describe use the callers' other paths (:func:`supported`).
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import torch
 
-from ._triton import cdiv, next_power_of_2
-from .fp8_gluon_gemm import HAS_GLUON
+from ._triton import cdiv, next_power_of_2, sm_count
+from .fp8_gluon_gemm import HAS_GLUON, _descriptor, _is_sm90
 
 if HAS_GLUON:
     from triton.experimental import gluon
@@ -44,7 +43,6 @@ if HAS_GLUON:
         warpgroup_mma,
         warpgroup_mma_wait,
     )
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     from .fp8_gluon_gemm import (
         _operand_ring,
@@ -214,17 +212,7 @@ if HAS_GLUON:
         _release_ring(bars, STAGES)
 
 
-_GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16} if HAS_GLUON else {}
-
-
-@functools.cache
-def _is_sm90(device_index: int) -> bool:
-    return torch.cuda.get_device_capability(device_index) == (9, 0)
-
-
-@functools.cache
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
+DTYPES = (torch.bfloat16, torch.float16)  # the operand dtypes the bf16/fp16 kernels take
 
 
 def supported(a: torch.Tensor, weight: torch.Tensor, transposed_weight: bool = False,
@@ -240,7 +228,7 @@ def supported(a: torch.Tensor, weight: torch.Tensor, transposed_weight: bool = F
     block_k, stages = config.block_k, config.stages
     reduction = a.shape[1]
     rows_per_group, row_length = weight.shape[1], weight.shape[2]
-    return (_is_sm90(a.device.index or 0) and a.dtype in _GL_DTYPES and weight.dtype == a.dtype
+    return (_is_sm90(a.device.index or 0) and a.dtype in DTYPES and weight.dtype == a.dtype
             and a.is_contiguous() and weight.is_contiguous()
             and reduction % 8 == 0 and row_length % 8 == 0
             and reduction == (rows_per_group if transposed_weight else row_length)
@@ -248,16 +236,6 @@ def supported(a: torch.Tensor, weight: torch.Tensor, transposed_weight: bool = F
             and (not transposed_weight or reduction % block_k == 0)
             and a.data_ptr() % 16 == 0 and weight.data_ptr() % 16 == 0
             and max(a.shape[0], weight.shape[0] * rows_per_group) < 2**31 - 512)
-
-
-@functools.cache
-def _shared_layout(dtype: torch.dtype, rows: int, cols: int):
-    return gl.NVMMASharedLayout.get_default_for([rows, cols], _GL_DTYPES[dtype])
-
-
-def _descriptor(t: torch.Tensor, rows: int, cols: int):
-    return TensorDescriptor(t, list(t.shape), list(t.stride()), [rows, cols],
-                            _shared_layout(t.dtype, rows, cols))
 
 
 def grouped_mm(a: torch.Tensor, weight: torch.Tensor, sizes: torch.Tensor,
@@ -292,7 +270,7 @@ def grouped_mm(a: torch.Tensor, weight: torch.Tensor, sizes: torch.Tensor,
     else:
         b_desc = _descriptor(flat_weight, block_n, block_k)
     upper_tiles = (cdiv(M, block_m) + G + 1) * cdiv(width, block_n)
-    programs = max(1, min(_num_sms(a.device.index or 0), upper_tiles))
+    programs = max(1, min(sm_count(a.device), upper_tiles))
     has_bias = bias is not None
     if has_bias and bias.stride(-1) != 1:
         bias = bias.contiguous()

@@ -27,8 +27,9 @@ from typing import NamedTuple
 
 import torch
 
-from .fp8_gluon_gemm import HAS_GLUON
-from .gluon_gemm import _GL_DTYPES, _is_sm90, _num_sms, _shared_layout
+from ._triton import sm_count
+from .fp8_gluon_gemm import HAS_GLUON, _descriptor, _is_sm90
+from .gluon_gemm import DTYPES
 
 if HAS_GLUON:
     from triton.experimental import gluon
@@ -40,9 +41,9 @@ if HAS_GLUON:
         warpgroup_mma,
         warpgroup_mma_wait,
     )
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    from .fp8_gluon_gemm import _program_tiles, _release_ring, _stage_barriers
+    from .fp8_gluon_gemm import _operand_ring, _program_tiles, _release_ring
+    from .fp8_gluon_wgrad import _wgrad_tile
 
 __all__ = ["WgradConfig", "WGRAD_CONFIG", "supported", "wgrad", "wgrad_reference"]
 
@@ -50,7 +51,7 @@ __all__ = ["WgradConfig", "WGRAD_CONFIG", "supported", "wgrad", "wgrad_reference
 class WgradConfig(NamedTuple):
     """Launch shape: ``N`` rows and ``K`` columns per output tile, rows of ``dy``/``x``
     per pipeline step, warps, shared-memory stages, and ``N`` tiles per band of the tile
-    order (1: each ``N`` tile's ``K`` tiles in a row)."""
+    order (the FP8 wgrad's ``GROUP_N``; 1: each ``N`` tile's ``K`` tiles in a row)."""
 
     block_n: int
     block_k: int
@@ -134,18 +135,6 @@ if HAS_GLUON:
         return acc, bias_acc, step
 
     @gluon.jit
-    def _band_order(local, n_tiles, k_tiles, BAND_N: gl.constexpr):
-        """A group's ``local``-th tile as ``(N tile, K tile)``: bands of ``BAND_N`` ``N``
-        tiles, down the band's ``N`` tiles first, then along ``K``. The programs at work at
-        one time then read a band's columns of ``dy`` and a share of ``x``'s columns instead
-        of all of ``x`` (``BAND_N = 1``: each ``N`` tile's ``K`` tiles in a row)."""
-        band = BAND_N * k_tiles
-        first_n = (local // band) * BAND_N
-        band_n = gl.minimum(n_tiles - first_n, BAND_N)
-        in_band = local % band
-        return first_n + in_band % band_n, in_band // band_n
-
-    @gluon.jit
     def _wgrad_kernel(dy_desc, x_desc, out_desc, out_ptr, bias_grad_ptr, ends_ptr, N, K, G,
                       HAS_BIAS: gl.constexpr, BAND_N: gl.constexpr, NUM_PROGRAMS: gl.constexpr,
                       STAGES: gl.constexpr, num_warps: gl.constexpr):
@@ -156,11 +145,7 @@ if HAS_GLUON:
             version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_K, 16])
         bias_layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, 8, 16])
-        dy_bufs = gl.allocate_shared_memory(dy_desc.dtype, [STAGES] + dy_desc.block_type.shape,
-                                            dy_desc.layout)
-        x_bufs = gl.allocate_shared_memory(x_desc.dtype, [STAGES] + x_desc.block_type.shape,
-                                           x_desc.layout)
-        bars = _stage_barriers(STAGES)
+        dy_bufs, x_bufs, bars = _operand_ring(dy_desc, x_desc, STAGES)
         out_tile = gl.allocate_shared_memory(out_desc.dtype, out_desc.block_type.shape,
                                              out_desc.layout)
         if HAS_BIAS:
@@ -174,21 +159,17 @@ if HAS_GLUON:
 
         n_tiles = gl.cdiv(N, BLOCK_N)
         k_tiles = gl.cdiv(K, BLOCK_K)
-        per_group = n_tiles * k_tiles
-        pid, my_tiles = _program_tiles(G * per_group, NUM_PROGRAMS)
+        pid, my_tiles = _program_tiles(G * n_tiles * k_tiles, NUM_PROGRAMS)
         rows_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma_layout))
         cols_k = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, mma_layout))
         step = 0
         for t in range(0, my_tiles):
             tile = pid + t * NUM_PROGRAMS
-            g = tile // per_group
-            n_tile, k_tile = _band_order(tile % per_group, n_tiles, k_tiles, BAND_N)
-            n0 = n_tile * BLOCK_N
-            k0 = k_tile * BLOCK_K
+            g, n0, k0 = _wgrad_tile(tile, n_tiles, k_tiles, BAND_N, BLOCK_N, BLOCK_K)
             end = gl.load(ends_ptr + g)
             start = gl.load(ends_ptr + g - 1, mask=g > 0, other=0)
             if HAS_BIAS:
-                if k_tile == 0:  # the tiles at K offset 0 also sum dy: one narrow MMA more
+                if k0 == 0:  # the tiles at K offset 0 also sum dy: one narrow MMA more
                     acc, bias_acc, step = _tile_products(
                         dy_desc, x_desc, dy_bufs, x_bufs, bars, ones_tile, start, end, n0, k0,
                         step, True, mma_layout, bias_layout, STAGES, num_warps)
@@ -213,7 +194,7 @@ if HAS_GLUON:
                     + (rows_n[:, None].to(gl.int64) * K + cols_k[None, :])
                 gl.store(ptrs, values, mask=mask)
             if HAS_BIAS:
-                if k_tile == 0:
+                if k0 == 0:
                     rows_b = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, bias_layout))
                     sums = gl.sum(bias_acc, axis=1) * (1.0 / 8)  # 8 equal columns
                     gl.store(bias_grad_ptr + (g.to(gl.int64) * N + n0) + rows_b, sums,
@@ -230,17 +211,12 @@ def supported(grad_out: torch.Tensor, x: torch.Tensor, num_groups: int) -> bool:
             and x.dim() == 2):
         return False
     (M, N), K = grad_out.shape, x.shape[1]
-    return (_is_sm90(x.device.index or 0) and x.dtype in _GL_DTYPES
+    return (_is_sm90(x.device.index or 0) and x.dtype in DTYPES
             and grad_out.dtype == x.dtype and x.shape[0] == M
             and grad_out.is_contiguous() and x.is_contiguous()
             and N % 8 == 0 and K % 8 == 0 and N > 0 and K > 0
             and grad_out.data_ptr() % 16 == 0 and x.data_ptr() % 16 == 0
             and M < 2**31 - 512 and num_groups * N < 2**31 - 512)
-
-
-def _descriptor(t: torch.Tensor, rows: int, cols: int):
-    return TensorDescriptor(t, list(t.shape), list(t.stride()), [rows, cols],
-                            _shared_layout(t.dtype, rows, cols))
 
 
 def wgrad(grad_out: torch.Tensor, x: torch.Tensor, ends: torch.Tensor, with_bias: bool, *,
@@ -261,7 +237,7 @@ def wgrad(grad_out: torch.Tensor, x: torch.Tensor, ends: torch.Tensor, with_bias
     x_desc = _descriptor(x, config.block_t, config.block_k)
     out_desc = _descriptor(grad_w.view(G * N, K), config.block_n, config.block_k)
     tiles = G * -(-N // config.block_n) * -(-K // config.block_k)
-    programs = max(1, min(_num_sms(x.device.index or 0), tiles))
+    programs = max(1, min(sm_count(x.device), tiles))
     _wgrad_kernel[(programs,)](
         dy_desc, x_desc, out_desc, grad_w, grad_b if with_bias else grad_w, ends, N, K, G,
         HAS_BIAS=with_bias, BAND_N=config.band_n, NUM_PROGRAMS=programs, STAGES=config.stages,
