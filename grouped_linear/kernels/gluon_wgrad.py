@@ -15,10 +15,13 @@ edge, whose rows would spill into the next group's, with a row mask). Groups are
 ``ends``, the non-decreasing cumulative row ends within ``[0, M]``
 (:func:`grouped_linear.kernels.offsets.group_offsets`); empty groups get zeros.
 
-The reference is :func:`wgrad_reference`. The layer does not call this kernel yet: on the
-bench shapes it ran at 0.87-1.03x torch's weight-gradient GEMM alone and 0.81-1.00x torch's
-GEMM plus the bias reduction (``benchmarks/bf16_gluon_gemm.py``; benchmarks/NOTES.md), so
-the layer keeps torch's GEMM and :mod:`grouped_linear.kernels.bias`.
+Tiles are walked in bands of ``band_n`` ``N`` tiles (each band's tiles of one ``K``
+column in a row, then the next column), so that programs running at the same time share
+the ``x`` tiles they read (the same order as the FP8 weight gradient's).
+The reference is :func:`wgrad_reference`. The ``grouped`` backend takes it on Hopper
+(:mod:`grouped_linear.ops.linear_steps`): on the bench shapes it ran at 1.00-1.03x torch's
+weight-gradient GEMM alone and 0.99-1.05x torch's GEMM plus its bias reduction pass
+(``benchmarks/bf16_gluon_gemm.py``; benchmarks/NOTES.md).
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ if HAS_GLUON:
     from .fp8_gluon_gemm import _operand_ring, _program_tiles, _release_ring
     from .fp8_gluon_wgrad import _wgrad_tile
 
-__all__ = ["WgradConfig", "WGRAD_CONFIG", "supported", "wgrad", "wgrad_reference"]
+__all__ = ["WgradConfig", "WGRAD_CONFIG", "BIAS_DTYPES", "supported", "wgrad", "wgrad_reference"]
 
 
 class WgradConfig(NamedTuple):
@@ -63,7 +66,10 @@ class WgradConfig(NamedTuple):
 
 # Two warp groups of 64 output rows, a 64 x 256 float32 accumulator each; a stage is a
 # 64 x 128 tile of dy and a 64 x 256 tile of x (48 KB); the 64 KB output tile besides.
-WGRAD_CONFIG = WgradConfig(128, 256, 64, 8, 3)
+# Bands of 8 N tiles: 1.00-1.03x torch's GEMM on the bench shapes, against 0.87-1.03x
+# with one N tile's K tiles in a row.
+WGRAD_CONFIG = WgradConfig(128, 256, 64, 8, 3, band_n=8)
+BIAS_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 ONES = 8  # columns of the ones tile: the narrowest MMA
 
 if HAS_GLUON:
@@ -197,7 +203,8 @@ if HAS_GLUON:
                 if k0 == 0:
                     rows_b = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, bias_layout))
                     sums = gl.sum(bias_acc, axis=1) * (1.0 / 8)  # 8 equal columns
-                    gl.store(bias_grad_ptr + (g.to(gl.int64) * N + n0) + rows_b, sums,
+                    gl.store(bias_grad_ptr + (g.to(gl.int64) * N + n0) + rows_b,
+                             sums.to(bias_grad_ptr.dtype.element_ty),
                              mask=rows_b < N - n0)
         tma.store_wait(0)
         _release_ring(bars, STAGES)
@@ -220,16 +227,20 @@ def supported(grad_out: torch.Tensor, x: torch.Tensor, num_groups: int) -> bool:
 
 
 def wgrad(grad_out: torch.Tensor, x: torch.Tensor, ends: torch.Tensor, with_bias: bool, *,
+          bias_dtype: torch.dtype = torch.float32,
           config: WgradConfig = WGRAD_CONFIG) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``grad_out`` ``(M, N)``, ``x`` ``(M, K)``, ``ends`` ``(G,)`` cumulative group ends on
     the device -> ``grad_w`` ``(G, N, K)`` in ``x``'s dtype and, with ``with_bias``,
-    ``grad_b`` ``(G, N)`` in float32 (rows past ``ends[-1]`` ignored, empty groups zero).
+    ``grad_b`` ``(G, N)`` summed in float32 and stored in ``bias_dtype`` (one of
+    :data:`BIAS_DTYPES`; rows past ``ends[-1]`` ignored, empty groups zero).
     Needs :func:`supported` operands."""
+    if bias_dtype not in BIAS_DTYPES:
+        raise ValueError(f"bias_dtype={bias_dtype} is not one of {BIAS_DTYPES}")
     M, N = grad_out.shape
     K = x.shape[1]
     G = ends.shape[0]
     grad_w = x.new_empty(G, N, K)
-    grad_b = grad_out.new_empty(G, N, dtype=torch.float32) if with_bias else None
+    grad_b = grad_out.new_empty(G, N, dtype=bias_dtype) if with_bias else None
     if G == 0:
         return grad_w, grad_b
     config = WgradConfig(*config)

@@ -32,8 +32,8 @@ from .linear_steps import (
     triton_backward_op,
     triton_wgrad_impl,
     triton_wgrad_op,
-    wgrad_impl,
-    wgrad_op,
+    weight_grads_impl,
+    weight_grads_op,
 )
 from .splits import SPLIT_DTYPES, GroupSplits, debug_checks_enabled, normalize_splits
 from .triton_linear import apply_triton_linear, records_graph
@@ -94,12 +94,12 @@ class GroupedLinearFunction(torch.autograd.Function):
             if config.backend == "triton":
                 grad_w, grad_b = step(triton_wgrad_op, triton_wgrad_impl)(grad_out, x, offsets, need_b)
                 return _asked_grads(grad_w, grad_b, need_w, need_b, bias_dtype)
-            grad_w = grad_b = None
-            if need_w:
-                grad_w = step(wgrad_op, wgrad_impl)(grad_out, x, offsets, host_offsets, config.backend)
-            if need_b:
-                grad_b = step(bias_grad_op, bias_grad_impl)(grad_out, offsets, bias_dtype)
-            return grad_w, grad_b
+            if need_w:  # the bias gradient beside the weight's, from one kernel where it can
+                grad_w, grad_b = step(weight_grads_op, weight_grads_impl)(
+                    grad_out, x, offsets, host_offsets, config.backend, need_b,
+                    bias_dtype if need_b else x.dtype)
+                return grad_w, (grad_b if need_b else None)
+            return None, step(bias_grad_op, bias_grad_impl)(grad_out, offsets, bias_dtype)
 
         grad_w, grad_b = route_weight_grads(config.sink, need_w or need_b, weight_and_bias_grads)
         return grad_x, grad_w, grad_b, None, None, None

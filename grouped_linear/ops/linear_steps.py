@@ -1,14 +1,16 @@
 """The compute steps of :func:`~grouped_linear.ops.grouped_linear.grouped_linear`.
 
 Each step is a plain function, registered as a ``torch.library`` operator
-(``grouped_linear::forward``, ``::dgrad``, ``::wgrad``, ``::triton_wgrad``,
+(``grouped_linear::forward``, ``::dgrad``, ``::weight_grads``, ``::triton_wgrad``,
 ``::triton_backward``, ``::bias_grad``; see :mod:`grouped_linear.ops.registry`) for
 ``torch.compile`` to trace; eager calls go straight to the function (:func:`step`).
 ``offsets`` is the ``(G,)`` group tensor on the device: cumulative group ends for the
 ``loop`` and ``grouped`` backends, the raw split sizes for ``triton`` (whose kernels
 clamp them, zero the tail and fuse the bias themselves). On Hopper the ``grouped``
 backend's forward and dgrad run :mod:`grouped_linear.kernels.gluon_gemm` where it takes
-the operands (bias in the epilogue, tail zeroed), torch's grouped GEMM elsewhere.
+the operands (bias in the epilogue, tail zeroed), and its weight gradient
+:mod:`grouped_linear.kernels.gluon_wgrad` (the bias gradient summed from the same tiles);
+torch's grouped GEMM and the bias reduction kernel elsewhere.
 """
 
 from __future__ import annotations
@@ -16,11 +18,11 @@ from __future__ import annotations
 import torch
 
 from ..kernels import bias as bias_kernels
-from ..kernels import gluon_gemm, grouped_gemm, triton_gemm
+from ..kernels import gluon_gemm, gluon_wgrad, grouped_gemm, triton_gemm
 from .registry import compute_op, register_fake
 
 __all__ = [
-    "forward_impl", "forward_op", "dgrad_impl", "dgrad_op", "wgrad_impl", "wgrad_op",
+    "forward_impl", "forward_op", "dgrad_impl", "dgrad_op", "weight_grads_impl", "weight_grads_op",
     "triton_wgrad_impl", "triton_wgrad_op", "triton_backward_impl", "triton_backward_op",
     "bias_grad_impl", "bias_grad_op", "step",
 ]
@@ -60,7 +62,25 @@ def dgrad_impl(
     return bias_kernels.zero_tail_(grad_x, offsets) if zero_tail else grad_x
 
 
-wgrad_impl = grouped_gemm.wgrad  # the weight gradient needs nothing around the GEMM
+def weight_grads_impl(
+    grad_out: torch.Tensor,
+    x: torch.Tensor,
+    offsets: torch.Tensor,
+    host_offsets: torch.Tensor | None,
+    backend: str,
+    with_bias: bool,
+    bias_dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(G, N, K)`` weight gradient and, with ``with_bias``, the ``(G, N)`` bias gradient
+    in ``bias_dtype`` (else an empty tensor): from one kernel where the Gluon weight
+    gradient takes the operands, else torch's GEMM and the bias reduction pass."""
+    if (backend == "grouped" and bias_dtype in gluon_wgrad.BIAS_DTYPES
+            and gluon_wgrad.supported(grad_out, x, offsets.shape[0])):
+        grad_w, grad_b = gluon_wgrad.wgrad(grad_out, x, offsets, with_bias, bias_dtype=bias_dtype)
+    else:
+        grad_w = grouped_gemm.wgrad(grad_out, x, offsets, host_offsets, backend)
+        grad_b = bias_kernels.bias_grad(grad_out, offsets, bias_dtype) if with_bias else None
+    return grad_w, (grad_b if grad_b is not None else grad_w.new_empty(0))
 
 
 def triton_wgrad_impl(
@@ -84,7 +104,7 @@ def bias_grad_impl(grad_out: torch.Tensor, offsets: torch.Tensor, dtype: torch.d
 
 forward_op = compute_op("forward", forward_impl)
 dgrad_op = compute_op("dgrad", dgrad_impl)
-wgrad_op = compute_op("wgrad", wgrad_impl)
+weight_grads_op = compute_op("weight_grads", weight_grads_impl)
 bias_grad_op = compute_op("bias_grad", bias_grad_impl)
 triton_wgrad_op = compute_op("triton_wgrad", triton_wgrad_impl)
 triton_backward_op = compute_op("triton_backward", triton_backward_impl)
@@ -100,9 +120,12 @@ def _(grad_out, weight, offsets, host_offsets, backend, zero_tail):
     return grad_out.new_empty(grad_out.shape[0], weight.shape[2])
 
 
-@register_fake("wgrad")
-def _(grad_out, x, offsets, host_offsets, backend):
-    return x.new_empty(offsets.shape[0], grad_out.shape[1], x.shape[1])
+@register_fake("weight_grads")
+def _(grad_out, x, offsets, host_offsets, backend, with_bias, bias_dtype):
+    grad_w = x.new_empty(offsets.shape[0], grad_out.shape[1], x.shape[1])
+    grad_b = x.new_empty((offsets.shape[0], grad_out.shape[1]) if with_bias else (0,),
+                         dtype=bias_dtype)
+    return grad_w, grad_b
 
 
 @register_fake("triton_wgrad")

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import grouped_linear as gl
-from grouped_linear.kernels import gluon_gemm
+from grouped_linear.kernels import gluon_gemm, gluon_wgrad
 from tests.reference import reference_grads, rel_err
 
 pytestmark = [
@@ -190,42 +190,53 @@ HOPPER_GLUON = (torch.cuda.is_available() and torch.cuda.get_device_capability()
 @pytest.mark.skipif(not HOPPER_GLUON, reason="needs an sm90 GPU and Gluon")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("with_bias", [True, False])
-def test_grouped_backend_runs_the_gluon_gemm_on_hopper(monkeypatch, dtype, with_bias):
-    """Forward and dgrad of the ``grouped`` backend go through the Gluon kernel (bias in the
-    forward's epilogue, tail rows zero) and match float64; an operand the kernel cannot
-    take (a reduction of 64, under its pipeline depth) goes to torch's GEMM with the same
-    results."""
+def test_grouped_backend_runs_the_gluon_kernels_on_hopper(monkeypatch, dtype, with_bias):
+    """Forward, dgrad and weight gradient of the ``grouped`` backend go through the Gluon
+    kernels (bias in the forward's epilogue, its gradient beside the weight's, tail rows
+    zero) and match float64; an operand the GEMM cannot take (a reduction of 64, under its
+    pipeline depth) goes to torch's GEMM with the same results; a frozen weight leaves
+    the bias gradient to its own reduction."""
     calls = []
-    kernel = gluon_gemm.grouped_mm
+    gemm, wgrad = gluon_gemm.grouped_mm, gluon_wgrad.wgrad
 
-    def counting(*args, **kwargs):
+    def counting_gemm(*args, **kwargs):
         calls.append("dgrad" if kwargs.get("transposed_weight", False) else "forward")
-        return kernel(*args, **kwargs)
+        return gemm(*args, **kwargs)
 
-    monkeypatch.setattr(gluon_gemm, "grouped_mm", counting)
+    def counting_wgrad(*args, **kwargs):
+        calls.append("wgrad+bias" if args[3] else "wgrad")
+        return wgrad(*args, **kwargs)
+
+    monkeypatch.setattr(gluon_gemm, "grouped_mm", counting_gemm)
+    monkeypatch.setattr(gluon_wgrad, "wgrad", counting_wgrad)
     tail = 21
     rows = sum(SIZES) + tail
     x, w, b = _inputs(dtype, rows, bias=with_bias)
     splits = torch.tensor(SIZES, device="cuda")
     grad_out = torch.randn(rows, N, device="cuda", dtype=dtype)
-    y = gl.grouped_linear(x, w, b, splits, backend="grouped")
-    y.backward(grad_out)
-    assert sorted(calls) == ["dgrad", "forward"]
-    ref = reference_grads(x, w, b, SIZES, grad_out)
-    grads = (y, x.grad, w.grad) + ((b.grad,) if with_bias else ())
-    for name, got, want in zip(("y", "dx", "dW", "db"), grads, ref):
-        assert rel_err(got, want) < 1e-2, (name, rel_err(got, want))
-    assert torch.all(y[sum(SIZES):] == 0) and torch.all(x.grad[sum(SIZES):] == 0)
 
-    calls.clear()
-    if with_bias:
-        b.grad = None
+    def check(x, w, b, calls_wanted):
+        calls.clear()
+        for t in (x, w, b):
+            if t is not None:
+                t.grad = None
+        y = gl.grouped_linear(x, w, b, splits, backend="grouped")
+        y.backward(grad_out)
+        assert sorted(calls) == calls_wanted
+        ref = reference_grads(x, w, b, SIZES, grad_out)
+        grads = (y, x.grad, w.grad) + ((b.grad,) if b is not None else ())
+        for name, got, want in zip(("y", "dx", "dW", "db"), grads, ref):
+            if got is not None:
+                assert got.dtype == dtype, (name, got.dtype)
+                assert rel_err(got, want) < 1e-2, (name, rel_err(got, want))
+        assert torch.all(y[sum(SIZES):] == 0) and torch.all(x.grad[sum(SIZES):] == 0)
+
+    wgrad_call = "wgrad+bias" if with_bias else "wgrad"
+    check(x, w, b, sorted(["dgrad", "forward", wgrad_call]))
     narrow = torch.randn(rows, 64, device="cuda", dtype=dtype, requires_grad=True)
     w64 = torch.randn(len(SIZES), N, 64, device="cuda", dtype=dtype, requires_grad=True)
-    y = gl.grouped_linear(narrow, w64, b, splits, backend="grouped")
-    y.backward(grad_out)
-    assert calls == ["dgrad"]  # the forward's reduction (64) is under the kernel's depth
-    ref = reference_grads(narrow, w64, b, SIZES, grad_out)
-    grads = (y, narrow.grad, w64.grad) + ((b.grad,) if with_bias else ())
-    for name, got, want in zip(("y", "dx", "dW", "db"), grads, ref):
-        assert rel_err(got, want) < 1e-2, (name, rel_err(got, want))
+    # the forward's reduction (64) is under the GEMM's depth; the dgrad's and wgrad's are not
+    check(narrow, w64, b, sorted(["dgrad", wgrad_call]))
+    w.requires_grad_(False)
+    check(x, w, b, ["dgrad", "forward"])
+    assert w.grad is None

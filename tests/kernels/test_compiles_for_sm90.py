@@ -273,15 +273,16 @@ def _bf16_mm_case(transposed: bool):
 
 
 def _bf16_wgrad_case():
-    """The bf16 weight gradient with the bias sums, at its default launch shape."""
+    """The bf16 weight gradient with the bias sums (stored in bf16, as the layer's bias
+    takes them), at its default launch shape."""
     if not (HAS_TRITON and gg.HAS_GLUON):
         return None, {}, {}, 4, None
     config = bwg.WGRAD_CONFIG
     bn, bk, bt = config.block_n, config.block_k, config.block_t
     pointers = {"dy_desc": _bf16_descriptor(bt, bn), "x_desc": _bf16_descriptor(bt, bk),
                 "out_desc": _bf16_descriptor(bn, bk), "out_ptr": "*bf16",
-                "bias_grad_ptr": "*fp32", "ends_ptr": "*i32"}
-    constants = {"HAS_BIAS": True, "BAND_N": 8, "NUM_PROGRAMS": 132, "STAGES": config.stages}
+                "bias_grad_ptr": "*bf16", "ends_ptr": "*i32"}
+    constants = {"HAS_BIAS": True, "BAND_N": config.band_n, "NUM_PROGRAMS": 132, "STAGES": config.stages}
     return bwg._wgrad_kernel, pointers, constants, config.warps, None
 
 

@@ -68,7 +68,7 @@ def test_not_supported_off_hopper_or_on_bad_operands():
 @sm90
 @pytest.mark.parametrize("sizes, tail, N, K", CASES)
 @pytest.mark.parametrize("with_bias", [True, False])
-@pytest.mark.parametrize("band_n", [1, 3])
+@pytest.mark.parametrize("band_n", [1, 3, 8])
 def test_wgrad_against_float64(sizes, tail, N, K, with_bias, band_n):
     torch.manual_seed(1)
     M = sum(sizes) + tail
@@ -92,6 +92,31 @@ def test_wgrad_against_float64(sizes, tail, N, K, with_bias, band_n):
         assert rel_err(grad_b.cpu(), want_b) < 1e-5  # float32 sums of bf16 values
     else:
         assert grad_b is None
+
+
+def test_bias_dtype_outside_the_stored_ones_is_refused():
+    dy, x = torch.randn(64, 128, dtype=torch.bfloat16), torch.randn(64, 256, dtype=torch.bfloat16)
+    ends = torch.tensor([64], dtype=torch.int32)
+    with pytest.raises(ValueError, match="bias_dtype=torch.float64"):
+        wg.wgrad(dy, x, ends, True, bias_dtype=torch.float64)
+
+
+@pytest.mark.gpu
+@sm90
+@pytest.mark.parametrize("bias_dtype", [torch.bfloat16, torch.float16])
+def test_bias_gradient_stored_in_bias_dtype(bias_dtype):
+    """The float32 sums rounded once, to the bias's dtype, in the kernel."""
+    torch.manual_seed(3)
+    sizes = [200, 0, 77, 391]
+    M, N, K = sum(sizes), 264, 256
+    dy = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+    ends = torch.tensor(sizes, device="cuda").cumsum(0).to(torch.int32)
+    grad_w, grad_b = wg.wgrad(dy, x, ends, True, bias_dtype=bias_dtype)
+    _, sums = wg.wgrad(dy, x, ends, True)  # float32
+    assert grad_b.dtype == bias_dtype and grad_b.shape == (len(sizes), N)
+    assert torch.equal(grad_b, sums.to(bias_dtype))
+    assert rel_err(grad_b.cpu(), _float64(dy, x, sizes)[1]) < BF16_TOL
 
 
 @pytest.mark.gpu
