@@ -99,7 +99,9 @@ class GroupedLinearFunction(torch.autograd.Function):
                     grad_out, x, offsets, host_offsets, config.backend, need_b,
                     bias_dtype if need_b else x.dtype)
                 return grad_w, (grad_b if need_b else None)
-            return None, step(bias_grad_op, bias_grad_impl)(grad_out, offsets, bias_dtype)
+            if need_b:
+                return None, step(bias_grad_op, bias_grad_impl)(grad_out, offsets, bias_dtype)
+            return None, None
 
         grad_w, grad_b = route_weight_grads(config.sink, need_w or need_b, weight_and_bias_grads)
         return grad_x, grad_w, grad_b, None, None, None

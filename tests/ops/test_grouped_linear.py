@@ -214,6 +214,37 @@ def test_no_groups(backend):
     assert x.grad.shape == (0, 8) and w.grad.shape == (0, 4, 8) and b.grad.shape == (0, 4)
 
 
+@pytest.mark.parametrize("backend", ["loop", "grouped", "triton"])
+@pytest.mark.parametrize("with_bias", [True, False])
+@pytest.mark.parametrize("trainable", ["x", "w", "b", "xb", "wb"])
+def test_gradients_only_for_what_requires_them(backend, with_bias, trainable):
+    """Frozen weights, frozen inputs, a bias alone: each leaf that requires a gradient gets
+    the float64 reference's, the others none."""
+    if "b" in trainable and not with_bias:
+        trainable = trainable.replace("b", "") or "x"
+    device = TRITON_DEVICE if backend == "triton" else "cpu"
+    sizes = [5, 0, 11]
+    x = torch.randn(16, 16, dtype=torch.float64).to(device)
+    w = torch.randn(3, 8, 16, dtype=torch.float64).to(device)
+    b = torch.randn(3, 8, dtype=torch.float64).to(device) if with_bias else None
+    if backend != "loop":  # torch's grouped GEMM on CPU and the Triton kernels: float32
+        x, w, b = x.float(), w.float(), (b.float() if b is not None else None)
+    leaves = {"x": x, "w": w, "b": b}
+    for name in trainable:
+        leaves[name].requires_grad_()
+    y = gl.grouped_linear(x, w, b, sizes, backend=backend)
+    grad_out = torch.randn_like(y)
+    y.backward(grad_out)
+    _, *want = reference_grads(x, w, b, sizes, grad_out)
+    for (name, leaf), ref in zip(leaves.items(), want):
+        if leaf is None:
+            continue
+        if name in trainable:
+            assert rel_err(leaf.grad, ref) < 1e-5, name
+        else:
+            assert leaf.grad is None, name
+
+
 @pytest.mark.parametrize("backend", ["loop", "triton"])
 def test_no_input_features_still_sums_the_bias_gradient(backend):
     """``in_features = 0``: the output is the bias alone and its gradient each group's row
