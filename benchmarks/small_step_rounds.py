@@ -8,6 +8,8 @@ loop shaped like ``do_bench``'s (gradients reset, L2 flushed, then one step) tha
 host clock around the forward call and around ``backward()``, then ``do_bench`` itself.
 Host time measured inside such a loop is the figure that matters: the same code runs up
 to 2-3x slower there than in a tight loop of one call (caches cold after the backward).
+Last, each case's forward+backward over raw's in the same round: the median of those
+ratios, their quartiles, and how many rounds came in at or under raw.
 """
 
 import statistics
@@ -72,6 +74,14 @@ def main(rounds: int) -> None:
     for name, (fwds, steps) in medians.items():
         fwd, step = statistics.median(fwds), statistics.median(steps)
         print(f"{name:24s} {fwd:7.1f} ({fwd / raw_fwd:4.2f}x) {step:9.1f} ({step / raw_step:4.2f}x)")
+    # Each round's ratio to raw's in the same round: host drift between rounds cancels.
+    print("\nper-round fwd+bwd / raw's   median  quartiles   rounds under raw")
+    for name, (_, steps) in medians.items():
+        ratios = sorted(s / r for s, r in zip(steps, medians["raw grouped_mm"][1]))
+        quartiles = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
+        under = sum(r <= 1.0 for r in ratios)
+        print(f"{name:24s} {statistics.median(ratios):7.2f}  {quartiles[0]:4.2f}-{quartiles[2]:4.2f}"
+              f"   {under:>6d} / {len(ratios)}")
 
 
 if __name__ == "__main__":
