@@ -5,7 +5,8 @@ three the bias bound is stated for): two layers, with and without bias, on the s
 splits (CUDA splits, bf16). Two rounds of ``do_bench`` medians of each (forward,
 forward+backward), then torch.profiler's GPU time per kernel over 5 steps: the bias
 epilogue and the bias-gradient kernels against the one-pass bounds (one read and write of
-the output forward, one read of its gradient backward, at 4.25 TB/s). The GEMMs' spread
+the output forward, one read of its gradient backward, at 4.25 TB/s), and every kernel's
+time per step in both layers side by side. The GEMMs' spread
 between two layers of the same shape is larger than the bias itself, so the difference of
 two medians does not measure it; the kernels' own times do.
 """
@@ -49,17 +50,23 @@ def run(name):
     out_bytes = shape.M * shape.N * 2
     bounds = {"_bias_epilogue_kernel": 2 * out_bytes / COPY_BYTES_PER_US,
               "_bias_grad_partial_kernel": out_bytes / COPY_BYTES_PER_US}
+    per_layer = {}
     for bias, layer in layers.items():
         prof = profile_steps(step_of(layer), 3, 5)
-        times = {e.key: e.device_time_total / 5 for e in prof.key_averages()
-                 if e.device_time_total > 0}
-        gemms = sum(t for k, t in times.items() if "cutlass" in k or "gemm" in k.lower())
-        line = f"{name} bias={bias}: GPU µs/step {sum(times.values()):.0f}, GEMMs {gemms:.0f}"
+        per_layer[bias] = {e.key: e.device_time_total / 5 for e in prof.key_averages()
+                           if e.device_time_total > 0}
+    for bias, times in per_layer.items():
+        line = f"{name} bias={bias}: GPU µs/step {sum(times.values()):.0f}"
         for kernel, bound in bounds.items():
             if kernel in times:
                 line += f", {kernel} {times[kernel]:.0f} (bound {bound:.0f})"
         print(line)
-
+    # Every kernel of the two steps side by side: where the bias's time goes.
+    print(f"{'kernel':60s} {'bias µs':>9s} {'none µs':>9s}")
+    for kernel in sorted(set(per_layer[True]) | set(per_layer[False]),
+                         key=lambda k: -per_layer[True].get(k, 0.0)):
+        print(f"{kernel[:60]:60s} {per_layer[True].get(kernel, 0.0):9.1f} "
+              f"{per_layer[False].get(kernel, 0.0):9.1f}")
 
 if __name__ == "__main__":
     for shape_name in sys.argv[1:] or ["dsv3_ep32_fc1", "dsv3_ep32_fc2", "qwen35_397b_ep64_fc2"]:
