@@ -78,14 +78,27 @@ if HAS_GLUON:
 
     @gluon.jit
     def _tile_origin(tile, gs, starts, ends, tile_begin, tile_end, n_tiles,
-                     BLOCK_M: gl.constexpr):
-        """Tile ``tile``'s group, the group's end row, its first row and column-tile index."""
+                     BLOCK_M: gl.constexpr, GROUP_M: gl.constexpr = 1):
+        """Tile ``tile``'s group, the group's end row, its first row and column-tile index.
+        Within a group, tiles run row-major, or with ``GROUP_M > 1`` in bands of ``GROUP_M``
+        row tiles, down each column of the band first: the programs at work at one time
+        share fewer operand tiles than row-major order makes them read (L2 reuse)."""
         owner = (tile_begin <= tile) & (tile < tile_end)
         g = gl.sum(gl.where(owner, gs, 0), axis=0)
         local = tile - gl.sum(gl.where(owner, tile_begin, 0), axis=0)
+        if GROUP_M == 1:
+            end = gl.sum(gl.where(owner, ends, 0), axis=0)
+            row0 = gl.sum(gl.where(owner, starts, 0), axis=0) + (local // n_tiles) * BLOCK_M
+            return g, end, row0, (local % n_tiles).to(gl.int32)
+        start = gl.sum(gl.where(owner, starts, 0), axis=0)
         end = gl.sum(gl.where(owner, ends, 0), axis=0)
-        row0 = gl.sum(gl.where(owner, starts, 0), axis=0) + (local // n_tiles) * BLOCK_M
-        return g, end, row0, (local % n_tiles).to(gl.int32)
+        row_tiles = gl.cdiv(end - start, BLOCK_M)
+        band = GROUP_M * n_tiles
+        first_row_tile = (local // band) * GROUP_M
+        band_rows = gl.maximum(gl.minimum(row_tiles - first_row_tile, GROUP_M), 1)
+        in_band = local % band
+        row0 = start + (first_row_tile + in_band % band_rows) * BLOCK_M
+        return g, end, row0, (in_band // band_rows).to(gl.int32)
 
     @gluon.jit
     def _operand_ring(a_desc, b_desc, STAGES: gl.constexpr):
@@ -110,14 +123,23 @@ if HAS_GLUON:
             mbarrier.invalidate(bars.index(stage))
 
     @gluon.jit
-    def _issue_loads(a_desc, b_desc, a_row, b_row, k, bars, a_bufs, b_bufs, step,
-                     STAGES: gl.constexpr, pred):
-        """TMA both operand tiles of pipeline step ``step`` into its stage."""
+    def _load_stage(a_desc, a_y, a_x, b_desc, b_y, b_x, bars, a_bufs, b_bufs, step,
+                    STAGES: gl.constexpr, pred):
+        """TMA one tile of each operand, at ``[a_y, a_x]`` and ``[b_y, b_x]``, into the
+        stage of pipeline step ``step`` (its barrier expecting both)."""
         stage = step % STAGES
         bar = bars.index(stage)
         mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes, pred=pred)
-        tma.async_copy_global_to_shared(a_desc, [a_row, k], bar, a_bufs.index(stage), pred)
-        tma.async_copy_global_to_shared(b_desc, [b_row, k], bar, b_bufs.index(stage), pred)
+        tma.async_copy_global_to_shared(a_desc, [a_y, a_x], bar, a_bufs.index(stage), pred)
+        tma.async_copy_global_to_shared(b_desc, [b_y, b_x], bar, b_bufs.index(stage), pred)
+
+    @gluon.jit
+    def _issue_loads(a_desc, b_desc, a_row, b_row, k, bars, a_bufs, b_bufs, step,
+                     STAGES: gl.constexpr, pred):
+        """TMA both operand tiles of pipeline step ``step`` (rows ``a_row`` and ``b_row``,
+        both at reduction offset ``k``) into its stage."""
+        _load_stage(a_desc, a_row, k, b_desc, b_row, k, bars, a_bufs, b_bufs, step, STAGES,
+                    pred)
 
     @gluon.jit
     def _issue_mma(bars, a_bufs, b_bufs, step, into, STAGES: gl.constexpr):

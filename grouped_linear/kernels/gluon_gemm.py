@@ -45,10 +45,12 @@ if HAS_GLUON:
     )
 
     from .fp8_gluon_gemm import (
+        _load_stage,
         _operand_ring,
         _program_tiles,
         _release_ring,
         _tile_list,
+        _tile_origin,
     )
 
 __all__ = ["MMConfig", "MM_CONFIG", "supported", "grouped_mm", "grouped_mm_reference"]
@@ -81,36 +83,12 @@ if HAS_GLUON:
                    STAGES: gl.constexpr, TRANSPOSED: gl.constexpr, pred):
         """TMA the operand tiles of pipeline step ``step`` (reduction offset ``k`` of the
         tile at rows ``a_row``, group ``g``, output columns ``col0``) into its stage."""
-        stage = step % STAGES
-        bar = bars.index(stage)
-        mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes, pred=pred)
-        tma.async_copy_global_to_shared(a_desc, [a_row, k], bar, a_bufs.index(stage), pred)
         if TRANSPOSED:  # weight[g] rows along the reduction
-            tma.async_copy_global_to_shared(b_desc, [g * R + k, col0], bar,
-                                            b_bufs.index(stage), pred)
+            _load_stage(a_desc, a_row, k, b_desc, g * R + k, col0, bars, a_bufs, b_bufs, step,
+                        STAGES, pred)
         else:  # weight[g] rows along the output columns
-            tma.async_copy_global_to_shared(b_desc, [g * W + col0, k], bar,
-                                            b_bufs.index(stage), pred)
-
-    @gluon.jit
-    def _tile_origin(tile, gs, starts, ends, tile_begin, tile_end, n_tiles,
-                     BLOCK_M: gl.constexpr, GROUP_M: gl.constexpr):
-        """Tile ``tile``'s group, the group's end row, its first row and column-tile index.
-        Within a group, tiles run in bands of ``GROUP_M`` row tiles, down each column of the
-        band first: the programs at work at one time share fewer operand tiles than
-        row-major order makes them read (L2 reuse)."""
-        owner = (tile_begin <= tile) & (tile < tile_end)
-        g = gl.sum(gl.where(owner, gs, 0), axis=0)
-        local = tile - gl.sum(gl.where(owner, tile_begin, 0), axis=0)
-        start = gl.sum(gl.where(owner, starts, 0), axis=0)
-        end = gl.sum(gl.where(owner, ends, 0), axis=0)
-        row_tiles = gl.cdiv(end - start, BLOCK_M)
-        band = GROUP_M * n_tiles
-        first_row_tile = (local // band) * GROUP_M
-        band_rows = gl.maximum(gl.minimum(row_tiles - first_row_tile, GROUP_M), 1)
-        in_band = local % band
-        row0 = start + (first_row_tile + in_band % band_rows) * BLOCK_M
-        return g, end, row0, (in_band // band_rows).to(gl.int32)
+            _load_stage(a_desc, a_row, k, b_desc, g * W + col0, k, bars, a_bufs, b_bufs, step,
+                        STAGES, pred)
 
     @gluon.jit
     def _store_rows(out_ptr, values, rows, cols, row0, rows_left, col0, col_mask, stride_om):

@@ -45,7 +45,7 @@ if HAS_GLUON:
         warpgroup_mma_wait,
     )
 
-    from .fp8_gluon_gemm import _operand_ring, _program_tiles, _release_ring
+    from .fp8_gluon_gemm import _load_stage, _operand_ring, _program_tiles, _release_ring
     from .fp8_gluon_wgrad import _wgrad_tile
 
 __all__ = ["WgradConfig", "WGRAD_CONFIG", "BIAS_DTYPES", "supported", "wgrad", "wgrad_reference"]
@@ -75,15 +75,6 @@ ONES = 8  # columns of the ones tile: the narrowest MMA
 if HAS_GLUON:
 
     @gluon.jit
-    def _load_rows(dy_desc, x_desc, row, n0, k0, bars, dy_bufs, x_bufs, step,
-                   STAGES: gl.constexpr, pred):
-        stage = step % STAGES
-        bar = bars.index(stage)
-        mbarrier.expect(bar, dy_desc.block_type.nbytes + x_desc.block_type.nbytes, pred=pred)
-        tma.async_copy_global_to_shared(dy_desc, [row, n0], bar, dy_bufs.index(stage), pred)
-        tma.async_copy_global_to_shared(x_desc, [row, k0], bar, x_bufs.index(stage), pred)
-
-    @gluon.jit
     def _zero_rows_from(tile, first_zero_row, BLOCK_T: gl.constexpr, num_warps: gl.constexpr):
         """Rows ``first_zero_row..`` of an operand tile in shared memory set to zero."""
         layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [num_warps, 1], [1, 0])
@@ -107,8 +98,9 @@ if HAS_GLUON:
         IN_FLIGHT: gl.constexpr = 2 if SUMS else 1
         k_blocks = gl.cdiv(end - start, BLOCK_T)
         for p in gl.static_range(LEAD):
-            _load_rows(dy_desc, x_desc, start + p * BLOCK_T, n0, k0, bars, dy_bufs, x_bufs,
-                       step + p, STAGES, p < k_blocks)
+            row = start + p * BLOCK_T
+            _load_stage(dy_desc, row, n0, x_desc, row, k0, bars, dy_bufs, x_bufs, step + p,
+                        STAGES, p < k_blocks)
         acc = gl.zeros([BLOCK_N, BLOCK_K], gl.float32, layout=mma_layout)
         bias_acc = gl.zeros([BLOCK_N, 8], gl.float32, layout=bias_layout)
         for kb in range(0, k_blocks):
@@ -131,8 +123,9 @@ if HAS_GLUON:
                 acc, bias_acc = warpgroup_mma_wait(IN_FLIGHT, deps=[acc, bias_acc])
             else:
                 acc = warpgroup_mma_wait(IN_FLIGHT, deps=[acc])
-            _load_rows(dy_desc, x_desc, start + (kb + LEAD) * BLOCK_T, n0, k0, bars, dy_bufs,
-                       x_bufs, step + LEAD, STAGES, kb + LEAD < k_blocks)
+            row = start + (kb + LEAD) * BLOCK_T
+            _load_stage(dy_desc, row, n0, x_desc, row, k0, bars, dy_bufs, x_bufs, step + LEAD,
+                        STAGES, kb + LEAD < k_blocks)
             step += 1
         if SUMS:
             acc, bias_acc = warpgroup_mma_wait(0, deps=[acc, bias_acc])
