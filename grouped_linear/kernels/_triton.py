@@ -111,10 +111,9 @@ class _Kernel:
                 return compiled, None
             self._compiled[key] = compiled
             return compiled, (device, bound)
-        size = len(grid)
         try:
-            compiled.run(grid[0], grid[1] if size > 1 else 1, grid[2] if size > 2 else 1,
-                         torch._C._cuda_getCurrentRawStream(device), compiled.function,
+            compiled.run(*_full_grid(grid), torch._C._cuda_getCurrentRawStream(device),
+                         compiled.function,
                          compiled.packed_metadata, None, None, None, *bound.values())
         except TypeError:
             # A Triton whose launcher takes other arguments (it checks them before
@@ -129,6 +128,12 @@ class _Kernel:
         path can launch: the interpreter, launch hooks, scratch buffers)."""
         compiled, bound = self._run(grid, args, meta)
         return None if bound is None else LaunchPlan.build(compiled, grid, *bound)
+
+
+def _full_grid(grid: tuple) -> tuple[int, int, int]:
+    """A launch grid of 1 to 3 sizes as the launcher's three."""
+    size = len(grid)
+    return grid[0], grid[1] if size > 1 else 1, grid[2] if size > 2 else 1
 
 
 def _hooks_active() -> bool:
@@ -174,13 +179,11 @@ class LaunchPlan:
         values = list(bound.values())
         slots = tuple(i for i, v in enumerate(values) if isinstance(v, torch.Tensor))
         aligned = tuple(values[i].data_ptr() % 16 == 0 for i in slots)
-        size = len(grid)
-        full_grid = (grid[0], grid[1] if size > 1 else 1, grid[2] if size > 2 else 1)
         middle = (compiled.function, launcher.launch_cooperative_grid, launcher.launch_pdl,
                   None, None, compiled.packed_metadata, None, None, None)
         for i in slots:
             values[i] = None
-        return cls(launch, full_grid, middle, values, slots, aligned, device)
+        return cls(launch, _full_grid(grid), middle, values, slots, aligned, device)
 
     def __call__(self, *tensors: torch.Tensor) -> bool:
         """Launch on ``tensors`` (in the kernel's order of tensor arguments); ``False``

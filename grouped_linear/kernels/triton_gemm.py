@@ -250,6 +250,15 @@ def _keep_plan(key: tuple, plan: LaunchPlan | None) -> None:
     _PLANS[key] = plan
 
 
+def _launch(kernel, grid, args, meta, plan_key: tuple | None) -> None:
+    """``kernel[grid](*args, **meta)``; with ``plan_key``, through a launch plan then kept
+    under that key for the next calls of the same geometry."""
+    if plan_key is None:
+        kernel[grid](*args, **meta)
+    else:
+        _keep_plan(plan_key, kernel.launch_planned(grid, args, meta))
+
+
 def _launch_mm(a, b_tensor, b_strides, bias, sizes, out, reduction, plan_key=None):
     rows_a, rows_bias = _rows_contiguous(a), _rows_contiguous(bias)
     if rows_a is not a or rows_bias is not bias:
@@ -269,10 +278,7 @@ def _launch_mm(a, b_tensor, b_strides, bias, sizes, out, reduction, plan_key=Non
     meta = dict(HAS_BIAS=bias is not None, PRECISION=_precision(a.dtype), UPCAST=_upcast(a),
                 BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_G=_block_g(G),
                 NUM_PROGRAMS=programs, num_warps=4, num_stages=3)
-    if plan_key is None:
-        _grouped_mm_kernel[(programs,)](*args, **meta)
-    else:
-        _keep_plan(plan_key, _grouped_mm_kernel.launch_planned((programs,), args, meta))
+    _launch(_grouped_mm_kernel, (programs,), args, meta, plan_key)
     return out
 
 
@@ -371,10 +377,7 @@ def backward(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, size
                 DX_BLOCK_M=64, DX_BLOCK_N=128, DX_BLOCK_K=64, DW_BLOCK_M=dw_block,
                 DW_BLOCK_N=dw_block, DW_BLOCK_K=dw_block, BLOCK_G=_block_g(G),
                 DX_PROGRAMS=dx_programs, num_warps=4, num_stages=3)
-    if key is None or plan is not None:
-        _grouped_backward_kernel[grid](*args, **meta)
-    else:
-        _keep_plan(key, _grouped_backward_kernel.launch_planned(grid, args, meta))
+    _launch(_grouped_backward_kernel, grid, args, meta, key if plan is None else None)
     return grad_x, grad_w, _in_dtype(grad_b, x.dtype)
 
 
