@@ -34,9 +34,21 @@ def _int32_tensor(values) -> torch.Tensor:
     return torch.frombuffer(buffer, dtype=torch.int32) if buffer else torch.empty(0, dtype=torch.int32)
 
 
+# ``os.environ.get`` encodes the name and decodes the value on every call (~1 µs, read on
+# every call of a host-bound small step); CPython keeps the encoded pairs in ``_data``,
+# which ``os.environ``'s writes (``monkeypatch.setenv`` included) update.
+_ENVIRON_STORE = getattr(os.environ, "_data", None)
+_DEBUG_VARIABLE = "GROUPED_LINEAR_DEBUG"
+_DEBUG_KEY = os.environ.encodekey(_DEBUG_VARIABLE) if _ENVIRON_STORE is not None else None
+
+
 def debug_checks_enabled() -> bool:
-    """Whether ``GROUPED_LINEAR_DEBUG=1`` asks for checks that need a host sync."""
-    return os.environ.get("GROUPED_LINEAR_DEBUG", "0") not in ("", "0")
+    """Whether ``GROUPED_LINEAR_DEBUG`` is set to something other than empty or ``0``: checks
+    that need a host sync (read at every call)."""
+    if _ENVIRON_STORE is None or torch.compiler.is_compiling():
+        return os.environ.get(_DEBUG_VARIABLE, "0") not in ("", "0")
+    value = _ENVIRON_STORE.get(_DEBUG_KEY)
+    return value is not None and value not in (b"", b"0", "", "0")
 
 
 @dataclass(frozen=True)

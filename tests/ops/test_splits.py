@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from grouped_linear.ops.splits import GroupSplits, normalize_splits
+from grouped_linear.ops.splits import GroupSplits, debug_checks_enabled, normalize_splits
 
 
 @pytest.mark.parametrize("splits", [[3, 0, 4], (3, 0, 4), torch.tensor([3, 0, 4]),
@@ -45,3 +45,13 @@ def test_hand_built_splits_are_checked(args, match):
     with pytest.raises(TypeError, match="device_sizes must be an integer tensor"):
         GroupSplits(3, 7, torch.device("cpu"), None, torch.ones(3))
     assert GroupSplits(3, 7, torch.device("cpu"), (2, 0, 5)).offsets.tolist() == [2, 2, 7]
+
+
+@pytest.mark.parametrize("value, enabled", [("1", True), ("yes", True), ("0", False), ("", False)])
+def test_debug_checks_follow_the_environment_at_every_call(monkeypatch, value, enabled):
+    monkeypatch.delenv("GROUPED_LINEAR_DEBUG", raising=False)
+    assert debug_checks_enabled() is False
+    monkeypatch.setenv("GROUPED_LINEAR_DEBUG", value)
+    assert debug_checks_enabled() is enabled
+    monkeypatch.delenv("GROUPED_LINEAR_DEBUG")
+    assert debug_checks_enabled() is False
