@@ -4,11 +4,10 @@ in every iteration, so host drift between rounds cancels out of the ratios.
 ``cd benchmarks && PYTHONPATH=.. python3 small_step_pairs.py [iterations]``. Each iteration
 runs each case once, in an order rotated per iteration, timed the way ``do_bench`` times a
 repetition (gradients reset, L2 flushed, events around one forward+backward). Cases: raw
-``grouped_mm``; this layer with and without bias; ``kernels``, a minimal autograd node that
-calls the layer's two Triton kernels (``triton_gemm.forward`` / ``backward``) and nothing
-else, so the layer's own Python shows as layer minus kernels; ``function``, the layer's
-autograd function called directly (no module call, no fast-path checks); and ``bare``, a Python node
-that only allocates its outputs (the least a Python autograd node costs).
+``grouped_mm``; this layer with and without bias; ``function``, the layer's autograd
+function (the one the layer's fast path applies, two Triton launches) called directly, so
+the module call and the fast path's checks show as layer minus function; and ``bare``, a
+Python node that only allocates its outputs (the least a Python autograd node costs).
 
 Prints each case's median time and the median of its per-iteration ratio to raw's, with a
 95% bootstrap interval of that median and the share of iterations at or under raw.
@@ -23,23 +22,7 @@ import torch.nn.functional as F
 from autograd_floor import _Bare  # benchmarks/autograd_floor.py
 from overhead import small_step_case  # benchmarks/overhead.py
 
-from grouped_linear.kernels import triton_gemm
 from grouped_linear.ops.triton_linear import apply_triton_linear
-
-
-class _Kernels(torch.autograd.Function):
-    """The layer's two kernel calls behind the plainest autograd node."""
-
-    @staticmethod
-    def forward(ctx, x, w, b, sizes):
-        ctx.save_for_backward(x, w, sizes)
-        return triton_gemm.forward(x, w, b, sizes)
-
-    @staticmethod
-    def backward(ctx, grad):
-        x, w, sizes = ctx.saved_tensors
-        grad_x, grad_w, grad_b = triton_gemm.backward(grad, x, w, sizes, ctx.needs_input_grad[2])
-        return grad_x, grad_w, grad_b, None
 
 
 def _median_interval(ratios: list[float], draws: int = 2000) -> tuple[float, float]:
@@ -57,8 +40,6 @@ def main(iterations: int) -> None:
         "raw grouped_mm": lambda: F.grouped_mm(x, w.transpose(-2, -1), offs=offs).backward(grad),
         "layer": lambda: layer(x, splits).backward(grad),
         "layer, no bias": lambda: layer_nb(x, splits).backward(grad),
-        "kernels": lambda: _Kernels.apply(x, w, b, splits).backward(grad),
-        "kernels, no bias": lambda: _Kernels.apply(x, w, None, splits).backward(grad),
         "function": lambda: apply_triton_linear(x, layer.weight, layer.bias, splits).backward(grad),
         "function, no bias": lambda: apply_triton_linear(x, layer_nb.weight, None,
                                                          splits).backward(grad),

@@ -7,6 +7,7 @@ import torch
 
 import grouped_linear as gl
 from grouped_linear.kernels import gluon_gemm, gluon_wgrad
+from tests.hardware import sm90
 from tests.reference import reference_grads, rel_err
 
 pytestmark = [
@@ -183,11 +184,7 @@ def test_mlp_recompute_activation_on_cuda_saves_memory_and_matches():
     assert held[0] - held[1] >= saved, held
 
 
-HOPPER_GLUON = (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
-                and gluon_gemm.HAS_GLUON)
-
-
-@pytest.mark.skipif(not HOPPER_GLUON, reason="needs an sm90 GPU and Gluon")
+@sm90
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("with_bias", [True, False])
 def test_grouped_backend_runs_the_gluon_kernels_on_hopper(monkeypatch, dtype, with_bias):

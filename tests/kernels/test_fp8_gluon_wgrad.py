@@ -12,10 +12,8 @@ import torch
 from grouped_linear.kernels import fp8_gluon_wgrad as gw
 from grouped_linear.kernels import fp8_triton_gemm as fg
 from grouped_linear.kernels import quantize_blocks as qb
+from tests.hardware import sm90
 from tests.reference import rel_err
-
-HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
-sm90 = pytest.mark.skipif(not (HOPPER and gw.HAS_GLUON), reason="needs an sm90 GPU and Gluon")
 
 E4M3 = torch.float8_e4m3fn
 # fp32 accumulation of exact FP8 products against float64: only rounding differs

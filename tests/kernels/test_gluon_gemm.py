@@ -11,10 +11,9 @@ import torch
 import torch.nn.functional as F
 
 from grouped_linear.kernels import gluon_gemm as bg
+from tests.hardware import HOPPER_GLUON, sm90
 from tests.reference import rel_err
 
-HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
-sm90 = pytest.mark.skipif(not (HOPPER and bg.HAS_GLUON), reason="needs an sm90 GPU and Gluon")
 BF16_TOL = 1e-2
 
 CASES = [  # (sizes, rows past the groups, K, N): ragged ends, empty groups, narrow outputs
@@ -56,7 +55,7 @@ def test_not_supported_off_hopper_or_on_bad_operands():
     x, weight = torch.randn(64, 256, dtype=torch.bfloat16), torch.randn(2, 128, 256,
                                                                         dtype=torch.bfloat16)
     assert not bg.supported(x, weight)  # CPU
-    if HOPPER and bg.HAS_GLUON:
+    if HOPPER_GLUON:
         x, weight = x.cuda(), weight.cuda()
         assert bg.supported(x, weight)
         assert not bg.supported(x.float(), weight.float())

@@ -11,10 +11,9 @@ import torch
 import torch.nn.functional as F
 
 from grouped_linear.kernels import gluon_wgrad as wg
+from tests.hardware import HOPPER_GLUON, sm90
 from tests.reference import rel_err
 
-HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
-sm90 = pytest.mark.skipif(not (HOPPER and wg.HAS_GLUON), reason="needs an sm90 GPU and Gluon")
 BF16_TOL = 1e-2
 
 CASES = [  # (sizes, rows past the groups, N, K): ragged ends, empty groups, partial tiles
@@ -54,7 +53,7 @@ def test_reference_matches_float64_on_cpu():
 def test_not_supported_off_hopper_or_on_bad_operands():
     dy, x = torch.randn(64, 128, dtype=torch.bfloat16), torch.randn(64, 256, dtype=torch.bfloat16)
     assert not wg.supported(dy, x, 2)  # CPU
-    if HOPPER and wg.HAS_GLUON:
+    if HOPPER_GLUON:
         dy, x = dy.cuda(), x.cuda()
         assert wg.supported(dy, x, 2)
         assert not wg.supported(dy.float(), x.float(), 2)

@@ -10,9 +10,8 @@ import torch
 
 from grouped_linear.kernels import quantize_blocks as qb
 from grouped_linear.kernels import quantize_blocks_gluon as qbg
+from tests.hardware import sm90
 
-HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
-sm90 = pytest.mark.skipif(not (HOPPER and qbg.HAS_GLUON), reason="needs an sm90 GPU and Gluon")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 E4M3 = torch.float8_e4m3fn
 
