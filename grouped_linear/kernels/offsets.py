@@ -35,7 +35,7 @@ def group_offsets(splits: torch.Tensor, num_rows: int) -> torch.Tensor:
             or torch.compiler.is_compiling()):
         return group_offsets_reference(splits, num_rows)
     offsets = torch.empty(G, device=splits.device, dtype=torch.int32)
-    _group_offsets_kernel[(1,)](splits, offsets, G, num_rows, BLOCK_G=next_power_of_2(G))
+    _group_offsets_kernel[(1,)](splits.contiguous(), offsets, G, num_rows, BLOCK_G=next_power_of_2(G))
     return offsets
 
 

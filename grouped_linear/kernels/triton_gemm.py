@@ -282,16 +282,29 @@ def _launch_mm(a, b_tensor, b_strides, bias, sizes, out, reduction, plan_key=Non
     return out
 
 
+def _forward_key(x, weight, bias, sizes) -> tuple:
+    return ("forward", x.shape, x.stride(), x.dtype, weight.shape, weight.stride(), weight.dtype,
+            sizes.shape, sizes.dtype, x.get_device(), _precision(x.dtype),
+            None if bias is None else (bias.stride(), bias.dtype))
+
+
+def _planned_forward(plan: LaunchPlan, x, weight, bias, sizes) -> torch.Tensor | None:
+    """The forward launched from ``plan``, or ``None`` where the plan cannot launch it."""
+    out = x.new_empty((x.shape[0], weight.shape[1]))
+    return out if plan(x, weight, out if bias is None else bias, out, sizes) else None
+
+
 def forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
             sizes: torch.Tensor) -> torch.Tensor:
     """``(M, K) x (G, N, K) -> (M, N)`` with the bias added and tail rows zero."""
-    out = x.new_empty((x.shape[0], weight.shape[1]))
-    key = ("forward", x.shape, x.stride(), x.dtype, weight.shape, weight.stride(), weight.dtype,
-           sizes.shape, sizes.dtype, x.get_device(), _precision(x.dtype),
-           None if bias is None else (bias.stride(), bias.dtype))
+    sizes = sizes.contiguous()  # read as a dense vector
+    key = _forward_key(x, weight, bias, sizes)
     plan = _PLANS.get(key)
-    if plan is not None and plan(x, weight, out if bias is None else bias, out, sizes):
-        return out
+    if plan is not None:
+        out = _planned_forward(plan, x, weight, bias, sizes)
+        if out is not None:
+            return out
+    out = x.new_empty((x.shape[0], weight.shape[1]))
     strides = (weight.stride(0), weight.stride(2), weight.stride(1))
     return _launch_mm(x, weight, strides, bias, sizes, out, x.shape[1],
                       plan_key=key if plan is None else None)
@@ -299,6 +312,7 @@ def forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
 
 def dgrad(grad_out: torch.Tensor, weight: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:
     """``(M, N) x (G, N, K) -> (M, K)``: the input gradient, tail rows zero."""
+    sizes = sizes.contiguous()
     out = torch.empty(grad_out.shape[0], weight.shape[2], device=grad_out.device,
                       dtype=grad_out.dtype)
     strides = (weight.stride(0), weight.stride(1), weight.stride(2))
@@ -320,7 +334,7 @@ def wgrad(grad_out: torch.Tensor, x: torch.Tensor, sizes: torch.Tensor,
           with_bias: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(G, N, K)`` weight gradient and, with ``with_bias``, the ``(G, N)`` bias gradient
     (summed in float32, stored in ``x``'s dtype), in one launch; empty groups give zeros."""
-    grad_out, x = _rows_contiguous(grad_out), _rows_contiguous(x)
+    grad_out, x, sizes = _rows_contiguous(grad_out), _rows_contiguous(x), sizes.contiguous()
     M, N = grad_out.shape
     K = x.shape[1]
     G = sizes.shape[0]
@@ -342,26 +356,41 @@ def wgrad(grad_out: torch.Tensor, x: torch.Tensor, sizes: torch.Tensor,
     return grad_w, _in_dtype(grad_b, x.dtype)
 
 
+def _backward_key(grad_out, x, weight, sizes, with_bias) -> tuple:
+    return ("backward", grad_out.shape, grad_out.stride(), grad_out.dtype, x.shape, x.stride(),
+            x.dtype, weight.shape, weight.stride(), weight.dtype, sizes.shape, sizes.dtype,
+            x.get_device(), _precision(x.dtype), with_bias)
+
+
+def _planned_backward(plan: LaunchPlan, grad_out, x, weight, sizes, with_bias):
+    """:func:`backward` launched from ``plan``, or ``None`` where the plan cannot launch it."""
+    M, N = grad_out.shape
+    K = x.shape[1]
+    grad_x = grad_out.new_empty((M, K))
+    grad_w, grad_b = _wgrad_buffers(x, sizes.shape[0], N, K, with_bias)
+    if plan(grad_out, x, weight, grad_x, grad_w, grad_w if grad_b is None else grad_b, sizes):
+        return grad_x, grad_w, _in_dtype(grad_b, x.dtype)
+    return None
+
+
 def backward(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, sizes: torch.Tensor,
              with_bias: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """:func:`dgrad` and :func:`wgrad` in one launch: ``(grad_x (M, K), grad_w (G, N, K),
     grad_b (G, N) or None)``, the same values as the two calls."""
-    M, N = grad_out.shape
-    K = x.shape[1]
-    G = sizes.shape[0]
-    key = ("backward", grad_out.shape, grad_out.stride(), grad_out.dtype, x.shape, x.stride(),
-           x.dtype, weight.shape, weight.stride(), weight.dtype, sizes.shape, sizes.dtype,
-           x.get_device(), _precision(x.dtype), with_bias)
+    sizes = sizes.contiguous()
+    key = _backward_key(grad_out, x, weight, sizes, with_bias)
     plan = _PLANS.get(key)
     if plan is not None:
-        grad_x = grad_out.new_empty((M, K))
-        grad_w, grad_b = _wgrad_buffers(x, G, N, K, with_bias)
-        if plan(grad_out, x, weight, grad_x, grad_w, grad_w if grad_b is None else grad_b, sizes):
-            return grad_x, grad_w, _in_dtype(grad_b, x.dtype)
+        grads = _planned_backward(plan, grad_out, x, weight, sizes, with_bias)
+        if grads is not None:
+            return grads
     rows_grad, rows_x = _rows_contiguous(grad_out), _rows_contiguous(x)
     if rows_grad is not grad_out or rows_x is not x:
         key = None  # the plan would stand for the copies' strides, not the inputs'
     grad_out, x = rows_grad, rows_x
+    M, N = grad_out.shape
+    K = x.shape[1]
+    G = sizes.shape[0]
     if M == 0 or N == 0 or K == 0:
         return (dgrad(grad_out, weight, sizes), *wgrad(grad_out, x, sizes, with_bias))
     grad_x = grad_out.new_empty((M, K))

@@ -80,8 +80,15 @@ class GroupSplits:
 
     def __post_init__(self, checked: bool) -> None:
         # A GroupSplits may also be built by hand: hold it to what normalize_splits checks.
-        if checked:
-            return
+        if not checked:
+            self._check()
+        sizes = self.device_sizes
+        if sizes is not None and not sizes.is_contiguous():
+            # The kernels read the sizes as a dense vector: a strided view (a column of a
+            # per-expert table) would be read as other values.
+            object.__setattr__(self, "device_sizes", sizes.contiguous())
+
+    def _check(self) -> None:
         if (self.host_sizes is None) == (self.device_sizes is None):
             raise ValueError("GroupSplits takes exactly one of host_sizes and device_sizes, got "
                              f"host_sizes={self.host_sizes!r}, device_sizes={self.device_sizes!r}")

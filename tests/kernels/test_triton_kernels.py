@@ -84,6 +84,11 @@ def test_group_offsets(splits, M, dtype):
     assert got.dtype == torch.int32 and got.tolist() == want
 
 
+def test_group_offsets_of_strided_splits():
+    table = torch.tensor([[3, 50], [0, 50], [5, 50]], device=DEVICE)
+    assert offset_kernels.group_offsets(table[:, 0], 7).tolist() == [3, 3, 7]
+
+
 @pytest.mark.parametrize("sizes, tail", [([1100, 0, 513, 3], 7), ([0, 2048], 0), ([511, 512, 1], 600)])
 def test_bias_grad_multi_chunk_groups(sizes, tail):
     """Groups longer than one row chunk: partial sums per chunk, then the fixed-order pass."""

@@ -55,3 +55,10 @@ def test_debug_checks_follow_the_environment_at_every_call(monkeypatch, value, e
     assert debug_checks_enabled() is enabled
     monkeypatch.delenv("GROUPED_LINEAR_DEBUG")
     assert debug_checks_enabled() is False
+
+
+@pytest.mark.parametrize("checked", [True, False])
+def test_device_sizes_kept_dense(checked):
+    table = torch.tensor([[3, 9], [0, 9], [4, 9]])
+    s = GroupSplits(3, 7, torch.device("cpu"), None, table[:, 0], checked=checked)
+    assert s.device_sizes.is_contiguous() and s.size_tensor.tolist() == [3, 0, 4]
