@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from autograd_floor import _Bare  # benchmarks/autograd_floor.py
 from overhead import small_step_case  # benchmarks/overhead.py
 
+from grouped_linear.kernels.triton_gemm import LinearLaunches
 from grouped_linear.ops.triton_linear import apply_triton_linear
 
 
@@ -36,13 +37,15 @@ def main(iterations: int) -> None:
     x, w, b, splits, offs, grad = case.x, case.w, case.b, case.splits, case.offs, case.grad
     layer, layer_nb = case.layer, case.layer_nb
     leaves = [x, w, b, *layer.parameters(), *layer_nb.parameters()]
+    launches, launches_nb = LinearLaunches(), LinearLaunches()  # one per geometry, kept
     steps = {
         "raw grouped_mm": lambda: F.grouped_mm(x, w.transpose(-2, -1), offs=offs).backward(grad),
         "layer": lambda: layer(x, splits).backward(grad),
         "layer, no bias": lambda: layer_nb(x, splits).backward(grad),
-        "function": lambda: apply_triton_linear(x, layer.weight, layer.bias, splits).backward(grad),
-        "function, no bias": lambda: apply_triton_linear(x, layer_nb.weight, None,
-                                                         splits).backward(grad),
+        "function": lambda: apply_triton_linear(x, layer.weight, layer.bias, splits,
+                                                launches).backward(grad),
+        "function, no bias": lambda: apply_triton_linear(x, layer_nb.weight, None, splits,
+                                                         launches_nb).backward(grad),
         "bare": lambda: _Bare.apply(x, w, b, splits).backward(grad),
     }
     names = list(steps)

@@ -20,7 +20,7 @@ from ._triton import LaunchPlan, cdiv, kernel, next_power_of_2, sm_count, tl, tr
 from .bias import bias_grad_reference
 from .offsets import group_offsets
 
-__all__ = ["forward", "dgrad", "wgrad", "backward", "fits", "MAX_GROUPS"]
+__all__ = ["forward", "dgrad", "wgrad", "backward", "LinearLaunches", "fits", "MAX_GROUPS"]
 
 
 @triton.jit
@@ -408,6 +408,57 @@ def backward(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, size
                 DX_PROGRAMS=dx_programs, num_warps=4, num_stages=3)
     _launch(_grouped_backward_kernel, grid, args, meta, key if plan is None else None)
     return grad_x, grad_w, _in_dtype(grad_b, x.dtype)
+
+
+class LinearLaunches:
+    """:func:`forward` and :func:`backward` for a caller that keeps one of these per geometry.
+
+    :func:`forward` and :func:`backward` find their launch plans under keys of every shape,
+    stride and dtype involved (11 and 15 items, built at each call). A caller whose own
+    cache already tells geometries apart (the layer's fast path: one object per shape,
+    stride, dtype and device of ``x``, ``weight``, ``bias`` and ``sizes``) calls these
+    methods instead: each finds its plan once, through the keyed function, and then
+    launches from it; the backward also checks the gradient's strides and dtype, which the
+    caller's key cannot know. Each launch still falls back to the keyed function where the
+    plan cannot launch (another current device, an unaligned tensor, launch hooks), and
+    float32 always takes it (its precision follows ``allow_tf32``, a global setting).
+    """
+
+    __slots__ = ("_forward", "_backward")
+
+    def __init__(self) -> None:
+        self._forward = None  # a LaunchPlan, False (none to be had) or None (not looked up)
+        self._backward = {}  # with_bias -> (plan, grad_out strides, grad_out dtype) or ()
+
+    def forward(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                sizes: torch.Tensor) -> torch.Tensor:
+        """:func:`forward`."""
+        sizes = sizes.contiguous()
+        plan = self._forward
+        if plan:
+            out = _planned_forward(plan, x, weight, bias, sizes)
+            if out is not None:
+                return out
+        out = forward(x, weight, bias, sizes)
+        if plan is None and x.dtype != torch.float32:
+            self._forward = _PLANS.get(_forward_key(x, weight, bias, sizes)) or False
+        return out
+
+    def backward(self, grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                 sizes: torch.Tensor, with_bias: bool
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """:func:`backward`, for the ``x``, ``weight`` and ``sizes`` of :meth:`forward`."""
+        sizes = sizes.contiguous()
+        entry = self._backward.get(with_bias)
+        if entry and grad_out.stride() == entry[1] and grad_out.dtype == entry[2]:
+            grads = _planned_backward(entry[0], grad_out, x, weight, sizes, with_bias)
+            if grads is not None:
+                return grads
+        grads = backward(grad_out, x, weight, sizes, with_bias)
+        if entry is None and x.dtype != torch.float32:
+            plan = _PLANS.get(_backward_key(grad_out, x, weight, sizes, with_bias))
+            self._backward[with_bias] = (plan, grad_out.stride(), grad_out.dtype) if plan else ()
+        return grads
 
 
 def _in_dtype(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:

@@ -16,6 +16,7 @@ from torch._C._functorch import is_functorch_wrapped_tensor
 from ..kernels import triton_gemm
 from ..kernels._triton import HAS_TRITON, interpreting
 from ..kernels.offsets import group_offsets
+from ..kernels.triton_gemm import LinearLaunches
 from ..recipes import Float8Recipe, check_recipe, current_recipe
 from .fp8 import Fp8Config, Fp8GroupedLinearFunction, Fp8Weight, fp8_path
 from .fp8_blockwise import Fp8BlockwiseFunction
@@ -266,8 +267,10 @@ def fast_grouped_linear(
     active. It then does what :func:`apply_grouped_linear` does for that call, minus the
     :class:`GroupSplits` it would build; anything else (and every error) goes the full way.
     Small problems are host-bound, so this is where their time goes: the checks of one
-    signature (shapes but the row count, dtypes, devices, backend) run once
-    (:func:`_fast_backend`), later calls look their verdict up.
+    signature (shapes, strides, dtypes, devices, backend) run once (:func:`_fast_backend`),
+    later calls look their verdict up; for the ``triton`` backend the verdict carries the
+    :class:`~grouped_linear.kernels.triton_gemm.LinearLaunches` of that geometry, so the
+    kernels' launch plans need no key of their own.
     """
     if (type(x) is not torch.Tensor or type(m_splits) is not torch.Tensor or not x.is_cuda
             or not isinstance(weight, torch.Tensor) or type(backend) is not str
@@ -276,28 +279,32 @@ def fast_grouped_linear(
     shape = x.shape
     if len(shape) != 2:
         return None
-    key = (shape[1], shape[0] <= TRITON_AUTO_MAX_ROWS, x.dtype, x.device, m_splits.shape,
-           m_splits.dtype, m_splits.device, weight.shape, weight.dtype, weight.device,
-           None if bias is None else (bias.shape, bias.dtype, bias.device), backend)
-    resolved = _FAST_BACKENDS.get(key)
-    if resolved is None:
+    key = (shape, x.stride(), shape[0] <= TRITON_AUTO_MAX_ROWS, x.dtype, x.device,
+           m_splits.shape, m_splits.dtype, m_splits.device, weight.shape, weight.stride(),
+           weight.dtype, weight.device,
+           None if bias is None else (bias.shape, bias.stride(), bias.dtype, bias.device), backend)
+    verdict = _FAST_VERDICTS.get(key)
+    if verdict is None:
         resolved = _fast_backend(x, weight, bias, m_splits, backend)
-        if len(_FAST_BACKENDS) >= _MAX_FAST_BACKENDS:
-            _FAST_BACKENDS.clear()
-        _FAST_BACKENDS[key] = resolved
+        verdict = (resolved, LinearLaunches() if resolved == "triton" else None)
+        if len(_FAST_VERDICTS) >= _MAX_FAST_VERDICTS:
+            _FAST_VERDICTS.clear()
+        _FAST_VERDICTS[key] = verdict
+    resolved, launches = verdict
     if (not resolved or current_recipe() is not None or torch.is_autocast_enabled("cuda")
             or torch.compiler.is_compiling() or debug_checks_enabled()):
         return None
-    if resolved == "triton" and not _functorch_involved(x, weight, bias):
-        return apply_triton_linear(x, weight, bias, m_splits)
+    if launches is not None and not _functorch_involved(x, weight, bias):
+        return apply_triton_linear(x, weight, bias, m_splits, launches)
     groups = m_splits if resolved == "triton" else group_offsets(m_splits, shape[0])
     return _run(x, weight, bias, groups, None, _DEVICE_SPLIT_CONFIGS[resolved])
 
 
-# :func:`fast_grouped_linear`'s verdicts by call signature ("" where the fast path does not
-# apply); the cache starts over when full.
-_FAST_BACKENDS: dict[tuple, str] = {}
-_MAX_FAST_BACKENDS = 1024
+# :func:`fast_grouped_linear`'s verdicts by call signature: the backend ("" where the fast
+# path does not apply) and, for ``triton``, that geometry's launches. The cache starts over
+# when full.
+_FAST_VERDICTS: dict[tuple, tuple[str, LinearLaunches | None]] = {}
+_MAX_FAST_VERDICTS = 1024
 
 
 def _fast_backend(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

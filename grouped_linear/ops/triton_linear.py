@@ -5,9 +5,10 @@ of GPU time each, and the Python around them sets the pace. This autograd functi
 :class:`~grouped_linear.ops.grouped_linear.GroupedLinearFunction` cut down to what
 :func:`~grouped_linear.ops.grouped_linear.fast_grouped_linear` has already established
 (a plain CUDA tensor input, device splits, parameters of the input's dtype, no gradient
-routing, nothing tracing): it calls the Triton kernels directly, whose launch plans
-(:class:`~grouped_linear.kernels._triton.LaunchPlan`) skip Triton's argument binding,
-saves three tensors and no Python attributes, and builds no configuration object.
+routing, nothing tracing): it launches the Triton kernels through the caller's
+:class:`~grouped_linear.kernels.triton_gemm.LinearLaunches` for the call's geometry (launch
+plans found once, so no plan key per call, and no Triton argument binding), saves three
+tensors and that object, and builds no configuration object.
 ``torch.compile``, functorch transforms and every other case go through
 ``GroupedLinearFunction`` and its ``torch.library`` operators instead.
 """
@@ -31,9 +32,10 @@ class TritonGroupedLinearFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, sizes):
+    def forward(ctx, x, weight, bias, sizes, launches):
         ctx.save_for_backward(x, weight, sizes)
-        return triton_gemm.forward(x, weight, bias, sizes)
+        ctx.launches = launches
+        return launches.forward(x, weight, bias, sizes)
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -42,13 +44,13 @@ class TritonGroupedLinearFunction(torch.autograd.Function):
         # Gradients of reductions such as y.sum() arrive with zero strides.
         grad_out = grad_out.contiguous()
         if need_x and (need_w or need_b):
-            grad_x, grad_w, grad_b = triton_gemm.backward(grad_out, x, weight, sizes, need_b)
+            grad_x, grad_w, grad_b = ctx.launches.backward(grad_out, x, weight, sizes, need_b)
         else:
             grad_x = triton_gemm.dgrad(grad_out, weight, sizes) if need_x else None
             grad_w = grad_b = None
             if need_w or need_b:
                 grad_w, grad_b = triton_gemm.wgrad(grad_out, x, sizes, need_b)
-        return grad_x, (grad_w if need_w else None), grad_b, None
+        return grad_x, (grad_w if need_w else None), grad_b, None, None
 
 
 def records_graph(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
@@ -64,9 +66,16 @@ _apply = torch._C._FunctionBase.__dict__["apply"].__get__(None, TritonGroupedLin
 
 
 def apply_triton_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                        sizes: torch.Tensor) -> torch.Tensor:
+                        sizes: torch.Tensor,
+                        launches: triton_gemm.LinearLaunches | None = None) -> torch.Tensor:
     """``(M, K) x (G, N, K) (+ (G, N)) -> (M, N)`` through :class:`TritonGroupedLinearFunction`
-    where a graph is recorded, else the forward kernel alone (no autograd node)."""
+    where a graph is recorded, else the forward kernel alone (no autograd node).
+
+    ``launches``: the caller's object for this call's geometry (shapes, strides, dtypes and
+    device of all four tensors), reused across its calls; ``None`` for a one-off call.
+    """
+    if launches is None:
+        launches = triton_gemm.LinearLaunches()
     if records_graph(x, weight, bias):
-        return _apply(x, weight, bias, sizes)
-    return triton_gemm.forward(x, weight, bias, sizes)
+        return _apply(x, weight, bias, sizes, launches)
+    return launches.forward(x, weight, bias, sizes)

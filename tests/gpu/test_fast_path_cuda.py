@@ -166,19 +166,30 @@ def test_fast_path_records_the_triton_node_for_the_triton_backend(backend, scale
 
 
 def test_fast_path_verdicts_are_kept_per_signature(monkeypatch):
-    """A second row count of the same signature reuses the first call's verdict; the verdict
+    """A second call of the same signature reuses the first call's verdict (for the triton
+    backend with the same launches object), another row count gets its own; the verdict
     follows ``TRITON_AUTO_MAX_ROWS`` (part of the key), and a parametrized weight (absent from
     ``_parameters``) is applied: the layer's call takes it through the full path."""
     layer = _layer(True, "auto")
-    ops_module._FAST_BACKENDS.clear()
+    ops_module._FAST_VERDICTS.clear()
+    resolutions = []
+    resolve = ops_module._fast_backend
+    monkeypatch.setattr(ops_module, "_fast_backend",
+                        lambda *args: resolutions.append(1) or resolve(*args))
     splits = torch.tensor(SIZES, device="cuda")
     x = torch.randn(sum(SIZES) + 3, K, device="cuda", dtype=torch.bfloat16)
     layer(x, splits)
+    (verdict,) = ops_module._FAST_VERDICTS.values()
+    layer(x, splits)
+    assert len(resolutions) == 1 and list(ops_module._FAST_VERDICTS.values()) == [verdict]
+    assert verdict[0] == "triton" and verdict[1] is not None
     layer(x[:-2], splits)
-    assert list(ops_module._FAST_BACKENDS.values()) == ["triton"]
+    assert [name for name, _ in ops_module._FAST_VERDICTS.values()] == ["triton", "triton"]
     monkeypatch.setattr(ops_module, "TRITON_AUTO_MAX_ROWS", 16)
     y = layer(x, splits)
-    assert sorted(ops_module._FAST_BACKENDS.values()) == ["grouped", "triton"]
+    assert sorted(name for name, _ in ops_module._FAST_VERDICTS.values()) == [
+        "grouped", "triton", "triton"]
+    assert len(resolutions) == 3
     ref = reference_grads(x, layer.weight, layer.bias, SIZES, torch.ones_like(y))[0]
     assert rel_err(y, ref) < 1e-2
 

@@ -98,3 +98,44 @@ def test_strided_split_sizes_read_as_their_values():
                      x[14:17].double() @ w[3].double().t() + b[3].double(),
                      torch.zeros(2, 8, dtype=torch.float64, device=DEVICE)])
     assert rel_err(triton_gemm.forward(x, w, b, strided), ref) < 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_linear_launches_match_the_keyed_functions(monkeypatch, dtype):
+    """``LinearLaunches`` gives the keyed functions' values bit for bit. On CUDA its second
+    call of each direction launches from the plan without calling them (bf16), except for a
+    gradient of other strides; float32 always takes them (``allow_tf32`` may change)."""
+    torch.manual_seed(0)
+    sizes = torch.tensor([7, 0, 20, 1], device=DEVICE)
+    x = torch.randn(30, 24, device=DEVICE, dtype=dtype)
+    w = torch.randn(4, 40, 24, device=DEVICE, dtype=dtype)
+    b = torch.randn(4, 40, device=DEVICE, dtype=dtype)
+    dy = torch.randn(30, 40, device=DEVICE, dtype=dtype)
+    want_y = triton_gemm.forward(x, w, b, sizes)
+    want_grads = triton_gemm.backward(dy, x, w, sizes, True)
+    # A gradient with another row stride (another Triton specialization: in float32 not
+    # always bit-equal to the dense one's).
+    wide = torch.zeros(30, 48, device=DEVICE, dtype=dtype)
+    wide[:, :40] = dy
+    want_wide = triton_gemm.backward(wide[:, :40], x, w, sizes, True)
+    calls = []
+    for name in ("forward", "backward"):
+        keyed = getattr(triton_gemm, name)
+        monkeypatch.setattr(triton_gemm, name,
+                            lambda *args, _name=name, _keyed=keyed: calls.append(_name)
+                            or _keyed(*args))
+    launches = triton_gemm.LinearLaunches()
+    for _ in range(3):
+        assert torch.equal(launches.forward(x, w, b, sizes), want_y)
+        for got, want in zip(launches.backward(dy, x, w, sizes, True), want_grads):
+            assert torch.equal(got, want)
+    planned = DEVICE == "cuda" and dtype == torch.bfloat16
+    assert calls == (["forward", "backward"] if planned else ["forward", "backward"] * 3)
+    # The wide gradient's strides are not the plan's: the keyed function.
+    for got, want in zip(launches.backward(wide[:, :40], x, w, sizes, True), want_wide):
+        assert torch.equal(got, want)
+    assert calls[-1] == "backward"
+    # The other bias flag has a plan of its own.
+    grad_x, grad_w, grad_b = launches.backward(dy, x, w, sizes, False)
+    assert grad_b is None and torch.equal(grad_x, want_grads[0])
+    assert torch.equal(grad_w, want_grads[1])
