@@ -9,19 +9,13 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
-from ..ops.bias_add import add_group_bias
 from ..ops.checks import check_int
-from ..ops.fp8 import fp8_path, quantize_weight
-from ..ops.grouped_linear import (
-    BACKEND_CHOICES,
-    apply_grouped_linear,
-    fast_grouped_linear,
-    join_inputs,
-)
-from ..ops.splits import normalize_splits
+from ..ops.dispatch import check_backend
+from ..ops.fp8 import Fp8WeightCache
+from ..ops.grouped_linear import apply_grouped_linear
 from ..ops.weight_grad import WeightGradSink, check_main_grad
-from ..parallel.tensor_parallel import TensorParallel, copy_to_tp_region, reduce_from_tp_region
-from ..recipes import check_recipe, current_recipe
+from ..parallel.tensor_parallel import TensorParallel
+from ..recipes import check_recipe
 
 try:  # sharded parameters (FSDP2's fully_shard); absent from builds without distributed
     from torch.distributed.tensor import DTensor, distribute_tensor
@@ -29,8 +23,6 @@ except ImportError:  # pragma: no cover
     DTensor = distribute_tensor = None
 
 __all__ = ["GroupedLinear"]
-
-_MISSING = object()  # a parameter name absent from ``_parameters``
 
 
 class GroupedLinear(nn.Module):
@@ -95,8 +87,7 @@ class GroupedLinear(nn.Module):
         self.num_gemms = check_int("num_gemms", num_gemms)
         self.in_features = check_int("in_features", in_features)
         self.out_features = check_int("out_features", out_features)
-        if not isinstance(backend, str) or backend not in BACKEND_CHOICES:
-            raise ValueError(f"backend={backend!r} is not one of {BACKEND_CHOICES}")
+        check_backend(backend)
         check_recipe(recipe)
         self.tp = TensorParallel.create(parallel_mode, tp_size, tp_group, reduce_output,
                                         check_int("tp_column_blocks", tp_column_blocks),
@@ -129,7 +120,9 @@ class GroupedLinear(nn.Module):
         self.backend = backend
         self.recipe = recipe
         self._pending_wgrads: deque = deque()
-        self._fp8_weight_cache: dict = {}
+        self._fp8_weights = Fp8WeightCache()
+        # What the op needs of tensor parallelism: nothing on one rank.
+        self._tp_hooks = self.tp if self.tp.size > 1 else None
 
         factory = {"device": device, "dtype": params_dtype or torch.get_default_dtype()}
         G = self.num_gemms
@@ -260,88 +253,55 @@ class GroupedLinear(nn.Module):
         ``return_bias`` overrides the constructor's choice for this call (callers
         that fold the bias into their next kernel, like ``GroupedMLP``).
         """
-        if is_first_microbatch is None and return_bias is None and self._plain_call():
-            # The parameters from their dict: ``self.weight`` goes through Module.__getattr__
-            # (a Python call each). Missing entries (a parametrization) take the full path.
-            params = self._parameters
-            weight, bias = params.get("weight"), params.get("bias", _MISSING)
-            if weight is not None and bias is not _MISSING:
-                out = fast_grouped_linear(x, weight, bias, m_splits, self.backend)
-                if out is not None:
-                    return out
-        if return_bias is not None and not isinstance(return_bias, bool):
+        if return_bias is None:
+            return_bias = self.return_bias
+        elif not isinstance(return_bias, bool):
             raise TypeError(f"return_bias must be None or a bool, got {return_bias!r}")
-        return_bias = self.return_bias if return_bias is None else return_bias
         if (self.tp.mode == "row" and not self.tp.reduce_output and self.use_bias
                 and not return_bias):
             raise ValueError(
                 "return_bias=False with reduce_output=False: the caller reduces the output, "
                 "so the bias must be added after that reduction (return_bias=True)"
             )
-        out = self._grouped_forward(x, m_splits, is_first_microbatch, add_bias=not return_bias)
+        # The parameters from their dict where they are plain entries (``self.weight`` goes
+        # through Module.__getattr__, a Python call each); a parametrization computes them.
+        params = self._parameters
+        weight = params.get("weight") if self.single_grouped_weight else None
+        if weight is None:
+            weight = self.grouped_weight()
+        bias = None
+        if self.use_bias and not return_bias:
+            bias = params.get("bias") if self.single_grouped_bias else None
+            if bias is None:
+                bias = self.grouped_bias()
+        sink = None
+        if self.delay_wgrad_compute or self.fuse_wgrad_accumulation:
+            sink = self._weight_grad_sink()
+        out = apply_grouped_linear(
+            x, weight, bias, m_splits, backend=self.backend, recipe=self.recipe, sink=sink,
+            weight_cache=self._fp8_weights, is_first_microbatch=is_first_microbatch,
+            tp=self._tp_hooks,
+        )
         if not return_bias:
             return out
         if not self.use_bias:
             return out, None
         return out, (self.bias if self.single_grouped_bias else self.bias_list())
 
-    def _plain_call(self) -> bool:
-        """Whether a call is the plain high-precision one (no recipe, tensor parallelism, bias
-        return, gradient routing, per-expert parameters): then
-        :func:`~grouped_linear.ops.grouped_linear.fast_grouped_linear` may take it."""
-        return (self.recipe is None and not self.return_bias and self.tp.mode is None
-                and self.single_grouped_weight and (self.single_grouped_bias or not self.use_bias)
-                and not self.delay_wgrad_compute and not self.fuse_wgrad_accumulation)
-
-    def _grouped_forward(self, x, m_splits, is_first_microbatch, *, add_bias: bool) -> torch.Tensor:
-        if is_first_microbatch is not None and not isinstance(is_first_microbatch, bool):
-            raise TypeError(f"is_first_microbatch must be None or a bool, got {is_first_microbatch!r}")
+    def _weight_grad_sink(self) -> WeightGradSink | None:
+        """Where this call's parameter gradients go under ``delay_wgrad_compute`` or
+        ``fuse_wgrad_accumulation`` (``None`` when no weight gradient is wanted); a missing
+        ``main_grad`` raises here, before anything runs."""
         weights, names = self._weight_params()
-        needs_grad = torch.is_grad_enabled() and any(w.requires_grad for w in weights)
-        if self.fuse_wgrad_accumulation and needs_grad:
+        if not (torch.is_grad_enabled() and any(w.requires_grad for w in weights)):
+            return None
+        if self.fuse_wgrad_accumulation:
             check_main_grad(weights, names)
-        sink = None
-        if needs_grad and (self.delay_wgrad_compute or self.fuse_wgrad_accumulation):
-            sink = WeightGradSink(
-                weights, self._bias_params(), names,
-                delay=self.delay_wgrad_compute,
-                fuse_main_grad=self.fuse_wgrad_accumulation,
-                queue=self._pending_wgrads,
-            )
-        tp = self.tp
-        bias = self.grouped_bias() if add_bias else None
-        weight = self.grouped_weight()
-        if tp.size > 1:
-            in_local = tp.local_features(self.in_features, self.out_features)[0]
-            x, m_splits = join_inputs(x, m_splits, in_local)
-            m_splits = normalize_splits(m_splits, num_groups=self.num_gemms,
-                                        num_rows=x.shape[0], device=x.device)
-            if tp.mode == "column":
-                x = copy_to_tp_region(x, tp.group)
-            elif bias is not None:  # row: the bias goes on after the reduction
-                out = self._apply_gemm(x, weight, None, m_splits, sink, is_first_microbatch)
-                out = reduce_from_tp_region(out, tp.group)
-                return add_group_bias(out, bias, m_splits, sink)
-            elif tp.reduce_output:
-                out = self._apply_gemm(x, weight, None, m_splits, sink, is_first_microbatch)
-                return reduce_from_tp_region(out, tp.group)
-        return self._apply_gemm(x, weight, bias, m_splits, sink, is_first_microbatch)
-
-    def _apply_gemm(self, x, weight, bias, m_splits, sink, is_first_microbatch) -> torch.Tensor:
-        recipe = self.recipe if self.recipe is not None else current_recipe()
-        cached = None
-        if recipe is not None and is_first_microbatch is not None:
-            cached = self._fp8_weight_cache.get(recipe)
-            x_like = x if isinstance(x, torch.Tensor) else x[0]
-            path = fp8_path(recipe, x_like, weight)
-            if cached is None or cached.path != path:
-                cached = quantize_weight(weight, recipe, path)
-                self._fp8_weight_cache = {recipe: cached}
-            elif is_first_microbatch:
-                cached.refresh_(weight)  # same buffers: captured CUDA graphs stay valid
-        return apply_grouped_linear(
-            x, weight, bias, m_splits, backend=self.backend, sink=sink, recipe=recipe,
-            cached_weight=cached,
+        return WeightGradSink(
+            weights, self._bias_params(), names,
+            delay=self.delay_wgrad_compute,
+            fuse_main_grad=self.fuse_wgrad_accumulation,
+            queue=self._pending_wgrads,
         )
 
     def backward_dw(self) -> None:
@@ -383,13 +343,11 @@ class GroupedLinear(nn.Module):
                     )
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
                                       unexpected_keys, error_msgs)
-        # Cached FP8 copies describe the weights before the load: re-quantize them in place
-        # (their buffers stay, so captured CUDA graphs read the loaded weights).
-        if self._fp8_weight_cache:
+        # A cached FP8 copy describes the weight before the load: re-quantize it in place
+        # (its buffers stay, so captured CUDA graphs read the loaded weight).
+        if self._fp8_weights.entry is not None:
             with torch.no_grad():
-                weight = self.grouped_weight()
-                for cached in self._fp8_weight_cache.values():
-                    cached.refresh_(weight)
+                self._fp8_weights.refresh_(self.grouped_weight())
 
     def extra_repr(self) -> str:
         parts = [

@@ -171,7 +171,7 @@ class GroupedMLP(nn.Module):
                 fc1_bias = torch.stack(fc1_bias)
 
             def activate(h):
-                return bias_activation(h, fc1_bias, splits.offsets, self.activation,
+                return bias_activation(h, fc1_bias, splits.ends, self.activation,
                                        splits.may_have_tail)
         h = activate(pre)
         if not (self.recompute_activation and torch.is_grad_enabled()

@@ -14,20 +14,20 @@ __all__ = ["add_group_bias"]
 
 class _GroupBiasAdd(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, y, bias, offsets, zero_tail, sink):
-        ctx.save_for_backward(offsets)
+    def forward(ctx, y, bias, ends, zero_tail, sink):
+        ctx.save_for_backward(ends)
         ctx.bias_dtype = bias.dtype
         ctx.sink = sink
-        return bias_kernels.bias_epilogue_(y.clone(), bias, offsets, zero_tail)
+        return bias_kernels.bias_epilogue_(y.clone(), bias, ends, zero_tail)
 
     @staticmethod
     def backward(ctx, grad):
-        (offsets,) = ctx.saved_tensors
+        (ends,) = ctx.saved_tensors
         grad = grad.contiguous()
         bias_dtype = ctx.bias_dtype
 
         def bias_grad():
-            return None, bias_kernels.bias_grad(grad, offsets, bias_dtype)
+            return None, bias_kernels.bias_grad(grad, ends, bias_dtype)
 
         _, grad_bias = route_weight_grads(ctx.sink, ctx.needs_input_grad[1], bias_grad)
         return grad, grad_bias, None, None, None
@@ -38,4 +38,4 @@ def add_group_bias(y: torch.Tensor, bias: torch.Tensor, splits: GroupSplits,
     """``y`` ``(M, N)`` plus ``bias[g]`` ``(G, N)`` on the rows of group ``g``; rows in no
     group (device splits summing below ``M``) become zero. With a delaying ``sink`` the
     bias gradient waits for ``backward_dw`` like the weight's."""
-    return _GroupBiasAdd.apply(y, bias, splits.offsets, splits.may_have_tail, sink)
+    return _GroupBiasAdd.apply(y, bias, splits.ends, splits.may_have_tail, sink)

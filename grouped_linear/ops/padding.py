@@ -157,7 +157,7 @@ def pad_groups(
         tensors nothing synchronizes with the host: ``P = M + G*(multiple-1)``
         (an upper bound), every row past the data is zero, rows of ``x`` past
         ``sum(m_splits)`` are dropped, and ``padded_splits`` is computed from
-        the offsets clamped to ``[0, M]``.
+        the ends clamped to ``[0, M]``.
 
     Differentiable in ``x``; forward and backward are deterministic gathers.
     """
@@ -180,7 +180,7 @@ def pad_groups(
             i = next(i for i, (a, b) in enumerate(zip(given, list_sizes, strict=True)) if a != b)
             raise ValueError(f"m_splits[{i}] is {given[i]} but x[{i}] has {list_sizes[i]} rows")
 
-    in_ends = splits.offsets.to(torch.int64)
+    in_ends = splits.ends.to(torch.int64)
     padded: list[int] | torch.Tensor
     if splits.host_sizes is not None:
         padded = [_round_up(size, multiple) for size in splits.host_sizes]
@@ -190,7 +190,7 @@ def pad_groups(
         if isinstance(m_splits, torch.Tensor):
             padded = torch.tensor(padded, dtype=torch.int64, device=m_splits.device)
     else:
-        sizes = (splits.offsets - splits.starts()).to(torch.int64)
+        sizes = (splits.ends - splits.starts()).to(torch.int64)
         padded = (sizes + (multiple - 1)) // multiple * multiple
         out_ends = padded.cumsum(0)
         out_rows = num_rows + num_groups * (multiple - 1)
@@ -222,7 +222,7 @@ def unpad_groups(
         ``(N, H)`` with ``N = num_rows`` or ``sum(m_splits)``: group ``i``'s first
         ``m_splits[i]`` rows of ``yp``, group after group; rows past the data
         (CUDA splits summing to less than ``N``) are zero. With CUDA splits the
-        offsets are clamped to ``[0, N]`` and ``[0, P]``, so bad values never
+        ends are clamped to ``[0, N]`` and ``[0, P]``, so bad values never
         index out of bounds.
 
     Differentiable in ``yp`` (the padding rows get zero gradient).
@@ -262,6 +262,6 @@ def unpad_groups(
                     f"padded_splits[{i}] is {pad}, smaller than m_splits[{i}] = {size}"
                 )
 
-    m_ends = splits.offsets.to(torch.int64)
-    p_ends = padded.offsets.to(torch.int64)
+    m_ends = splits.ends.to(torch.int64)
+    p_ends = padded.ends.to(torch.int64)
     return _Relayout.apply(yp, p_ends, m_ends, num_rows)

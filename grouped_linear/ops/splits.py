@@ -1,9 +1,9 @@
 """One normalised form of the user's ``m_splits``, built once per call.
 
-Every op receives a :class:`GroupSplits`: the group count, the row count, the
-cumulative row offsets on the compute device (what the GEMM kernels index
-with) and, when the sizes are known on the host, the sizes themselves (what
-the per-group loop and exact-size allocations use).
+Every op receives a :class:`GroupSplits`: the group count, the row count, the group
+``sizes`` (per-group row counts) and their ``ends`` (cumulative sums, what the GEMM
+kernels index with) on the compute device and, when the sizes are known on the host,
+the sizes as Python ints (what the per-group loop and exact-size allocations use).
 """
 
 from __future__ import annotations
@@ -65,9 +65,9 @@ class GroupSplits:
         device_sizes: the user's ``(G,)`` integer split tensor for device
             splits (unclamped: kernels clamp), else ``None``.
 
-    Derived on first use, then cached: ``offsets`` (``(G,)`` int32 cumulative
-    group ends on the device, non-decreasing, clamped to ``[0, M]``) and
-    ``size_tensor`` (the sizes as a device tensor).
+    Derived on first use, then cached: ``ends`` (``(G,)`` int32 cumulative group
+    ends on the device, non-decreasing, clamped to ``[0, M]``) and ``sizes`` (the
+    sizes as a ``(G,)`` device tensor; device splits as given, unclamped).
     """
 
     num_groups: int
@@ -107,27 +107,27 @@ class GroupSplits:
                              f"({self.num_groups},)")
 
     @property
-    def offsets(self) -> torch.Tensor:
-        cached = self.__dict__.get("_offsets")
+    def ends(self) -> torch.Tensor:
+        cached = self.__dict__.get("_ends")
         if cached is None:
             if self.host_sizes is None:
                 cached = group_offsets(self.device_sizes, self.num_rows)
             else:
                 ends = _int32_tensor(itertools.accumulate(self.host_sizes))
                 cached = ends if self.device.type == "cpu" else ends.to(self.device, non_blocking=True)
-            object.__setattr__(self, "_offsets", cached)
+            object.__setattr__(self, "_ends", cached)
         return cached
 
     @property
-    def size_tensor(self) -> torch.Tensor:
+    def sizes(self) -> torch.Tensor:
         if self.host_sizes is None:
             return self.device_sizes
-        cached = self.__dict__.get("_size_tensor")
+        cached = self.__dict__.get("_sizes")
         if cached is None:
             cached = _int32_tensor(self.host_sizes)
             if self.device.type != "cpu":
                 cached = cached.to(self.device, non_blocking=True)
-            object.__setattr__(self, "_size_tensor", cached)
+            object.__setattr__(self, "_sizes", cached)
         return cached
 
     @property
@@ -143,18 +143,18 @@ class GroupSplits:
         """Group sizes as Python ints (synchronizes for device splits)."""
         if self.host_sizes is not None:
             return list(self.host_sizes)
-        ends = self.offsets.tolist()
+        ends = self.ends.tolist()
         return [end - start for start, end in zip([0] + ends[:-1], ends)]
 
-    def host_offsets(self) -> torch.Tensor:
+    def host_ends(self) -> torch.Tensor:
         """``(G,)`` int64 CPU tensor of group ends (synchronizes for device splits)."""
         if self.host_sizes is not None:
             return torch.tensor(self.host_sizes, dtype=torch.int64).cumsum(0)
-        return self.offsets.to("cpu", torch.int64)
+        return self.ends.to("cpu", torch.int64)
 
     def starts(self) -> torch.Tensor:
         """``(G,)`` group starts on the compute device."""
-        return torch.cat([self.offsets.new_zeros(1), self.offsets[:-1]])
+        return torch.cat([self.ends.new_zeros(1), self.ends[:-1]])
 
 
 def _check_host_sizes(sizes: list[int], num_rows: int | None, name: str) -> None:
@@ -200,7 +200,7 @@ def normalize_splits(
             :class:`GroupSplits` (checked against ``num_groups``/``num_rows``).
         num_groups: expected ``G``.
         num_rows: ``M``, the input's row count.
-        device: the compute device (where ``offsets`` is placed).
+        device: the compute device (where ``ends`` and ``sizes`` are placed).
 
     Host splits (sequences and CPU tensors) are checked in full. Device splits
     are only clamped (never read back) unless ``GROUPED_LINEAR_DEBUG=1``.

@@ -71,6 +71,23 @@ class TensorParallel:
             raise ValueError(f"in_features={in_features} is not divisible by tp_size={size}")
         return cls(mode, size, rank, group, bool(reduce_output), column_chunks)
 
+    @property
+    def bias_after_leave(self) -> bool:
+        """Row mode: the bias goes on after the partial outputs are reduced."""
+        return self.mode == "row"
+
+    def enter(self, x: torch.Tensor) -> torch.Tensor:
+        """The layer's input as its GEMM reads it: column mode replicates it (the gradient is
+        all-reduced in backward), row mode takes it as it comes (already sharded)."""
+        return copy_to_tp_region(x, self.group) if self.mode == "column" else x
+
+    def leave(self, out: torch.Tensor) -> torch.Tensor:
+        """The GEMM's output as the layer returns it: row mode all-reduces the partial outputs
+        unless ``reduce_output=False`` (the caller reduces)."""
+        if self.mode == "row" and self.reduce_output:
+            return reduce_from_tp_region(out, self.group)
+        return out
+
     def local_features(self, in_features: int, out_features: int) -> tuple[int, int]:
         """``(in, out)`` of this rank's parameters."""
         if self.mode == "column":

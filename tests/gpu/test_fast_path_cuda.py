@@ -1,4 +1,4 @@
-"""The fast path of the plain CUDA call (``ops.grouped_linear.fast_grouped_linear``)."""
+"""The fast path of the plain CUDA call (the verdict cache of ``ops.dispatch``)."""
 
 import importlib
 
@@ -7,6 +7,7 @@ import torch
 import torch.nn.utils.parametrize as parametrize
 
 import grouped_linear as gl
+from grouped_linear import _tuning
 from tests.reference import reference_grads, rel_err
 
 pytestmark = [
@@ -15,6 +16,7 @@ pytestmark = [
 ]
 
 ops_module = importlib.import_module("grouped_linear.ops.grouped_linear")
+dispatch = importlib.import_module("grouped_linear.ops.dispatch")
 SIZES = [300, 0, 1, 517, 64, 0, 129, 1000]  # unaligned, empty groups
 K, N = 256, 384
 
@@ -156,7 +158,7 @@ def test_other_calls_take_the_full_path(monkeypatch, case):
     ("grouped", 1, "GroupedLinearFunctionBackward"),
 ])
 def test_fast_path_records_the_triton_node_for_the_triton_backend(backend, scale, node):
-    """The triton backend's fast path records the cut-down node (ops/triton_linear.py); the
+    """The triton backend's fast path records the cut-down node (ops/fast_path.py); the
     other backends, and the full path under debug checks, record the general one."""
     layer = _layer(True, backend)
     x = torch.randn(sum(SIZES) * scale, K, device="cuda", dtype=torch.bfloat16,
@@ -168,26 +170,26 @@ def test_fast_path_records_the_triton_node_for_the_triton_backend(backend, scale
 def test_fast_path_verdicts_are_kept_per_signature(monkeypatch):
     """A second call of the same signature reuses the first call's verdict (for the triton
     backend with the same launches object), another row count gets its own; the verdict
-    follows ``TRITON_AUTO_MAX_ROWS`` (part of the key), and a parametrized weight (absent from
+    follows the Triton rows threshold (part of the key), and a parametrized weight (absent from
     ``_parameters``) is applied: the layer's call takes it through the full path."""
     layer = _layer(True, "auto")
-    ops_module._FAST_VERDICTS.clear()
+    dispatch._VERDICTS.clear()
     resolutions = []
-    resolve = ops_module._fast_backend
-    monkeypatch.setattr(ops_module, "_fast_backend",
+    resolve = dispatch._plain_route
+    monkeypatch.setattr(dispatch, "_plain_route",
                         lambda *args: resolutions.append(1) or resolve(*args))
     splits = torch.tensor(SIZES, device="cuda")
     x = torch.randn(sum(SIZES) + 3, K, device="cuda", dtype=torch.bfloat16)
     layer(x, splits)
-    (verdict,) = ops_module._FAST_VERDICTS.values()
+    (verdict,) = dispatch._VERDICTS.values()
     layer(x, splits)
-    assert len(resolutions) == 1 and list(ops_module._FAST_VERDICTS.values()) == [verdict]
+    assert len(resolutions) == 1 and list(dispatch._VERDICTS.values()) == [verdict]
     assert verdict[0] == "triton" and verdict[1] is not None
     layer(x[:-2], splits)
-    assert [name for name, _ in ops_module._FAST_VERDICTS.values()] == ["triton", "triton"]
-    monkeypatch.setattr(ops_module, "TRITON_AUTO_MAX_ROWS", 16)
-    y = layer(x, splits)
-    assert sorted(name for name, _ in ops_module._FAST_VERDICTS.values()) == [
+    assert [name for name, _ in dispatch._VERDICTS.values()] == ["triton", "triton"]
+    with _tuning.override(triton_auto_max_rows=16):
+        y = layer(x, splits)
+    assert sorted(name for name, _ in dispatch._VERDICTS.values()) == [
         "grouped", "triton", "triton"]
     assert len(resolutions) == 3
     ref = reference_grads(x, layer.weight, layer.bias, SIZES, torch.ones_like(y))[0]

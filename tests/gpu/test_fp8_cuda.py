@@ -1,13 +1,12 @@
 """FP8 recipes on CUDA: real FP8 GEMMs (sm90) against float64 and against the emulation."""
 
-import importlib
-
 import pytest
 import torch
 
 import grouped_linear as gl
+from grouped_linear import _tuning
 from grouped_linear.kernels import fp8_gemm
-from grouped_linear.ops.fp8 import fp8_path
+from grouped_linear.ops.dispatch import fp8_route
 from grouped_linear.recipes import Float8Blockwise, Float8Rowwise, Float8Tensorwise
 from tests.gpu.test_cuda_graphs import check_layer_step_replays
 from tests.reference import reference_grads, rel_err
@@ -54,33 +53,36 @@ def test_each_recipe_takes_its_fp8_gemm_path():
     w = torch.randn(2, N, K, device="cuda", dtype=torch.bfloat16)
     takes_e5m2 = fp8_gemm.gemm_accepts(torch.float8_e5m2, torch.float8_e4m3fn,
                                        torch.cuda.current_device())
+    def route(recipe, dtype=torch.bfloat16, in_features=K):
+        return fp8_route(recipe, x.device, dtype, in_features, N, w.shape[0])
+
     for recipe in RECIPES:
-        want = "device" if recipe.fp8_format == "e4m3" or takes_e5m2 else "emulated"
-        assert fp8_path(recipe, x, w) == want, recipe
-    assert fp8_path(Float8Blockwise(), x, w) == "triton"
-    assert fp8_path(Float8Blockwise(fp8_format="hybrid"), x, w) == "emulated"
-    assert fp8_path(Float8Rowwise(), x.float(), w.float()) == "emulated"
-    assert fp8_path(Float8Rowwise(), x[:, :40], w[:, :, :40]) == "emulated"  # K % 16 != 0
+        want = "fp8_scaled_mm" if recipe.fp8_format == "e4m3" or takes_e5m2 else "fp8_emulated"
+        assert route(recipe) == want, recipe
+    assert route(Float8Blockwise()) == "fp8_blockwise"
+    assert route(Float8Blockwise(fp8_format="hybrid")) == "fp8_emulated"
+    assert route(Float8Rowwise(), torch.float32) == "fp8_emulated"
+    assert route(Float8Rowwise(), in_features=40) == "fp8_emulated"  # K % 16 != 0
 
 
 @pytest.mark.skipif(not SM90, reason="the FP8 grouped GEMM is sm90's")
 @pytest.mark.parametrize("recipe", [Float8Rowwise(), Float8Tensorwise()], ids=repr)
 @pytest.mark.parametrize("split_kind", ["list", "cuda"])
-@pytest.mark.parametrize("min_groups, triton_calls", [(1, [True]), (None, [])], ids=["triton", "torch"])
+@pytest.mark.parametrize("min_groups, triton_calls", [(1, [True]), (2**31, [])],
+                         ids=["triton", "torch"])
 def test_wgrad_gemm_choice_of_the_rowwise_recipes(recipe, split_kind, min_groups, triton_calls,
                                                   monkeypatch):
-    """The wgrad GEMM in the group-scaled Triton kernel (128-token group blocks) or, with
-    ``TRITON_WGRAD_MIN_GROUPS = None``, torch's (16-token blocks): the chosen kernel is the one
-    that ran, and every gradient matches float64 either way."""
+    """The wgrad GEMM in the group-scaled Triton kernel (128-token group blocks) or, below its
+    group threshold, torch's (16-token blocks): the chosen kernel is the one that ran, and
+    every gradient matches float64 either way."""
     from grouped_linear.kernels import fp8_triton_gemm
-    from grouped_linear.ops import fp8_device
 
-    monkeypatch.setattr(fp8_device, "TRITON_WGRAD_MIN_GROUPS", min_groups)
     calls = []
     original = fp8_triton_gemm.blockwise_wgrad
     monkeypatch.setattr(fp8_triton_gemm, "blockwise_wgrad",
                         lambda *a, **k: calls.append(k.get("group_scales")) or original(*a, **k))
-    got, ref, _ = _step(recipe, split_kind)
+    with _tuning.override(fp8_triton_wgrad_min_groups=min_groups):
+        got, ref, _ = _step(recipe, split_kind)
     assert calls == triton_calls
     for name, a, b in zip(("y", "dx", "dW", "db"), got, ref):
         assert rel_err(a, b) < 6e-2, (name, rel_err(a, b))
@@ -158,8 +160,8 @@ def test_fp8_weight_cache_refreshes_in_place():
                              device="cuda")
     x = torch.randn(10, K, device="cuda", dtype=torch.bfloat16)
     first = layer(x, [4, 6], is_first_microbatch=True)
-    (cache,) = layer._fp8_weight_cache.values()
-    assert cache.path == "device"
+    cache = layer._fp8_weights.entry
+    assert cache.route == "fp8_scaled_mm"
     pointers = [t.data_ptr() for t in cache.buffers()]
     with torch.no_grad():
         layer.weight.mul_(2.0)
@@ -184,7 +186,7 @@ def test_fp8_step_in_cuda_graph(recipe):
 def test_blockwise_runs_the_triton_gemms_and_matches_float64(split_kind):
     x = torch.randn(4, K, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(2, N, K, device="cuda", dtype=torch.bfloat16)
-    assert fp8_path(Float8Blockwise(), x, w) == "triton"
+    assert fp8_route(Float8Blockwise(), x.device, x.dtype, K, N, w.shape[0]) == "fp8_blockwise"
     got, ref, _ = _step(Float8Blockwise(), split_kind)
     for name, a, b in zip(("y", "dx", "dW", "db"), got, ref):
         err = rel_err(a, b)
@@ -215,10 +217,6 @@ def test_list_input_is_quantized_piece_by_piece(recipe, monkeypatch):
     tensor input's output and gradients; the pieces' gradients are views of one tensor."""
     from grouped_linear.kernels import quantize as q
     from grouped_linear.kernels import quantize_transposed as qt
-    # the module (grouped_linear.ops re-exports a function of the same name)
-    ops_grouped_linear = importlib.import_module("grouped_linear.ops.grouped_linear")
-
-    monkeypatch.setattr(ops_grouped_linear, "FP8_LIST_WITHOUT_CAT", True)
     calls = []
     for module, name in ((q, "quantize_rows_pieces"), (qt, "quantize_group_columns_t_pieces")):
         original = getattr(module, name)

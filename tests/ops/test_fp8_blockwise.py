@@ -4,9 +4,12 @@ emulation of the same recipe, which the numerics tests check against float64."""
 import pytest
 import torch
 
-from grouped_linear.ops import fp8_blockwise
-from grouped_linear.ops.fp8 import Fp8Config, Fp8GroupedLinearFunction, quantize_weight
-from grouped_linear.ops.fp8_blockwise import Fp8BlockwiseFunction
+from grouped_linear.ops.fp8 import (
+    Fp8BlockwiseFunction,
+    Fp8Config,
+    Fp8EmulatedFunction,
+    Fp8Weight,
+)
 from grouped_linear.recipes import Float8Blockwise
 from tests.reference import rel_err
 
@@ -19,12 +22,12 @@ def _run(function, x, w, b, sizes, tail, recipe, cached=None, x_grad=True, w_gra
     w = w.detach().clone().requires_grad_(w_grad)
     b = b.detach().clone().requires_grad_()
     size_tensor = torch.tensor(sizes, device=DEVICE)
-    offsets = size_tensor.cumsum(0).to(torch.int32)
+    ends = size_tensor.cumsum(0).to(torch.int32)
     config = Fp8Config(recipe, tail > 0, None)
     if function is Fp8BlockwiseFunction:
-        y = function.apply(x, w, b, size_tensor, offsets, config, cached, w_grad)
+        y = function.apply(x, w, b, size_tensor, ends, config, cached, w_grad)
     else:
-        y = function.apply(x, w, b, offsets, config, None)
+        y = function.apply(x, w, b, ends, config, None)
     grad = torch.randn(y.shape, generator=torch.Generator().manual_seed(3)).to(DEVICE, y.dtype)
     y.backward(grad)
     return y, x.grad, w.grad, b.grad
@@ -32,9 +35,7 @@ def _run(function, x, w, b, sizes, tail, recipe, cached=None, x_grad=True, w_gra
 
 @pytest.mark.parametrize("sizes, tail", [([70, 0, 133, 1], 9), ([200], 0), ([0, 0], 5)])
 @pytest.mark.parametrize("pow2", [False, True])
-@pytest.mark.parametrize("one_read", [False, True])
-def test_triton_blockwise_matches_the_emulation(sizes, tail, pow2, one_read, monkeypatch):
-    monkeypatch.setattr(fp8_blockwise, "ONE_READ_QUANTIZATION", one_read)
+def test_triton_blockwise_matches_the_emulation(sizes, tail, pow2):
     G, K, N = len(sizes), 200, 136
     M = sum(sizes) + tail
     recipe = Float8Blockwise(power_of_two_scales=pow2)
@@ -42,7 +43,7 @@ def test_triton_blockwise_matches_the_emulation(sizes, tail, pow2, one_read, mon
     w = (torch.randn(G, N, K) / 16).to(DEVICE)
     b = torch.randn(G, N).to(DEVICE)
     got = _run(Fp8BlockwiseFunction, x, w, b, sizes, tail, recipe)
-    want = _run(Fp8GroupedLinearFunction, x, w, b, sizes, tail, recipe)
+    want = _run(Fp8EmulatedFunction, x, w, b, sizes, tail, recipe)
     for name, a, c in zip(("y", "dx", "dW", "db"), got, want):
         assert torch.isfinite(a).all(), name
         assert rel_err(a, c) < TOL, (name, rel_err(a, c))
@@ -55,7 +56,7 @@ def test_triton_blockwise_uses_the_cached_weight():
     x = torch.randn(64, K).to(DEVICE)
     w = torch.randn(2, N, K).to(DEVICE)
     b = torch.zeros(2, N).to(DEVICE)
-    cache = quantize_weight(w, recipe, "triton")
+    cache = Fp8Weight(w, recipe, "fp8_blockwise")
     assert cache.forward_inv.shape == (2, 1, 1)
     fresh = _run(Fp8BlockwiseFunction, x, w, b, sizes, 0, recipe)
     cached = _run(Fp8BlockwiseFunction, x, w, b, sizes, 0, recipe, cache)
@@ -65,26 +66,25 @@ def test_triton_blockwise_uses_the_cached_weight():
 
 
 @pytest.mark.parametrize("x_grad, w_grad", [(True, False), (False, True)])
-@pytest.mark.parametrize("one_read", [False, True])
-def test_triton_blockwise_with_one_operand_frozen(x_grad, w_grad, one_read, monkeypatch):
-    """Only the gradient asked for, each against the emulation."""
-    monkeypatch.setattr(fp8_blockwise, "ONE_READ_QUANTIZATION", one_read)
+def test_triton_blockwise_with_one_operand_frozen(x_grad, w_grad):
+    """Only the gradient asked for, each against the emulation (a frozen weight: each operand
+    quantized into the one layout its GEMM reads)."""
     sizes, tail, K, N = [70, 0, 133], 9, 200, 136
     recipe = Float8Blockwise()
     x = torch.randn(sum(sizes) + tail, K).to(DEVICE)
     w = (torch.randn(len(sizes), N, K) / 16).to(DEVICE)
     b = torch.randn(len(sizes), N).to(DEVICE)
     got = _run(Fp8BlockwiseFunction, x, w, b, sizes, tail, recipe, x_grad=x_grad, w_grad=w_grad)
-    want = _run(Fp8GroupedLinearFunction, x, w, b, sizes, tail, recipe)
+    want = _run(Fp8EmulatedFunction, x, w, b, sizes, tail, recipe)
     assert (got[1] is None) != x_grad and (got[2] is None) != w_grad
     for name, a, c in zip(("y", "dx", "dW", "db"), got, want):
         if a is not None:
             assert rel_err(a, c) < TOL, (name, rel_err(a, c))
 
 
-def test_one_read_keeps_fp8_blocks_of_x_instead_of_x(monkeypatch):
-    """With one-read quantization the forward saves x's FP8 token blocks, not x."""
-    monkeypatch.setattr(fp8_blockwise, "ONE_READ_QUANTIZATION", True)
+def test_one_read_keeps_fp8_blocks_of_x_instead_of_x():
+    """Where the weight's gradient may be wanted the forward saves x's FP8 token blocks (both
+    layouts from one read), not x; where it cannot be, x itself (the dgrad needs nothing)."""
     sizes, K, N = [70, 60], 256, 128
     x = torch.randn(130, K, device=DEVICE, requires_grad=True)
     w = torch.randn(2, N, K, device=DEVICE, requires_grad=True)
@@ -95,7 +95,6 @@ def test_one_read_keeps_fp8_blocks_of_x_instead_of_x(monkeypatch):
     saved = y.grad_fn.saved_tensors
     assert saved[0] is None and saved[1].dtype == torch.float8_e4m3fn
     assert saved[1].shape == (K, (-(-130 // 128) + 2) * 128)
-    monkeypatch.setattr(fp8_blockwise, "ONE_READ_QUANTIZATION", False)
     y = Fp8BlockwiseFunction.apply(x, w, None, size_tensor, size_tensor.cumsum(0).int(), config,
-                                   None, True)
+                                   None, False)
     assert y.grad_fn.saved_tensors[0] is x and y.grad_fn.saved_tensors[1] is None

@@ -176,7 +176,7 @@ def test_inference_builds_no_graph_and_matches_training_path():
 
 def test_triton_backend_limits():
     from grouped_linear.kernels import triton_gemm
-    from grouped_linear.ops.grouped_linear import resolve_backend
+    from grouped_linear.ops.dispatch import resolve_backend
 
     cuda = torch.device("cuda")  # resolution only: no tensor is placed there
     assert resolve_backend("auto", cuda, torch.bfloat16, 1024, 1024, 1024, 8) == "triton"
@@ -193,10 +193,10 @@ def test_triton_backend_limits():
 def test_fast_path_leaves_cpu_calls_to_the_full_path():
     """The fast path covers CUDA tensors with CUDA splits only: on CPU every split is a host
     split and gets its values checked, so the full path must run."""
-    from grouped_linear.ops.grouped_linear import fast_grouped_linear
+    from grouped_linear.ops.dispatch import cached_verdict
 
     x, w, b = torch.randn(11, 8), torch.randn(3, 5, 8), torch.randn(3, 5)
-    assert fast_grouped_linear(x, w, b, torch.tensor([4, 0, 7]), "auto") is None
+    assert cached_verdict(x, w, b, torch.tensor([4, 0, 7]), "auto") is None
     with pytest.raises(ValueError, match="sums to 12"):
         gl.grouped_linear(x, w, b, torch.tensor([4, 1, 7]))
 

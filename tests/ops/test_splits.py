@@ -11,8 +11,8 @@ from grouped_linear.ops.splits import GroupSplits, debug_checks_enabled, normali
 def test_host_kinds(splits):
     s = normalize_splits(splits, num_groups=3, num_rows=7, device=torch.device("cpu"))
     assert s.host_sizes == (3, 0, 4) and s.on_host and not s.may_have_tail
-    assert s.offsets.dtype == torch.int32 and s.offsets.tolist() == [3, 3, 7]
-    assert s.sizes_list() == [3, 0, 4] and s.host_offsets().tolist() == [3, 3, 7]
+    assert s.ends.dtype == torch.int32 and s.ends.tolist() == [3, 3, 7]
+    assert s.sizes_list() == [3, 0, 4] and s.host_ends().tolist() == [3, 3, 7]
     assert s.starts().tolist() == [0, 3, 3]
 
 
@@ -44,7 +44,7 @@ def test_hand_built_splits_are_checked(args, match):
         GroupSplits(3, 7, torch.device("cpu"), *args)
     with pytest.raises(TypeError, match="device_sizes must be an integer tensor"):
         GroupSplits(3, 7, torch.device("cpu"), None, torch.ones(3))
-    assert GroupSplits(3, 7, torch.device("cpu"), (2, 0, 5)).offsets.tolist() == [2, 2, 7]
+    assert GroupSplits(3, 7, torch.device("cpu"), (2, 0, 5)).ends.tolist() == [2, 2, 7]
 
 
 @pytest.mark.parametrize("value, enabled", [("1", True), ("yes", True), ("0", False), ("", False)])
@@ -61,4 +61,4 @@ def test_debug_checks_follow_the_environment_at_every_call(monkeypatch, value, e
 def test_device_sizes_kept_dense(checked):
     table = torch.tensor([[3, 9], [0, 9], [4, 9]])
     s = GroupSplits(3, 7, torch.device("cpu"), None, table[:, 0], checked=checked)
-    assert s.device_sizes.is_contiguous() and s.size_tensor.tolist() == [3, 0, 4]
+    assert s.device_sizes.is_contiguous() and s.sizes.tolist() == [3, 0, 4]

@@ -1,9 +1,9 @@
-"""The eager fast path of the ``triton`` backend: one launch forward, one launch backward.
+"""The eager fast path of the ``triton`` route: one launch forward, one launch backward.
 
 A small MoE step (a few hundred rows per expert) is host-bound: its GEMMs take a few µs
 of GPU time each, and the Python around them sets the pace. This autograd function is
-:class:`~grouped_linear.ops.grouped_linear.GroupedLinearFunction` cut down to what
-:func:`~grouped_linear.ops.grouped_linear.fast_grouped_linear` has already established
+:class:`~grouped_linear.ops.linear_function.GroupedLinearFunction` cut down to what a
+cached verdict (:func:`~grouped_linear.ops.dispatch.cached_verdict`) has already established
 (a plain CUDA tensor input, device splits, parameters of the input's dtype, no gradient
 routing, nothing tracing): it launches the Triton kernels through the caller's
 :class:`~grouped_linear.kernels.triton_gemm.LinearLaunches` for the call's geometry (launch
@@ -16,10 +16,12 @@ tensors and that object, and builds no configuration object.
 from __future__ import annotations
 
 import torch
+from torch._C._functorch import is_functorch_wrapped_tensor
 
 from ..kernels import triton_gemm
 
-__all__ = ["TritonGroupedLinearFunction", "apply_triton_linear", "records_graph"]
+__all__ = ["TritonGroupedLinearFunction", "apply_triton_linear", "records_graph",
+           "functorch_involved"]
 
 
 class TritonGroupedLinearFunction(torch.autograd.Function):
@@ -58,6 +60,14 @@ def records_graph(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return torch.is_grad_enabled() and (
         x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
     )
+
+
+def functorch_involved(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether a functorch transform is active or an argument is one's (possibly dead)
+    wrapper: then only an autograd function's Python ``apply`` may record the call."""
+    return (torch._C._are_functorch_transforms_active() or is_functorch_wrapped_tensor(x)
+            or is_functorch_wrapped_tensor(weight)
+            or (bias is not None and is_functorch_wrapped_tensor(bias)))
 
 
 # ``autograd.Function.apply``'s C implementation: the Python ``apply`` in front of it only

@@ -1,4 +1,4 @@
-"""FP8 block scaling (``Float8Blockwise``) with the Triton FP8 grouped GEMMs.
+"""The ``fp8_blockwise`` route: block scaling (``Float8Blockwise``) on this library's FP8 GEMMs.
 
 * forward: ``x`` in 1x128 tiles, the weight in 128x128 blocks (quantized once per step
   by the module's cache);
@@ -24,31 +24,21 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels import bias as bias_kernels
-from ..kernels import fp8_gluon_gemm as gluon_gemm
-from ..kernels import fp8_gluon_wgrad as gluon_wgrad
-from ..kernels import fp8_triton_gemm as fg
-from ..kernels import quantize_blocks as qb
-from ..kernels import quantize_blocks_gluon as qbg
-from .fp8 import Fp8Config, Fp8Weight, quantize_weight, weight_and_bias_grads
+from ...kernels import bias as bias_kernels
+from ...kernels import fp8_gluon_gemm, fp8_gluon_wgrad
+from ...kernels import fp8_triton_gemm as fg
+from ...kernels import quantize_blocks as qb
+from ...kernels import quantize_blocks_gluon as qbg
+from .weight import Fp8Config, Fp8Weight, weight_and_bias_grads
 
 __all__ = ["Fp8BlockwiseFunction"]
-
-# The Gluon GEMMs where they apply; ``False`` keeps every GEMM on the Triton kernels
-# (benchmarks compare the two).
-USE_GLUON = True
-# Each operand's two layouts (row tiles, token blocks) together: x's in the forward
-# (backward then keeps its FP8 token blocks instead of x), dy's in the backward. ``False``
-# quantizes each layout where it is used (benchmarks compare the two: the H200 step is level
-# to 8% faster with it).
-ONE_READ_QUANTIZATION = True
 
 
 def _both_layouts(t, sizes, fp8_dtype, power_of_two):
     """``((row_data, row_inv), (block_data, block_inv))`` of ``t``: one read on Hopper
     (:mod:`grouped_linear.kernels.quantize_blocks_gluon`), one pass per layout elsewhere (the
     row tiles of rows past the groups are then not zeroed: no GEMM reads them)."""
-    if USE_GLUON and qbg.supported(t):
+    if qbg.supported(t):
         return qbg.quantize_row_tiles_and_token_blocks(t, sizes, fp8_dtype, power_of_two)
     return (qb.quantize_row_tiles(t, fp8_dtype, power_of_two, qbg.TILE),
             qb.quantize_token_blocks(t, sizes, fp8_dtype, power_of_two, qbg.TILE, transpose=True))
@@ -56,16 +46,16 @@ def _both_layouts(t, sizes, fp8_dtype, power_of_two):
 
 def _grouped_mm(a, a_inv, w_data, w_inv, sizes, out_dtype):
     """``a @ W_g^T`` per group, block-scaled (forward: the weight; dgrad: its transpose)."""
-    if USE_GLUON and gluon_gemm.supported(a, w_data):
-        return gluon_gemm.grouped_mm(a, a_inv, w_data, w_inv, sizes, out_dtype=out_dtype)
+    if fp8_gluon_gemm.supported(a, w_data):
+        return fp8_gluon_gemm.grouped_mm(a, a_inv, w_data, w_inv, sizes, out_dtype=out_dtype)
     return fg.grouped_mm(a, a_inv, w_data, w_inv, sizes, transpose_weight=True,
                          scaling="blockwise", out_dtype=out_dtype)
 
 
 def _wgrad(dy_t, dy_inv, x_t, x_inv, sizes, num_rows, out_dtype):
-    if USE_GLUON and gluon_wgrad.wgrad_supported(dy_t, dy_inv, x_t, x_inv):
-        return gluon_wgrad.blockwise_wgrad(dy_t, dy_inv, x_t, x_inv, sizes, num_rows,
-                                          out_dtype=out_dtype)
+    if fp8_gluon_wgrad.wgrad_supported(dy_t, dy_inv, x_t, x_inv):
+        return fp8_gluon_wgrad.blockwise_wgrad(dy_t, dy_inv, x_t, x_inv, sizes, num_rows,
+                                              out_dtype=out_dtype)
     return fg.blockwise_wgrad(dy_t, dy_inv, x_t, x_inv, sizes, num_rows, out_dtype=out_dtype)
 
 
@@ -73,24 +63,24 @@ class Fp8BlockwiseFunction(torch.autograd.Function):
     """``y = x @ W_g^T + b_g`` per group with the three GEMMs in block-scaled FP8."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, sizes, offsets, config: Fp8Config, cached: Fp8Weight | None,
+    def forward(ctx, x, weight, bias, sizes, ends, config: Fp8Config, cached: Fp8Weight | None,
                 weight_grad_ahead: bool = True):
         """``weight_grad_ahead``: a backward may want the weight's gradient (grad mode on and
         the weight requiring it; inside ``forward`` autograd cannot tell)."""
         recipe = config.recipe
         pow2 = recipe.power_of_two_scales
         x_blocks = (None, None)
-        if ONE_READ_QUANTIZATION and weight_grad_ahead:
+        if weight_grad_ahead:  # both layouts from one read (docs/design.md)
             (x_data, x_inv), x_blocks = _both_layouts(x, sizes, recipe.forward_dtype, pow2)
         else:
             x_data, x_inv = qb.quantize_row_tiles(x, recipe.forward_dtype, pow2)
-        w = cached if cached is not None else quantize_weight(weight.detach(), recipe, "triton")
+        w = cached if cached is not None else Fp8Weight(weight.detach(), recipe, "fp8_blockwise")
         out = _grouped_mm(x_data, x_inv, w.forward_data, w.forward_inv, sizes, x.dtype)
         if bias is not None:
-            out = bias_kernels.bias_epilogue_(out, bias, offsets, False)
+            out = bias_kernels.bias_epilogue_(out, bias, ends, False)
         # x itself only where backward must quantize it again
         ctx.save_for_backward(x if x_blocks[0] is None else None, *x_blocks, weight, sizes,
-                              offsets, w.dgrad_data, w.dgrad_inv)
+                              ends, w.dgrad_data, w.dgrad_inv)
         ctx.config = config
         ctx.bias_dtype = bias.dtype if bias is not None else None
         ctx.x_dtype, ctx.num_rows = x.dtype, x.shape[0]
@@ -98,7 +88,7 @@ class Fp8BlockwiseFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        x, x_t, x_inv_blocks, weight, sizes, offsets, wt_data, wt_inv = ctx.saved_tensors
+        x, x_t, x_inv_blocks, weight, sizes, ends, wt_data, wt_inv = ctx.saved_tensors
         config: Fp8Config = ctx.config
         recipe = config.recipe
         fp8_grad, pow2 = recipe.gradient_dtype, recipe.power_of_two_scales
@@ -106,7 +96,7 @@ class Fp8BlockwiseFunction(torch.autograd.Function):
         grad_x = None
         dy_blocks = None
         if ctx.needs_input_grad[0]:
-            if ONE_READ_QUANTIZATION and ctx.needs_input_grad[1]:
+            if ctx.needs_input_grad[1]:
                 (dy_data, dy_inv), dy_blocks = _both_layouts(grad_out, sizes, fp8_grad, pow2)
             else:
                 dy_data, dy_inv = qb.quantize_row_tiles(grad_out, fp8_grad, pow2)
@@ -120,5 +110,5 @@ class Fp8BlockwiseFunction(torch.autograd.Function):
                 qb.quantize_token_blocks(x, sizes, recipe.forward_dtype, pow2, transpose=True)
             return _wgrad(dy_t, dy_inv_blocks, xt, xt_inv, sizes, ctx.num_rows, weight.dtype)
 
-        grad_w, grad_b = weight_and_bias_grads(ctx, grad_out, offsets, grad_weight)
+        grad_w, grad_b = weight_and_bias_grads(ctx, grad_out, ends, grad_weight)
         return grad_x, grad_w, grad_b, None, None, None, None, None

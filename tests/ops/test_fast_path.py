@@ -1,11 +1,11 @@
-"""The triton backend's eager fast-path autograd function (ops/triton_linear.py) against a
+"""The triton backend's eager fast-path autograd function (ops/fast_path.py) against a
 float64 reference: on CUDA where there is one, else under Triton's CPU interpreter."""
 
 import pytest
 import torch
 
 from grouped_linear.kernels._triton import HAS_TRITON, interpreting
-from grouped_linear.ops.triton_linear import apply_triton_linear
+from grouped_linear.ops.fast_path import apply_triton_linear
 from tests.reference import reference_grads, rel_err
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -1,4 +1,4 @@
-"""FP8 grouped linear with real FP8 GEMMs (sm90): rowwise and tensorwise recipes.
+"""The ``fp8_scaled_mm`` route: rowwise and tensorwise recipes on real FP8 GEMMs (sm90).
 
 Per call, one fused quantization kernel per operand and direction
 (:mod:`grouped_linear.kernels.quantize`), then torch's FP8 grouped GEMM
@@ -11,7 +11,7 @@ Per call, one fused quantization kernel per operand and direction
   factors per token: the rows kernel applies the factors as it quantizes;
 * wgrad: operands written transposed by the quantization kernels themselves, each group
   starting on a 16-column boundary (the GEMM's requirement along the reduced dimension; 128
-  for this library's Triton wgrad, see ``TRITON_WGRAD_MIN_GROUPS``), with the alignment
+  for this library's Triton wgrad, from ``fp8_triton_wgrad_min_groups`` groups on), with the alignment
   zeros written by the same kernels. Rowwise: ``x``'s forward FP8 codes, transposed, and
   ``dy`` multiplied row by row by ``x``'s per-token factors, quantized per (group, column)
   along the tokens: the tokens are the reduced dimension, so the factors may move across
@@ -27,33 +27,24 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels import bias as bias_kernels
-from ..kernels import fp8_gemm, fp8_triton_gemm
-from ..kernels import quantize as q
-from ..kernels import quantize_folded as qf
-from ..kernels import quantize_groups as qg
-from ..kernels import quantize_transposed as qt
-from ..recipes import Float8Recipe, Float8Rowwise, Float8Tensorwise
-from .fp8 import Fp8Config, Fp8Weight, quantize_weight, weight_and_bias_grads
+from ... import _tuning
+from ...kernels import bias as bias_kernels
+from ...kernels import fp8_gemm, fp8_triton_gemm
+from ...kernels import quantize as q
+from ...kernels import quantize_folded as qf
+from ...kernels import quantize_groups as qg
+from ...kernels import quantize_transposed as qt
+from ...recipes import Float8Recipe, Float8Rowwise, Float8Tensorwise
+from .weight import Fp8Config, Fp8Weight, weight_and_bias_grads
 
-__all__ = ["Fp8DeviceGroupedLinearFunction", "TRITON_WGRAD_MIN_GROUPS"]
+__all__ = ["Fp8ScaledMMFunction"]
 
-# From this many groups on, the wgrad GEMM runs in this library's Triton kernel (operands
-# aligned to 128-token group blocks) instead of torch's FP8 grouped GEMM, whose 2-D x 2-D
-# form collapses at 128 groups. H200, TFLOP/s, torch / Triton (benchmarks/NOTES.md): 1078 /
-# 979 and 1074 / 1240 at 16 and 32 equal groups of 131072 x 2048 -> 1536, 256 / 815-836 at
-# 128 skewed groups. At 8 groups the Triton GEMM is faster alone (922-1162 / 1092-1324) and
-# the layer step with it 0.99-1.04x; at 16 unaligned groups (unaligned_g16) the step with it
-# is 0.85x: below 32 groups torch's wgrad stays. ``None``: always torch's.
-TRITON_WGRAD_MIN_GROUPS: int | None = 32
-
-
-def _group_scales(t: torch.Tensor, offsets: torch.Tensor, fp8_dtype: torch.dtype,
+def _group_scales(t: torch.Tensor, ends: torch.Tensor, fp8_dtype: torch.dtype,
                   recipe: Float8Recipe) -> torch.Tensor | None:
     """Tensorwise: ``(G,)`` scales of ``t``'s row groups; rowwise: ``None``."""
     if not isinstance(recipe, Float8Tensorwise):
         return None
-    return qg.group_amax_scales(t, offsets, fp8_dtype, recipe.power_of_two_scales)
+    return qg.group_amax_scales(t, ends, fp8_dtype, recipe.power_of_two_scales)
 
 
 def _folds_x(recipe: Float8Recipe) -> bool:
@@ -74,17 +65,17 @@ def _piece_scales(pieces: tuple[torch.Tensor, ...], fp8_dtype: torch.dtype,
     return q.scale_from_amax(amax, fp8_dtype, recipe.power_of_two_scales)
 
 
-def _quantize_tokens(t: torch.Tensor, offsets: torch.Tensor, fp8_dtype: torch.dtype,
+def _quantize_tokens(t: torch.Tensor, ends: torch.Tensor, fp8_dtype: torch.dtype,
                      recipe: Float8Recipe, group_scale: torch.Tensor | None):
     """``(M, C)`` -> FP8 ``(M, C)`` and ``(M,)`` factors: per row, or the row's group's."""
-    return q.quantize_rows(t, fp8_dtype, recipe.power_of_two_scales, group_scale, groups=offsets)
+    return q.quantize_rows(t, fp8_dtype, recipe.power_of_two_scales, group_scale, groups=ends)
 
 
-class Fp8DeviceGroupedLinearFunction(torch.autograd.Function):
+class Fp8ScaledMMFunction(torch.autograd.Function):
     """``y = x @ W_g^T + b_g`` per group with the three GEMMs in FP8 (see module doc)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, offsets, config: Fp8Config, cached: Fp8Weight | None,
+    def forward(ctx, x, weight, bias, ends, config: Fp8Config, cached: Fp8Weight | None,
                 *pieces):
         """``x`` ``(M, K)``, or ``None`` with the input as ``pieces``: one ``(m_g, K)`` tensor
         per group, quantized piece by piece (never concatenated)."""
@@ -93,19 +84,19 @@ class Fp8DeviceGroupedLinearFunction(torch.autograd.Function):
         if pieces:
             x_scale = _piece_scales(pieces, fp8, recipe)
             x_data, x_inv = q.quantize_rows_pieces(list(pieces), fp8, recipe.power_of_two_scales,
-                                                   x_scale, offsets=offsets)
+                                                   x_scale, ends=ends)
             dtype = pieces[0].dtype
         else:
-            x_scale = _group_scales(x, offsets, fp8, recipe)
-            x_data, x_inv = _quantize_tokens(x, offsets, fp8, recipe, x_scale)
+            x_scale = _group_scales(x, ends, fp8, recipe)
+            x_data, x_inv = _quantize_tokens(x, ends, fp8, recipe, x_scale)
             dtype = x.dtype
-        w = cached if cached is not None else quantize_weight(weight.detach(), recipe, "device")
-        out = fp8_gemm.forward(x_data, x_inv, w.forward_data, w.forward_inv, offsets, dtype)
-        out = bias_kernels.bias_epilogue_(out, bias, offsets, config.zero_tail)
+        w = cached if cached is not None else Fp8Weight(weight.detach(), recipe, "fp8_scaled_mm")
+        out = fp8_gemm.forward(x_data, x_inv, w.forward_data, w.forward_inv, ends, dtype)
+        out = bias_kernels.bias_epilogue_(out, bias, ends, config.zero_tail)
         # Rowwise: the wgrad reads the forward's FP8 rows, so they are what is saved (half
         # the bytes of x); tensorwise quantizes x again along the tokens.
         saved = (x_data, x_inv) if _folds_x(recipe) else (x, None, *pieces)
-        ctx.save_for_backward(weight, offsets, w.dgrad_data, w.dgrad_inv, w.dgrad_fold, x_scale,
+        ctx.save_for_backward(weight, ends, w.dgrad_data, w.dgrad_inv, w.dgrad_fold, x_scale,
                               *saved)
         ctx.piece_sizes = [piece.shape[0] for piece in pieces]
         ctx.dtype = dtype
@@ -115,50 +106,50 @@ class Fp8DeviceGroupedLinearFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        weight, offsets, wt_data, wt_inv, wt_fold, x_scale, x, x_inv, *pieces = ctx.saved_tensors
+        weight, ends, wt_data, wt_inv, wt_fold, x_scale, x, x_inv, *pieces = ctx.saved_tensors
         dtype = ctx.dtype
         config: Fp8Config = ctx.config
         recipe = config.recipe
         fp8_grad, pow2 = recipe.gradient_dtype, recipe.power_of_two_scales
         grad_out = grad_out.contiguous()
-        dy_scale = _group_scales(grad_out, offsets, fp8_grad, recipe)
+        dy_scale = _group_scales(grad_out, ends, fp8_grad, recipe)
         grad_x = None
         if ctx.needs_input_grad[0] or any(ctx.needs_input_grad[6:]):
             if wt_fold is not None:  # rowwise: dy times the weight's channel factors
-                folded = qf.ColumnFactors.of_groups(wt_fold, offsets, grad_out.shape[0])
+                folded = qf.ColumnFactors.of_groups(wt_fold, ends, grad_out.shape[0])
                 dy_data, dy_inv = qf.quantize_rows_folded(grad_out, folded, fp8_grad, pow2)
             else:
-                dy_data, dy_inv = _quantize_tokens(grad_out, offsets, fp8_grad, recipe, dy_scale)
-            grad_x = fp8_gemm.dgrad(dy_data, dy_inv, wt_data, wt_inv, offsets, dtype)
+                dy_data, dy_inv = _quantize_tokens(grad_out, ends, fp8_grad, recipe, dy_scale)
+            grad_x = fp8_gemm.dgrad(dy_data, dy_inv, wt_data, wt_inv, ends, dtype)
             if config.zero_tail:
-                grad_x = bias_kernels.zero_tail_(grad_x, offsets)
+                grad_x = bias_kernels.zero_tail_(grad_x, ends)
 
         def grad_weight(bias_sums=None):
-            triton_wgrad = (TRITON_WGRAD_MIN_GROUPS is not None
-                            and offsets.shape[0] >= TRITON_WGRAD_MIN_GROUPS)
+            # torch's 2-D x 2-D FP8 GEMM slows down at many groups (docs/design.md)
+            triton_wgrad = ends.shape[0] >= _tuning.current().fp8_triton_wgrad_min_groups
             align = fp8_triton_gemm.BLOCK if triton_wgrad else fp8_gemm.WGRAD_GROUP_ALIGN
             dy_t, dy_t_inv, aligned = qt.quantize_group_columns_t(
-                grad_out, offsets, fp8_grad, pow2, dy_scale, align=align, column_sums=bias_sums,
+                grad_out, ends, fp8_grad, pow2, dy_scale, align=align, column_sums=bias_sums,
                 row_factors=x_inv)
             if x_inv is not None:  # dy carries x's per-token factors: x's codes, transposed
-                x_t = qt.transpose_group_columns(x, offsets, align, data_offsets=aligned)
-                x_t_inv = q.unit_factors((offsets.shape[0], x.shape[1]), x.device)
+                x_t = qt.transpose_group_columns(x, ends, align, data_offsets=aligned)
+                x_t_inv = q.unit_factors((ends.shape[0], x.shape[1]), x.device)
             elif pieces:  # each piece into its aligned columns, same width as dy's
                 x_t, x_t_inv = qt.quantize_group_columns_t_pieces(
                     pieces, recipe.forward_dtype, pow2, x_scale, align, width=dy_t.shape[1],
-                    offsets=offsets)
+                    ends=ends)
             else:
                 x_t, x_t_inv, _ = qt.quantize_group_columns_t(
-                    x, offsets, recipe.forward_dtype, pow2, x_scale, align=align,
+                    x, ends, recipe.forward_dtype, pow2, x_scale, align=align,
                     data_offsets=aligned)
             if triton_wgrad:  # 128-token group blocks, one factor per (group, column)
-                sizes = torch.diff(offsets, prepend=offsets.new_zeros(1))
+                sizes = torch.diff(ends, prepend=ends.new_zeros(1))
                 return fp8_triton_gemm.blockwise_wgrad(dy_t, dy_t_inv, x_t, x_t_inv, sizes,
                                                        grad_out.shape[0], weight.dtype,
                                                        group_scales=True)
             return fp8_gemm.wgrad(dy_t, dy_t_inv, x_t, x_t_inv, aligned, weight.dtype)
 
-        grad_w, grad_b = weight_and_bias_grads(ctx, grad_out, offsets, grad_weight,
+        grad_w, grad_b = weight_and_bias_grads(ctx, grad_out, ends, grad_weight,
                                                fuses_bias=True)
         if ctx.piece_sizes:  # views of the one dgrad output, no copy
             grad_pieces = grad_x.split(ctx.piece_sizes) if grad_x is not None else \

@@ -1,0 +1,52 @@
+"""The thresholds that choose between implementations, in one place.
+
+Each value was set by a measurement (``docs/design.md`` says which); they stay values, not
+constants in the code, so that tests can move a threshold to reach both sides of it on
+small problems. :func:`override` is that hook: the one way to change them, for a ``with``
+block.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+__all__ = ["Tuning", "current", "override"]
+
+
+@dataclass(frozen=True)
+class Tuning:
+    """Attributes:
+        triton_auto_max_rows: ``backend="auto"`` sends bf16/fp16 CUDA calls of up to this many
+            rows to the Triton kernels (one launch per GEMM, bias and tail fused), larger ones
+            to the grouped GEMMs.
+        fp8_triton_wgrad_min_groups: from this many groups on, the FP8 rowwise and tensorwise
+            weight gradient runs in this library's Triton kernel instead of torch's FP8 grouped
+            GEMM (whose 2-D x 2-D form slows down at many groups).
+    """
+
+    triton_auto_max_rows: int = 4096
+    fp8_triton_wgrad_min_groups: int = 32
+
+
+_current = Tuning()
+
+
+def current() -> Tuning:
+    """The thresholds in force."""
+    return _current
+
+
+@contextlib.contextmanager
+def override(**changes: int) -> Iterator[Tuning]:
+    """Replace some thresholds inside a ``with`` block (tests reach both sides of one this way).
+    Unknown names raise ``TypeError``."""
+    global _current
+    previous = _current
+    _current = dataclasses.replace(previous, **changes)
+    try:
+        yield _current
+    finally:
+        _current = previous

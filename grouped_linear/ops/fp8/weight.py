@@ -1,0 +1,155 @@
+"""The weight as the FP8 GEMMs read it, and what every FP8 route shares.
+
+:class:`Fp8Weight` quantizes a ``(G, N, K)`` weight for one route; :class:`Fp8WeightCache`
+is a module's copy of it across the microbatches of a step (``is_first_microbatch``);
+:func:`weight_and_bias_grads` routes the parameters' gradients of every FP8 backward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from ...kernels import bias as bias_kernels
+from ...kernels import quantize as q
+from ...kernels import quantize_blocks as qb
+from ...kernels import quantize_groups as qg
+from ...kernels.transpose import transpose_groups
+from ...recipes import Float8Blockwise, Float8Recipe, Float8Rowwise, Float8Tensorwise
+from ..weight_grad import WeightGradSink, route_weight_grads
+
+__all__ = ["Fp8Config", "Fp8Weight", "Fp8WeightCache", "quantize_weight_emulated",
+           "weight_and_bias_grads"]
+
+
+@dataclass(frozen=True)
+class Fp8Config:
+    """``recipe``; ``zero_tail``: rows past the groups may exist and get zeros; ``sink``: where
+    the parameters' gradients go (``None``: to autograd)."""
+
+    recipe: Float8Recipe
+    zero_tail: bool
+    sink: WeightGradSink | None
+
+
+def quantize_weight_emulated(weight: torch.Tensor, recipe: Float8Recipe) -> torch.Tensor:
+    """``(G, N, K)`` weights as the forward GEMM sees them, dequantized to float32: per output
+    channel for rowwise, 128x128 blocks for blockwise, per group for tensorwise."""
+    pow2 = recipe.power_of_two_scales
+    if isinstance(recipe, Float8Blockwise):
+        return q.fake_quant_weight_blocks(weight, recipe.forward_dtype, pow2)
+    dim = 2 if isinstance(recipe, Float8Rowwise) else None
+    return q.fake_quant_weight(weight, dim, recipe.forward_dtype, pow2)
+
+
+def _scaled_mm_weight(weight: torch.Tensor, recipe: Float8Recipe) -> tuple[torch.Tensor, ...]:
+    """FP8 ``(G, N, K)`` + ``(G, N)`` factors (forward) and its transpose ``(G, K, N)`` +
+    ``(G, K)`` factors (dgrad): the group's factor (tensorwise) or ones (rowwise, whose
+    per-output-channel factors the dgrad folds into the gradient instead)."""
+    pow2, fp8 = recipe.power_of_two_scales, recipe.forward_dtype
+    G, N, K = weight.shape
+    if isinstance(recipe, Float8Tensorwise):  # the dgrad's factors come with the scales
+        group_scale, dgrad_inv = qg.weight_group_scales(weight, fp8, pow2, inv_width=K)
+    else:
+        group_scale, dgrad_inv = None, q.unit_factors((G, K), weight.device)
+    forward_data, forward_inv = q.quantize_weight_rows(weight, fp8, pow2, group_scale)
+    return forward_data, forward_inv, transpose_groups(forward_data), dgrad_inv
+
+
+class Fp8Weight:
+    """A weight as the FP8 GEMMs of one route read it, quantized once per step.
+
+    ``fp8_scaled_mm``: ``forward_data`` ``(G, N, K)`` FP8 with ``forward_inv`` ``(G, N)`` and
+    ``dgrad_data`` ``(G, K, N)`` (its transpose) with ``dgrad_inv`` ``(G, K)``; ``dgrad_fold``
+    is ``forward_inv`` where the dgrad multiplies the gradient's columns by it before
+    quantizing (``Float8Rowwise``), else ``None``. ``fp8_blockwise``: ``forward_data``
+    ``(G, N, K)`` with ``forward_inv`` ``(G, N/128, K/128)``, ``dgrad_data`` its transpose and
+    ``dgrad_inv`` a transposed view of the factors. ``fp8_emulated``: ``emulated``
+    ``(G, N, K)`` float32, the dequantized forward weight. :meth:`refresh_` re-quantizes into
+    the same buffers (CUDA graphs keep their addresses).
+    """
+
+    def __init__(self, weight: torch.Tensor, recipe: Float8Recipe, route: str) -> None:
+        self.recipe, self.route = recipe, route
+        weight = weight.detach()
+        self.emulated = self.dgrad_fold = None
+        if route == "fp8_scaled_mm":
+            (self.forward_data, self.forward_inv, self.dgrad_data,
+             self.dgrad_inv) = _scaled_mm_weight(weight, recipe)
+            if isinstance(recipe, Float8Rowwise):
+                self.dgrad_fold = self.forward_inv
+        elif route == "fp8_blockwise":  # 128x128 blocks: dgrad reads the same factors transposed
+            self.forward_data, self.forward_inv = qb.quantize_weight_blocks(
+                weight, recipe.forward_dtype, recipe.power_of_two_scales)
+            self.dgrad_data = transpose_groups(self.forward_data)  # one tiled pass
+            self.dgrad_inv = self.forward_inv.transpose(1, 2)  # a view: refreshed with it
+        elif route == "fp8_emulated":
+            self.emulated = quantize_weight_emulated(weight, recipe)
+        else:
+            raise ValueError(f"route={route!r} is not an FP8 route")
+
+    def buffers(self) -> tuple[torch.Tensor, ...]:
+        if self.route == "fp8_scaled_mm":
+            return self.forward_data, self.forward_inv, self.dgrad_data, self.dgrad_inv
+        if self.route == "fp8_blockwise":
+            return self.forward_data, self.forward_inv, self.dgrad_data
+        return (self.emulated,)
+
+    @torch.no_grad()
+    def refresh_(self, weight: torch.Tensor) -> Fp8Weight:
+        fresh = Fp8Weight(weight, self.recipe, self.route)
+        for mine, new in zip(self.buffers(), fresh.buffers()):
+            mine.copy_(new)
+        return self
+
+
+class Fp8WeightCache:
+    """A module's FP8 weight across the microbatches of a step.
+
+    :meth:`get` returns the copy for a recipe and route, quantizing it when there is none (or
+    it was made for another recipe or route) and re-quantizing it in place on the first
+    microbatch, so that captured CUDA graphs keep reading the same buffers.
+    """
+
+    def __init__(self) -> None:
+        self.entry: Fp8Weight | None = None
+
+    def get(self, weight: torch.Tensor, recipe: Float8Recipe, route: str,
+            refresh: bool) -> Fp8Weight:
+        entry = self.entry
+        if entry is None or entry.recipe != recipe or entry.route != route:
+            entry = self.entry = Fp8Weight(weight, recipe, route)
+        elif refresh:
+            entry.refresh_(weight)
+        return entry
+
+    @torch.no_grad()
+    def refresh_(self, weight: torch.Tensor) -> None:
+        """Re-quantize a held copy from ``weight`` (e.g. after a state-dict load)."""
+        if self.entry is not None:
+            self.entry.refresh_(weight)
+
+
+def weight_and_bias_grads(ctx, grad_out: torch.Tensor, ends: torch.Tensor,
+                          grad_weight: Callable[..., torch.Tensor],
+                          fuses_bias: bool = False) -> tuple:
+    """The weight gradient (``grad_weight()``) and the bias gradient (summed per group in
+    high precision) that backward owes, routed through ``ctx.config.sink`` (delayed or
+    fused into ``main_grad``). ``ctx`` carries ``config`` and ``bias_dtype``.
+    ``fuses_bias``: ``grad_weight(bias_sums)`` fills a ``(G, N)`` float32 ``bias_sums`` from
+    its own pass over ``grad_out`` when both gradients are needed."""
+    need_w = ctx.needs_input_grad[1]
+    need_b = ctx.bias_dtype is not None and ctx.needs_input_grad[2]
+    bias_dtype = ctx.bias_dtype
+
+    def compute():
+        if need_w and need_b and fuses_bias:
+            sums = grad_out.new_empty(ends.shape[0], grad_out.shape[1], dtype=torch.float32)
+            return grad_weight(sums), sums.to(bias_dtype)
+        grad_w = grad_weight() if need_w else None
+        grad_b = bias_kernels.bias_grad(grad_out, ends, bias_dtype) if need_b else None
+        return grad_w, grad_b
+
+    return route_weight_grads(ctx.config.sink, need_w or need_b, compute)
