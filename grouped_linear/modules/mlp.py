@@ -16,8 +16,8 @@ except ImportError:  # pragma: no cover - builds without distributed
 
 from ..ops.activation import bias_activation
 from ..ops.checks import check_int
-from ..ops.grouped_linear import join_inputs
-from ..ops.splits import GroupSplits, normalize_splits
+from ..ops.grouped_linear import split_rows
+from ..ops.splits import GroupSplits
 from ..parallel.tensor_parallel import check_tp_size
 from .grouped_linear import GroupedLinear
 
@@ -152,10 +152,7 @@ class GroupedMLP(nn.Module):
         *,
         is_first_microbatch: bool | None = None,
     ) -> torch.Tensor:
-        x, m_splits = join_inputs(x, m_splits, self.hidden_size)
-        splits = normalize_splits(
-            m_splits, num_groups=self.num_experts, num_rows=x.shape[0], device=x.device
-        )
+        x, splits = split_rows(x, m_splits, self.hidden_size, self.num_experts)
         if self.fc1.delay_wgrad_compute or _is_fully_sharded(self.fc1):
             # fc1 adds its own bias: its gradient must wait for backward_dw, or the
             # parameters are only gathered while fc1 itself runs (FSDP).

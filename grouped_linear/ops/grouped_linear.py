@@ -30,7 +30,8 @@ from .linear_function import CallConfig, run_linear
 from .splits import GroupSplits, debug_checks_enabled, normalize_splits
 from .weight_grad import WeightGradSink
 
-__all__ = ["grouped_linear", "apply_grouped_linear", "join_inputs", "TensorParallelHooks"]
+__all__ = ["grouped_linear", "apply_grouped_linear", "join_inputs", "split_rows",
+           "TensorParallelHooks"]
 
 
 class TensorParallelHooks(Protocol):
@@ -231,6 +232,19 @@ def join_inputs(
     if m_splits is None:
         raise ValueError("m_splits is required when x is a single tensor")
     return x, m_splits
+
+
+def split_rows(
+    x: torch.Tensor | Sequence[torch.Tensor],
+    m_splits: Sequence[int] | torch.Tensor | GroupSplits | None,
+    in_features: int,
+    num_groups: int,
+) -> tuple[torch.Tensor, GroupSplits]:
+    """``x`` as one ``(M, in)`` tensor and its splits normalised, for a block of layers over the
+    same rows (``GroupedMLP``): each layer's call takes the :class:`GroupSplits` as it is."""
+    x, m_splits = join_inputs(x, m_splits, in_features)
+    return x, normalize_splits(m_splits, num_groups=num_groups, num_rows=x.shape[0],
+                               device=x.device)
 
 
 def grouped_linear(
