@@ -25,7 +25,7 @@ test: lint
 # On a CUDA machine whose python3 already has torch and triton (no venv, no installs):
 # every test that touches CUDA (tests/cli, tests/modules and tests/parallel are CPU-only
 # and run in `make test`), in three pytest processes at once (the GPU has room; about
-# 3.5 minutes instead of 8), then the bench tables.
+# 3.5 minutes instead of 8). `make bench` prints the tables of BENCHMARKS.md.
 GPU_TEST_GROUPS := tests/gpu tests/kernels "tests/ops tests/test_recipes.py"
 GPU_TEST_LOGS ?= /tmp/grouped_linear-test-gpu
 
@@ -39,11 +39,10 @@ test-gpu:
 	for pid in $$pids; do wait $$pid || status=1; done; \
 	for log in $(GPU_TEST_LOGS)/*.log; do echo "== $$log"; grep -E "^(FAILED|ERROR)|passed|failed" $$log | tail -n 20; done; \
 	exit $$status
-	$(PYTHON) -m grouped_linear bench
-	$(PYTHON) -m grouped_linear bench --suite layouts
 
 bench:
 	$(PYTHON) -m grouped_linear bench
+	$(PYTHON) -m grouped_linear bench --suite layouts
 
 # The measurements behind benchmarks/NOTES.md (CUDA machine).
 bench-details:
