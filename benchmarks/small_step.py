@@ -1,7 +1,7 @@
 """The small step (8 groups x 128 rows, 1024 -> 1024, bf16, CUDA splits), every case timed
 in every iteration, so host drift between rounds cancels out of the ratios.
 
-``cd benchmarks && PYTHONPATH=.. python3 small_step_pairs.py [iterations]``. Each iteration
+``PYTHONPATH=. python benchmarks/small_step.py [iterations]`` (default 2000). Each iteration
 runs each case once, in an order rotated per iteration, timed the way ``do_bench`` times a
 repetition (gradients reset, L2 flushed, events around one forward+backward). Cases: raw
 ``grouped_mm``; this layer with and without bias; ``function``, the layer's autograd
@@ -19,11 +19,10 @@ import sys
 
 import torch
 import torch.nn.functional as F
-from autograd_floor import _Bare  # benchmarks/autograd_floor.py
-from overhead import small_step_case  # benchmarks/overhead.py
+from _common import Bare, small_step_case, warm_gpu
 
-from grouped_linear.kernels.triton_gemm import LinearLaunches
-from grouped_linear.ops.triton_linear import apply_triton_linear
+from grouped_linear.kernels.gemm.triton_gemm import LinearLaunches
+from grouped_linear.ops.fast_path import apply_triton_linear
 
 
 def _median_interval(ratios: list[float], draws: int = 2000) -> tuple[float, float]:
@@ -34,25 +33,26 @@ def _median_interval(ratios: list[float], draws: int = 2000) -> tuple[float, flo
 
 def main(iterations: int) -> None:
     case = small_step_case()
-    x, w, b, splits, offs, grad = case.x, case.w, case.b, case.splits, case.offs, case.grad
+    x, w, b, splits, ends, grad = case.x, case.w, case.b, case.splits, case.ends, case.grad
     layer, layer_nb = case.layer, case.layer_nb
     leaves = [x, w, b, *layer.parameters(), *layer_nb.parameters()]
     launches, launches_nb = LinearLaunches(), LinearLaunches()  # one per geometry, kept
     steps = {
-        "raw grouped_mm": lambda: F.grouped_mm(x, w.transpose(-2, -1), offs=offs).backward(grad),
+        "raw grouped_mm": lambda: F.grouped_mm(x, w.transpose(-2, -1), offs=ends).backward(grad),
         "layer": lambda: layer(x, splits).backward(grad),
         "layer, no bias": lambda: layer_nb(x, splits).backward(grad),
         "function": lambda: apply_triton_linear(x, layer.weight, layer.bias, splits,
                                                 launches).backward(grad),
         "function, no bias": lambda: apply_triton_linear(x, layer_nb.weight, None, splits,
                                                          launches_nb).backward(grad),
-        "bare": lambda: _Bare.apply(x, w, b, splits).backward(grad),
+        "bare": lambda: Bare.apply(x, w, b, splits).backward(grad),
     }
     names = list(steps)
     flush = torch.empty(64 * 1024 * 1024, dtype=torch.int, device="cuda")
     for step in steps.values():
         for _ in range(50):
             step()
+    warm_gpu(300)  # the small steps alone do not bring the GPU to its sustained clocks
     torch.cuda.synchronize()
 
     times = {name: [] for name in names}
