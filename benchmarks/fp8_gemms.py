@@ -1,30 +1,40 @@
-"""FP8 grouped GEMMs alone, per launch shape, against bf16 ``F.grouped_mm`` (CUDA).
+"""FP8 grouped GEMMs alone, on already-quantized operands, against bf16 ``F.grouped_mm``:
+torch's ``_scaled_grouped_mm`` (rowwise) and the blockwise Triton and Gluon kernels (CUDA,
+the Gluon kernels on sm90).
 
-``PYTHONPATH=. python benchmarks/fp8_gemm.py [shape ...]``: on the bench shapes (or
-``uniform:G:M:K:N``), the
-forward GEMM of bf16 ``F.grouped_mm``, of ``torch._scaled_grouped_mm`` (rowwise), of the
-Triton FP8 kernel (rowwise and blockwise, per ``MM_CONFIG``), the blockwise dgrad and
-wgrad (per ``WGRAD_CONFIG``), and the rowwise wgrad in torch's GEMM and in the group-scaled
-Triton kernel, on already-quantized operands. do_bench medians, TFLOP/s
-counting ``2 M K N`` per GEMM.
+From the repository root, ``PYTHONPATH=. python benchmarks/fp8_gemms.py [--sweep]
+[SHAPE ...]`` (SHAPE: the bench's, or ``uniform:G:M:K:N``; default all). Per shape, TFLOP/s
+(median, ``2 M K N`` per GEMM) of:
+
+* forward: bf16 ``grouped_mm``, torch's FP8 GEMM on rowwise operands, the blockwise Triton
+  and Gluon kernels;
+* dgrad (``dy @ W``, as the blockwise recipe runs it: the transposed weight copy) and wgrad
+  (token-block operands): the blockwise Triton and Gluon kernels;
+* the rowwise recipes' wgrad: torch's FP8 GEMM (16-token group alignment) against the
+  group-scaled Triton kernel (128-token group blocks), on the same values;
+
+with, for each Gluon kernel, whether its bf16 output is identical to the Triton kernel's.
+``--sweep`` also times the Triton kernels at each launch shape of a list (forward and
+dgrad per ``MM_CONFIG`` and ``MM_BLOCK_K``, the wgrads per ``WGRAD_CONFIG`` and
+``GROUP_SCALED_WGRAD_CONFIG``) and names the best.
 """
 
-import sys
+import argparse
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
-import triton.testing
+from _common import CUDA, E4M3, bench_shapes, device_groups, median_ms, randn, tflops, warm_gpu
 
-import grouped_linear as gl
-from grouped_linear.cli.bench import Shape, load_shapes
-from grouped_linear.kernels import fp8_gemm
-from grouped_linear.kernels import fp8_triton_gemm as fg
-from grouped_linear.kernels import quantize as q
-from grouped_linear.kernels import quantize_blocks as qb
-from grouped_linear.kernels import quantize_transposed as qt
-from grouped_linear.ops.fp8 import quantize_weight
+from grouped_linear.kernels.gemm import fp8_gluon_gemm as gg
+from grouped_linear.kernels.gemm import fp8_gluon_wgrad as gw
+from grouped_linear.kernels.gemm import fp8_torch_gemm
+from grouped_linear.kernels.gemm import fp8_triton_gemm as fg
+from grouped_linear.kernels.quantize import blocks as qb
+from grouped_linear.kernels.quantize import rows as qr
+from grouped_linear.kernels.quantize import transposed as qt
 
-E4M3 = torch.float8_e4m3fn
+DT = torch.bfloat16
 MM_CONFIGS = [(128, 8, 3), (128, 8, 4), (128, 4, 3), (64, 4, 4), (256, 8, 3)]
 # (warps, stages, tokens per step, N tile, K tile) of the blockwise and group-scaled wgrads
 WGRAD_CONFIGS = [(8, 3, 64, 128, 128), (4, 3, 64, 128, 128), (8, 3, 128, 128, 128),
@@ -34,108 +44,115 @@ GROUP_SCALED_CONFIGS = [(4, 3, 64, 128, 128), (8, 3, 64, 128, 128), (4, 3, 128, 
                         (8, 3, 128, 256, 128)]
 
 
-def _tflops(fn, flops):
-    ms = triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median")
-    return flops / ms / 1e9
-
-
-def _sweep(name, attr, configs, fn, flops, row):
+def _sweep(row: dict, name: str, settings: dict[str, list], fn: Callable[[], object],
+           flops: int) -> None:
+    """TFLOP/s of ``fn`` with each value of each ``fg`` setting in turn (the others at
+    their defaults), and the best; the defaults are restored after."""
+    defaults = {attr: getattr(fg, attr) for attr in settings}
     best = None
-    for config in configs:
-        setattr(fg, attr, config)
-        try:
-            value = _tflops(fn, flops)
-        except Exception as error:  # a launch shape that does not fit (shared memory)
-            print(f"  {name} {config}: {type(error).__name__}")
-            continue
-        row[f"{name} {config}"] = value
-        best = max(best or 0.0, value)
+    try:
+        for attr, values in settings.items():
+            for value in values:
+                setattr(fg, attr, value)
+                try:
+                    value_tflops = tflops(flops, median_ms(fn))
+                except Exception as error:  # a launch shape that does not fit (shared memory)
+                    print(f"  {name} {attr}={value}: {type(error).__name__}")
+                    continue
+                row[f"{name} {attr}={value}"] = value_tflops
+                best = max(best or 0.0, value_tflops)
+            setattr(fg, attr, defaults[attr])
+    finally:
+        for attr, value in defaults.items():
+            setattr(fg, attr, value)
     row[f"{name} best"] = best
 
 
-def _shape_row(shape) -> dict:
+def _pair(row: dict, gemm: str, flops: int, triton_fn, gluon_fn, gluon_ok: bool) -> None:
+    """The Triton kernel's TFLOP/s and, where it runs, the Gluon kernel's and whether their
+    outputs are identical."""
+    row[f"triton blockwise {gemm}"] = tflops(flops, median_ms(triton_fn))
+    if gluon_ok:
+        same = torch.equal(triton_fn(), gluon_fn())
+        row[f"gluon blockwise {gemm} (identical: {same})"] = tflops(flops, median_ms(gluon_fn))
+
+
+def shape_row(shape, sweep: bool) -> dict:
     """TFLOP/s of every GEMM form on one shape."""
-    block_recipe = gl.recipes.Float8Blockwise()
-    sizes_list = list(shape.splits)
-    G, M, K, N = len(sizes_list), sum(sizes_list), shape.K, shape.N
+    G, M, K, N = shape.G, shape.M, shape.K, shape.N
     flops = 2 * M * K * N
-    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
-    dy = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
-    w = torch.randn(G, N, K, device="cuda", dtype=torch.bfloat16) * K ** -0.5
-    sizes = torch.tensor(sizes_list, device="cuda", dtype=torch.int32)
-    offsets = sizes.cumsum(0).to(torch.int32)
-    row = {"bf16 grouped_mm": _tflops(lambda: F.grouped_mm(x, w.transpose(-2, -1),
-                                                           offs=offsets), flops)}
-    x_row, x_row_inv = q.quantize_rows(x, E4M3, False)
-    w_row, w_row_inv = q.quantize_weight_rows(w, E4M3, False)
-    if fp8_gemm.shapes_supported(K, N):
-        row["torch scaled rowwise"] = _tflops(
-            lambda: fp8_gemm.forward(x_row, x_row_inv, w_row, w_row_inv, offsets,
-                                     torch.bfloat16), flops)
-    _sweep("triton rowwise fwd", "MM_CONFIG", MM_CONFIGS,
-           lambda: fg.grouped_mm(x_row, x_row_inv, w_row, w_row_inv, sizes,
-                                 transpose_weight=True, scaling="rowwise"), flops, row)
-    x_blk, x_blk_inv = qb.quantize_row_tiles(x, E4M3, False)
-    dy_blk, dy_blk_inv = qb.quantize_row_tiles(dy, E4M3, False)
-    w_blk = quantize_weight(w, block_recipe, "triton")
-    default_block_k = fg.MM_BLOCK_K
-    for block_k in (64, 128):  # one or two dots per 128-deep scale block
-        fg.MM_BLOCK_K = block_k
-        _sweep(f"triton blockwise fwd k{block_k}", "MM_CONFIG", MM_CONFIGS,
-               lambda: fg.grouped_mm(x_blk, x_blk_inv, w_blk.forward_data, w_blk.forward_inv,
-                                     sizes, transpose_weight=True, scaling="blockwise"),
-               flops, row)
-        _sweep(f"triton blockwise dgrad k{block_k}", "MM_CONFIG", MM_CONFIGS[:3],
-               lambda: fg.grouped_mm(dy_blk, dy_blk_inv, w_blk.dgrad_data, w_blk.dgrad_inv,
-                                     sizes, transpose_weight=True, scaling="blockwise"),
-               flops, row)
-    fg.MM_BLOCK_K = default_block_k
-    fg.MM_CONFIG = MM_CONFIGS[0]
-    default_group_scaled = fg.GROUP_SCALED_WGRAD_CONFIG
-    dy_t, dy_t_inv = qb.quantize_token_blocks(dy, sizes, E4M3, False, transpose=True)
-    x_t, x_t_inv = qb.quantize_token_blocks(x, sizes, E4M3, False, transpose=True)
-    _sweep("triton blockwise wgrad", "WGRAD_CONFIG", WGRAD_CONFIGS,
-           lambda: fg.blockwise_wgrad(dy_t, dy_t_inv, x_t, x_t_inv, sizes, M), flops, row)
-    fg.WGRAD_CONFIG = WGRAD_CONFIGS[0]
-    # Rowwise wgrad: torch's FP8 grouped GEMM (16-token group alignment) against the
-    # group-scaled Triton kernel (128-token group blocks), same quantized values.
-    for align, name in ((fp8_gemm.WGRAD_GROUP_ALIGN, "torch scaled rowwise wgrad"),
-                        (fg.BLOCK, "triton group-scaled wgrad")):
-        dy_c, dy_c_inv, aligned = qt.quantize_group_columns_t(dy, offsets, E4M3, False,
-                                                              align=align)
-        x_c, x_c_inv, _ = qt.quantize_group_columns_t(x, offsets, E4M3, False, align=align)
+    x = randn(M, K, device=CUDA, dtype=DT)
+    dy = randn(M, N, device=CUDA, dtype=DT)
+    w = randn(G, N, K, device=CUDA, dtype=DT, scale=K ** -0.5)
+    sizes, ends = device_groups(shape.splits)
+    row = {"bf16 grouped_mm fwd": tflops(flops, median_ms(
+        lambda: F.grouped_mm(x, w.transpose(-2, -1), offs=ends)))}
+    if fp8_torch_gemm.shapes_supported(K, N):
+        x_row, x_row_inv = qr.quantize_rows(x, E4M3, False)
+        w_row, w_row_inv = qr.quantize_weight_rows(w, E4M3, False)
+        row["torch scaled rowwise fwd"] = tflops(flops, median_ms(
+            lambda: fp8_torch_gemm.forward(x_row, x_row_inv, w_row, w_row_inv, ends, DT)))
+
+    # Blockwise forward and dgrad: 1x128 activation tiles, 128x128 weight blocks.
+    x_blk, dy_blk = qb.quantize_row_tiles(x, E4M3, True), qb.quantize_row_tiles(dy, E4M3, True)
+    w_fwd = qb.quantize_weight_blocks(w, E4M3, True)
+    w_dgrad = qb.quantize_weight_blocks(w.transpose(-2, -1).contiguous(), E4M3, True)
+    for gemm, a, b in (("fwd", x_blk, w_fwd), ("dgrad", dy_blk, w_dgrad)):
+        def triton_fn(a=a, b=b):
+            return fg.grouped_mm(*a, *b, sizes, transpose_weight=True, scaling="blockwise")
+
+        _pair(row, gemm, flops, triton_fn, lambda a=a, b=b: gg.grouped_mm(*a, *b, sizes),
+              gg.supported(a[0], b[0]))
+        if sweep:
+            _sweep(row, f"triton blockwise {gemm}",
+                   {"MM_CONFIG": MM_CONFIGS, "MM_BLOCK_K": [64, 128]}, triton_fn, flops)
+
+    # Blockwise wgrad: token-block operands, transposed.
+    dy_t = qb.quantize_token_blocks(dy, sizes, E4M3, True, transpose=True)
+    x_t = qb.quantize_token_blocks(x, sizes, E4M3, True, transpose=True)
+
+    def wgrad_fn():
+        return fg.blockwise_wgrad(*dy_t, *x_t, sizes, M)
+
+    _pair(row, "wgrad", flops, wgrad_fn, lambda: gw.blockwise_wgrad(*dy_t, *x_t, sizes, M),
+          gw.wgrad_supported(*dy_t, *x_t))
+    if sweep:
+        _sweep(row, "triton blockwise wgrad", {"WGRAD_CONFIG": WGRAD_CONFIGS}, wgrad_fn, flops)
+
+    # The rowwise recipes' wgrad: per (group, column) factors, on either GEMM.
+    for align in (fp8_torch_gemm.WGRAD_GROUP_ALIGN, fg.BLOCK):
+        dy_c, dy_c_inv, aligned = qt.quantize_group_columns_t(dy, ends, E4M3, False, align=align)
+        x_c, x_c_inv, _ = qt.quantize_group_columns_t(x, ends, E4M3, False, align=align)
         if align == fg.BLOCK:
-            _sweep(name, "GROUP_SCALED_WGRAD_CONFIG", GROUP_SCALED_CONFIGS,
-                   lambda dy_c=dy_c, dy_c_inv=dy_c_inv, x_c=x_c, x_c_inv=x_c_inv:
-                   fg.blockwise_wgrad(dy_c, dy_c_inv, x_c, x_c_inv, sizes, M,
-                                      group_scales=True), flops, row)
+            def group_scaled(dy_c=dy_c, dy_c_inv=dy_c_inv, x_c=x_c, x_c_inv=x_c_inv):
+                return fg.blockwise_wgrad(dy_c, dy_c_inv, x_c, x_c_inv, sizes, M,
+                                          group_scales=True)
+
+            row["triton group-scaled wgrad"] = tflops(flops, median_ms(group_scaled))
+            if sweep:
+                _sweep(row, "triton group-scaled wgrad",
+                       {"GROUP_SCALED_WGRAD_CONFIG": GROUP_SCALED_CONFIGS}, group_scaled, flops)
         else:
-            row[name] = _tflops(
+            row["torch scaled rowwise wgrad"] = tflops(flops, median_ms(
                 lambda dy_c=dy_c, dy_c_inv=dy_c_inv, x_c=x_c, x_c_inv=x_c_inv, aligned=aligned:
-                fp8_gemm.wgrad(dy_c, dy_c_inv, x_c, x_c_inv, aligned, torch.bfloat16), flops)
-    fg.GROUP_SCALED_WGRAD_CONFIG = default_group_scaled
+                fp8_torch_gemm.wgrad(dy_c, dy_c_inv, x_c, x_c_inv, aligned, DT)))
     return row
 
 
-def _shape(name: str, shapes: dict) -> Shape:
-    """A bench shape by name, or ``uniform:G:M:K:N`` (``G`` equal groups of ``M / G`` rows)."""
-    if not name.startswith("uniform:"):
-        return shapes[name]
-    G, M, K, N = (int(v) for v in name.split(":")[1:])
-    return Shape(name, (M // G,) * G, K, N, "")
-
-
-def main(names):
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("shapes", nargs="*", help="bench shapes or uniform:G:M:K:N (default: all)")
+    parser.add_argument("--sweep", action="store_true",
+                        help="also time the Triton kernels at each launch shape of a list")
+    args = parser.parse_args()
     torch.manual_seed(0)
-    shapes = load_shapes()
-    for name in names or list(shapes):
-        shape = _shape(name, shapes)
-        row = _shape_row(shape)
-        print(f"{name} (G={shape.G}, M={shape.M}, K={shape.K}, N={shape.N}) TFLOP/s:")
+    for shape in bench_shapes(args.shapes):
+        warm_gpu()
+        row = shape_row(shape, args.sweep)
+        print(f"{shape.name} (G={shape.G}, M={shape.M}, K={shape.K}, N={shape.N}) TFLOP/s:")
         for key, value in row.items():
-            print(f"  {key:42s} {value:7.0f}" if value else f"  {key:42s}       -")
-        sys.stdout.flush()
+            print(f"  {key:58s} {value:7.0f}" if value else f"  {key:58s}       -", flush=True)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    main()
