@@ -1,7 +1,7 @@
 """The small step (8 groups x 128 rows, 1024 -> 1024, bf16, CUDA splits), every case timed
 in every iteration, so host drift between rounds cancels out of the ratios.
 
-``PYTHONPATH=. python benchmarks/small_step.py [iterations]`` (default 2000). Each iteration
+``PYTHONPATH=. python benchmarks/small_step.py [iterations]`` (default 3000). Each iteration
 runs each case once, in an order rotated per iteration, timed the way ``do_bench`` times a
 repetition (gradients reset, L2 flushed, events around one forward+backward). Cases: raw
 ``grouped_mm``; this layer with and without bias; ``function``, the layer's autograd
@@ -86,4 +86,4 @@ def main(iterations: int) -> None:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]) if len(sys.argv) > 1 else 2000)
+    main(int(sys.argv[1]) if len(sys.argv) > 1 else 3000)
