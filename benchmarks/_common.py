@@ -9,6 +9,7 @@ reaches the GPU's sustained clocks). The scripts run from the repository root as
 
 from __future__ import annotations
 
+import argparse
 import time
 from collections.abc import Callable, Iterable, Sequence
 from types import SimpleNamespace
@@ -22,8 +23,8 @@ from grouped_linear.cli.timing import median_seconds, randn, warm_gpu
 from grouped_linear.kernels.ends import group_ends
 
 __all__ = ["COPY_BANDWIDTH", "CUDA", "E4M3", "Shape", "Bare", "bench_shapes", "device_groups",
-           "kernel_times", "median_ms", "profile_steps", "randn", "small_step_case", "tflops",
-           "wall_us", "warm_gpu"]
+           "kernel_times", "median_ms", "part_arguments", "profile_steps", "randn",
+           "small_step_case", "tflops", "wall_us", "warm_gpu"]
 
 CUDA = torch.device("cuda")
 E4M3 = torch.float8_e4m3fn
@@ -56,6 +57,20 @@ def device_groups(sizes: Sequence[int], num_rows: int | None = None
     ``num_rows``, default their sum), as the layer computes them."""
     sizes_t = torch.tensor(list(sizes), device=CUDA, dtype=torch.int64)
     return sizes_t, group_ends(sizes_t, sum(sizes) if num_rows is None else num_rows)
+
+
+def part_arguments(doc: str, parts: Sequence[str], shapes_help: str | None = None
+                   ) -> argparse.Namespace:
+    """A script's command line ``[--part PART] [SHAPE ...]``: ``parts``, the parts to run
+    (the one ``--part`` names, default all), and with ``shapes_help`` ``shapes``, the
+    names given. ``doc``: the script's docstring, whose first line describes it."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--part", choices=parts, default=None, help="one part only (default: all)")
+    if shapes_help:
+        parser.add_argument("shapes", nargs="*", help=shapes_help)
+    args = parser.parse_args()
+    args.parts = [args.part] if args.part else list(parts)
+    return args
 
 
 # --------------------------------------------------------------------------- timing

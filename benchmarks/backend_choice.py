@@ -14,10 +14,8 @@ dtypes|rows]`` (default: both parts):
   ``auto``.
 """
 
-import argparse
-
 import torch
-from _common import CUDA, device_groups, median_ms, randn, tflops, warm_gpu
+from _common import CUDA, device_groups, median_ms, part_arguments, randn, tflops, warm_gpu
 
 import grouped_linear as gl
 
@@ -107,14 +105,11 @@ def rows() -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--part", choices=("dtypes", "rows"), default=None,
-                        help="one part only (default: both)")
-    args = parser.parse_args()
+    args = part_arguments(__doc__, ("dtypes", "rows"))
     torch.manual_seed(0)
-    if args.part in (None, "dtypes"):
+    if "dtypes" in args.parts:
         dtypes()
-    if args.part in (None, "rows"):
+    if "rows" in args.parts:
         rows()
 
 

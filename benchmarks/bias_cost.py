@@ -18,8 +18,6 @@ kernels|step] [SHAPE ...]`` (default: both parts; SHAPE: the bench's shapes):
   so the difference of two medians does not measure it; the kernels' own times do.
 """
 
-import argparse
-
 import torch
 from _common import (
     COPY_BANDWIDTH,
@@ -28,6 +26,7 @@ from _common import (
     device_groups,
     kernel_times,
     median_ms,
+    part_arguments,
     randn,
     warm_gpu,
 )
@@ -106,18 +105,14 @@ def step(shape) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--part", choices=("kernels", "step"), default=None,
-                        help="one part only (default: both)")
-    parser.add_argument("shapes", nargs="*", help="bench shapes (default: per part)")
-    args = parser.parse_args()
+    args = part_arguments(__doc__, ("kernels", "step"), "bench shapes (default: per part)")
     torch.manual_seed(0)
-    if args.part in (None, "kernels"):
+    if "kernels" in args.parts:
         print(f"{'shape':22s} {'epilogue ms':>11s} {'bound':>7s} {'GB/s':>6s} "
               f"{'bias grad ms':>12s} {'bound':>7s} {'GB/s':>6s} {'zero tail ms':>12s}")
         for shape in bench_shapes(args.shapes):
             kernels(shape)
-    if args.part in (None, "step"):
+    if "step" in args.parts:
         for shape in bench_shapes(args.shapes or STEP_SHAPES):
             step(shape)
 

@@ -19,10 +19,8 @@ kernels|blocks] [SHAPE ...]`` (default: both parts):
   groups; the timed passes skip that, as the layer does).
 """
 
-import argparse
-
 import torch
-from _common import CUDA, E4M3, bench_shapes, device_groups, median_ms, randn, warm_gpu
+from _common import CUDA, E4M3, bench_shapes, device_groups, median_ms, part_arguments, randn, warm_gpu
 
 from grouped_linear.kernels.quantize import blocks as qb
 from grouped_linear.kernels.quantize import blocks_gluon as qbg
@@ -142,15 +140,11 @@ def blocks(names: list[str]) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--part", choices=("kernels", "blocks"), default=None,
-                        help="one part only (default: both)")
-    parser.add_argument("shapes", nargs="*", help="bench shapes for the blocks part")
-    args = parser.parse_args()
+    args = part_arguments(__doc__, ("kernels", "blocks"), "bench shapes for the blocks part")
     torch.manual_seed(0)
-    if args.part in (None, "kernels"):
+    if "kernels" in args.parts:
         kernels()
-    if args.part in (None, "blocks"):
+    if "blocks" in args.parts:
         blocks(args.shapes)
 
 
