@@ -44,22 +44,18 @@ bench:
 	$(PYTHON) -m grouped_linear bench
 	$(PYTHON) -m grouped_linear bench --suite layouts
 
-# The measurements behind benchmarks/NOTES.md (CUDA machine).
+# The scripts of benchmarks/ (benchmarks/README.md says what each measures), each once with
+# its defaults, on a CUDA machine; EP_WORLD: GPUs for the expert-parallel run.
+EP_WORLD ?= 2
+BENCH_SCRIPTS := small_step backend_choice bias_cost compile_vs_eager bf16_gemms fp8_gemms \
+	fp8_quantize layout_kernels profile_step
+
 bench-details:
-	PYTHONPATH=. $(PYTHON) benchmarks/backend_choice.py
-	PYTHONPATH=. $(PYTHON) benchmarks/overhead.py
-	PYTHONPATH=. $(PYTHON) benchmarks/autograd_floor.py
-	PYTHONPATH=. $(PYTHON) benchmarks/bias_kernels.py
-	PYTHONPATH=. $(PYTHON) benchmarks/bias_in_step.py
-	PYTHONPATH=. $(PYTHON) benchmarks/triton_vs_grouped.py
-	PYTHONPATH=. $(PYTHON) benchmarks/compile_vs_eager.py
-	PYTHONPATH=. $(PYTHON) benchmarks/compile_overhead.py
-	PYTHONPATH=. $(PYTHON) benchmarks/fp8_quantize.py
-	PYTHONPATH=. $(PYTHON) benchmarks/fp8_vs_torchao.py
-	PYTHONPATH=. $(PYTHON) benchmarks/fp8_blockwise_gemms.py
-	PYTHONPATH=. $(PYTHON) benchmarks/fp8_block_quantize.py
-	PYTHONPATH=. $(PYTHON) benchmarks/blockwise_variants.py
-	PYTHONPATH=. $(PYTHON) benchmarks/fp8_launches.py
+	@set -e; for script in $(BENCH_SCRIPTS); do \
+		echo "== benchmarks/$$script.py"; PYTHONPATH=. $(PYTHON) benchmarks/$$script.py; \
+	done
+	PYTHONPATH=. $(PYTHON) benchmarks/profile_step.py launches
+	PYTHONPATH=. $(PYTHON) benchmarks/expert_parallel.py --world $(EP_WORLD)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -1,23 +1,40 @@
-"""Measure the ``loop`` and ``grouped`` backends per dtype, to set what ``auto`` picks.
+"""What ``backend="auto"`` picks: the ``loop`` and ``grouped`` backends per dtype, and the
+rows up to which the Triton kernels beat torch's grouped GEMM (CUDA).
 
-Run on a CUDA machine: ``python benchmarks/backend_choice.py``. Prints forward
-and forward+backward TFLOP/s of ``gl.grouped_linear`` for each backend, and
-the relative error of fp32 against float64 (does the grouped GEMM use TF32?).
+From the repository root, ``PYTHONPATH=. python benchmarks/backend_choice.py [--part
+dtypes|rows]`` (default: both parts):
+
+* ``dtypes``: ``gl.grouped_linear`` (no bias, CUDA splits) with ``backend="loop"`` and
+  ``"grouped"`` in bf16, fp16 and fp32 on four cases; forward and forward+backward
+  TFLOP/s (medians), and for fp32 the relative error against float64 (does the grouped
+  GEMM use TF32?).
+* ``rows``: ``GroupedLinear`` with bias, CUDA splits, bf16, with ``backend="grouped"`` and
+  ``"triton"`` from 1024 to 65536 rows; forward and forward+backward medians in µs and
+  the Triton kernels' TFLOP/s. Where Triton stops winning sets the rows threshold of
+  ``auto``.
 """
 
-from __future__ import annotations
-
 import torch
-import triton.testing
+from _common import CUDA, device_groups, median_ms, part_arguments, randn, tflops, warm_gpu
 
 import grouped_linear as gl
 
-CASES = {
-    "8x8192 K2048 N2048": [8192] * 8,
-    "16 unaligned K2048 N2048": [1000 + 37 * i for i in range(16)],
-    "128 skewed K2048 N1536": None,
-    "8x128 K1024 N1024 (small)": [128] * 8,
+DTYPE_CASES = {  # label: (sizes, K, N); None: 128 skewed groups of 131072 rows
+    "8x8192 K2048 N2048": ([8192] * 8, 2048, 2048),
+    "16 unaligned K2048 N2048": ([1000 + 37 * i for i in range(16)], 2048, 2048),
+    "128 skewed K2048 N1536": (None, 2048, 1536),
+    "8x128 K1024 N1024 (small)": ([128] * 8, 1024, 1024),
 }
+ROWS_CASES = [  # (label, sizes, K, N)
+    ("8x128 1024->1024", [128] * 8, 1024, 1024),
+    ("8x256 2048->2048", [256] * 8, 2048, 2048),
+    ("8x512 2048->2048", [512] * 8, 2048, 2048),
+    ("8x1024 4096->2048", [1024] * 8, 4096, 2048),
+    ("8x2048 2048->2048", [2048] * 8, 2048, 2048),
+    ("8x8192 2048->2048", [8192] * 8, 2048, 2048),
+    ("16 unaligned 4096->2048", [1000 + 37 * i for i in range(16)], 4096, 2048),
+    ("64x32 decode 2048->1536", [32] * 64, 2048, 1536),
+]
 
 
 def _skewed(num_groups: int, total: int) -> list[int]:
@@ -27,38 +44,27 @@ def _skewed(num_groups: int, total: int) -> list[int]:
     return sizes
 
 
-def _shape(name: str) -> tuple[int, int]:
-    k = int(name.split(" K")[1].split(" ")[0])
-    n = int(name.split(" N")[1].split(" ")[0])
-    return k, n
-
-
-def main() -> None:
-    torch.manual_seed(0)
+def dtypes() -> None:
+    """TFLOP/s of the loop and grouped backends per dtype, fp32's error against float64."""
     rows = []
-    for name, sizes in CASES.items():
-        K, N = _shape(name)
-        if sizes is None:
-            sizes = _skewed(128, 131072)
+    for name, (sizes, K, N) in DTYPE_CASES.items():
+        sizes = sizes or _skewed(128, 131072)
         M, G = sum(sizes), len(sizes)
         flops = 2 * M * K * N
+        splits, _ = device_groups(sizes)
         for dtype in (torch.bfloat16, torch.float16, torch.float32):
-            x = torch.randn(M, K, device="cuda", dtype=dtype, requires_grad=True)
-            w = (torch.randn(G, N, K, device="cuda", dtype=dtype) / K**0.5).requires_grad_()
-            splits = torch.tensor(sizes, device="cuda")
-            grad = torch.randn(M, N, device="cuda", dtype=dtype)
+            x = randn(M, K, device=CUDA, dtype=dtype, requires_grad=True)
+            w = randn(G, N, K, device=CUDA, dtype=dtype, scale=K ** -0.5, requires_grad=True)
+            grad = randn(M, N, device=CUDA, dtype=dtype)
             line = [name, str(dtype).replace("torch.", "")]
+            warm_gpu()
             for backend in ("loop", "grouped"):
                 def fwd(x=x, w=w, splits=splits, backend=backend):
                     return gl.grouped_linear(x, w, None, splits, backend=backend)
 
-                def step(fwd=fwd, grad=grad):
-                    fwd().backward(grad)
-
-                t_f = triton.testing.do_bench(fwd, warmup=25, rep=100, return_mode="median")
-                t_s = triton.testing.do_bench(step, warmup=25, rep=100, return_mode="median",
-                                              grad_to_none=[x, w])
-                line += [f"{flops / t_f / 1e9:.0f}", f"{3 * flops / t_s / 1e9:.0f}"]
+                t_f = median_ms(fwd)
+                t_s = median_ms(lambda fwd=fwd, grad=grad: fwd().backward(grad), [x, w])
+                line += [f"{tflops(flops, t_f):.0f}", f"{tflops(3 * flops, t_s):.0f}"]
                 if dtype == torch.float32:
                     ref = gl.grouped_linear(x.double(), w.double(), None, sizes, backend="loop")
                     err = (fwd().double() - ref).norm() / ref.norm()
@@ -67,6 +73,44 @@ def main() -> None:
     print("case | dtype | loop fwd | loop fwd+bwd | grouped fwd | grouped fwd+bwd (TFLOP/s)")
     for line in rows:
         print(" | ".join(line))
+
+
+def _layer_us(layer, x, splits, grad) -> tuple[float, float]:
+    """Median µs of the layer's forward and of its forward+backward."""
+    leaves = [x, *layer.parameters()]
+    fwd = median_ms(lambda: layer(x, splits), leaves)
+    step = median_ms(lambda: layer(x, splits).backward(grad), leaves)
+    return fwd * 1e3, step * 1e3
+
+
+def rows() -> None:
+    """µs of the grouped and triton backends from small to large row counts."""
+    print(f"{'case':26s} {'rows':>6s} | {'grouped fwd':>11s} {'fwd+bwd':>8s} | "
+          f"{'triton fwd':>10s} {'fwd+bwd':>8s} | triton TFLOP/s fwd, fwd+bwd")
+    for label, sizes, K, N in ROWS_CASES:
+        M, G = sum(sizes), len(sizes)
+        x = randn(M, K, device=CUDA, dtype=torch.bfloat16, requires_grad=True)
+        grad = randn(M, N, device=CUDA, dtype=torch.bfloat16)
+        splits, _ = device_groups(sizes)
+        times = {}
+        warm_gpu()
+        for backend in ("grouped", "triton"):
+            layer = gl.GroupedLinear(G, K, N, params_dtype=torch.bfloat16, device=CUDA,
+                                     backend=backend)
+            times[backend] = _layer_us(layer, x, splits, grad)
+        flops = 2 * M * K * N
+        g, t = times["grouped"], times["triton"]
+        print(f"{label:26s} {M:6d} | {g[0]:11.1f} {g[1]:8.1f} | {t[0]:10.1f} {t[1]:8.1f} | "
+              f"{tflops(flops, t[0] / 1e3):.0f}, {tflops(3 * flops, t[1] / 1e3):.0f}")
+
+
+def main() -> None:
+    args = part_arguments(__doc__, ("dtypes", "rows"))
+    torch.manual_seed(0)
+    if "dtypes" in args.parts:
+        dtypes()
+    if "rows" in args.parts:
+        rows()
 
 
 if __name__ == "__main__":

@@ -1,25 +1,25 @@
 """torch.compile(fullgraph=True) against eager for GroupedLinear and GroupedMLP (bf16, CUDA).
 
-Run on a CUDA machine: ``PYTHONPATH=. python benchmarks/compile_vs_eager.py``. Prints
-forward+backward milliseconds (do_bench median) eager, compiled with the default mode
-and compiled with ``mode="reduce-overhead"`` (CUDA graphs), and the speed ratios
-against eager. Each compiled variant wraps its own copy of the module, after
-``torch._dynamo.reset()``, so no variant reuses another's compiled code. The last case is
-no layer of ours: raw ``F.grouped_mm`` in a module, to show what compiling costs torch's own
-operator at the small size.
+From the repository root, on a CUDA machine: ``PYTHONPATH=. python
+benchmarks/compile_vs_eager.py``. Prints forward+backward milliseconds (median) eager,
+compiled with the default mode and compiled with ``mode="reduce-overhead"`` (CUDA graphs),
+and the speed ratios against eager. Each compiled variant wraps its own copy of the module,
+after ``torch._dynamo.reset()``, so no variant reuses another's compiled code. The last case
+is no layer of ours: raw ``F.grouped_mm`` in a module, to show what compiling costs torch's
+own operator at the small size.
 """
 
 import copy
 
 import torch
 import torch.nn.functional as F
-import triton.testing
+from _common import CUDA, device_groups, median_ms, randn, warm_gpu
 
 import grouped_linear as gl
 
 
 class RawGroupedMM(torch.nn.Module):
-    """``F.grouped_mm`` on a ``(G, out, in)`` weight, offsets from the split tensor."""
+    """``F.grouped_mm`` on a ``(G, out, in)`` weight, group ends from the split tensor."""
 
     def __init__(self, groups: int, in_features: int, out_features: int) -> None:
         super().__init__()
@@ -27,8 +27,8 @@ class RawGroupedMM(torch.nn.Module):
                                          / in_features**0.5)
 
     def forward(self, x: torch.Tensor, splits: torch.Tensor) -> torch.Tensor:
-        offsets = splits.cumsum(0).to(torch.int32)
-        return F.grouped_mm(x, self.weight.transpose(-2, -1), offs=offsets)
+        ends = splits.cumsum(0).to(torch.int32)
+        return F.grouped_mm(x, self.weight.transpose(-2, -1), offs=ends)
 
 
 CASES = [  # (label, build, rows, in features)
@@ -52,8 +52,7 @@ def _time_step(module, x, splits, grad) -> float:
         torch.compiler.cudagraph_mark_step_begin()
         module(x, splits).backward(grad)
 
-    return triton.testing.do_bench(step, warmup=50, rep=200, return_mode="median",
-                                   grad_to_none=leaves)
+    return median_ms(step, leaves, cuda_rep_ms=200)
 
 
 def main():
@@ -61,13 +60,13 @@ def main():
     print(f"{'case':36s} {'eager ms':>9s} {'compiled ms':>12s} {'reduce-overhead ms':>19s} "
           f"{'compiled/eager':>15s} {'reduce-overhead/eager':>22s}  (speed ratios)")
     for label, build, sizes, features in CASES:
-        module = build().to("cuda", torch.bfloat16)
-        x = torch.randn(sum(sizes), features, device="cuda", dtype=torch.bfloat16,
-                        requires_grad=True)
-        splits = torch.tensor(sizes, device="cuda")
+        module = build().to(CUDA, torch.bfloat16)
+        x = randn(sum(sizes), features, device=CUDA, dtype=torch.bfloat16, requires_grad=True)
+        splits, _ = device_groups(sizes)
         # a random output gradient (a loss's ``.sum()`` would hand backward an expanded
         # zero-stride tensor, which raw ``grouped_mm``'s backward rejects on torch 2.11)
         grad = torch.randn_like(module(x, splits))
+        warm_gpu()
         eager_ms = _time_step(module, x, splits, grad)
         compiled_ms = []
         for mode in MODES:

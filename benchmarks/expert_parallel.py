@@ -1,6 +1,6 @@
 """ExpertParallelMoE forward+backward over N processes: tokens/s and the all-to-all share.
 
-On a machine with N GPUs (NCCL; keep NVLink multicast off as the environment sets it):
+From the repository root, on a machine with N GPUs (NCCL; NVLink multicast is kept off):
     PYTHONPATH=. python benchmarks/expert_parallel.py --world 2
 On CPU (gloo), as a smoke test with a tiny layer:
     PYTHONPATH=. python benchmarks/expert_parallel.py --world 2 --cpu --tiny

@@ -1,104 +1,152 @@
-"""FP8 quantization kernels against the copy bandwidth, per launch shape (CUDA).
+"""FP8 quantization kernels against the copy bandwidth, per launch shape, and the blockwise
+recipe's one-read activation quantization against its two passes (CUDA).
 
-``PYTHONPATH=. python benchmarks/fp8_quantize.py``: on dsv3_ep32_fc1's operands
-(x 65536 x 7168, dy 65536 x 4096, W 8 x 4096 x 7168, bf16), times each kernel
-(do_bench median) and prints GB/s counting one read of the input and one write of
-the FP8 output (the one-pass floor) and that as a fraction of a bf16 copy's GB/s.
-The transposing quantization (wgrad operands, dgrad weight copy) is timed per method
-("per_group", "tiled") and launch shape, and the block-scaling quantizers per launch shape.
+From the repository root, ``PYTHONPATH=. python benchmarks/fp8_quantize.py [--part
+kernels|blocks] [SHAPE ...]`` (default: both parts):
+
+* ``kernels``: on dsv3_ep32_fc1's operands (x 65536 x 7168, dy 65536 x 4096, W 8 x 4096 x
+  7168, bf16), each quantization kernel (median) at each launch shape of a list: GB/s
+  counting one read of the input and one write of the FP8 output (the one-pass floor),
+  and that as a fraction of a bf16 copy's GB/s. Rows (activations, weights, with weight
+  factors folded in), the FP8 weight transpose (the dgrad copy), the transposing
+  per-(group, column) quantization (wgrad operands) and the block-scaling quantizers.
+* ``blocks`` (SHAPE: the bench's, default all): ``x`` ``(M, K)`` and ``dy`` ``(M, N)`` with
+  the shape's splits, quantized to both block layouts (1x128 row tiles and transposed
+  128-token blocks) from one read (Gluon, sm90) and by the two Triton passes; µs
+  (median), bandwidth counting the bytes each must move (two passes: 2 + 1 bytes per
+  element each; one read: 2 + 1 + 1), the speedup, and whether the outputs are identical
+  to the reference (``two_passes``, which also zeroes the row tiles of the rows past the
+  groups; the timed passes skip that, as the layer does).
 """
 
 import torch
-import triton.testing
+from _common import CUDA, E4M3, bench_shapes, device_groups, median_ms, part_arguments, randn, warm_gpu
 
-from grouped_linear.kernels import quantize as q
-from grouped_linear.kernels import quantize_blocks as qb
-from grouped_linear.kernels import quantize_columns_tiled as qct
-from grouped_linear.kernels import quantize_folded as qf
-from grouped_linear.kernels import quantize_transposed as qt
-from grouped_linear.kernels.transpose import transpose_groups
+from grouped_linear.kernels.quantize import blocks as qb
+from grouped_linear.kernels.quantize import blocks_gluon as qbg
+from grouped_linear.kernels.quantize import folded as qf
+from grouped_linear.kernels.quantize import rows as qr
+from grouped_linear.kernels.quantize import transposed as qt
+from grouped_linear.kernels.quantize.transpose import transpose_groups
 
-E4M3 = torch.float8_e4m3fn
-
-
-def _ms(fn):
-    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+DT = torch.bfloat16
 
 
-def main():
-    torch.manual_seed(0)
+def _with(module, attr: str, values, report_one) -> None:
+    """``report_one(value)`` with ``module.attr`` set to each of ``values``; restored after."""
+    default = getattr(module, attr)
+    try:
+        for value in values:
+            setattr(module, attr, value)
+            report_one(value)
+    finally:
+        setattr(module, attr, default)
+
+
+def kernels() -> None:
+    """GB/s of each quantization kernel per launch shape, against a bf16 copy."""
     G, M, K, N = 8, 65536, 7168, 4096
-    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
-    dy = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
-    w = torch.randn(G, N, K, device="cuda", dtype=torch.bfloat16)
-    offsets = torch.full((G,), M // G, device="cuda").cumsum(0).to(torch.int32)
+    x = randn(M, K, device=CUDA, dtype=DT)
+    dy = randn(M, N, device=CUDA, dtype=DT)
+    w = randn(G, N, K, device=CUDA, dtype=DT)
+    sizes, ends = device_groups([M // G] * G)
     dst = torch.empty_like(x)
-    copy_gbps = 2 * x.numel() * 2 / _ms(lambda: dst.copy_(x)) / 1e6
+    warm_gpu()
+    copy_gbps = 2 * x.numel() * 2 / median_ms(lambda: dst.copy_(x)) / 1e6
     print(f"copy: {copy_gbps:.0f} GB/s")
 
-    def report(name, ms, elements):
-        gbps = elements * 3 / ms / 1e6  # 2 bytes read + 1 written per element
-        print(f"{name:48s} {ms:8.3f} ms {gbps:8.0f} GB/s {gbps / copy_gbps:6.2f} of copy")
+    def report(name, ms, elements, bytes_per_element=3):  # 2 bytes read + 1 written
+        gbps = elements * bytes_per_element / ms / 1e6
+        print(f"{name:52s} {ms:8.3f} ms {gbps:8.0f} GB/s {gbps / copy_gbps:6.2f} of copy",
+              flush=True)
 
-    for rows in ((4, 1024, 4), (8, 1024, 8), (2, 2048, 4), (1, 4096, 8)):
-        q.ROWS_CONFIG = rows
-        report(f"rows x {rows}", _ms(lambda: q.quantize_rows(x, E4M3, False)), x.numel())
-    q.ROWS_CONFIG = (1, 4096, 8)
-    report("weight rows (forward copy)", _ms(lambda: q.quantize_weight_rows(w, E4M3, False)),
-           w.numel())
-    default_method, default_tiled = qt.GROUP_COLUMNS_METHOD, qct.TILED_CONFIG
-    w_data, _ = q.quantize_weight_rows(w, E4M3, False)
-    ms = _ms(lambda: transpose_groups(w_data))
-    print(f"{'weight FP8 transpose (dgrad copy)':48s} {ms:8.3f} ms "
-          f"{w.numel() * 2 / ms / 1e6:8.0f} GB/s {w.numel() * 2 / ms / 1e6 / copy_gbps:6.2f} of copy")
-    folded = qf.ColumnFactors.of_groups(torch.rand(offsets.shape[0], dy.shape[1], device="cuda"),
-                                        offsets, dy.shape[0])
-    report("rows dy", _ms(lambda: q.quantize_rows(dy, E4M3, False)), dy.numel())
-    for config in ((8, 512), (16, 512), (16, 1024), (32, 1024)):
-        qf.FOLDED_CONFIG = config
-        report(f"rows dy, weight factors folded in {config}",
-               _ms(lambda: qf.quantize_rows_folded(dy, folded, E4M3, False)), dy.numel())
-    qf.FOLDED_CONFIG = (16, 1024)
-    qt.GROUP_COLUMNS_METHOD = "per_group"
-    for config in ((32, 64, 4), (64, 64, 4), (64, 128, 8)):
-        qt.GROUP_COLUMNS_CONFIG = config
-        for name, t in (("x", x), ("dy", dy)):
-            report(f"group columns {name} per_group {config}",
-                   _ms(lambda t=t: qt.quantize_group_columns_t(t, offsets, E4M3, False, align=16)),
-                   t.numel())
-    qt.GROUP_COLUMNS_METHOD = "tiled"
-    for config in ((64, 64, 4), (128, 64, 4), (64, 128, 8), (128, 128, 8)):
-        qct.TILED_CONFIG = config
-        for name, t in (("x", x), ("dy", dy)):
-            report(f"group columns {name} tiled {config}",
-                   _ms(lambda t=t: qt.quantize_group_columns_t(t, offsets, E4M3, False, align=16)),
-                   t.numel())
-    qt.GROUP_COLUMNS_METHOD, qct.TILED_CONFIG = default_method, default_tiled
-    for sub_tiles in (1, 2, 4, 8):
-        qct.AMAX_SUB_TILES = sub_tiles
-        for name, t in (("x", x), ("dy", dy)):
-            report(f"group columns {name} tiled, amax sub-tiles {sub_tiles}",
-                   _ms(lambda t=t: qt.quantize_group_columns_t(t, offsets, E4M3, False, align=16)),
-                   t.numel())
-    qct.AMAX_SUB_TILES = 2
+    _with(qr, "ROWS_CONFIG", [(4, 1024, 4), (8, 1024, 8), (2, 2048, 4), (1, 4096, 8)],
+          lambda c: report(f"rows x {c}", median_ms(lambda: qr.quantize_rows(x, E4M3, False)),
+                           x.numel()))
+    report("weight rows (forward copy)",
+           median_ms(lambda: qr.quantize_weight_rows(w, E4M3, False)), w.numel())
+    w_data, _ = qr.quantize_weight_rows(w, E4M3, False)
+    report("weight FP8 transpose (dgrad copy)", median_ms(lambda: transpose_groups(w_data)),
+           w.numel(), bytes_per_element=2)
+    report("rows dy", median_ms(lambda: qr.quantize_rows(dy, E4M3, False)), dy.numel())
+    folded = qf.ColumnFactors.of_groups(torch.rand(G, N, device=CUDA), ends, M)
+    _with(qf, "FOLDED_CONFIG", [(8, 512), (16, 512), (16, 1024), (32, 1024)],
+          lambda c: report(f"rows dy, weight factors folded in {c}",
+                           median_ms(lambda: qf.quantize_rows_folded(dy, folded, E4M3, False)),
+                           dy.numel()))
     x_narrow = x[:, :1024].contiguous()
     report("rows x[:, :1024] (several rows per program)",
-           _ms(lambda: q.quantize_rows(x_narrow, E4M3, False)), x_narrow.numel())
-    sizes = torch.diff(offsets, prepend=offsets.new_zeros(1))
-    for config in ((32, 4), (64, 4), (16, 4)):
-        qb.ROW_TILES_CONFIG = config
-        report(f"blockwise row tiles x {config}",
-               _ms(lambda: qb.quantize_row_tiles(x, E4M3, False)), x.numel())
-    for config in ((4,), (8,)):
-        qb.WEIGHT_BLOCKS_CONFIG = config
-        report(f"blockwise weight blocks {config}",
-               _ms(lambda: qb.quantize_weight_blocks(w, E4M3, False)), w.numel())
-    for config in ((64, 4), (32, 4), (128, 8)):
-        qb.TOKEN_BLOCKS_CONFIG = config
+           median_ms(lambda: qr.quantize_rows(x_narrow, E4M3, False)), x_narrow.numel())
+
+    def group_columns(label):
         for name, t in (("x", x), ("dy", dy)):
-            report(f"blockwise token blocks {name} transposed {config}",
-                   _ms(lambda t=t: qb.quantize_token_blocks(t, sizes, E4M3, False,
-                                                            transpose=True)), t.numel())
+            report(f"group columns {name} {label}", median_ms(
+                lambda t=t: qt.quantize_group_columns_t(t, ends, E4M3, False, align=16)),
+                t.numel())
+
+    _with(qt, "TILED_CONFIG", [(64, 64, 4), (128, 64, 4), (64, 128, 8), (128, 128, 8)],
+          lambda c: group_columns(f"tiled {c}"))
+    _with(qt, "AMAX_SUB_TILES", [1, 2, 4, 8], lambda n: group_columns(f"amax sub-tiles {n}"))
+
+    _with(qb, "ROW_TILES_CONFIG", [(32, 4), (64, 4), (16, 4)],
+          lambda c: report(f"blockwise row tiles x {c}",
+                           median_ms(lambda: qb.quantize_row_tiles(x, E4M3, False)), x.numel()))
+    _with(qb, "WEIGHT_BLOCKS_CONFIG", [(4,), (8,)],
+          lambda c: report(f"blockwise weight blocks {c}",
+                           median_ms(lambda: qb.quantize_weight_blocks(w, E4M3, False)),
+                           w.numel()))
+
+    def token_blocks(c):
+        for name, t in (("x", x), ("dy", dy)):
+            report(f"blockwise token blocks {name} transposed {c}", median_ms(
+                lambda t=t: qb.quantize_token_blocks(t, sizes, E4M3, False, transpose=True)),
+                t.numel())
+
+    _with(qb, "TOKEN_BLOCKS_CONFIG", [(64, 4), (32, 4), (128, 8)], token_blocks)
+
+
+def _same(got, want) -> bool:
+    return all(torch.equal(a.view(torch.uint8) if a.dtype == E4M3 else a,
+                           b.view(torch.uint8) if b.dtype == E4M3 else b)
+               for pair, want_pair in zip(got, want) for a, b in zip(pair, want_pair))
+
+
+def blocks(names: list[str]) -> None:
+    """The blockwise recipe's activation quantization: one read against two passes."""
+    print(f"{'shape':22s} {'operand':8s} {'two passes us':>14s} {'TB/s':>6s} "
+          f"{'one read us':>12s} {'TB/s':>6s} {'speedup':>8s}  identical")
+    for shape in bench_shapes(names):
+        M = shape.M
+        sizes, _ = device_groups(shape.splits)
+        warm_gpu()
+        for operand, C in (("x", shape.K), ("dy", shape.N)):
+            t = randn(M, C, device=CUDA, dtype=DT)
+            if not qbg.supported(t):
+                print(f"{shape.name:22s} {operand:8s} (the one-read kernel does not run here)")
+                continue
+
+            def two(t=t, sizes=sizes):
+                return (qb.quantize_row_tiles(t, E4M3, True, qbg.TILE),
+                        qb.quantize_token_blocks(t, sizes, E4M3, True, qbg.TILE, transpose=True))
+
+            def one(t=t, sizes=sizes):
+                return qbg.quantize_row_tiles_and_token_blocks(t, sizes, E4M3, True)
+
+            same = _same(one(), qbg.two_passes(t, sizes, E4M3, True))
+            two_ms, one_ms = median_ms(two), median_ms(one)
+            print(f"{shape.name:22s} {operand:8s} {two_ms * 1e3:14.0f} "
+                  f"{6 * M * C / two_ms / 1e9:6.2f} {one_ms * 1e3:12.0f} "
+                  f"{4 * M * C / one_ms / 1e9:6.2f} {two_ms / one_ms:8.2f}  {same}", flush=True)
+
+
+def main() -> None:
+    args = part_arguments(__doc__, ("kernels", "blocks"), "bench shapes for the blocks part")
+    torch.manual_seed(0)
+    if "kernels" in args.parts:
+        kernels()
+    if "blocks" in args.parts:
+        blocks(args.shapes)
+
 
 if __name__ == "__main__":
     main()

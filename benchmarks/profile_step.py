@@ -1,45 +1,63 @@
-"""torch.profiler summary of one small and one large GroupedLinear step next to raw grouped_mm.
+"""Where a GroupedLinear training step's time goes: torch.profiler tables, launch counts and
+host time (CUDA).
 
-Run on a CUDA machine: ``PYTHONPATH=. python benchmarks/profile_step.py``, or
-``... profile_step.py RECIPE SHAPE [SHAPE ...]`` (RECIPE: rowwise, tensorwise, blockwise)
-for the kernels of one FP8 training step of ``GroupedLinear`` (no bias, CUDA splits, as
-the bench's FP8 columns) on bench shapes.
+From the repository root:
+
+* ``PYTHONPATH=. python benchmarks/profile_step.py`` (or ``... profile_step.py bf16``): the
+  host and GPU time per op of one small (8 x 128 rows, 1024 -> 1024, no bias) and one large
+  (8 x 10240 rows, 1024 -> 4096, bias) bf16 step, next to raw ``grouped_mm``'s;
+* ``... profile_step.py fp8 RECIPE SHAPE [SHAPE ...]`` (RECIPE: rowwise, tensorwise,
+  blockwise; SHAPE: the bench's): the kernels of one FP8 training step of ``GroupedLinear``
+  (no bias, CUDA splits, as the bench's FP8 columns);
+* ``... profile_step.py launches``: the small step under each recipe (bf16 and the three
+  FP8 ones, no bias): the host time to enqueue one forward+backward (synchronize, time the
+  call, median of 20: the GPU work is ~0.1 ms, so this is what the step costs on a
+  launch-bound host), the GPU time and the number of kernels per step; first, the cost of
+  a bare torch launch on this host.
 """
 
-import sys
+import argparse
+import statistics
+import time
 
 import torch
 import torch.nn.functional as F
-from torch.profiler import ProfilerActivity, profile
+from _common import CUDA, bench_shapes, device_groups, kernel_times, profile_steps, randn, wall_us
+from torch.profiler import ProfilerActivity
 
 import grouped_linear as gl
 
-
-def profile_steps(step, warmup, steps, activities=(ProfilerActivity.CUDA,)):
-    """``warmup`` untimed calls of ``step``, then torch.profiler over ``steps`` calls."""
-    for _ in range(warmup):
-        step()
-    torch.cuda.synchronize()
-    with profile(activities=list(activities)) as prof:
-        for _ in range(steps):
-            step()
-        torch.cuda.synchronize()
-    return prof
+RECIPES = {"rowwise": gl.recipes.Float8Rowwise, "tensorwise": gl.recipes.Float8Tensorwise,
+           "blockwise": gl.recipes.Float8Blockwise}
+DT = torch.bfloat16
 
 
-def run(name, G, m, K, N, bias):
-    dt = torch.bfloat16
-    M = G * m
-    x = torch.randn(M, K, device="cuda", dtype=dt, requires_grad=True)
-    w = (torch.randn(G, N, K, device="cuda", dtype=dt) / K**0.5).requires_grad_()
-    offs = torch.arange(1, G + 1, device="cuda", dtype=torch.int32) * m
-    splits = torch.full((G,), m, device="cuda")
-    grad = torch.randn(M, N, device="cuda", dtype=dt)
-    layer = gl.GroupedLinear(G, K, N, bias=bias, params_dtype=dt, device="cuda")
-    steps = {
-        "raw": lambda: F.grouped_mm(x, w.transpose(-2, -1), offs=offs).backward(grad),
-        "gl": lambda: layer(x, splits).backward(grad),
-    }
+def _layer_step(sizes: list[int], K: int, N: int, bias: bool, recipe=None):
+    """A layer's forward+backward on random inputs, gradients dropped first; and the layer."""
+    M = sum(sizes)
+    x = randn(M, K, device=CUDA, dtype=DT, requires_grad=True)
+    grad = randn(M, N, device=CUDA, dtype=DT)
+    splits, _ = device_groups(sizes)
+    layer = gl.GroupedLinear(len(sizes), K, N, bias=bias, params_dtype=DT, device=CUDA,
+                             recipe=recipe)
+
+    def step():
+        x.grad = None
+        for p in layer.parameters():
+            p.grad = None
+        layer(x, splits).backward(grad)
+
+    return step, x, grad
+
+
+def bf16_tables(name: str, G: int, m: int, K: int, N: int, bias: bool) -> None:
+    """torch.profiler's table of 10 steps of the layer and of raw ``grouped_mm``."""
+    sizes = [m] * G
+    layer_step, x, grad = _layer_step(sizes, K, N, bias)
+    w = randn(G, N, K, device=CUDA, dtype=DT, scale=K ** -0.5, requires_grad=True)
+    _, ends = device_groups(sizes)
+    steps = {"raw": lambda: F.grouped_mm(x, w.transpose(-2, -1), offs=ends).backward(grad),
+             "gl": layer_step}
     for label, step in steps.items():
         prof = profile_steps(step, 5, 10, (ProfilerActivity.CPU, ProfilerActivity.CUDA))
         print(f"===== {name} {label} (bias={bias}), 10 steps")
@@ -47,33 +65,60 @@ def run(name, G, m, K, N, bias):
                                         max_name_column_width=60))
 
 
-def run_fp8(recipe_name, shape_name):
-    from grouped_linear.cli.bench import load_shapes
-
-    recipe = {"rowwise": gl.recipes.Float8Rowwise, "tensorwise": gl.recipes.Float8Tensorwise,
-              "blockwise": gl.recipes.Float8Blockwise}[recipe_name]()
-    shape = load_shapes()[shape_name]
-    dt = torch.bfloat16
-    x = torch.randn(shape.M, shape.K, device="cuda", dtype=dt, requires_grad=True)
-    grad = torch.randn(shape.M, shape.N, device="cuda", dtype=dt)
-    splits = torch.tensor(shape.splits, device="cuda")
-    # As the bench's FP8 columns: no bias, gradients dropped before each step.
-    layer = gl.GroupedLinear(shape.G, shape.K, shape.N, bias=False, params_dtype=dt,
-                             device="cuda", recipe=recipe)
-
-    def step():
-        x.grad = layer.weight.grad = None
-        layer(x, splits).backward(grad)
-
+def fp8_table(recipe_name: str, shape_name: str) -> None:
+    """torch.profiler's GPU table of 5 FP8 steps of the layer on a bench shape."""
+    (shape,) = bench_shapes([shape_name])
+    step, _, _ = _layer_step(list(shape.splits), shape.K, shape.N, False,
+                             RECIPES[recipe_name]())
     prof = profile_steps(step, 3, 5)
     print(f"===== {shape_name} {recipe_name}, 5 steps")
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=24,
                                     max_name_column_width=50))
 
 
-if __name__ == "__main__" and len(sys.argv) > 2:
-    for name in sys.argv[2:]:
-        run_fp8(sys.argv[1], name)
-elif __name__ == "__main__":
-    run("small 8x128 1024->1024", 8, 128, 1024, 1024, bias=False)
-    run("qwen fc2 8x10240 1024->4096", 8, 10240, 1024, 4096, bias=True)
+def launches() -> None:
+    """Host time, GPU time and kernel count per small step, per recipe."""
+    small = randn(8, device=CUDA, dtype=torch.float32)
+    print(f"back to back, synchronized at the end: torch.empty(8) "
+          f"{wall_us(lambda: torch.empty(8, device=CUDA), n=200, warmup=0):.1f} µs, "
+          f"a.reciprocal() {wall_us(small.reciprocal, n=200, warmup=0):.1f} µs per call")
+    recipes = {"bf16": None, **{name: make() for name, make in RECIPES.items()}}
+    for name, recipe in recipes.items():
+        step, _, _ = _layer_step([128] * 8, 1024, 1024, False, recipe)
+        for _ in range(10):
+            step()
+        host = []
+        for _ in range(20):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            step()
+            host.append(time.perf_counter() - start)
+        torch.cuda.synchronize()
+        kernels = kernel_times(step, 3, 10)
+        gpu_us = sum(us for us, _ in kernels.values())
+        count = sum(n for _, n in kernels.values())
+        print(f"{name:10s} host µs/step {statistics.median(host) * 1e6:7.0f}   "
+              f"GPU µs/step {gpu_us:6.0f}   kernels/step {count:3.0f}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="mode")
+    sub.add_parser("bf16", help="a small and a large bf16 step next to raw grouped_mm (default)")
+    fp8 = sub.add_parser("fp8", help="the kernels of one FP8 step on bench shapes")
+    fp8.add_argument("recipe", choices=sorted(RECIPES))
+    fp8.add_argument("shapes", nargs="+")
+    sub.add_parser("launches", help="host time, GPU time and kernels per small step, per recipe")
+    args = parser.parse_args()
+    if args.mode == "fp8":
+        for name in args.shapes:
+            fp8_table(args.recipe, name)
+    elif args.mode == "launches":
+        launches()
+    else:
+        bf16_tables("small 8x128 1024->1024", 8, 128, 1024, 1024, bias=False)
+        bf16_tables("qwen fc2 8x10240 1024->4096", 8, 10240, 1024, 4096, bias=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,150 +1,89 @@
-"""Host time of a small GroupedLinear step, piece by piece (CUDA).
+"""The small step (8 groups x 128 rows, 1024 -> 1024, bf16, CUDA splits), every case timed
+in every iteration, so host drift between rounds cancels out of the ratios.
 
-``PYTHONPATH=. python benchmarks/small_step.py``: 8 groups x 128 rows, 1024 -> 1024, bf16,
-CUDA splits. Each row is synchronized wall time per call over back-to-back calls (the step
-is host-bound: the GPU work is ~6 µs per GEMM), from the cost of one empty Triton launch and
-one empty autograd node up to the whole layer; then torch.profiler's host table of the
-layer's forward+backward.
+``PYTHONPATH=. python benchmarks/small_step.py [iterations]`` (default 3000). Each iteration
+runs each case once, in an order rotated per iteration, timed the way ``do_bench`` times a
+repetition (gradients reset, L2 flushed, events around one forward+backward). Cases: raw
+``grouped_mm``; this layer with and without bias; ``function``, the layer's autograd
+function (the one the layer's fast path applies, two Triton launches) called directly, so
+the module call and the fast path's checks show as layer minus function; and ``bare``, a
+Python node that only allocates its outputs (the least a Python autograd node costs).
+
+Prints each case's median time and the median of its per-iteration ratio to raw's, with a
+95% bootstrap interval of that median and the share of iterations at or under raw.
 """
+
+import random
+import statistics
+import sys
 
 import torch
 import torch.nn.functional as F
-import triton
-import triton.language as tl
-import triton.testing
-from overhead import small_step_case, wall_us  # benchmarks/overhead.py
-from torch.profiler import ProfilerActivity, profile
+from _common import Bare, small_step_case, warm_gpu
 
-import grouped_linear as gl
-from grouped_linear.kernels import triton_gemm
+from grouped_linear.kernels.gemm.triton_gemm import LinearLaunches
+from grouped_linear.ops.fast_path import apply_triton_linear
 
 
-@triton.jit
-def _empty_kernel(a_ptr, b_ptr, c_ptr, d_ptr, M, N, K, G, s0, s1, s2, s3,
-                  FLAG: tl.constexpr, BLOCK: tl.constexpr):
-    pass
+def _median_interval(ratios: list[float], draws: int = 2000) -> tuple[float, float]:
+    rng = random.Random(0)
+    medians = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(draws))
+    return medians[int(0.025 * draws)], medians[int(0.975 * draws)]
 
 
-class _Identity(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad
-
-
-def layout_host_times():
-    """Host and GPU time of the layout ops at the smallest layouts-bench size (hidden 4096,
-    65536 routed rows): an op whose host time exceeds its GPU time is launch-bound there."""
-    tokens, k, experts, hidden = 8192, 8, 64, 4096
-    x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    logits = torch.randn(tokens, experts, device="cuda")
-    probs, indices = logits.softmax(-1).topk(k, dim=-1)
-    y_perm, splits, row_map = gl.permute(x, indices, experts)
-    y_perm = y_perm.detach().requires_grad_()
-    out = gl.unpermute(y_perm, row_map, probs)
-    grad = torch.randn_like(out)
-    cases = {
-        "permute fwd": lambda: gl.permute(x, indices, experts),
-        "unpermute fwd": lambda: gl.unpermute(y_perm, row_map, probs),
-        "unpermute bwd": lambda: torch.autograd.grad(out, y_perm, grad, retain_graph=True),
-    }
-    print(f"{'layout op (4096 x 65536)':30s} {'host µs':>9s} {'do_bench µs':>12s}")
-    for name, fn in cases.items():
-        gpu = triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median") * 1e3
-        host = wall_us(fn, n=40, warmup=5, host_only=True)  # the queue does not fill
-        print(f"{name:30s} {host:9.1f} {gpu:12.1f}")
-
-
-def profile_backward(layer, x, splits, grad, steps=300):
-    """cProfile of the layer's forward+backward with the backward on the calling thread (the
-    profiler sees one thread only): where the Python time of a small step goes."""
-    import cProfile
-    import pstats
-
-    with torch.autograd.set_multithreading_enabled(False):
-        for _ in range(20):
-            layer(x, splits).backward(grad)
-        torch.cuda.synchronize()
-        profiler = cProfile.Profile()
-        profiler.enable()
-        for _ in range(steps):
-            layer(x, splits).backward(grad)
-        torch.cuda.synchronize()
-        profiler.disable()
-    print(f"===== cProfile, layer fwd+bwd with bias, {steps} steps (tottime)")
-    pstats.Stats(profiler).sort_stats("tottime").print_stats(22)
-
-
-def main():
+def main(iterations: int) -> None:
     case = small_step_case()
-    G, M, K, N, dt = case.G, case.M, case.K, case.N, case.dtype
-    x, w, b, splits, offs, grad = case.x, case.w, case.b, case.splits, case.offs, case.grad
+    x, w, b, splits, ends, grad = case.x, case.w, case.b, case.splits, case.ends, case.grad
     layer, layer_nb = case.layer, case.layer_nb
-    xd, wd, bd = x.detach(), w.detach(), b.detach()
-    args = (xd, wd, bd, grad, M, N, K, G, 1024, 1024, 1024, 1024)
-    compiled = _empty_kernel[(132,)](*args, FLAG=True, BLOCK=64)
-    stream = torch.cuda.current_stream().cuda_stream
-
-    def direct_launch():
-        compiled.run(132, 1, 1, stream, compiled.function, compiled.packed_metadata, None, None,
-                     None, *args, True, 64)
-
-    y_nb = layer_nb(x, splits)
-    cases = {
-        "empty Triton kernel, kernel[grid](...)": lambda: _empty_kernel[(132,)](
-            *args, FLAG=True, BLOCK=64),
-        "empty Triton kernel, CompiledKernel.run": direct_launch,
-        "torch.empty (one op)": lambda: torch.empty(M, N, device="cuda", dtype=dt),
-        "empty autograd node fwd+bwd": lambda: _Identity.apply(x).backward(grad),
-        "raw grouped_mm fwd": lambda: F.grouped_mm(x, w.transpose(-2, -1), offs=offs),
-        "raw grouped_mm fwd+bwd": lambda: F.grouped_mm(x, w.transpose(-2, -1),
-                                                       offs=offs).backward(grad),
-        "triton_gemm.forward (no grad)": lambda: triton_gemm.forward(xd, wd, None, splits),
-        "triton_gemm.forward + bias": lambda: triton_gemm.forward(xd, wd, bd, splits),
-        "triton_gemm.dgrad": lambda: triton_gemm.dgrad(grad, wd, splits),
-        "triton_gemm.wgrad + bias": lambda: triton_gemm.wgrad(grad, xd, splits, True),
-        "gl.grouped_linear fwd, no grad": lambda: gl.grouped_linear(xd, wd, None, splits),
-        "gl.grouped_linear fwd": lambda: gl.grouped_linear(x, w, None, splits),
-        "gl.grouped_linear fwd+bwd": lambda: gl.grouped_linear(x, w, None, splits).backward(grad),
-        "gl.grouped_linear fwd+bwd, bias": lambda: gl.grouped_linear(x, w, b,
-                                                                     splits).backward(grad),
-        "layer fwd, no bias": lambda: layer_nb(x, splits),
-        "layer fwd, bias": lambda: layer(x, splits),
-        "layer bwd only, no bias": lambda: y_nb.backward(grad, retain_graph=True),
-        "layer fwd+bwd, no bias": lambda: layer_nb(x, splits).backward(grad),
-        "layer fwd+bwd, bias": lambda: layer(x, splits).backward(grad),
+    leaves = [x, w, b, *layer.parameters(), *layer_nb.parameters()]
+    launches, launches_nb = LinearLaunches(), LinearLaunches()  # one per geometry, kept
+    steps = {
+        "raw grouped_mm": lambda: F.grouped_mm(x, w.transpose(-2, -1), offs=ends).backward(grad),
+        "layer": lambda: layer(x, splits).backward(grad),
+        "layer, no bias": lambda: layer_nb(x, splits).backward(grad),
+        "function": lambda: apply_triton_linear(x, layer.weight, layer.bias, splits,
+                                                launches).backward(grad),
+        "function, no bias": lambda: apply_triton_linear(x, layer_nb.weight, None, splits,
+                                                         launches_nb).backward(grad),
+        "bare": lambda: Bare.apply(x, w, b, splits).backward(grad),
     }
-    def on_calling_thread(fn):
-        def run():
-            with torch.autograd.set_multithreading_enabled(False):
-                fn()
-        return run
+    names = list(steps)
+    flush = torch.empty(64 * 1024 * 1024, dtype=torch.int, device="cuda")
+    for step in steps.values():
+        for _ in range(50):
+            step()
+    warm_gpu(300)  # the small steps alone do not bring the GPU to its sustained clocks
+    torch.cuda.synchronize()
 
-    for name in ("raw grouped_mm fwd+bwd", "empty autograd node fwd+bwd", "layer fwd+bwd, no bias",
-                 "layer fwd+bwd, bias"):
-        cases[name + ", backward on the calling thread"] = on_calling_thread(cases[name])
-    print(f"{'case':60s} {'wall µs/call':>12s}")
-    for name, fn in cases.items():
-        print(f"{name:60s} {wall_us(fn, n=400, warmup=30):12.1f}")
-    for name in ("raw grouped_mm fwd+bwd", "layer fwd+bwd, bias"):
-        fn = cases[name]
-        ms = triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median",
-                                     grad_to_none=[x, w, b, *layer.parameters()])
-        print(f"{name:60s} do_bench {ms * 1e3:8.1f} µs")
-    profile_backward(layer, x, splits, grad)
-    layout_host_times()
-    for label, module in (("no bias", layer_nb), ("bias", layer)):
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
-            for _ in range(20):
-                module(x, splits).backward(grad)
-            torch.cuda.synchronize()
-        print(f"===== layer fwd+bwd, {label}: host time of 20 steps")
-        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18,
-                                        max_name_column_width=55))
+    times = {name: [] for name in names}
+    for i in range(iterations):
+        order = names[i % len(names):] + names[:i % len(names)]
+        events = []
+        for name in order:
+            for t in leaves:
+                t.grad = None
+            flush.zero_()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            steps[name]()
+            end.record()
+            events.append((name, start, end))
+        end.synchronize()
+        for name, start, end in events:
+            times[name].append(start.elapsed_time(end) * 1e3)
+
+    raw = times["raw grouped_mm"]
+    print(f"{iterations} iterations, every case once per iteration (µs, forward+backward)")
+    print(f"{'case':16s} {'median':>8s} {'quartiles':>15s} {'/ raw':>6s} {'95% interval':>13s} "
+          f"{'at or under raw':>16s}")
+    for name in names:
+        ratios = [t / r for t, r in zip(times[name], raw)]
+        q = statistics.quantiles(times[name], n=4)
+        low, high = _median_interval(ratios)
+        under = sum(r <= 1.0 for r in ratios) / len(ratios)
+        print(f"{name:16s} {statistics.median(times[name]):8.1f} {q[0]:7.1f}-{q[2]:<7.1f} "
+              f"{statistics.median(ratios):6.3f} {low:6.3f}-{high:<6.3f} {under:15.0%}")
 
 
 if __name__ == "__main__":
-    main()
+    main(int(sys.argv[1]) if len(sys.argv) > 1 else 3000)

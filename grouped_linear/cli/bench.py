@@ -23,13 +23,13 @@ A latency row (``small_8x128``: 8 groups of 128 rows, 1024 -> 1024) follows the
 packaged shapes on CUDA.
 
 Figures are TFLOP/s from median times, forward (``2*M*K*N`` FLOPs) and
-forward+backward (3x that). On CPU the packaged shapes are scaled down.
+forward+backward (3x that). On CPU the packaged shapes are scaled down. The tables and
+the chart are drawn by :mod:`grouped_linear.cli.report`.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import platform
 import statistics
 import warnings
@@ -44,7 +44,8 @@ import grouped_linear as gl
 from grouped_linear.kernels import fp8_gemm
 
 from .demo import resolve_device
-from .timing import format_table, median_seconds, peak_memory_bytes, progress
+from .report import RATIOS, SMALL_SHAPE_NAME, ratio, render_table, write_plot
+from .timing import median_seconds, peak_memory_bytes, progress, randn
 
 __all__ = ["COLUMNS", "Shape", "load_shapes", "scale_for_cpu", "run_bench", "render_table"]
 
@@ -53,12 +54,6 @@ COLUMNS = ("dense", "loop", "torch", "torchao", "gl_nobias", "grouped_linear", "
 _FP8_COLUMNS = {"fp8_row": gl.recipes.Float8Rowwise, "fp8_row_cached": gl.recipes.Float8Rowwise,
                 "fp8_tensor": gl.recipes.Float8Tensorwise,
                 "fp8_block": gl.recipes.Float8Blockwise}
-# (label, column, baseline): the ratios of TFLOP/s the report computes per shape.
-_RATIOS = (("gl/torch", "grouped_linear", "torch"), ("gl/loop", "grouped_linear", "loop"),
-           ("nobias/torch", "gl_nobias", "torch"), ("row/torch", "fp8_row", "torch"),
-           ("tensor/torch", "fp8_tensor", "torch"), ("block/torch", "fp8_block", "torch"),
-           ("row/torchao", "fp8_row", "torchao"), ("rowc/torch", "fp8_row_cached", "torch"))
-SMALL_SHAPE_NAME = "small_8x128"
 COPY_BANDWIDTH = 4.25e12  # bytes/s read + written, device-to-device copy measured on the H200
 CPU_SPLIT_DIVISOR = 64
 CPU_FEATURE_DIVISOR = 8
@@ -123,27 +118,21 @@ class _Case:
     flops: int | None = None  # forward FLOPs when the column runs other work than the shape
 
 
-def _randn(*size: int, device: torch.device, dtype: torch.dtype, scale: float = 1.0,
-           requires_grad: bool = False) -> torch.Tensor:
-    t = torch.randn(*size, device=device, dtype=torch.float32).mul_(scale).to(dtype)
-    return t.requires_grad_(requires_grad)
-
-
 def _build_case(column: str, shape: Shape, device: torch.device, dtype: torch.dtype,
                 grad_out: torch.Tensor) -> _Case:
     M, K, N, G = shape.M, shape.K, shape.N, shape.G
     w_scale = K ** -0.5
-    x = _randn(M, K, device=device, dtype=dtype, requires_grad=True)
+    x = randn(M, K, device=device, dtype=dtype, requires_grad=True)
 
     if column == "dense":
-        w = _randn(K, N, device=device, dtype=dtype, scale=w_scale, requires_grad=True)
+        w = randn(K, N, device=device, dtype=dtype, scale=w_scale, requires_grad=True)
 
         def fwd():
             return torch.matmul(x, w)
 
         leaves = [x, w]
     elif column == "loop":
-        weights = [_randn(N, K, device=device, dtype=dtype, scale=w_scale, requires_grad=True)
+        weights = [randn(N, K, device=device, dtype=dtype, scale=w_scale, requires_grad=True)
                    for _ in range(G)]
         sizes = list(shape.splits)
 
@@ -153,7 +142,7 @@ def _build_case(column: str, shape: Shape, device: torch.device, dtype: torch.dt
 
         leaves = [x, *weights]
     elif column == "torch":
-        w = _randn(G, N, K, device=device, dtype=dtype, scale=w_scale, requires_grad=True)
+        w = randn(G, N, K, device=device, dtype=dtype, scale=w_scale, requires_grad=True)
         offs = torch.tensor(shape.splits, dtype=torch.int64).cumsum(0).to(device, torch.int32)
 
         def fwd():
@@ -167,9 +156,9 @@ def _build_case(column: str, shape: Shape, device: torch.device, dtype: torch.dt
         layer = gl.GroupedLinear(G, K, N, bias=column == "grouped_linear", params_dtype=dtype,
                                  device=device, recipe=recipe)
         with torch.no_grad():
-            layer.weight.copy_(_randn(G, N, K, device=device, dtype=dtype, scale=w_scale))
+            layer.weight.copy_(randn(G, N, K, device=device, dtype=dtype, scale=w_scale))
             if layer.bias is not None:
-                layer.bias.copy_(_randn(G, N, device=device, dtype=dtype, scale=0.1))
+                layer.bias.copy_(randn(G, N, device=device, dtype=dtype, scale=0.1))
         splits = torch.tensor(shape.splits, dtype=torch.int64, device=device)
         cached = False if column == "fp8_row_cached" else None  # is_first_microbatch
 
@@ -207,10 +196,10 @@ def _torchao_case(shape: Shape, device: torch.device, dtype: torch.dtype) -> _Ca
 
     sizes = [-(-s // 16) * 16 for s in shape.splits]
     M, K, N, G = sum(sizes), shape.K, shape.N, shape.G
-    x = _randn(M, K, device=device, dtype=dtype, requires_grad=True)
-    w = _randn(G, N, K, device=device, dtype=dtype, scale=K ** -0.5, requires_grad=True)
+    x = randn(M, K, device=device, dtype=dtype, requires_grad=True)
+    w = randn(G, N, K, device=device, dtype=dtype, scale=K ** -0.5, requires_grad=True)
     offs = torch.tensor(sizes, dtype=torch.int64).cumsum(0).to(device, torch.int32)
-    grad_out = _randn(M, N, device=device, dtype=dtype)
+    grad_out = randn(M, N, device=device, dtype=dtype)
 
     def fwd():
         return _to_fp8_rowwise_then_scaled_grouped_mm(
@@ -257,12 +246,6 @@ def _summarize(rounds: list[dict]) -> dict:
     }
 
 
-def _ratio(a: dict | None, b: dict | None, key: str) -> float | None:
-    if not a or not b or not b.get(key):
-        return None
-    return a[key] / b[key]
-
-
 # --------------------------------------------------------------------------- driver
 def _run_cases(selected: list[Shape], columns: list[str], dev: torch.device,
                torch_dtype: torch.dtype, reps: int, quiet: bool, rounds: int = 1) -> list[dict]:
@@ -272,7 +255,7 @@ def _run_cases(selected: list[Shape], columns: list[str], dev: torch.device,
     bar = progress(len(selected) * len(columns) * rounds, desc="bench", disable=quiet)
     for shape in selected:
         torch.manual_seed(0)
-        grad_out = _randn(shape.M, shape.N, device=dev, dtype=torch_dtype)
+        grad_out = randn(shape.M, shape.N, device=dev, dtype=torch_dtype)
         entry = {"shape": shape.name, "G": shape.G, "M": shape.M, "K": shape.K, "N": shape.N,
                  "splits": list(shape.splits), "note": shape.note, "fwd_flops": shape.flops,
                  "columns": {}}
@@ -288,9 +271,9 @@ def _run_cases(selected: list[Shape], columns: list[str], dev: torch.device,
         entry["columns"] = {column: _summarize(runs) for column, runs in measured.items()}
         cols = entry["columns"]
         entry["ratios"] = {
-            label: {key: _ratio(cols.get(name), cols.get(base), key)
+            label: {key: ratio(cols.get(name), cols.get(base), key)
                     for key in ("fwd_tflops", "fwd_bwd_tflops")}
-            for label, name, base in _RATIOS if name in cols and base in cols
+            for label, name, base in RATIOS if name in cols and base in cols
         }
         if "grouped_linear" in cols and "gl_nobias" in cols:
             entry["bias_overhead"] = _bias_overhead(shape, cols, torch_dtype)
@@ -421,108 +404,3 @@ def run_bench(
     if not quiet:
         print(report["table"])
     return report
-
-
-# --------------------------------------------------------------------------- output
-def _num(value: float | None, digits: int = 1) -> str:
-    if value is None or not math.isfinite(value):
-        return "-"
-    if digits == 1 and abs(value) < 1:
-        return f"{value:.3f}"
-    return f"{value:.{digits}f}"
-
-
-def _pair(a: float | None, b: float | None, digits: int = 1) -> str:
-    return f"{_num(a, digits)} / {_num(b, digits)}"
-
-
-def render_table(report: dict) -> str:
-    """The text tables of a :func:`run_bench` report: TFLOP/s and ratios, then (CUDA)
-    peak memory, bias overhead against its one-pass bound, and latencies in µs."""
-    columns = report["columns"]
-    short = {"grouped_linear": "gl", "gl_nobias": "nobias", "fp8_row": "row",
-             "fp8_row_cached": "rowc", "fp8_tensor": "tensor", "fp8_block": "block"}
-    on_cuda = report["device"].startswith("cuda")
-    ratios = [(label, base) for label, name, base in _RATIOS if name in columns and base in columns]
-    headers = ["shape", "G", "M", "K", "N", *(short.get(c, c) for c in columns),
-               *(name for name, _ in ratios)]
-    rows = []
-    for entry in report["results"]:
-        cols = entry["columns"]
-        row = [entry["shape"], entry["G"], entry["M"], entry["K"], entry["N"]]
-        row += [_pair(cols[c]["fwd_tflops"], cols[c]["fwd_bwd_tflops"]) for c in columns]
-        for name, _ in ratios:
-            r = entry["ratios"][name]
-            row.append(_pair(r["fwd_tflops"], r["fwd_bwd_tflops"], digits=2))
-        rows.append(row)
-    title = (f"grouped_linear bench on {report['device']} ({report['device_name']}), "
-             f"{report['dtype']}, torch {report['torch_version']}: TFLOP/s forward / "
-             "forward+backward (median"
-             + (f" of {report['rounds']} alternating rounds" if report.get("rounds", 1) > 1 else "")
-             + "); gl = GroupedLinear with bias, nobias = without")
-    parts = [format_table(headers, rows, title=title)]
-    if on_cuda and all("bias_overhead" in e for e in report["results"]):
-        mem_headers = ["shape", *(f"peak GiB {short.get(c, c)}" for c in columns),
-                       "gl/torch mem", "bias ms fwd (bound)", "bias ms fwd+bwd (bound)"]
-        mem_rows = []
-        for entry in report["results"]:
-            cols, bias = entry["columns"], entry["bias_overhead"]
-            peaks = [(cols[c]["peak_mem_bytes"] or 0) / 2**30 for c in columns]
-            mem_ratio = _ratio(cols.get("grouped_linear"), cols.get("torch"), "peak_mem_bytes")
-            mem_rows.append([
-                entry["shape"], *(_num(p, 2) for p in peaks), _num(mem_ratio, 3),
-                f"{bias['fwd_ms']:.3f} ({bias['bound_fwd_ms']:.3f})",
-                f"{bias['fwd_bwd_ms']:.3f} ({bias['bound_fwd_bwd_ms']:.3f})",
-            ])
-        parts.append(format_table(mem_headers, mem_rows,
-                                  title="peak memory of forward+backward; bias cost vs one pass"))
-        small = [e for e in report["results"] if e["shape"] == SMALL_SHAPE_NAME]
-        if small:
-            cols = small[0]["columns"]
-            lat_rows = [[short.get(c, c), f"{cols[c]['fwd_ms'] * 1e3:.1f}",
-                         f"{cols[c]['fwd_bwd_ms'] * 1e3:.1f}"] for c in columns]
-            parts.append(format_table(["column", "fwd µs", "fwd+bwd µs"], lat_rows,
-                                      title=f"{SMALL_SHAPE_NAME}: 8 groups x 128 rows, 1024 -> 1024"))
-    notes = []
-    if report["scaled"]:
-        sc = report["scale"]
-        notes.append(f"shapes scaled down for CPU: group sizes // {sc['split_divisor']} "
-                     f"(zeros kept, others >= 1), K and N // {sc['feature_divisor']}")
-    if "torch" not in columns:
-        notes.append("torch (F.grouped_mm) is measured on CUDA only")
-    if "torchao" in columns:
-        notes.append("torchao (FP8 rowwise) runs each shape's splits rounded up to multiples of "
-                     "16; its TFLOP/s count that rounded work")
-    notes.append("the baselines have no bias; bias bound = one read+write of the output forward "
-                 "and one read of its gradient backward at 4.25 TB/s")
-    return "\n".join(parts) + "\n" + "\n".join("note: " + n for n in notes)
-
-
-def write_plot(report: dict, path: str) -> None:
-    """A PNG bar chart: TFLOP/s per shape and column, forward and forward+backward."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    columns = report["columns"]
-    names = [e["shape"] for e in report["results"]]
-    width = 0.8 / len(columns)
-    fig, axes = plt.subplots(2, 1, figsize=(max(6.0, 1.4 * len(names) + 2), 7), sharex=True)
-    for ax, key, label in zip(axes, ("fwd_tflops", "fwd_bwd_tflops"),
-                              ("forward", "forward+backward")):
-        for i, column in enumerate(columns):
-            values = [e["columns"][column][key] for e in report["results"]]
-            xs = [j + (i - (len(columns) - 1) / 2) * width for j in range(len(names))]
-            ax.bar(xs, values, width, label=column)
-        ax.set_ylabel("TFLOP/s")
-        ax.set_title(label)
-        ax.grid(axis="y", alpha=0.3)
-    axes[0].legend(ncol=len(columns), fontsize="small")
-    axes[-1].set_xticks(range(len(names)))
-    axes[-1].set_xticklabels(names, rotation=30, ha="right", fontsize="small")
-    scaled = " (shapes scaled down)" if report["scaled"] else ""
-    fig.suptitle(f"grouped_linear bench, {report['device']} {report['dtype']}{scaled}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)

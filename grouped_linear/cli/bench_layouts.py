@@ -51,9 +51,9 @@ import torch.nn.functional as F
 
 import grouped_linear as gl
 
-from .bench import Shape, _randn, load_shapes, scale_for_cpu
+from .bench import Shape, load_shapes, scale_for_cpu
 from .demo import resolve_device
-from .timing import format_table, median_seconds, progress
+from .timing import format_table, median_seconds, progress, randn
 
 __all__ = ["run_layouts_bench", "render_layouts_table"]
 
@@ -86,7 +86,7 @@ def _gbps(nbytes: int, seconds: float) -> float:
 
 def _copy_gbps(numel: int, dev: torch.device, dtype: torch.dtype, reps: int) -> float:
     """GB/s of ``dst.copy_(src)`` over ``numel`` elements, counting the read and the write."""
-    src = _randn(numel, device=dev, dtype=dtype)
+    src = randn(numel, device=dev, dtype=dtype)
     dst = torch.empty_like(src)
     seconds = median_seconds(lambda: dst.copy_(src), dev, reps=reps)
     return _gbps(2 * src.numel() * src.element_size(), seconds)
@@ -106,12 +106,12 @@ def _case_ops(hidden: int, rows: int, dev: torch.device, dtype: torch.dtype) -> 
     indices, probs, counts = _routing(tokens, dev)
     padded = [_round_up(c, PAD_MULTIPLE) for c in counts]
     p = sum(padded)
-    x = _randn(m, hidden, device=dev, dtype=dtype, requires_grad=True)
-    yp = _randn(p, hidden, device=dev, dtype=dtype, requires_grad=True)
-    x_tok = _randn(tokens, hidden, device=dev, dtype=dtype, requires_grad=True)
+    x = randn(m, hidden, device=dev, dtype=dtype, requires_grad=True)
+    yp = randn(p, hidden, device=dev, dtype=dtype, requires_grad=True)
+    x_tok = randn(tokens, hidden, device=dev, dtype=dtype, requires_grad=True)
     with torch.no_grad():
         routed, _, row_map = gl.permute(x_tok, indices, NUM_EXPERTS, multiple=1)
-    y_perm = _randn(*routed.shape, device=dev, dtype=dtype, requires_grad=True)
+    y_perm = randn(*routed.shape, device=dev, dtype=dtype, requires_grad=True)
     n_unperm = y_perm.shape[0]
     y_fixed = y_perm.detach()
     # A new leaf: ``probs`` itself stays without grad for the ``unpermute`` row (``.float()`` of
@@ -176,8 +176,8 @@ def _mlp_pairs(dev: torch.device) -> list[tuple[str, Shape, Shape]]:
 def _grouped_mm_runs(dev: torch.device, dtype: torch.dtype) -> bool:
     """Whether ``F.grouped_mm`` runs forward and backward for ``dtype`` on ``dev``."""
     try:
-        x = _randn(32, 16, device=dev, dtype=dtype, requires_grad=True)
-        w = _randn(2, 16, 16, device=dev, dtype=dtype, requires_grad=True)
+        x = randn(32, 16, device=dev, dtype=dtype, requires_grad=True)
+        w = randn(2, 16, 16, device=dev, dtype=dtype, requires_grad=True)
         offs = torch.tensor([16, 32], dtype=torch.int32, device=dev)
         F.grouped_mm(x, w.transpose(-2, -1), offs=offs).backward(torch.ones_like(x))
     except (RuntimeError, NotImplementedError, AttributeError):
@@ -188,9 +188,9 @@ def _grouped_mm_runs(dev: torch.device, dtype: torch.dtype) -> bool:
 def _gemm_seconds(splits: tuple[int, ...], k: int, n: int, dev: torch.device,
                   dtype: torch.dtype, grouped: bool, reps: int) -> float:
     """Forward+backward seconds of one grouped GEMM ``(M, k) -> (M, n)`` with a ``(G, n, k)`` weight."""
-    x = _randn(sum(splits), k, device=dev, dtype=dtype, requires_grad=True)
-    w = _randn(len(splits), n, k, device=dev, dtype=dtype, scale=k ** -0.5, requires_grad=True)
-    grad = _randn(sum(splits), n, device=dev, dtype=dtype)
+    x = randn(sum(splits), k, device=dev, dtype=dtype, requires_grad=True)
+    w = randn(len(splits), n, k, device=dev, dtype=dtype, scale=k ** -0.5, requires_grad=True)
+    grad = randn(sum(splits), n, device=dev, dtype=dtype)
     offs = torch.tensor(splits, dtype=torch.int64).cumsum(0).to(dev, torch.int32)
     sizes = list(splits)
 
@@ -210,10 +210,10 @@ def _mlp_seconds(fc1: Shape, fc2: Shape, dev: torch.device, dtype: torch.dtype, 
     mlp = gl.GroupedMLP(G, hidden, ffn, activation="swiglu", bias=False, params_dtype=dtype,
                         device=dev)
     with torch.no_grad():
-        mlp.fc1.weight.copy_(_randn(G, 2 * ffn, hidden, device=dev, dtype=dtype, scale=hidden ** -0.5))
-        mlp.fc2.weight.copy_(_randn(G, hidden, ffn, device=dev, dtype=dtype, scale=ffn ** -0.5))
-    x = _randn(M, hidden, device=dev, dtype=dtype, requires_grad=True)
-    grad = _randn(M, hidden, device=dev, dtype=dtype)
+        mlp.fc1.weight.copy_(randn(G, 2 * ffn, hidden, device=dev, dtype=dtype, scale=hidden ** -0.5))
+        mlp.fc2.weight.copy_(randn(G, hidden, ffn, device=dev, dtype=dtype, scale=ffn ** -0.5))
+    x = randn(M, hidden, device=dev, dtype=dtype, requires_grad=True)
+    grad = randn(M, hidden, device=dev, dtype=dtype)
     splits = torch.tensor(fc1.splits, dtype=torch.int64, device=dev)
     return median_seconds(lambda: mlp(x, splits).backward(grad), dev,
                           grad_to_none=[x, *mlp.parameters()], reps=reps)

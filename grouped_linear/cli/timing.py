@@ -1,4 +1,5 @@
-"""Timing, progress-bar and table helpers shared by the command line tools.
+"""Timing, GPU warm-up, random-input, progress-bar and table helpers shared by the command
+line tools (and the scripts in benchmarks/).
 
 Nothing here is imported by the library itself; tqdm and Triton are optional
 and imported only when used.
@@ -18,7 +19,9 @@ __all__ = [
     "Progress",
     "progress",
     "median_seconds",
+    "warm_gpu",
     "peak_memory_bytes",
+    "randn",
     "format_table",
 ]
 
@@ -144,6 +147,26 @@ def median_seconds(
     return statistics.median(times)
 
 
+def warm_gpu(ms: float = 300.0, device: torch.device | str | None = None) -> None:
+    """Keep the GPU busy with bf16 matmuls for about ``ms`` milliseconds; nothing off CUDA.
+
+    Call it before a round of measurements that follows an idle moment (a model built, a
+    table printed): an idle GPU starts at boost clocks and reaches its power limit, and the
+    lower sustained clocks a training run sees, within a few hundred milliseconds of load.
+    """
+    dev = torch.device("cuda") if device is None else torch.device(device)
+    if dev.type != "cuda":
+        return
+    a = torch.randn(4096, 4096, device=dev, dtype=torch.bfloat16)
+    out = torch.empty_like(a)
+    torch.cuda.synchronize(dev)
+    start = time.perf_counter()
+    while (time.perf_counter() - start) * 1e3 < ms:
+        for _ in range(8):  # about 0.2 ms each on an H200
+            torch.matmul(a, a, out=out)
+        torch.cuda.synchronize(dev)
+
+
 def peak_memory_bytes(fn: Callable[[], object], device: torch.device,
                       grad_to_none: Sequence[torch.Tensor] = ()) -> int | None:
     """Peak CUDA memory allocated while ``fn`` runs once (inputs included); ``None`` off CUDA."""
@@ -157,6 +180,15 @@ def peak_memory_bytes(fn: Callable[[], object], device: torch.device,
     peak = torch.cuda.max_memory_allocated(device)
     _clear_grads(grad_to_none)
     return int(peak)
+
+
+# --------------------------------------------------------------------------- inputs
+def randn(*size: int, device: torch.device | str, dtype: torch.dtype, scale: float = 1.0,
+          requires_grad: bool = False) -> torch.Tensor:
+    """Normal random values times ``scale``, drawn in float32 and cast to ``dtype`` (the same
+    values whatever the dtype, for one seed), a leaf with ``requires_grad`` as asked."""
+    t = torch.randn(*size, device=device, dtype=torch.float32).mul_(scale).to(dtype)
+    return t.requires_grad_(requires_grad)
 
 
 # --------------------------------------------------------------------------- tables

@@ -9,7 +9,8 @@ import torch
 from grouped_linear.cli import bench as bench_module
 from grouped_linear.cli.bench import Shape, load_shapes, run_bench, scale_for_cpu
 from grouped_linear.cli.main import main
-from grouped_linear.cli.timing import Progress, format_table
+from grouped_linear.cli.report import RATIOS, ratio, render_table
+from grouped_linear.cli.timing import Progress, format_table, randn, warm_gpu
 
 TINY = "unaligned_g16,qwen35_397b_ep64_fc2"
 
@@ -40,6 +41,30 @@ def test_bench_command_writes_json_and_prints_table(tmp_path, capsys):
     assert "grouped_linear" in out and "gl/loop" in out and "scaled down" in out
     for name in TINY.split(","):
         assert name in out
+
+
+def test_report_renders_a_saved_report(tmp_path):
+    """The table is a function of the report alone: a report read back from its JSON renders
+    the table ``run_bench`` printed."""
+    path = tmp_path / "bench.json"
+    shapes = {"tiny": Shape("tiny", (5, 0, 11), 16, 24)}
+    report = run_bench(shapes, device="cpu", json_path=str(path), reps=1, quiet=True)
+    assert render_table(json.loads(path.read_text())) == report["table"]
+    assert bench_module.render_table is render_table
+    labels = [label for label, _, _ in RATIOS]
+    assert len(set(labels)) == len(labels) and "gl/torch" in labels
+    assert ratio({"x": 3.0}, {"x": 2.0}, "x") == 1.5
+    assert ratio({"x": 3.0}, {"x": 0.0}, "x") is None and ratio(None, {"x": 1.0}, "x") is None
+
+
+def test_inputs_and_warm_up_off_cuda():
+    torch.manual_seed(0)
+    a = randn(64, 8, device="cpu", dtype=torch.float32, scale=0.5, requires_grad=True)
+    torch.manual_seed(0)
+    b = randn(64, 8, device="cpu", dtype=torch.bfloat16, scale=0.5)
+    assert a.is_leaf and a.requires_grad and not b.requires_grad
+    assert torch.equal(a.detach().to(torch.bfloat16), b) and bool((a != 0).all())
+    warm_gpu(50, "cpu")  # nothing to warm: returns at once
 
 
 def test_bench_plot(tmp_path):

@@ -1,29 +1,24 @@
 """bf16 grouped GEMMs alone: torch's ``grouped_mm`` (plus the bias pass) against
-:mod:`grouped_linear.kernels.gluon_gemm` (bias in the epilogue). CUDA, Hopper.
+:mod:`grouped_linear.kernels.gemm.gluon_gemm` (bias in the epilogue). CUDA, Hopper.
 
-``PYTHONPATH=. python benchmarks/bf16_gluon_gemm.py [--rounds R] [--config
-BMxBNxBKxWxSxBANDxTMA ...] [shape ...]``: on the bench shapes, forward without and with bias,
-the dgrad (``dy @ W``) and the weight gradient without and with the bias gradient
-(:mod:`grouped_linear.kernels.gluon_wgrad`, in the first Gluon column; ``/b8``: its tile
-order in bands of 8 ``N`` tiles); do_bench medians in
+From the repository root, ``PYTHONPATH=. python benchmarks/bf16_gemms.py [--rounds R]
+[--config BMxBNxBKxWxSxGROUP_MxTMA ...] [SHAPE ...]``: on the bench shapes (or
+``uniform:G:M:K:N``), forward without and with bias, the dgrad (``dy @ W``) and the weight
+gradient without and with the bias gradient (:mod:`grouped_linear.kernels.gemm.gluon_wgrad`,
+in the first Gluon column; ``/b8``: its tile order in bands of 8 ``N`` tiles); medians in
 TFLOP/s (``2 M K N`` per GEMM), torch and each Gluon configuration alternating within a
-shape, for ``R`` rounds; and the relative difference ``|gluon - torch| / |torch|`` of the
-outputs (both accumulate in float32).
+shape, the best of ``R`` rounds; and the relative difference ``|gluon - torch| / |torch|``
+of the outputs (both accumulate in float32).
 """
 
 import argparse
 
 import torch
 import torch.nn.functional as F
-import triton.testing
+from _common import CUDA, bench_shapes, device_groups, median_ms, randn, tflops, warm_gpu
 
-from grouped_linear.cli.bench import load_shapes
 from grouped_linear.kernels import bias as bias_kernels
-from grouped_linear.kernels import gluon_gemm, gluon_wgrad
-
-
-def _tflops(flops: int, fn) -> float:
-    return flops / triton.testing.do_bench(fn, warmup=50, rep=150) / 1e9
+from grouped_linear.kernels.gemm import gluon_gemm, gluon_wgrad
 
 
 def _relative(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -32,11 +27,11 @@ def _relative(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 def _cases(M, K, N, splits, configs):
     G = len(splits)
-    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
-    dy = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
-    w = torch.randn(G, N, K, device="cuda", dtype=torch.bfloat16) / K ** 0.5
-    bias = torch.randn(G, N, device="cuda", dtype=torch.bfloat16)
-    ends = torch.tensor(splits, device="cuda").cumsum(0).to(torch.int32)
+    x = randn(M, K, device=CUDA, dtype=torch.bfloat16)
+    dy = randn(M, N, device=CUDA, dtype=torch.bfloat16)
+    w = randn(G, N, K, device=CUDA, dtype=torch.bfloat16, scale=K ** -0.5)
+    bias = randn(G, N, device=CUDA, dtype=torch.bfloat16)
+    _, ends = device_groups(splits)
 
     def torch_bias():
         out = F.grouped_mm(x, w.transpose(-2, -1), offs=ends)
@@ -55,7 +50,7 @@ def _cases(M, K, N, splits, configs):
         for config in configs:
             if gluon_gemm.supported(a, w, options.get("transposed_weight", False), config):
                 gluon_fns[config] = (lambda c=config, a=a, o=options: gluon_gemm.grouped_mm(
-                    a, w, ends, ends=True, config=c, **o))
+                    a, w, ends, config=c, **o))
         yield gemm, flops, torch_fn, gluon_fns
 
 
@@ -82,26 +77,26 @@ def _wgrad_cases(M, K, N, x, dy, ends):
 
 
 def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("shapes", nargs="*")
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("shapes", nargs="*", help="bench shapes or uniform:G:M:K:N (default: all)")
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--config", action="append", default=[])
+    parser.add_argument("--config", action="append", default=[],
+                        help="a Gluon launch shape BMxBNxBKxWxSxGROUP_MxTMA (repeatable; "
+                        "default: the kernel's)")
     args = parser.parse_args()
     configs = [tuple(int(v) for v in c.split("x")) for c in args.config] or [gluon_gemm.MM_CONFIG]
-    shapes = load_shapes()
-    names = args.shapes or [n for n in shapes if not n.startswith("small")]
     header = "  ".join(f"{'x'.join(map(str, c)):>16s}" for c in configs)
     print(f"{'shape':22s} {'GEMM':9s} {'torch':>7s}  {header}  rel. diff")
-    for name in names:
-        shape = shapes[name]
-        M, K, N = sum(shape.splits), shape.K, shape.N
+    for shape in bench_shapes(args.shapes):
+        name, M, K, N = shape.name, shape.M, shape.K, shape.N
+        warm_gpu()
         for gemm, flops, torch_fn, gluon_fns in _cases(M, K, N, list(shape.splits), configs):
             ref = torch_fn()
             diffs = [_relative(fn(), ref) for fn in gluon_fns.values()]
             rounds = []
             for _ in range(args.rounds):
-                rounds.append([_tflops(flops, torch_fn)]
-                              + [_tflops(flops, fn) for fn in gluon_fns.values()])
+                rounds.append([tflops(flops, median_ms(torch_fn))]
+                              + [tflops(flops, median_ms(fn)) for fn in gluon_fns.values()])
             best = [max(r[i] for r in rounds) for i in range(len(rounds[0]))]
             cells = "  ".join(f"{v:16.1f}" for v in best[1:])
             print(f"{name:22s} {gemm:9s} {best[0]:7.1f}  {cells}  "

@@ -1,0 +1,158 @@
+"""FP8 grouped GEMMs alone, on already-quantized operands, against bf16 ``F.grouped_mm``:
+torch's ``_scaled_grouped_mm`` (rowwise) and the blockwise Triton and Gluon kernels (CUDA,
+the Gluon kernels on sm90).
+
+From the repository root, ``PYTHONPATH=. python benchmarks/fp8_gemms.py [--sweep]
+[SHAPE ...]`` (SHAPE: the bench's, or ``uniform:G:M:K:N``; default all). Per shape, TFLOP/s
+(median, ``2 M K N`` per GEMM) of:
+
+* forward: bf16 ``grouped_mm``, torch's FP8 GEMM on rowwise operands, the blockwise Triton
+  and Gluon kernels;
+* dgrad (``dy @ W``, as the blockwise recipe runs it: the transposed weight copy) and wgrad
+  (token-block operands): the blockwise Triton and Gluon kernels;
+* the rowwise recipes' wgrad: torch's FP8 GEMM (16-token group alignment) against the
+  group-scaled Triton kernel (128-token group blocks), on the same values;
+
+with, for each Gluon kernel, whether its bf16 output is identical to the Triton kernel's.
+``--sweep`` also times the Triton kernels at each launch shape of a list (forward and
+dgrad per ``MM_CONFIG`` and ``MM_BLOCK_K``, the wgrads per ``WGRAD_CONFIG`` and
+``GROUP_SCALED_WGRAD_CONFIG``) and names the best.
+"""
+
+import argparse
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from _common import CUDA, E4M3, bench_shapes, device_groups, median_ms, randn, tflops, warm_gpu
+
+from grouped_linear.kernels.gemm import fp8_gluon_gemm as gg
+from grouped_linear.kernels.gemm import fp8_gluon_wgrad as gw
+from grouped_linear.kernels.gemm import fp8_torch_gemm
+from grouped_linear.kernels.gemm import fp8_triton_gemm as fg
+from grouped_linear.kernels.quantize import blocks as qb
+from grouped_linear.kernels.quantize import rows as qr
+from grouped_linear.kernels.quantize import transposed as qt
+
+DT = torch.bfloat16
+MM_CONFIGS = [(128, 8, 3), (128, 8, 4), (128, 4, 3), (64, 4, 4), (256, 8, 3)]
+# (warps, stages, tokens per step, N tile, K tile) of the blockwise and group-scaled wgrads
+WGRAD_CONFIGS = [(8, 3, 64, 128, 128), (4, 3, 64, 128, 128), (8, 3, 128, 128, 128),
+                 (8, 3, 128, 128, 256), (8, 3, 64, 128, 256), (8, 3, 128, 256, 128)]
+GROUP_SCALED_CONFIGS = [(4, 3, 64, 128, 128), (8, 3, 64, 128, 128), (4, 3, 128, 128, 128),
+                        (4, 4, 128, 128, 128), (8, 3, 128, 128, 256), (8, 4, 64, 128, 256),
+                        (8, 3, 128, 256, 128)]
+
+
+def _sweep(row: dict, name: str, settings: dict[str, list], fn: Callable[[], object],
+           flops: int) -> None:
+    """TFLOP/s of ``fn`` with each value of each ``fg`` setting in turn (the others at
+    their defaults), and the best; the defaults are restored after."""
+    defaults = {attr: getattr(fg, attr) for attr in settings}
+    best = None
+    try:
+        for attr, values in settings.items():
+            for value in values:
+                setattr(fg, attr, value)
+                try:
+                    value_tflops = tflops(flops, median_ms(fn))
+                except Exception as error:  # a launch shape that does not fit (shared memory)
+                    print(f"  {name} {attr}={value}: {type(error).__name__}")
+                    continue
+                row[f"{name} {attr}={value}"] = value_tflops
+                best = max(best or 0.0, value_tflops)
+            setattr(fg, attr, defaults[attr])
+    finally:
+        for attr, value in defaults.items():
+            setattr(fg, attr, value)
+    row[f"{name} best"] = best
+
+
+def _pair(row: dict, gemm: str, flops: int, triton_fn, gluon_fn, gluon_ok: bool) -> None:
+    """The Triton kernel's TFLOP/s and, where it runs, the Gluon kernel's and whether their
+    outputs are identical."""
+    row[f"triton blockwise {gemm}"] = tflops(flops, median_ms(triton_fn))
+    if gluon_ok:
+        same = torch.equal(triton_fn(), gluon_fn())
+        row[f"gluon blockwise {gemm} (identical: {same})"] = tflops(flops, median_ms(gluon_fn))
+
+
+def shape_row(shape, sweep: bool) -> dict:
+    """TFLOP/s of every GEMM form on one shape."""
+    G, M, K, N = shape.G, shape.M, shape.K, shape.N
+    flops = 2 * M * K * N
+    x = randn(M, K, device=CUDA, dtype=DT)
+    dy = randn(M, N, device=CUDA, dtype=DT)
+    w = randn(G, N, K, device=CUDA, dtype=DT, scale=K ** -0.5)
+    sizes, ends = device_groups(shape.splits)
+    row = {"bf16 grouped_mm fwd": tflops(flops, median_ms(
+        lambda: F.grouped_mm(x, w.transpose(-2, -1), offs=ends)))}
+    if fp8_torch_gemm.shapes_supported(K, N):
+        x_row, x_row_inv = qr.quantize_rows(x, E4M3, False)
+        w_row, w_row_inv = qr.quantize_weight_rows(w, E4M3, False)
+        row["torch scaled rowwise fwd"] = tflops(flops, median_ms(
+            lambda: fp8_torch_gemm.forward(x_row, x_row_inv, w_row, w_row_inv, ends, DT)))
+
+    # Blockwise forward and dgrad: 1x128 activation tiles, 128x128 weight blocks.
+    x_blk, dy_blk = qb.quantize_row_tiles(x, E4M3, True), qb.quantize_row_tiles(dy, E4M3, True)
+    w_fwd = qb.quantize_weight_blocks(w, E4M3, True)
+    w_dgrad = qb.quantize_weight_blocks(w.transpose(-2, -1).contiguous(), E4M3, True)
+    for gemm, a, b in (("fwd", x_blk, w_fwd), ("dgrad", dy_blk, w_dgrad)):
+        def triton_fn(a=a, b=b):
+            return fg.grouped_mm(*a, *b, sizes, transpose_weight=True, scaling="blockwise")
+
+        _pair(row, gemm, flops, triton_fn, lambda a=a, b=b: gg.grouped_mm(*a, *b, sizes),
+              gg.supported(a[0], b[0]))
+        if sweep:
+            _sweep(row, f"triton blockwise {gemm}",
+                   {"MM_CONFIG": MM_CONFIGS, "MM_BLOCK_K": [64, 128]}, triton_fn, flops)
+
+    # Blockwise wgrad: token-block operands, transposed.
+    dy_t = qb.quantize_token_blocks(dy, sizes, E4M3, True, transpose=True)
+    x_t = qb.quantize_token_blocks(x, sizes, E4M3, True, transpose=True)
+
+    def wgrad_fn():
+        return fg.blockwise_wgrad(*dy_t, *x_t, sizes, M)
+
+    _pair(row, "wgrad", flops, wgrad_fn, lambda: gw.blockwise_wgrad(*dy_t, *x_t, sizes, M),
+          gw.wgrad_supported(*dy_t, *x_t))
+    if sweep:
+        _sweep(row, "triton blockwise wgrad", {"WGRAD_CONFIG": WGRAD_CONFIGS}, wgrad_fn, flops)
+
+    # The rowwise recipes' wgrad: per (group, column) factors, on either GEMM.
+    for align in (fp8_torch_gemm.WGRAD_GROUP_ALIGN, fg.BLOCK):
+        dy_c, dy_c_inv, aligned = qt.quantize_group_columns_t(dy, ends, E4M3, False, align=align)
+        x_c, x_c_inv, _ = qt.quantize_group_columns_t(x, ends, E4M3, False, align=align)
+        if align == fg.BLOCK:
+            def group_scaled(dy_c=dy_c, dy_c_inv=dy_c_inv, x_c=x_c, x_c_inv=x_c_inv):
+                return fg.blockwise_wgrad(dy_c, dy_c_inv, x_c, x_c_inv, sizes, M,
+                                          group_scales=True)
+
+            row["triton group-scaled wgrad"] = tflops(flops, median_ms(group_scaled))
+            if sweep:
+                _sweep(row, "triton group-scaled wgrad",
+                       {"GROUP_SCALED_WGRAD_CONFIG": GROUP_SCALED_CONFIGS}, group_scaled, flops)
+        else:
+            row["torch scaled rowwise wgrad"] = tflops(flops, median_ms(
+                lambda dy_c=dy_c, dy_c_inv=dy_c_inv, x_c=x_c, x_c_inv=x_c_inv, aligned=aligned:
+                fp8_torch_gemm.wgrad(dy_c, dy_c_inv, x_c, x_c_inv, aligned, DT)))
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("shapes", nargs="*", help="bench shapes or uniform:G:M:K:N (default: all)")
+    parser.add_argument("--sweep", action="store_true",
+                        help="also time the Triton kernels at each launch shape of a list")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    for shape in bench_shapes(args.shapes):
+        warm_gpu()
+        row = shape_row(shape, args.sweep)
+        print(f"{shape.name} (G={shape.G}, M={shape.M}, K={shape.K}, N={shape.N}) TFLOP/s:")
+        for key, value in row.items():
+            print(f"  {key:58s} {value:7.0f}" if value else f"  {key:58s}       -", flush=True)
+
+
+if __name__ == "__main__":
+    main()
