@@ -27,14 +27,16 @@ from dataclasses import dataclass
 import torch
 
 from ..kernels import bias as bias_kernels
-from ..kernels import fp8_gemm, grouped_gemm, triton_gemm
-from ..kernels import quantize as q
-from ..kernels import quantize_blocks as qb
-from ..kernels import quantize_groups as qg
-from ..kernels import quantize_transposed as qt
 from ..kernels._triton import HAS_TRITON
-from ..kernels.quantize_folded import ColumnFactors
-from ..kernels.transpose import transpose_groups
+from ..kernels.gemm import fp8_torch_gemm as fp8_gemm
+from ..kernels.gemm import torch_gemm as grouped_gemm
+from ..kernels.gemm import triton_gemm
+from ..kernels.quantize import blocks as qb
+from ..kernels.quantize import groups as qg
+from ..kernels.quantize import rows as q
+from ..kernels.quantize import transposed as qt
+from ..kernels.quantize.folded import ColumnFactors
+from ..kernels.quantize.transpose import transpose_groups
 from ..recipes import Float8Blockwise, Float8Recipe, Float8Rowwise, Float8Tensorwise
 from .weight_grad import WeightGradSink, route_weight_grads
 

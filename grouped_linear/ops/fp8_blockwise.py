@@ -25,11 +25,11 @@ from __future__ import annotations
 import torch
 
 from ..kernels import bias as bias_kernels
-from ..kernels import fp8_gluon_gemm as gluon_gemm
-from ..kernels import fp8_gluon_wgrad as gluon_wgrad
-from ..kernels import fp8_triton_gemm as fg
-from ..kernels import quantize_blocks as qb
-from ..kernels import quantize_blocks_gluon as qbg
+from ..kernels.gemm import fp8_gluon_gemm as gluon_gemm
+from ..kernels.gemm import fp8_gluon_wgrad as gluon_wgrad
+from ..kernels.gemm import fp8_triton_gemm as fg
+from ..kernels.quantize import blocks as qb
+from ..kernels.quantize import blocks_gluon as qbg
 from .fp8 import Fp8Config, Fp8Weight, quantize_weight, weight_and_bias_grads
 
 __all__ = ["Fp8BlockwiseFunction"]

@@ -28,11 +28,12 @@ from __future__ import annotations
 import torch
 
 from ..kernels import bias as bias_kernels
-from ..kernels import fp8_gemm, fp8_triton_gemm
-from ..kernels import quantize as q
-from ..kernels import quantize_folded as qf
-from ..kernels import quantize_groups as qg
-from ..kernels import quantize_transposed as qt
+from ..kernels.gemm import fp8_torch_gemm as fp8_gemm
+from ..kernels.gemm import fp8_triton_gemm
+from ..kernels.quantize import folded as qf
+from ..kernels.quantize import groups as qg
+from ..kernels.quantize import rows as q
+from ..kernels.quantize import transposed as qt
 from ..recipes import Float8Recipe, Float8Rowwise, Float8Tensorwise
 from .fp8 import Fp8Config, Fp8Weight, quantize_weight, weight_and_bias_grads
 

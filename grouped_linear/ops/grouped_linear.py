@@ -13,10 +13,10 @@ from dataclasses import dataclass
 import torch
 from torch._C._functorch import is_functorch_wrapped_tensor
 
-from ..kernels import triton_gemm
 from ..kernels._triton import HAS_TRITON, interpreting
-from ..kernels.offsets import group_offsets
-from ..kernels.triton_gemm import LinearLaunches
+from ..kernels.ends import group_offsets
+from ..kernels.gemm import triton_gemm
+from ..kernels.gemm.triton_gemm import LinearLaunches
 from ..recipes import Float8Recipe, check_recipe, current_recipe
 from .fp8 import Fp8Config, Fp8GroupedLinearFunction, Fp8Weight, fp8_path
 from .fp8_blockwise import Fp8BlockwiseFunction

@@ -18,7 +18,8 @@ from __future__ import annotations
 import torch
 
 from ..kernels import bias as bias_kernels
-from ..kernels import gluon_gemm, gluon_wgrad, grouped_gemm, triton_gemm
+from ..kernels.gemm import gluon_gemm, gluon_wgrad, triton_gemm
+from ..kernels.gemm import torch_gemm as grouped_gemm
 from .registry import compute_op, register_fake
 
 __all__ = [

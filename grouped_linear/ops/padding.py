@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
-from grouped_linear.kernels import layout as layout_kernels
+from grouped_linear.kernels.routing import rows as layout_kernels
 from grouped_linear.ops.checks import check_int
 from grouped_linear.ops.splits import debug_checks_enabled, normalize_splits
 

@@ -17,7 +17,7 @@ from dataclasses import InitVar, dataclass
 
 import torch
 
-from ..kernels.offsets import group_offsets
+from ..kernels.ends import group_offsets
 
 __all__ = ["GroupSplits", "normalize_splits", "debug_checks_enabled", "SPLIT_DTYPES"]
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels import triton_gemm
+from ..kernels.gemm import triton_gemm
 
 __all__ = ["TritonGroupedLinearFunction", "apply_triton_linear", "records_graph"]
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import grouped_linear as gl
-from grouped_linear.kernels import fp8_gemm
+from grouped_linear.kernels.gemm import fp8_torch_gemm as fp8_gemm
 from grouped_linear.ops.fp8 import fp8_path
 from grouped_linear.recipes import Float8Blockwise, Float8Rowwise, Float8Tensorwise
 from tests.gpu.test_cuda_graphs import check_layer_step_replays
@@ -72,7 +72,7 @@ def test_wgrad_gemm_choice_of_the_rowwise_recipes(recipe, split_kind, min_groups
     """The wgrad GEMM in the group-scaled Triton kernel (128-token group blocks) or, with
     ``TRITON_WGRAD_MIN_GROUPS = None``, torch's (16-token blocks): the chosen kernel is the one
     that ran, and every gradient matches float64 either way."""
-    from grouped_linear.kernels import fp8_triton_gemm
+    from grouped_linear.kernels.gemm import fp8_triton_gemm
     from grouped_linear.ops import fp8_device
 
     monkeypatch.setattr(fp8_device, "TRITON_WGRAD_MIN_GROUPS", min_groups)
@@ -213,8 +213,8 @@ def test_blockwise_beats_rowwise_on_outlier_channels_on_cuda():
 def test_list_input_is_quantized_piece_by_piece(recipe, monkeypatch):
     """A list input takes the piece-by-piece quantization (no concatenation) and gives the
     tensor input's output and gradients; the pieces' gradients are views of one tensor."""
-    from grouped_linear.kernels import quantize as q
-    from grouped_linear.kernels import quantize_transposed as qt
+    from grouped_linear.kernels.quantize import rows as q
+    from grouped_linear.kernels.quantize import transposed as qt
     # the module (grouped_linear.ops re-exports a function of the same name)
     ops_grouped_linear = importlib.import_module("grouped_linear.ops.grouped_linear")
 

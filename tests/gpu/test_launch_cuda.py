@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from grouped_linear.kernels import _triton, triton_gemm
+from grouped_linear.kernels import _triton
+from grouped_linear.kernels.gemm import triton_gemm
 from tests.reference import grouped_linear_ref, rel_err
 
 pytestmark = [pytest.mark.gpu,

@@ -23,22 +23,23 @@ import tempfile
 import pytest
 import torch
 
-from grouped_linear.kernels import fp8_gluon_gemm as gg
-from grouped_linear.kernels import fp8_gluon_wgrad as gw
-from grouped_linear.kernels import fp8_triton_gemm as fg
-from grouped_linear.kernels import gluon_gemm as bg
-from grouped_linear.kernels import gluon_wgrad as bwg
-from grouped_linear.kernels import layout, routing
-from grouped_linear.kernels import quantize as q
-from grouped_linear.kernels import quantize_blocks as qb
-from grouped_linear.kernels import quantize_blocks_gluon as qbg
-from grouped_linear.kernels import quantize_columns_tiled as qct
-from grouped_linear.kernels import quantize_folded as qf
-from grouped_linear.kernels import quantize_groups as qg
-from grouped_linear.kernels import quantize_transposed as qt
-from grouped_linear.kernels import transpose as tp
-from grouped_linear.kernels import triton_gemm as tg
 from grouped_linear.kernels._triton import HAS_TRITON
+from grouped_linear.kernels.gemm import fp8_gluon_gemm as gg
+from grouped_linear.kernels.gemm import fp8_gluon_wgrad as gw
+from grouped_linear.kernels.gemm import fp8_triton_gemm as fg
+from grouped_linear.kernels.gemm import gluon_gemm as bg
+from grouped_linear.kernels.gemm import gluon_wgrad as bwg
+from grouped_linear.kernels.gemm import triton_gemm as tg
+from grouped_linear.kernels.quantize import blocks as qb
+from grouped_linear.kernels.quantize import blocks_gluon as qbg
+from grouped_linear.kernels.quantize import columns_tiled as qct
+from grouped_linear.kernels.quantize import folded as qf
+from grouped_linear.kernels.quantize import groups as qg
+from grouped_linear.kernels.quantize import rows as q
+from grouped_linear.kernels.quantize import transpose as tp
+from grouped_linear.kernels.quantize import transposed as qt
+from grouped_linear.kernels.routing import routing_map as routing
+from grouped_linear.kernels.routing import rows as layout
 
 if HAS_TRITON:
     import triton

@@ -5,8 +5,9 @@ attributes through (the sm90 compile test reads them)."""
 import pytest
 import torch
 
-from grouped_linear.kernels import _triton, triton_gemm
+from grouped_linear.kernels import _triton
 from grouped_linear.kernels._triton import HAS_TRITON, interpreting
+from grouped_linear.kernels.gemm import triton_gemm
 
 pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
 

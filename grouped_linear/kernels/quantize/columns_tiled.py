@@ -1,0 +1,259 @@
+"""The tiled method of :func:`~grouped_linear.kernels.quantize_transposed.quantize_group_columns_t`:
+``(M, C)`` rows in groups -> FP8 ``(C, M')``, transposed, one scale per (group, column).
+
+Tiles of ``BLOCK_R`` destination columns are numbered slot after slot (:func:`_column_tile`:
+each group's rows and alignment padding, then the tail), so every tile is in flight at once
+whatever the group sizes. Two launches: the column maxima over row tiles with atomic
+maxima (:func:`_group_column_amax_kernel`, optionally the per-group column sums too), then
+one quantize-and-transpose kernel over the same tiles
+(:func:`_quantize_columns_t_tiled_kernel`), which derives the scales and writes the
+factors itself. Given per-group scales or FP8 codes to move unchanged, only the second.
+The plain-PyTorch reference is
+:func:`~grouped_linear.kernels.quantize_transposed.quantize_group_columns_t_reference`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .._triton import cdiv, kernel, next_power_of_2, tl, triton
+from .rows import _scale, piece_shift
+
+__all__ = ["quantize_columns_t", "TILED_CONFIG", "AMAX_SUB_TILES"]
+
+# Launch shape (rows, columns, warps) of both kernels; benchmarks/fp8_quantize.py times the
+# alternatives on the H200.
+TILED_CONFIG = (128, 64, 4)
+AMAX_SUB_TILES = 2  # row tiles per program of the column-amax pass
+
+
+@triton.jit
+def _fold(values, factors_ptr, row0, rows, left):
+    """``values[r, :] * factors[row0 + r]`` for the tile's first ``left`` rows, saturated at
+    float32's range (as ``quantize_transposed.fold_row_factors``)."""
+    factors = tl.load(factors_ptr + row0 + rows, mask=rows < left, other=0.0)
+    return tl.clamp(values * factors[:, None], -3.4028234663852886e38, 3.4028234663852886e38)
+
+
+@triton.jit
+def _column_tile(tile, offsets_ptr, dst_offsets_ptr, G, width, ALIGN: tl.constexpr,
+                 BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr):
+    """Tile ``tile`` of the transposed layout, tiles numbered slot after slot: slot ``g < G``
+    covers group ``g``'s destination columns (its rows, then its alignment padding), slot
+    ``G`` the columns past the last group up to ``width``. Returns the slot, the tile's
+    first source row and the group's end row, the tile's first destination column, the
+    slot's destination end and the number of tiles."""
+    slots = tl.arange(0, BLOCK_S)  # BLOCK_S > G
+    ends = tl.load(offsets_ptr + slots, mask=slots < G, other=0).to(tl.int64)
+    starts = tl.load(offsets_ptr + slots - 1, mask=(slots > 0) & (slots < G), other=0).to(tl.int64)
+    dst_starts = tl.load(dst_offsets_ptr + slots - 1, mask=(slots > 0) & (slots <= G),
+                         other=0).to(tl.int64)
+    lengths = tl.where(slots < G, (ends - starts + ALIGN - 1) // ALIGN * ALIGN,
+                       tl.where(slots == G, tl.maximum(width - dst_starts, 0), 0))
+    tiles = (lengths + BLOCK_R - 1) // BLOCK_R
+    tile_end = tl.cumsum(tiles, axis=0)
+    owner = (tile_end - tiles <= tile) & (tile < tile_end)
+    local = tile - tl.sum(tl.where(owner, tile_end - tiles, 0), axis=0)
+    g = tl.sum(tl.where(owner, slots, 0), axis=0)
+    src0 = tl.sum(tl.where(owner, starts, 0), axis=0) + local * BLOCK_R
+    end = tl.sum(tl.where(owner, ends, 0), axis=0)
+    dst_start = tl.sum(tl.where(owner, dst_starts, 0), axis=0)
+    dst_end = dst_start + tl.sum(tl.where(owner, lengths, 0), axis=0)
+    return g, src0, end, dst_start + local * BLOCK_R, dst_end, tl.sum(tiles, axis=0)
+
+
+@kernel
+@triton.jit
+def _group_column_amax_kernel(t_ptr, offsets_ptr, amax_ptr, sums_ptr, shifts_ptr, factors_ptr,
+                              M, C, G, stride_t, SUMS: tl.constexpr, PIECES: tl.constexpr,
+                              FACTORS: tl.constexpr, SHIFT_MULTIPLE: tl.constexpr,
+                              BLOCK_R: tl.constexpr, SUB_TILES: tl.constexpr,
+                              BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr):
+    """``amax[g, c] = max |t[r, c]|`` over the rows ``r`` of group ``g`` (``amax`` starts at
+    0): ``SUB_TILES`` tiles of ``BLOCK_R`` rows of one group per program, then one atomic
+    max per column. ``SUMS``: also the program's float32 column sums, at row ``program``
+    of ``sums`` ``(programs, C)`` (summed per group, in order, by the reduce kernel).
+    ``PIECES``: ``t`` is the first of a list of pieces read as one tensor (see
+    :func:`~grouped_linear.kernels.quantize.piece_shift`). ``FACTORS``: the maxima are of
+    ``t[r, c] * factors[r]`` (``quantize_transposed.fold_row_factors``); the sums stay of
+    ``t``."""
+    g, src0, end, _, _, total = _column_tile(tl.program_id(0), offsets_ptr, offsets_ptr, G, 0,
+                                             1, BLOCK_R * SUB_TILES, BLOCK_S)
+    if (tl.program_id(0) < total) & (g < G):
+        rows = tl.arange(0, BLOCK_R)
+        cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+        col_mask = cols < C
+        left = (end - src0).to(tl.int32)
+        running = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32)
+        total_sum = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32)
+        row_base = src0 * stride_t
+        if PIECES:
+            row_base += piece_shift(shifts_ptr, g, SHIFT_MULTIPLE)
+        for i in tl.static_range(SUB_TILES):
+            values = tl.load(t_ptr + row_base + ((rows[:, None] + i * BLOCK_R) * stride_t
+                                                 + cols[None, :]),
+                             mask=(rows < left - i * BLOCK_R)[:, None] & col_mask[None, :],
+                             other=0.0).to(tl.float32)
+            if SUMS:
+                total_sum += values
+            if FACTORS:
+                values = _fold(values, factors_ptr, src0 + i * BLOCK_R, rows, left - i * BLOCK_R)
+            running = tl.maximum(running, tl.abs(values))
+        group_max = tl.max(running, axis=0)
+        tl.atomic_max(amax_ptr + g * C + cols, group_max, mask=col_mask)  # G * C < 2**31
+        if SUMS:
+            tl.store(sums_ptr + tl.program_id(0).to(tl.int64) * C + cols, tl.sum(total_sum, axis=0),
+                     mask=col_mask)
+
+
+@kernel
+@triton.jit
+def _reduce_group_sums_kernel(sums_ptr, offsets_ptr, out_ptr, C, G, ROWS_PER_TILE: tl.constexpr,
+                              BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr):
+    """``out[g, c]``: the partial sums of group ``g``'s column-amax programs, added in
+    program order (deterministic)."""
+    g = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    slots = tl.arange(0, BLOCK_S)
+    ends = tl.load(offsets_ptr + slots, mask=slots < G, other=0).to(tl.int64)
+    starts = tl.load(offsets_ptr + slots - 1, mask=(slots > 0) & (slots < G), other=0).to(tl.int64)
+    tiles = tl.where(slots < G, (ends - starts + ROWS_PER_TILE - 1) // ROWS_PER_TILE, 0)
+    first = tl.sum(tl.where(slots == g, tl.cumsum(tiles, axis=0) - tiles, 0), axis=0)
+    count = tl.sum(tl.where(slots == g, tiles, 0), axis=0)
+    acc = tl.zeros([BLOCK_C], dtype=tl.float32)
+    for i in range(0, count):
+        acc += tl.load(sums_ptr + (first + i) * C + cols, mask=cols < C, other=0.0)
+    tl.store(out_ptr + g.to(tl.int64) * C + cols, acc, mask=cols < C)
+
+
+@kernel
+@triton.jit
+def _quantize_columns_t_tiled_kernel(t_ptr, offsets_ptr, dst_offsets_ptr, scale_ptr, inv_ptr,
+                                     q_ptr, shifts_ptr, factors_ptr, C, G, stride_t, stride_q,
+                                     width, FP8_MAX: tl.constexpr, POW2: tl.constexpr,
+                                     SCALING: tl.constexpr,
+                                     PIECES: tl.constexpr, FACTORS: tl.constexpr,
+                                     SHIFT_MULTIPLE: tl.constexpr,
+                                     ALIGN: tl.constexpr,
+                                     DST_MULTIPLE: tl.constexpr, BLOCK_R: tl.constexpr,
+                                     BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr):
+    """One tile of destination columns (row ``r`` of group ``g`` lands at column
+    ``dst_start_g + r - start_g`` of ``q``, row ``c`` = the source column): scaled by the
+    group's (column) scales and stored transposed; the group's alignment padding and the
+    columns past the last group are written as zeros by the tiles that cover them.
+    ``DST_MULTIPLE``: every tile's first destination column is a multiple of it (16 lets
+    the transposed stores be 16-byte vectors). ``FACTORS``: row ``r`` is multiplied by
+    ``factors[r]`` first (``quantize_transposed.fold_row_factors``).
+
+    ``SCALING``: ``"amax"`` (``scale_ptr`` holds the ``(G, C)`` column maxima, the scales
+    are derived here), ``"group"`` (``(G,)`` scales) or ``"unit"`` (FP8 codes copied
+    unchanged).
+    Besides its tile, program ``g < G`` writes group ``g``'s ``(C,)`` dequantization factors
+    (``1 / scale``) into ``inv``, empty groups included (the grid has more than ``G``
+    programs); ``"unit"`` writes none."""
+    if SCALING != "unit":
+        inv_group = tl.program_id(0)
+        if inv_group < G:
+            inv_cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+            if SCALING == "group":
+                inv_scale = tl.zeros([BLOCK_C], dtype=tl.float32) + tl.load(scale_ptr + inv_group)
+            else:
+                inv_scale = _scale(tl.load(scale_ptr + inv_group * C + inv_cols,
+                                           mask=inv_cols < C, other=0.0), FP8_MAX, POW2)
+            tl.store(inv_ptr + inv_group * C + inv_cols, 1.0 / inv_scale, mask=inv_cols < C)
+    g, src0, end, dst0, dst_end, total = _column_tile(tl.program_id(0), offsets_ptr,
+                                                      dst_offsets_ptr, G, width, ALIGN, BLOCK_R,
+                                                      BLOCK_S)
+    if tl.program_id(0) < total:
+        rows = tl.arange(0, BLOCK_R)
+        cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+        col_mask = cols < C
+        row_mask = (rows < (end - src0).to(tl.int32)) & (g < G)
+        clamped = tl.minimum(g, G - 1)
+        row_base = src0 * stride_t
+        if PIECES:  # a list read as one tensor (quantize.piece_shift)
+            row_base += piece_shift(shifts_ptr, clamped, SHIFT_MULTIPLE)
+        values = tl.load(t_ptr + row_base + (rows[:, None] * stride_t + cols[None, :]),
+                         mask=row_mask[:, None] & col_mask[None, :], other=0.0)
+        if FACTORS:  # rows of no group are masked off: their factor is never read
+            values = _fold(values.to(tl.float32), factors_ptr, src0, rows,
+                           tl.where(g < G, end - src0, 0).to(tl.int32))
+        if SCALING == "unit":  # FP8 codes in, the same codes out
+            scaled = values
+        else:
+            if SCALING == "group":
+                scaled = values.to(tl.float32) * tl.load(scale_ptr + clamped)
+            else:
+                amax = tl.load(scale_ptr + clamped * C + cols, mask=col_mask, other=0.0)
+                scaled = values.to(tl.float32) * _scale(amax, FP8_MAX, POW2)[None, :]
+            scaled = tl.clamp(scaled, -FP8_MAX, FP8_MAX)
+        # No-ops that tell the compiler what DST_MULTIPLE promises (the tile's start and the
+        # columns left in its slot are multiples of it), so the stores can be vectors.
+        dst0 = dst0 // DST_MULTIPLE * DST_MULTIPLE
+        left = (dst_end - dst0).to(tl.int32) // DST_MULTIPLE * DST_MULTIPLE
+        out = q_ptr + dst0 + (cols.to(tl.int64)[None, :] * stride_q + rows[:, None])
+        tl.store(out, scaled.to(q_ptr.dtype.element_ty),
+                 mask=(rows < left)[:, None] & col_mask[None, :])
+
+
+def quantize_columns_t(t, offsets, data_offsets, data, fp8_dtype, power_of_two,
+                                    group_scale, align, stride_q=None, width=None,
+                                    dst_multiple=1, sums=None, shifts=None, num_rows=None,
+                                    row_factors=None, unit_scale=False):
+    """Group ``g``'s row ``r`` lands at ``data_flat[c * stride_q + data_offsets[g-1] + r -
+    start_g]``, followed by zeros up to ``round_up(size_g, align)`` columns; columns from
+    ``data_offsets[-1]`` to ``width`` are zeros (``stride_q``/``width`` default to
+    ``data``'s 2-D row stride and width). ``dst_multiple``: 16 when every ``data_offsets``
+    entry is a multiple of 16 (the transposed stores are then 16-byte vectors). ``sums``:
+    a ``(G, C)`` float32 tensor that receives the per-group column sums of ``t`` (computed
+    by the column-amax pass; needs ``group_scale=None``). ``shifts``: a
+    :class:`~grouped_linear.kernels.quantize.PieceShifts`; ``t`` is then the first of the
+    pieces and ``num_rows`` their total rows. ``row_factors``: ``(M,)`` float32 multipliers
+    of the rows (not with ``shifts``); ``sums`` stay those of ``t``. ``unit_scale``: ``t``
+    holds FP8 codes that are moved unchanged (no factors returned: ``None``). Returns the
+    ``(G, C)`` float32 dequantization factors, written by the quantizing kernel itself."""
+    M, C = t.shape
+    M = M if num_rows is None else num_rows
+    shift_args = (shifts.shifts, True, shifts.multiple) if shifts is not None else (t, False, 1)
+    stride_q = data.stride(0) if stride_q is None else stride_q
+    width = data.shape[1] if width is None else width
+    G = offsets.shape[0]
+    factors = row_factors.float().contiguous() if row_factors is not None else offsets
+    block_r, block_c, warps = TILED_CONFIG
+    block_s = max(2, next_power_of_2(G + 1))
+    # tiles cover the groups' padded columns and the tail: min(width, that) columns at most;
+    # the G + 1 extra programs leave room for the slots' partial tiles (and for one program
+    # per group writing the group's factors)
+    covered = min(width, M + (align - 1) * G + 16)
+    grid = (cdiv(covered, block_r) + G + 1, cdiv(C, block_c))
+    inv = None if unit_scale else torch.empty(G, C, device=t.device, dtype=torch.float32)
+    if unit_scale:
+        scaling, scale = "unit", offsets
+    elif group_scale is None:
+        scaling = "amax"
+        scale = torch.zeros(G, C, device=t.device, dtype=torch.float32)  # the column maxima
+        amax_grid = (cdiv(M, block_r * AMAX_SUB_TILES) + G + 1, grid[1])
+        partial = torch.empty(amax_grid[0], C, device=t.device, dtype=torch.float32) \
+            if sums is not None else scale
+        _group_column_amax_kernel[amax_grid](
+            t, offsets, scale, partial, shift_args[0], factors, M, C, G, t.stride(0),
+            SUMS=sums is not None, PIECES=shift_args[1], FACTORS=row_factors is not None,
+            SHIFT_MULTIPLE=shift_args[2], BLOCK_R=block_r,
+            SUB_TILES=AMAX_SUB_TILES, BLOCK_C=block_c, BLOCK_S=block_s, num_warps=warps)
+        if sums is not None:
+            _reduce_group_sums_kernel[(G, cdiv(C, 256))](
+                partial, offsets, sums, C, G, ROWS_PER_TILE=block_r * AMAX_SUB_TILES,
+                BLOCK_C=256, BLOCK_S=block_s)
+    else:
+        scaling = "group"
+        scale = group_scale if group_scale.dtype == torch.float32 and group_scale.is_contiguous() \
+            else group_scale.float().contiguous()
+    _quantize_columns_t_tiled_kernel[grid](
+        t, offsets, data_offsets, scale, inv if inv is not None else scale, data, shift_args[0],
+        factors, C, G, t.stride(0), stride_q, width, FP8_MAX=torch.finfo(fp8_dtype).max,
+        POW2=power_of_two, SCALING=scaling, PIECES=shift_args[1],
+        FACTORS=row_factors is not None, SHIFT_MULTIPLE=shift_args[2], ALIGN=align,
+        DST_MULTIPLE=16 if dst_multiple % 16 == 0 and block_r % 16 == 0 else 1, BLOCK_R=block_r,
+        BLOCK_C=block_c, BLOCK_S=block_s, num_warps=warps,
+    )
+    return inv
