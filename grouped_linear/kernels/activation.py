@@ -11,8 +11,8 @@ write of ``grad_h``. A Triton kernel each way, the PyTorch reference beside it.
 import torch
 import torch.nn.functional as F
 
+from ._groups import row_group, row_groups
 from ._triton import cdiv, kernel, next_power_of_2, tl, triton, use_triton
-from .bias import _row_group, row_groups
 
 __all__ = ["ACTIVATION_KINDS", "GATED_KINDS", "bias_act_forward", "bias_act_backward",
            "bias_act_reference", "bias_act_backward_reference"]
@@ -131,7 +131,7 @@ def _bias_act_kernel(h_ptr, bias_ptr, offsets_ptr, grad_a_ptr, out_ptr, M, F, G,
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (rows < M)[:, None] & (cols < F)[None, :]
-    groups = _row_group(offsets_ptr, rows, G, BLOCK_G)
+    groups = row_group(offsets_ptr, rows, G, BLOCK_G)
     in_group = groups < G
     keep = in_group[:, None]
     gate = _load_input(h_ptr, bias_ptr, rows, cols, groups, in_group, mask, stride_h, stride_bias,

@@ -9,10 +9,10 @@ cumulative ``offsets``.
 
 import torch
 
+from ._groups import row_group, row_groups
 from ._triton import cdiv, kernel, next_power_of_2, tl, triton, use_triton
 
 __all__ = [
-    "row_groups",
     "bias_epilogue_",
     "bias_epilogue_reference_",
     "bias_grad",
@@ -23,12 +23,6 @@ __all__ = [
 
 
 # --------------------------------------------------------------------------- references
-def row_groups(offsets: torch.Tensor, num_rows: int) -> torch.Tensor:
-    """``(M,)`` group of every row; ``G`` for rows past ``offsets[-1]``."""
-    rows = torch.arange(num_rows, device=offsets.device, dtype=offsets.dtype)
-    return torch.searchsorted(offsets, rows, right=True)
-
-
 def zero_tail_reference_(out: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     groups = row_groups(offsets, out.shape[0])
     return out.masked_fill_((groups == offsets.shape[0]).unsqueeze(1), 0)
@@ -54,17 +48,6 @@ def bias_grad_reference(grad_out, offsets, dtype):
 
 
 # --------------------------------------------------------------------------- Triton kernels
-@triton.jit
-def _row_group(offsets_ptr, rows, G, BLOCK_G: tl.constexpr):
-    """Group of each row: how many group ends are <= the row (``G`` past the last end)."""
-    count = tl.zeros_like(rows)
-    for g0 in range(0, G, BLOCK_G):
-        gs = g0 + tl.arange(0, BLOCK_G)
-        ends = tl.load(offsets_ptr + gs, mask=gs < G, other=2147483647)
-        count += tl.sum((ends[None, :] <= rows[:, None]).to(tl.int32), axis=1)
-    return count
-
-
 @kernel
 @triton.jit
 def _bias_epilogue_kernel(out_ptr, bias_ptr, offsets_ptr, M, N, G, stride_out, stride_bias,
@@ -73,7 +56,7 @@ def _bias_epilogue_kernel(out_ptr, bias_ptr, offsets_ptr, M, N, G, stride_out, s
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (rows < M)[:, None] & (cols < N)[None, :]
-    groups = _row_group(offsets_ptr, rows, G, BLOCK_G)
+    groups = row_group(offsets_ptr, rows, G, BLOCK_G)
     in_group = groups < G
     bias = tl.load(bias_ptr + groups.to(tl.int64)[:, None] * stride_bias + cols[None, :],
                    mask=mask & in_group[:, None], other=0.0)

@@ -9,9 +9,15 @@ import torch
 
 from ._triton import kernel, next_power_of_2, tl, triton, use_triton
 
-__all__ = ["group_offsets", "group_offsets_reference", "aligned_offsets", "aligned_offsets_reference"]
+__all__ = ["group_starts", "group_offsets", "group_offsets_reference", "aligned_offsets",
+           "aligned_offsets_reference"]
 
 _MAX_TRITON_GROUPS = 8192
+
+
+def group_starts(ends: torch.Tensor) -> torch.Tensor:
+    """``(G,)`` cumulative group ends -> the groups' first rows (``ends`` shifted by one)."""
+    return torch.cat([ends.new_zeros(1), ends[:-1]])
 
 
 def group_offsets_reference(splits: torch.Tensor, num_rows: int) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """FP8 grouped linear, as quantize -> dequantize emulation (every device).
 
 Each GEMM multiplies exactly the values an FP8 GEMM with the recipe's scales
-would (see :mod:`grouped_linear.kernels.quantize`), accumulating in float32:
+would (see :mod:`grouped_linear.kernels.quantize.rows`), accumulating in float32:
 
 * forward: ``x`` per token (rowwise) or per group (tensorwise), ``W`` per output
   channel or per group, E4M3;
@@ -32,6 +32,8 @@ from ..kernels.gemm import fp8_torch_gemm as fp8_gemm
 from ..kernels.gemm import torch_gemm as grouped_gemm
 from ..kernels.gemm import triton_gemm
 from ..kernels.quantize import blocks as qb
+from ..kernels.quantize import common as qc
+from ..kernels.quantize import emulate as qe
 from ..kernels.quantize import groups as qg
 from ..kernels.quantize import rows as q
 from ..kernels.quantize import transposed as qt
@@ -113,7 +115,7 @@ def _device_weight(weight: torch.Tensor, recipe: Float8Recipe) -> tuple[torch.Te
     if isinstance(recipe, Float8Tensorwise):  # the dgrad's factors come with the scales
         group_scale, dgrad_inv = qg.weight_group_scales(weight, fp8, pow2, inv_width=K)
     else:
-        group_scale, dgrad_inv = None, q.unit_factors((G, K), weight.device)
+        group_scale, dgrad_inv = None, qc.unit_factors((G, K), weight.device)
     forward_data, forward_inv = q.quantize_weight_rows(weight, fp8, pow2, group_scale)
     return forward_data, forward_inv, transpose_groups(forward_data), dgrad_inv
 
@@ -173,9 +175,9 @@ def _quantize_weight(weight: torch.Tensor, recipe: Float8Recipe) -> torch.Tensor
     rowwise, 128x128 blocks for blockwise, per group for tensorwise."""
     pow2 = recipe.power_of_two_scales
     if isinstance(recipe, Float8Blockwise):
-        return q.fake_quant_weight_blocks(weight, recipe.forward_dtype, pow2)
+        return qe.fake_quant_weight_blocks(weight, recipe.forward_dtype, pow2)
     dim = 2 if isinstance(recipe, Float8Rowwise) else None
-    return q.fake_quant_weight(weight, dim, recipe.forward_dtype, pow2)
+    return qe.fake_quant_weight(weight, dim, recipe.forward_dtype, pow2)
 
 
 def _dgrad_operands(grad_out: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor,
@@ -195,17 +197,17 @@ def _dgrad_operands(grad_out: torch.Tensor, weight: torch.Tensor, offsets: torch
     codes, inv = q.quantize_rows_reference(weight.reshape(G * N, K), recipe.forward_dtype,
                                            recipe.power_of_two_scales)
     folded = ColumnFactors.of_groups(inv.view(G, N), offsets, grad_out.shape[0]).apply(grad_out)
-    return (q.fake_quant_rows(folded, recipe.gradient_dtype, recipe.power_of_two_scales),
+    return (qe.fake_quant_rows(folded, recipe.gradient_dtype, recipe.power_of_two_scales),
             codes.float().view(G, N, K))
 
 
 def _quantize_tokens(t, offsets, fp8_dtype, recipe):
     """The token-side operand of forward (``x``) and dgrad (``dy``)."""
     if isinstance(recipe, Float8Rowwise):
-        return q.fake_quant_rows(t, fp8_dtype, recipe.power_of_two_scales)
+        return qe.fake_quant_rows(t, fp8_dtype, recipe.power_of_two_scales)
     if isinstance(recipe, Float8Blockwise):
-        return q.fake_quant_column_tiles(t, fp8_dtype, recipe.power_of_two_scales)
-    return q.fake_quant_groups(t, offsets, fp8_dtype, recipe.power_of_two_scales)
+        return qe.fake_quant_column_tiles(t, fp8_dtype, recipe.power_of_two_scales)
+    return qe.fake_quant_groups(t, offsets, fp8_dtype, recipe.power_of_two_scales)
 
 
 def _wgrad_operands(grad_out: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor,
@@ -221,14 +223,14 @@ def _wgrad_operands(grad_out: torch.Tensor, x: torch.Tensor, offsets: torch.Tens
                 _quantize_for_wgrad(x, offsets, recipe.forward_dtype, recipe))
     codes, inv = q.quantize_rows_reference(x, recipe.forward_dtype, pow2)
     folded = qt.fold_row_factors(grad_out, inv)
-    return q.fake_quant_group_columns(folded, offsets, recipe.gradient_dtype, pow2), codes.float()
+    return qe.fake_quant_group_columns(folded, offsets, recipe.gradient_dtype, pow2), codes.float()
 
 
 def _quantize_for_wgrad(t, offsets, fp8_dtype, recipe):
     """The wgrad operands of the per-group recipes, scaled along the tokens of each group."""
     if isinstance(recipe, Float8Blockwise):
-        return q.fake_quant_row_tiles(t, offsets, fp8_dtype, recipe.power_of_two_scales)
-    return q.fake_quant_groups(t, offsets, fp8_dtype, recipe.power_of_two_scales)
+        return qe.fake_quant_row_tiles(t, offsets, fp8_dtype, recipe.power_of_two_scales)
+    return qe.fake_quant_groups(t, offsets, fp8_dtype, recipe.power_of_two_scales)
 
 
 class Fp8GroupedLinearFunction(torch.autograd.Function):

@@ -10,12 +10,12 @@
 
 Both layouts of ``x`` (in the forward, when the weight's gradient may be wanted) and of
 ``dy`` (in the backward) from one read of each
-(:mod:`grouped_linear.kernels.quantize_blocks_gluon` on Hopper; elsewhere one pass per
-layout, :mod:`grouped_linear.kernels.quantize_blocks`), so backward keeps ``x``'s FP8
+(:mod:`grouped_linear.kernels.quantize.blocks_gluon` on Hopper; elsewhere one pass per
+layout, :mod:`grouped_linear.kernels.quantize.blocks`), so backward keeps ``x``'s FP8
 token blocks rather than ``x``;
-the GEMMs from :mod:`grouped_linear.kernels.fp8_gluon_gemm` and
-:mod:`grouped_linear.kernels.fp8_gluon_wgrad` on Hopper (asynchronous MMAs that overlap each
-block's rescale) and :mod:`grouped_linear.kernels.fp8_triton_gemm` elsewhere (CPU, other
+the GEMMs from :mod:`grouped_linear.kernels.gemm.fp8_gluon_gemm` and
+:mod:`grouped_linear.kernels.gemm.fp8_gluon_wgrad` on Hopper (asynchronous MMAs that overlap each
+block's rescale) and :mod:`grouped_linear.kernels.gemm.fp8_triton_gemm` elsewhere (CPU, other
 GPUs, operands TMA cannot address); any group size, rows past the splits' sum written as
 zeros by the GEMMs themselves, nothing read back to the host.
 """
@@ -46,7 +46,7 @@ ONE_READ_QUANTIZATION = True
 
 def _both_layouts(t, sizes, fp8_dtype, power_of_two):
     """``((row_data, row_inv), (block_data, block_inv))`` of ``t``: one read on Hopper
-    (:mod:`grouped_linear.kernels.quantize_blocks_gluon`), one pass per layout elsewhere (the
+    (:mod:`grouped_linear.kernels.quantize.blocks_gluon`), one pass per layout elsewhere (the
     row tiles of rows past the groups are then not zeroed: no GEMM reads them)."""
     if USE_GLUON and qbg.supported(t):
         return qbg.quantize_row_tiles_and_token_blocks(t, sizes, fp8_dtype, power_of_two)

@@ -1,8 +1,8 @@
 """FP8 grouped linear with real FP8 GEMMs (sm90): rowwise and tensorwise recipes.
 
 Per call, one fused quantization kernel per operand and direction
-(:mod:`grouped_linear.kernels.quantize`), then torch's FP8 grouped GEMM
-(:mod:`grouped_linear.kernels.fp8_gemm`):
+(:mod:`grouped_linear.kernels.quantize.rows`), then torch's FP8 grouped GEMM
+(:mod:`grouped_linear.kernels.gemm.fp8_torch_gemm`):
 
 * forward: ``x`` per token (rowwise) or per group (tensorwise), the weight per output
   channel or group (cached per step by the module);
@@ -30,6 +30,7 @@ import torch
 from ..kernels import bias as bias_kernels
 from ..kernels.gemm import fp8_torch_gemm as fp8_gemm
 from ..kernels.gemm import fp8_triton_gemm
+from ..kernels.quantize import common as qc
 from ..kernels.quantize import folded as qf
 from ..kernels.quantize import groups as qg
 from ..kernels.quantize import rows as q
@@ -72,7 +73,7 @@ def _piece_scales(pieces: tuple[torch.Tensor, ...], fp8_dtype: torch.dtype,
     amax = torch.stack([torch.linalg.vector_norm(piece, ord=float("inf")).float()
                         if piece.numel() else piece.new_zeros((), dtype=torch.float32)
                         for piece in pieces])
-    return q.scale_from_amax(amax, fp8_dtype, recipe.power_of_two_scales)
+    return qc.scale_from_amax(amax, fp8_dtype, recipe.power_of_two_scales)
 
 
 def _quantize_tokens(t: torch.Tensor, offsets: torch.Tensor, fp8_dtype: torch.dtype,
@@ -143,7 +144,7 @@ class Fp8DeviceGroupedLinearFunction(torch.autograd.Function):
                 row_factors=x_inv)
             if x_inv is not None:  # dy carries x's per-token factors: x's codes, transposed
                 x_t = qt.transpose_group_columns(x, offsets, align, data_offsets=aligned)
-                x_t_inv = q.unit_factors((offsets.shape[0], x.shape[1]), x.device)
+                x_t_inv = qc.unit_factors((offsets.shape[0], x.shape[1]), x.device)
             elif pieces:  # each piece into its aligned columns, same width as dy's
                 x_t, x_t_inv = qt.quantize_group_columns_t_pieces(
                     pieces, recipe.forward_dtype, pow2, x_scale, align, width=dy_t.shape[1],

@@ -269,7 +269,7 @@ def fast_grouped_linear(
     Small problems are host-bound, so this is where their time goes: the checks of one
     signature (shapes, strides, dtypes, devices, backend) run once (:func:`_fast_backend`),
     later calls look their verdict up; for the ``triton`` backend the verdict carries the
-    :class:`~grouped_linear.kernels.triton_gemm.LinearLaunches` of that geometry, so the
+    :class:`~grouped_linear.kernels.gemm.triton_gemm.LinearLaunches` of that geometry, so the
     kernels' launch plans need no key of their own.
     """
     if (type(x) is not torch.Tensor or type(m_splits) is not torch.Tensor or not x.is_cuda

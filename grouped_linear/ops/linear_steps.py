@@ -7,9 +7,9 @@ Each step is a plain function, registered as a ``torch.library`` operator
 ``offsets`` is the ``(G,)`` group tensor on the device: cumulative group ends for the
 ``loop`` and ``grouped`` backends, the raw split sizes for ``triton`` (whose kernels
 clamp them, zero the tail and fuse the bias themselves). On Hopper the ``grouped``
-backend's forward and dgrad run :mod:`grouped_linear.kernels.gluon_gemm` where it takes
+backend's forward and dgrad run :mod:`grouped_linear.kernels.gemm.gluon_gemm` where it takes
 the operands (bias in the epilogue, tail zeroed), and its weight gradient
-:mod:`grouped_linear.kernels.gluon_wgrad` (the bias gradient summed from the same tiles);
+:mod:`grouped_linear.kernels.gemm.gluon_wgrad` (the bias gradient summed from the same tiles);
 torch's grouped GEMM and the bias reduction kernel elsewhere.
 """
 

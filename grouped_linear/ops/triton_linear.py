@@ -6,7 +6,7 @@ of GPU time each, and the Python around them sets the pace. This autograd functi
 :func:`~grouped_linear.ops.grouped_linear.fast_grouped_linear` has already established
 (a plain CUDA tensor input, device splits, parameters of the input's dtype, no gradient
 routing, nothing tracing): it launches the Triton kernels through the caller's
-:class:`~grouped_linear.kernels.triton_gemm.LinearLaunches` for the call's geometry (launch
+:class:`~grouped_linear.kernels.gemm.triton_gemm.LinearLaunches` for the call's geometry (launch
 plans found once, so no plan key per call, and no Triton argument binding), saves three
 tensors and that object, and builds no configuration object.
 ``torch.compile``, functorch transforms and every other case go through

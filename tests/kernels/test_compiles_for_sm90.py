@@ -23,6 +23,7 @@ import tempfile
 import pytest
 import torch
 
+from grouped_linear.kernels._gluon import HAS_GLUON
 from grouped_linear.kernels._triton import HAS_TRITON
 from grouped_linear.kernels.gemm import fp8_gluon_gemm as gg
 from grouped_linear.kernels.gemm import fp8_gluon_wgrad as gw
@@ -259,7 +260,7 @@ def _bf16_descriptor(rows: int, cols: int) -> str:
 
 def _bf16_mm_case(transposed: bool):
     """The bf16 grouped GEMM at its default launch shape (forward with bias, or dgrad)."""
-    if not (HAS_TRITON and gg.HAS_GLUON):
+    if not (HAS_TRITON and HAS_GLUON):
         return None, {}, {}, 4, None
     config = bg.MM_CONFIG
     bm, bn, bk = config.block_m, config.block_n, config.block_k
@@ -276,7 +277,7 @@ def _bf16_mm_case(transposed: bool):
 def _bf16_wgrad_case():
     """The bf16 weight gradient with the bias sums (stored in bf16, as the layer's bias
     takes them), at its default launch shape."""
-    if not (HAS_TRITON and gg.HAS_GLUON):
+    if not (HAS_TRITON and HAS_GLUON):
         return None, {}, {}, 4, None
     config = bwg.WGRAD_CONFIG
     bn, bk, bt = config.block_n, config.block_k, config.block_t
@@ -294,19 +295,19 @@ GLUON_CASES = {
     "gluon bf16 mm (bias)": _bf16_mm_case(False),
     "gluon bf16 mm (dgrad)": _bf16_mm_case(True),
     "gluon bf16 wgrad (bias sums)": _bf16_wgrad_case(),
-    "gluon blockwise mm": (gg._blockwise_mm_kernel if HAS_TRITON and gg.HAS_GLUON else None,
+    "gluon blockwise mm": (gg._blockwise_mm_kernel if HAS_TRITON and HAS_GLUON else None,
                            {"out_ptr": "*bf16", "sizes_ptr": "*i64"},
                            {"BLOCK_G": 32, "NUM_PROGRAMS": 132, "STAGES": gg.MM_CONFIG[2],
                             "UNROLL": gg.MM_UNROLL},
                            gg.MM_CONFIG[1], None),
     "gluon blockwise wgrad": (
-        gw._blockwise_wgrad_kernel if HAS_TRITON and gg.HAS_GLUON else None,
+        gw._blockwise_wgrad_kernel if HAS_TRITON and HAS_GLUON else None,
         {"dw_ptr": "*bf16", "sizes_ptr": "*i64"},
         {"BLOCK_G": 32, "STAGES": gw.WGRAD_CONFIG[2], "UNROLL": gg.MM_UNROLL,
          "GROUP_N": gw.WGRAD_GROUP_N, "NUM_PROGRAMS": 132},
         gw.WGRAD_CONFIG[1], gw.WGRAD_MAXNREG),
     "gluon row tiles and token blocks": (
-        qbg._quantize_both_kernel if HAS_TRITON and gg.HAS_GLUON else None,
+        qbg._quantize_both_kernel if HAS_TRITON and HAS_GLUON else None,
         {"sizes_ptr": "*i64", "rq_ptr": F8, "q_ptr": F8},
         {"FP8_MAX": FP8_MAX, "POW2": True, "SLICE_": qbg.SLICE, "BLOCK_G": 32}, qbg.WARPS, None),
 }

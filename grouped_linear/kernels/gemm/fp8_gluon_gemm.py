@@ -9,40 +9,40 @@ ring of shared-memory stages, and each stage is refilled once the MMA that read 
 
 :func:`grouped_mm`: ``out[rows of g] = A[rows of g] @ B_g^T`` (forward: ``B = W``; dgrad:
 ``B = W^T`` as the recipe's transposed weight copy), persistent over the (group, row tile,
-column tile) list of :mod:`grouped_linear.kernels.fp8_triton_gemm`; rows past the last
+column tile) list of :mod:`grouped_linear.kernels.gemm.fp8_triton_gemm`; rows past the last
 group are written as zeros. The weight gradient is
-:mod:`grouped_linear.kernels.fp8_gluon_wgrad` (built from the pieces here).
+:mod:`grouped_linear.kernels.gemm.fp8_gluon_wgrad` (built from the pieces here).
 
-Same contract, arguments and reference as :mod:`grouped_linear.kernels.fp8_triton_gemm`,
+Same contract, arguments and reference as :mod:`grouped_linear.kernels.gemm.fp8_triton_gemm`,
 whose kernels serve CPU (the interpreter has no Gluon), other GPUs and operands TMA cannot
 describe (:func:`supported`).
 """
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
-from .._triton import HAS_TRITON, cdiv, next_power_of_2, sm_count
+from .._gluon import (
+    GL_DTYPES,
+    HAS_GLUON,
+    descriptor,
+    gl,
+    gluon,
+    is_sm90,
+    issue_mma,
+    load_stage,
+    operand_ring,
+    program_tiles,
+    release_ring,
+    store_tile,
+    tile_list,
+    tile_origin,
+    warpgroup_mma_wait,
+    wgmma_layout,
+)
+from .._triton import cdiv, next_power_of_2, sm_count
 
-try:  # Gluon ships with Triton >= 3.5; without it only the Triton kernels run
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import (
-        fence_async_shared,
-        mbarrier,
-        tma,
-        warpgroup_mma,
-        warpgroup_mma_wait,
-    )
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
-    HAS_GLUON = HAS_TRITON
-except ImportError:  # pragma: no cover - older Triton
-    HAS_GLUON = False
-
-__all__ = ["HAS_GLUON", "supported", "grouped_mm", "MM_CONFIG"]
+__all__ = ["supported", "grouped_mm", "MM_CONFIG", "BLOCK"]
 
 BLOCK = 128  # the scaling block, also every tile's depth and the weight-side tile width
 # (rows per tile, warps, shared-memory stages): the tile is two warp groups of 64 rows;
@@ -52,255 +52,135 @@ MM_CONFIG = (128, 8, 4)
 # Blocks per compile-time unrolled run: the tensor cores wait for one rescale per run.
 MM_UNROLL = 2
 
-if HAS_GLUON:
 
-    @gluon.jit
-    def _add(a, b):
-        return a + b
+@gluon.jit
+def _issue_loads(a_desc, b_desc, a_row, b_row, k, bars, a_bufs, b_bufs, step,
+                 STAGES: gl.constexpr, pred):
+    """TMA both operand tiles of pipeline step ``step`` (rows ``a_row`` and ``b_row``,
+    both at reduction offset ``k``) into its stage."""
+    load_stage(a_desc, a_row, k, b_desc, b_row, k, bars, a_bufs, b_bufs, step, STAGES, pred)
 
-    @gluon.jit
-    def _tile_list(sizes_ptr, G, M, W, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                   BLOCK_G: gl.constexpr, layout: gl.constexpr, ENDS: gl.constexpr = False):
-        """Per-slot vectors of the persistent schedule (slot ``G``: rows past the groups):
-        group starts/ends (clamped to ``[0, M]``), each slot's first tile and tile end.
-        ``sizes_ptr`` holds rows per group, or with ``ENDS`` non-decreasing cumulative ends."""
-        gs = gl.arange(0, BLOCK_G, layout=layout)
-        sizes = gl.load(sizes_ptr + gs, mask=gs < G, other=0).to(gl.int64)
-        if ENDS:
-            sizes -= gl.load(sizes_ptr + gs - 1, mask=(gs > 0) & (gs < G), other=0).to(gl.int64)
-        sizes = gl.maximum(sizes, 0)
-        inclusive = gl.associative_scan(sizes, 0, _add)  # int64: any device sizes, clamped
-        ends = gl.where(gs == G, M, gl.minimum(inclusive, M)).to(gl.int32)
-        starts = gl.minimum(inclusive - sizes, M).to(gl.int32)
-        tiles = ((ends - starts + BLOCK_M - 1) // BLOCK_M) * gl.cdiv(W, BLOCK_N)
-        tile_end = gl.associative_scan(tiles, 0, _add)
-        return gs, starts, ends, tile_end - tiles, tile_end, gl.sum(tiles, axis=0)
 
-    @gluon.jit
-    def _tile_origin(tile, gs, starts, ends, tile_begin, tile_end, n_tiles,
-                     BLOCK_M: gl.constexpr, GROUP_M: gl.constexpr = 1):
-        """Tile ``tile``'s group, the group's end row, its first row and column-tile index.
-        Within a group, tiles run row-major, or with ``GROUP_M > 1`` in bands of ``GROUP_M``
-        row tiles, down each column of the band first: the programs at work at one time
-        share fewer operand tiles than row-major order makes them read (L2 reuse)."""
-        owner = (tile_begin <= tile) & (tile < tile_end)
-        g = gl.sum(gl.where(owner, gs, 0), axis=0)
-        local = tile - gl.sum(gl.where(owner, tile_begin, 0), axis=0)
-        if GROUP_M == 1:
-            end = gl.sum(gl.where(owner, ends, 0), axis=0)
-            row0 = gl.sum(gl.where(owner, starts, 0), axis=0) + (local // n_tiles) * BLOCK_M
-            return g, end, row0, (local % n_tiles).to(gl.int32)
-        start = gl.sum(gl.where(owner, starts, 0), axis=0)
-        end = gl.sum(gl.where(owner, ends, 0), axis=0)
-        row_tiles = gl.cdiv(end - start, BLOCK_M)
-        band = GROUP_M * n_tiles
-        first_row_tile = (local // band) * GROUP_M
-        band_rows = gl.maximum(gl.minimum(row_tiles - first_row_tile, GROUP_M), 1)
-        in_band = local % band
-        row0 = start + (first_row_tile + in_band % band_rows) * BLOCK_M
-        return g, end, row0, (in_band // band_rows).to(gl.int32)
+@gluon.jit
+def _mm_step(a_desc, b_desc, bars, a_bufs, b_bufs, step, into, kb, steps, k_blocks, a_row,
+             b_row, next_a_row, next_b_row, a_inv_rows, row_mask, b_inv_tile, stride_bir,
+             has_group, STAGES: gl.constexpr, BLOCK_K: gl.constexpr):
+    """Pipeline step ``step``, block ``kb`` of the tile at ``(a_row, b_row)``: refill the
+    stage two steps back with the operands of step ``step + STAGES - 2`` (in this tile or
+    the program's next one, at ``next_*``), start this block's MMA into ``into``'s
+    registers, load its factors. Returns the MMA in flight and the factors."""
+    ahead = kb + STAGES - 2
+    in_tile = ahead < k_blocks
+    _issue_loads(a_desc, b_desc, gl.where(in_tile, a_row, next_a_row),
+                 gl.where(in_tile, b_row, next_b_row),
+                 gl.where(in_tile, ahead, ahead - k_blocks) * BLOCK_K, bars, a_bufs, b_bufs,
+                 step + STAGES - 2, STAGES, step + STAGES - 2 < steps)
+    partial = issue_mma(bars, a_bufs, b_bufs, step, into, STAGES)
+    return partial, _block_scale(a_inv_rows, row_mask, b_inv_tile, stride_bir, has_group, kb)
 
-    @gluon.jit
-    def _operand_ring(a_desc, b_desc, STAGES: gl.constexpr):
-        """``STAGES`` shared-memory stages for one tile of each operand, and their barriers."""
-        a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape,
-                                           a_desc.layout)
-        b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape,
-                                           b_desc.layout)
-        return a_bufs, b_bufs, _stage_barriers(STAGES)
+@gluon.jit
+def _block_scale(a_inv_rows, row_mask, b_inv_tile, stride_bir, has_group, kb):
+    """Block ``kb``'s factor per row: the row's 1x128 factor times the weight block's."""
+    return gl.load(a_inv_rows + kb, mask=row_mask, other=0.0) \
+        * gl.load(b_inv_tile + kb * stride_bir, mask=has_group, other=0.0)
 
-    @gluon.jit
-    def _stage_barriers(STAGES: gl.constexpr):
-        """One initialized mbarrier per stage of a ring."""
-        bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        for stage in gl.static_range(STAGES):
-            mbarrier.init(bars.index(stage), count=1)
-        return bars
 
-    @gluon.jit
-    def _release_ring(bars, STAGES: gl.constexpr):
-        for stage in gl.static_range(STAGES):
-            mbarrier.invalidate(bars.index(stage))
+@gluon.jit
+def _tile_factors(a_inv_ptr, b_inv_ptr, rows, row0, end, g, col_tile, G, stride_ai,
+                  stride_big, stride_biw):
+    """Where a tile's factors are: its rows' (masked past the group's end) and its
+    weight blocks' (none for the rows past the groups, ``g == G``)."""
+    return (rows < (end - row0), a_inv_ptr + (row0 + rows).to(gl.int64) * stride_ai,
+            b_inv_ptr + g.to(gl.int64) * stride_big + col_tile * stride_biw, g < G)
 
-    @gluon.jit
-    def _load_stage(a_desc, a_y, a_x, b_desc, b_y, b_x, bars, a_bufs, b_bufs, step,
-                    STAGES: gl.constexpr, pred):
-        """TMA one tile of each operand, at ``[a_y, a_x]`` and ``[b_y, b_x]``, into the
-        stage of pipeline step ``step`` (its barrier expecting both)."""
-        stage = step % STAGES
-        bar = bars.index(stage)
-        mbarrier.expect(bar, a_desc.block_type.nbytes + b_desc.block_type.nbytes, pred=pred)
-        tma.async_copy_global_to_shared(a_desc, [a_y, a_x], bar, a_bufs.index(stage), pred)
-        tma.async_copy_global_to_shared(b_desc, [b_y, b_x], bar, b_bufs.index(stage), pred)
+@gluon.jit
+def _rescale_rows(acc, partial, scale, PENDING: gl.constexpr):
+    """Wait until at most ``PENDING`` MMAs are in flight (``partial``'s is done); returns
+    ``acc + partial * scale`` (per row) and the finished partial tile."""
+    done = warpgroup_mma_wait(PENDING, deps=[partial])
+    return acc + done * scale[:, None], done
 
-    @gluon.jit
-    def _issue_loads(a_desc, b_desc, a_row, b_row, k, bars, a_bufs, b_bufs, step,
-                     STAGES: gl.constexpr, pred):
-        """TMA both operand tiles of pipeline step ``step`` (rows ``a_row`` and ``b_row``,
-        both at reduction offset ``k``) into its stage."""
-        _load_stage(a_desc, a_row, k, b_desc, b_row, k, bars, a_bufs, b_bufs, step, STAGES,
-                    pred)
 
-    @gluon.jit
-    def _issue_mma(bars, a_bufs, b_bufs, step, into, STAGES: gl.constexpr):
-        """Wait for step ``step``'s operands; start its 128-deep product into the registers
-        of ``into`` (a finished tile, overwritten: ``use_acc=False``). Writing those registers
-        any other way while an MMA is in flight would make ptxas serialize the MMAs."""
-        stage = step % STAGES
-        mbarrier.wait(bars.index(stage), (step // STAGES) & 1)
-        return warpgroup_mma(a_bufs.index(stage), b_bufs.index(stage).permute((1, 0)), into,
-                             use_acc=False, is_async=True)
+@gluon.jit
+def _blockwise_mm_kernel(a_desc, b_desc, a_inv_ptr, b_inv_ptr, out_ptr, sizes_ptr, M, W, R,
+                         G, stride_ai, stride_big, stride_biw, stride_bir, stride_om,
+                         BLOCK_G: gl.constexpr, NUM_PROGRAMS: gl.constexpr,
+                         STAGES: gl.constexpr, UNROLL: gl.constexpr,
+                         num_warps: gl.constexpr):
+    BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
+    BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
+    BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
+    mma_layout: gl.constexpr = wgmma_layout(BLOCK_M, BLOCK_N, num_warps)
+    row_layout: gl.constexpr = gl.SliceLayout(1, mma_layout)
+    # every warp holds the whole table: lookups reduce within a warp, no shared memory
+    table_layout: gl.constexpr = gl.BlockedLayout([BLOCK_G // 32], [32], [num_warps], [0])
 
-    @gluon.constexpr_function
-    def _mma_layout(BLOCK_M, BLOCK_N, num_warps):
-        """Warp-group MMA accumulator layout: warps stacked along the rows."""
-        return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                         instr_shape=[16, BLOCK_N, 32])
+    a_bufs, b_bufs, bars = operand_ring(a_desc, b_desc, STAGES)
 
-    @gluon.jit
-    def _mm_step(a_desc, b_desc, bars, a_bufs, b_bufs, step, into, kb, steps, k_blocks, a_row,
-                 b_row, next_a_row, next_b_row, a_inv_rows, row_mask, b_inv_tile, stride_bir,
-                 has_group, STAGES: gl.constexpr, BLOCK_K: gl.constexpr):
-        """Pipeline step ``step``, block ``kb`` of the tile at ``(a_row, b_row)``: refill the
-        stage two steps back with the operands of step ``step + STAGES - 2`` (in this tile or
-        the program's next one, at ``next_*``), start this block's MMA into ``into``'s
-        registers, load its factors. Returns the MMA in flight and the factors."""
-        ahead = kb + STAGES - 2
-        in_tile = ahead < k_blocks
-        _issue_loads(a_desc, b_desc, gl.where(in_tile, a_row, next_a_row),
-                     gl.where(in_tile, b_row, next_b_row),
-                     gl.where(in_tile, ahead, ahead - k_blocks) * BLOCK_K, bars, a_bufs, b_bufs,
-                     step + STAGES - 2, STAGES, step + STAGES - 2 < steps)
-        partial = _issue_mma(bars, a_bufs, b_bufs, step, into, STAGES)
-        return partial, _block_scale(a_inv_rows, row_mask, b_inv_tile, stride_bir, has_group, kb)
+    gs, starts, ends, tile_begin, tile_end, total = tile_list(
+        sizes_ptr, G, M, W, BLOCK_M, BLOCK_N, BLOCK_G, table_layout)
+    n_tiles = gl.cdiv(W, BLOCK_N)
+    k_blocks = gl.cdiv(R, BLOCK_K)
+    pid, my_tiles = program_tiles(total, NUM_PROGRAMS)
+    steps = my_tiles * k_blocks
 
-    @gluon.jit
-    def _block_scale(a_inv_rows, row_mask, b_inv_tile, stride_bir, has_group, kb):
-        """Block ``kb``'s factor per row: the row's 1x128 factor times the weight block's."""
-        return gl.load(a_inv_rows + kb, mask=row_mask, other=0.0) \
-            * gl.load(b_inv_tile + kb * stride_bir, mask=has_group, other=0.0)
+    # The producer runs STAGES - 2 steps ahead (the host guarantees that many blocks per
+    # tile): a stage is refilled two steps after the MMA that read it was issued, by
+    # which time that MMA has been waited for.
+    LEAD: gl.constexpr = STAGES - 2
+    g, end, row0, col_tile = tile_origin(pid, gs, starts, ends, tile_begin, tile_end,
+                                          n_tiles, BLOCK_M)
+    for p in gl.static_range(LEAD):
+        _issue_loads(a_desc, b_desc, row0, g * W + col_tile * BLOCK_N, p * BLOCK_K, bars,
+                     a_bufs, b_bufs, p, STAGES, p < steps)
 
-    @gluon.jit
-    def _program_tiles(total, NUM_PROGRAMS: gl.constexpr):
-        """A persistent program's id and how many of the ``total`` tiles ``pid, pid +
-        NUM_PROGRAMS, ...`` it takes."""
-        pid = gl.program_id(0)
-        return pid, gl.maximum(gl.cdiv(total - pid, NUM_PROGRAMS), 0).to(gl.int32)
-
-    @gluon.jit
-    def _tile_factors(a_inv_ptr, b_inv_ptr, rows, row0, end, g, col_tile, G, stride_ai,
-                      stride_big, stride_biw):
-        """Where a tile's factors are: its rows' (masked past the group's end) and its
-        weight blocks' (none for the rows past the groups, ``g == G``)."""
-        return (rows < (end - row0), a_inv_ptr + (row0 + rows).to(gl.int64) * stride_ai,
-                b_inv_ptr + g.to(gl.int64) * stride_big + col_tile * stride_biw, g < G)
-
-    @gluon.jit
-    def _rescale_rows(acc, partial, scale, PENDING: gl.constexpr):
-        """Wait until at most ``PENDING`` MMAs are in flight (``partial``'s is done); returns
-        ``acc + partial * scale`` (per row) and the finished partial tile."""
-        done = warpgroup_mma_wait(PENDING, deps=[partial])
-        return acc + done * scale[:, None], done
-
-    @gluon.jit
-    def _store_tile(out_ptr, acc, row0, rows_left, col0, cols_left, stride_om,
-                    num_warps: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
-        """Masked store of a float32 tile in the output dtype, 16-byte vectors per thread."""
-        store_layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [num_warps, 1], [1, 0])
-        values = gl.convert_layout(acc.to(out_ptr.dtype.element_ty), store_layout)
-        rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, store_layout))
-        cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, store_layout))
-        base = out_ptr + (row0.to(gl.int64) * stride_om + col0)
-        mask = (rows < rows_left)[:, None] & (cols < cols_left)[None, :]
-        gl.store(base + (rows[:, None] * stride_om + cols[None, :]), values, mask=mask)
-
-    @gluon.jit
-    def _blockwise_mm_kernel(a_desc, b_desc, a_inv_ptr, b_inv_ptr, out_ptr, sizes_ptr, M, W, R,
-                             G, stride_ai, stride_big, stride_biw, stride_bir, stride_om,
-                             BLOCK_G: gl.constexpr, NUM_PROGRAMS: gl.constexpr,
-                             STAGES: gl.constexpr, UNROLL: gl.constexpr,
-                             num_warps: gl.constexpr):
-        BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
-        BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
-        BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
-        mma_layout: gl.constexpr = _mma_layout(BLOCK_M, BLOCK_N, num_warps)
-        row_layout: gl.constexpr = gl.SliceLayout(1, mma_layout)
-        # every warp holds the whole table: lookups reduce within a warp, no shared memory
-        table_layout: gl.constexpr = gl.BlockedLayout([BLOCK_G // 32], [32], [num_warps], [0])
-
-        a_bufs, b_bufs, bars = _operand_ring(a_desc, b_desc, STAGES)
-
-        gs, starts, ends, tile_begin, tile_end, total = _tile_list(
-            sizes_ptr, G, M, W, BLOCK_M, BLOCK_N, BLOCK_G, table_layout)
-        n_tiles = gl.cdiv(W, BLOCK_N)
-        k_blocks = gl.cdiv(R, BLOCK_K)
-        pid, my_tiles = _program_tiles(total, NUM_PROGRAMS)
-        steps = my_tiles * k_blocks
-
-        # The producer runs STAGES - 2 steps ahead (the host guarantees that many blocks per
-        # tile): a stage is refilled two steps after the MMA that read it was issued, by
-        # which time that MMA has been waited for.
-        LEAD: gl.constexpr = STAGES - 2
-        g, end, row0, col_tile = _tile_origin(pid, gs, starts, ends, tile_begin, tile_end,
+    rows = gl.arange(0, BLOCK_M, layout=row_layout)
+    step = 0
+    for t in range(0, my_tiles):
+        tile = pid + t * NUM_PROGRAMS
+        g, end, row0, col_tile = tile_origin(tile, gs, starts, ends, tile_begin, tile_end,
                                               n_tiles, BLOCK_M)
-        for p in gl.static_range(LEAD):
-            _issue_loads(a_desc, b_desc, row0, g * W + col_tile * BLOCK_N, p * BLOCK_K, bars,
-                         a_bufs, b_bufs, p, STAGES, p < steps)
+        next_g, _next_end, next_row0, next_col_tile = tile_origin(
+            tile + NUM_PROGRAMS, gs, starts, ends, tile_begin, tile_end, n_tiles, BLOCK_M)
+        b_row = g * W + col_tile * BLOCK_N
+        next_b_row = next_g * W + next_col_tile * BLOCK_N
+        row_mask, a_inv_rows, b_inv_tile, has_group = _tile_factors(
+            a_inv_ptr, b_inv_ptr, rows, row0, end, g, col_tile, G, stride_ai, stride_big,
+            stride_biw)
+        # Two partial products alternate: block kb + 1's MMA is issued before block kb's
+        # partial is waited for and rescaled, in runs of UNROLL blocks unrolled at compile
+        # time. No MMA is in flight across a loop's back edge: a loop-carried copy of an
+        # in-flight accumulator makes ptxas serialize every MMA of the kernel.
+        acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=mma_layout)
+        free_a = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=mma_layout)
+        free_b = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=mma_layout)
+        k_unrolled = k_blocks // UNROLL * UNROLL
+        for kb in range(0, k_unrolled, UNROLL):
+            running, scale = _mm_step(
+                a_desc, b_desc, bars, a_bufs, b_bufs, step, free_a, kb, steps, k_blocks,
+                row0, b_row, next_row0, next_b_row, a_inv_rows, row_mask, b_inv_tile,
+                stride_bir, has_group, STAGES, BLOCK_K)
+            for j in gl.static_range(1, UNROLL):
+                following, next_scale = _mm_step(
+                    a_desc, b_desc, bars, a_bufs, b_bufs, step + j, free_b, kb + j, steps,
+                    k_blocks, row0, b_row, next_row0, next_b_row, a_inv_rows, row_mask,
+                    b_inv_tile, stride_bir, has_group, STAGES, BLOCK_K)
+                acc, free_b = _rescale_rows(acc, running, scale, 1)
+                running = following
+                scale = next_scale
+            acc, free_a = _rescale_rows(acc, running, scale, 0)
+            step += UNROLL
+        for kb in range(k_unrolled, k_blocks):  # the rest, one block at a time
+            running, scale = _mm_step(
+                a_desc, b_desc, bars, a_bufs, b_bufs, step, free_a, kb, steps, k_blocks,
+                row0, b_row, next_row0, next_b_row, a_inv_rows, row_mask, b_inv_tile,
+                stride_bir, has_group, STAGES, BLOCK_K)
+            acc, free_a = _rescale_rows(acc, running, scale, 0)
+            step += 1
+        store_tile(out_ptr, acc, row0, end - row0, col_tile * BLOCK_N,
+                   W - col_tile * BLOCK_N, stride_om, num_warps, BLOCK_M, BLOCK_N)
 
-        rows = gl.arange(0, BLOCK_M, layout=row_layout)
-        step = 0
-        for t in range(0, my_tiles):
-            tile = pid + t * NUM_PROGRAMS
-            g, end, row0, col_tile = _tile_origin(tile, gs, starts, ends, tile_begin, tile_end,
-                                                  n_tiles, BLOCK_M)
-            next_g, _next_end, next_row0, next_col_tile = _tile_origin(
-                tile + NUM_PROGRAMS, gs, starts, ends, tile_begin, tile_end, n_tiles, BLOCK_M)
-            b_row = g * W + col_tile * BLOCK_N
-            next_b_row = next_g * W + next_col_tile * BLOCK_N
-            row_mask, a_inv_rows, b_inv_tile, has_group = _tile_factors(
-                a_inv_ptr, b_inv_ptr, rows, row0, end, g, col_tile, G, stride_ai, stride_big,
-                stride_biw)
-            # Two partial products alternate: block kb + 1's MMA is issued before block kb's
-            # partial is waited for and rescaled, in runs of UNROLL blocks unrolled at compile
-            # time. No MMA is in flight across a loop's back edge: a loop-carried copy of an
-            # in-flight accumulator makes ptxas serialize every MMA of the kernel.
-            acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=mma_layout)
-            free_a = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=mma_layout)
-            free_b = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=mma_layout)
-            k_unrolled = k_blocks // UNROLL * UNROLL
-            for kb in range(0, k_unrolled, UNROLL):
-                running, scale = _mm_step(
-                    a_desc, b_desc, bars, a_bufs, b_bufs, step, free_a, kb, steps, k_blocks,
-                    row0, b_row, next_row0, next_b_row, a_inv_rows, row_mask, b_inv_tile,
-                    stride_bir, has_group, STAGES, BLOCK_K)
-                for j in gl.static_range(1, UNROLL):
-                    following, next_scale = _mm_step(
-                        a_desc, b_desc, bars, a_bufs, b_bufs, step + j, free_b, kb + j, steps,
-                        k_blocks, row0, b_row, next_row0, next_b_row, a_inv_rows, row_mask,
-                        b_inv_tile, stride_bir, has_group, STAGES, BLOCK_K)
-                    acc, free_b = _rescale_rows(acc, running, scale, 1)
-                    running = following
-                    scale = next_scale
-                acc, free_a = _rescale_rows(acc, running, scale, 0)
-                step += UNROLL
-            for kb in range(k_unrolled, k_blocks):  # the rest, one block at a time
-                running, scale = _mm_step(
-                    a_desc, b_desc, bars, a_bufs, b_bufs, step, free_a, kb, steps, k_blocks,
-                    row0, b_row, next_row0, next_b_row, a_inv_rows, row_mask, b_inv_tile,
-                    stride_bir, has_group, STAGES, BLOCK_K)
-                acc, free_a = _rescale_rows(acc, running, scale, 0)
-                step += 1
-            _store_tile(out_ptr, acc, row0, end - row0, col_tile * BLOCK_N,
-                        W - col_tile * BLOCK_N, stride_om, num_warps, BLOCK_M, BLOCK_N)
-
-        _release_ring(bars, STAGES)
-
-    @gluon.jit
-    def _release_stage(empty, step, STAGES: gl.constexpr):
-        """Hand step ``step``'s stage back to the loader (its MMA waited for; the fence
-        orders the MMA warps' reads before the TMA writes that follow)."""
-        fence_async_shared()
-        mbarrier.arrive(empty.index(step % STAGES), count=1)
+    release_ring(bars, STAGES)
 
 
 def supported(a: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -308,35 +188,12 @@ def supported(a: torch.Tensor, weight: torch.Tensor) -> bool:
     whose byte strides TMA can describe (multiples of 16), tile coordinates within int32, at
     least as many 128-deep blocks as the pipeline loads ahead."""
     return (HAS_GLUON and a.is_cuda and a.dim() == 2 and weight.dim() == 3
-            and _is_sm90(a.device.index or 0) and a.dtype in _GL_DTYPES
-            and weight.dtype in _GL_DTYPES and a.is_contiguous() and weight.is_contiguous()
+            and is_sm90(a.device.index or 0) and a.dtype in GL_DTYPES
+            and weight.dtype in GL_DTYPES and a.is_contiguous() and weight.is_contiguous()
             and a.shape[1] % 16 == 0 and a.shape[1] == weight.shape[2]
             and cdiv(a.shape[1], BLOCK) >= MM_CONFIG[2] - 2
             and a.data_ptr() % 16 == 0 and weight.data_ptr() % 16 == 0
             and max(a.shape[0], weight.shape[0] * weight.shape[1]) < 2**31 - 2 * BLOCK)
-
-
-@functools.cache
-def _is_sm90(device_index: int) -> bool:
-    return torch.cuda.get_device_capability(device_index) == (9, 0)
-
-
-@functools.cache
-def _shared_layout(dtype: torch.dtype, rows: int, cols: int):
-    return gl.NVMMASharedLayout.get_default_for([rows, cols], _LAYOUT_DTYPES[dtype])
-
-
-# The FP8 operands these kernels take; TMA layouts also for the 16-bit operands of the
-# bf16/fp16 Gluon kernels (kernels/gluon_gemm.py, kernels/gluon_wgrad.py).
-_GL_DTYPES = {torch.float8_e4m3fn: gl.float8e4nv, torch.float8_e5m2: gl.float8e5} \
-    if HAS_GLUON else {}
-_LAYOUT_DTYPES = {**_GL_DTYPES, torch.bfloat16: gl.bfloat16, torch.float16: gl.float16} \
-    if HAS_GLUON else {}
-
-
-def _descriptor(t: torch.Tensor, rows: int, cols: int):
-    layout = _shared_layout(t.dtype, rows, cols)
-    return TensorDescriptor(t, list(t.shape), list(t.stride()), [rows, cols], layout)
 
 
 def grouped_mm(a: torch.Tensor, a_inv: torch.Tensor, weight: torch.Tensor, w_inv: torch.Tensor,
@@ -353,8 +210,8 @@ def grouped_mm(a: torch.Tensor, a_inv: torch.Tensor, weight: torch.Tensor, w_inv
     if R == 0 or G == 0:
         return out.zero_()
     block_m, warps, stages = MM_CONFIG
-    a_desc = _descriptor(a, block_m, BLOCK)
-    b_desc = _descriptor(weight.view(G * width, R), BLOCK, BLOCK)
+    a_desc = descriptor(a, block_m, BLOCK)
+    b_desc = descriptor(weight.view(G * width, R), BLOCK, BLOCK)
     upper_tiles = (cdiv(M, block_m) + G + 1) * cdiv(width, BLOCK)
     programs = max(1, min(sm_count(a.device), upper_tiles))
     a_inv = a_inv.contiguous()

@@ -1,7 +1,7 @@
 """FP8 grouped GEMMs on the device: torch's rowwise-scaled grouped GEMM (sm90).
 
 Operands are FP8 data plus float32 dequantization factors (``1 / scale``), as
-:mod:`grouped_linear.kernels.quantize` produces them:
+:mod:`grouped_linear.kernels.quantize.rows` produces them:
 
 * forward ``y = x @ W_g^T``: ``x`` ``(M, K)`` with ``(M,)`` factors, ``W`` ``(G, N, K)``
   with ``(G, N)`` (one per output channel);

@@ -29,8 +29,8 @@ from __future__ import annotations
 
 import torch
 
+from .._groups import group_rows, tile_list, tile_origin
 from .._triton import cdiv, kernel, next_power_of_2, sm_count, tl, triton
-from .triton_gemm import _group_rows, _tile_list, _tile_origin
 
 __all__ = ["grouped_mm", "grouped_mm_reference", "blockwise_wgrad", "blockwise_wgrad_reference",
            "BLOCK"]
@@ -79,10 +79,10 @@ def _fp8_grouped_mm_kernel(a_ptr, a_inv_ptr, b_ptr, b_inv_ptr, out_ptr, sizes_pt
                            UPCAST: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr,
                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_G: tl.constexpr,
                            NUM_PROGRAMS: tl.constexpr, SCALE_BLOCK: tl.constexpr):
-    gs, starts, ends, tile_begin, tile_end, total = _tile_list(sizes_ptr, G, M, W, BLOCK_M,
+    gs, starts, ends, tile_begin, tile_end, total = tile_list(sizes_ptr, G, M, W, BLOCK_M,
                                                                BLOCK_N, BLOCK_G)
     for tile in range(tl.program_id(0), total, NUM_PROGRAMS):
-        g, end, row0, col_tile = _tile_origin(tile, gs, starts, ends, tile_begin, tile_end, W,
+        g, end, row0, col_tile = tile_origin(tile, gs, starts, ends, tile_begin, tile_end, W,
                                               BLOCK_M, BLOCK_N)
         col0 = col_tile * BLOCK_N
         # int64 scalar bases, int32 offsets inside the tile: 64-bit pointer tensors live
@@ -154,7 +154,7 @@ def _fp8_blockwise_wgrad_kernel(dy_ptr, dy_inv_ptr, x_ptr, x_inv_ptr, dw_ptr, si
     offs_t = tl.arange(0, BLOCK_T)
     n_mask = offs_n < N - n0
     k_mask = offs_k < K - k0
-    gs, starts, ends = _group_rows(sizes_ptr, G, M, BLOCK_G)
+    gs, starts, ends = group_rows(sizes_ptr, G, M, BLOCK_G)
     blocks = tl.where(gs < G, (ends - starts + SCALE_BLOCK - 1) // SCALE_BLOCK, 0)
     first_block = tl.sum(tl.where(gs == g, tl.cumsum(blocks, axis=0) - blocks, 0), axis=0)
     n_blocks = tl.sum(tl.where(gs == g, blocks, 0), axis=0).to(tl.int32)
@@ -274,9 +274,9 @@ def blockwise_wgrad(dy_blocks: torch.Tensor, dy_inv: torch.Tensor, x_blocks: tor
                     out_dtype: torch.dtype = torch.bfloat16, *,
                     group_scales: bool = False) -> torch.Tensor:
     """``(G, N, K)``: ``dW_g = dy_g^T @ x_g`` from FP8 operands in the token-block layout of
-    :func:`grouped_linear.kernels.quantize_blocks.quantize_token_blocks` (``transpose=True``)
+    :func:`grouped_linear.kernels.quantize.blocks.quantize_token_blocks` (``transpose=True``)
     or, with ``group_scales``, of
-    :func:`grouped_linear.kernels.quantize_transposed.quantize_group_columns_t` with
+    :func:`grouped_linear.kernels.quantize.transposed.quantize_group_columns_t` with
     ``align=128`` (the same layout, one factor per group and row):
 
     Args:

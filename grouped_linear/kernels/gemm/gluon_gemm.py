@@ -13,7 +13,7 @@ data GEMMs:
   of ``weight[g]`` read as they lie (the MMA takes a row-major 16-bit right operand).
 
 Persistent over the (group, row tile, column tile) list of
-:mod:`grouped_linear.kernels.fp8_gluon_gemm` (whose table helper it shares), in bands of
+:mod:`grouped_linear.kernels.gemm.fp8_gluon_gemm` (whose table helper it shares), in bands of
 row tiles for L2 reuse: operands arrive by TMA into a ring of shared-memory stages, filled
 ``STAGES - 1`` steps ahead and across tile boundaries; one MMA stays in flight while the
 next stage's data is awaited. Whole tiles leave through shared memory by TMA while the
@@ -30,28 +30,25 @@ from typing import NamedTuple
 
 import torch
 
+from .._gluon import (
+    HAS_GLUON,
+    descriptor,
+    fence_async_shared,
+    gl,
+    gluon,
+    is_sm90,
+    load_stage,
+    mbarrier,
+    operand_ring,
+    program_tiles,
+    release_ring,
+    tile_list,
+    tile_origin,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
 from .._triton import cdiv, next_power_of_2, sm_count
-from .fp8_gluon_gemm import HAS_GLUON, _descriptor, _is_sm90
-
-if HAS_GLUON:
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import (
-        fence_async_shared,
-        mbarrier,
-        tma,
-        warpgroup_mma,
-        warpgroup_mma_wait,
-    )
-
-    from .fp8_gluon_gemm import (
-        _load_stage,
-        _operand_ring,
-        _program_tiles,
-        _release_ring,
-        _tile_list,
-        _tile_origin,
-    )
 
 __all__ = ["MMConfig", "MM_CONFIG", "supported", "grouped_mm", "grouped_mm_reference"]
 
@@ -76,118 +73,117 @@ class MMConfig(NamedTuple):
 # stalled the tensor cores (4 stages: 0.83-1.01x torch's forward); with it 1.00-1.07x.
 MM_CONFIG = MMConfig(128, 256, 64, 8, 3, group_m=8, tma_store=True)
 
-if HAS_GLUON:
 
-    @gluon.jit
-    def _load_step(a_desc, b_desc, a_row, g, col0, k, R, W, bars, a_bufs, b_bufs, step,
-                   STAGES: gl.constexpr, TRANSPOSED: gl.constexpr, pred):
-        """TMA the operand tiles of pipeline step ``step`` (reduction offset ``k`` of the
-        tile at rows ``a_row``, group ``g``, output columns ``col0``) into its stage."""
-        if TRANSPOSED:  # weight[g] rows along the reduction
-            _load_stage(a_desc, a_row, k, b_desc, g * R + k, col0, bars, a_bufs, b_bufs, step,
-                        STAGES, pred)
-        else:  # weight[g] rows along the output columns
-            _load_stage(a_desc, a_row, k, b_desc, g * W + col0, k, bars, a_bufs, b_bufs, step,
-                        STAGES, pred)
+@gluon.jit
+def _load_step(a_desc, b_desc, a_row, g, col0, k, R, W, bars, a_bufs, b_bufs, step,
+               STAGES: gl.constexpr, TRANSPOSED: gl.constexpr, pred):
+    """TMA the operand tiles of pipeline step ``step`` (reduction offset ``k`` of the
+    tile at rows ``a_row``, group ``g``, output columns ``col0``) into its stage."""
+    if TRANSPOSED:  # weight[g] rows along the reduction
+        load_stage(a_desc, a_row, k, b_desc, g * R + k, col0, bars, a_bufs, b_bufs, step,
+                    STAGES, pred)
+    else:  # weight[g] rows along the output columns
+        load_stage(a_desc, a_row, k, b_desc, g * W + col0, k, bars, a_bufs, b_bufs, step,
+                    STAGES, pred)
 
-    @gluon.jit
-    def _store_rows(out_ptr, values, rows, cols, row0, rows_left, col0, col_mask, stride_om):
-        """Masked store of a tile from the MMA's registers (rows past ``rows_left`` belong
-        to the next group's programs)."""
-        mask = (rows < rows_left)[:, None] & col_mask[None, :]
-        base = out_ptr + (row0.to(gl.int64) * stride_om + col0)
-        gl.store(base + (rows[:, None].to(gl.int64) * stride_om + cols[None, :]), values,
-                 mask=mask)
+@gluon.jit
+def _store_rows(out_ptr, values, rows, cols, row0, rows_left, col0, col_mask, stride_om):
+    """Masked store of a tile from the MMA's registers (rows past ``rows_left`` belong
+    to the next group's programs)."""
+    mask = (rows < rows_left)[:, None] & col_mask[None, :]
+    base = out_ptr + (row0.to(gl.int64) * stride_om + col0)
+    gl.store(base + (rows[:, None].to(gl.int64) * stride_om + cols[None, :]), values,
+             mask=mask)
 
-    @gluon.jit
-    def _mm_kernel(a_desc, b_desc, out_desc, bias_ptr, out_ptr, sizes_ptr, M, W, R, G,
-                   stride_bias, stride_om, HAS_BIAS: gl.constexpr, TRANSPOSED: gl.constexpr,
-                   ENDS: gl.constexpr, TMA_STORE: gl.constexpr, GROUP_M: gl.constexpr,
-                   BLOCK_G: gl.constexpr, NUM_PROGRAMS: gl.constexpr, STAGES: gl.constexpr,
-                   num_warps: gl.constexpr):
-        BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
-        BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
-        BLOCK_N: gl.constexpr = b_desc.block_type.shape[1 if TRANSPOSED else 0]
-        mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_N, 16])
-        table_layout: gl.constexpr = gl.BlockedLayout([BLOCK_G // 32], [32], [num_warps], [0])
+@gluon.jit
+def _mm_kernel(a_desc, b_desc, out_desc, bias_ptr, out_ptr, sizes_ptr, M, W, R, G,
+               stride_bias, stride_om, HAS_BIAS: gl.constexpr, TRANSPOSED: gl.constexpr,
+               ENDS: gl.constexpr, TMA_STORE: gl.constexpr, GROUP_M: gl.constexpr,
+               BLOCK_G: gl.constexpr, NUM_PROGRAMS: gl.constexpr, STAGES: gl.constexpr,
+               num_warps: gl.constexpr):
+    BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
+    BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
+    BLOCK_N: gl.constexpr = b_desc.block_type.shape[1 if TRANSPOSED else 0]
+    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_N, 16])
+    table_layout: gl.constexpr = gl.BlockedLayout([BLOCK_G // 32], [32], [num_warps], [0])
 
-        a_bufs, b_bufs, bars = _operand_ring(a_desc, b_desc, STAGES)
-        if TMA_STORE:
-            out_tile = gl.allocate_shared_memory(out_desc.dtype, out_desc.block_type.shape,
-                                                 out_desc.layout)
-        gs, starts, ends, tile_begin, tile_end, total = _tile_list(
-            sizes_ptr, G, M, W, BLOCK_M, BLOCK_N, BLOCK_G, table_layout, ENDS)
-        n_tiles = gl.cdiv(W, BLOCK_N)
-        k_blocks = gl.cdiv(R, BLOCK_K)
-        pid, my_tiles = _program_tiles(total, NUM_PROGRAMS)
-        steps = my_tiles * k_blocks
+    a_bufs, b_bufs, bars = operand_ring(a_desc, b_desc, STAGES)
+    if TMA_STORE:
+        out_tile = gl.allocate_shared_memory(out_desc.dtype, out_desc.block_type.shape,
+                                             out_desc.layout)
+    gs, starts, ends, tile_begin, tile_end, total = tile_list(
+        sizes_ptr, G, M, W, BLOCK_M, BLOCK_N, BLOCK_G, table_layout, ENDS)
+    n_tiles = gl.cdiv(W, BLOCK_N)
+    k_blocks = gl.cdiv(R, BLOCK_K)
+    pid, my_tiles = program_tiles(total, NUM_PROGRAMS)
+    steps = my_tiles * k_blocks
 
-        # Loads run LEAD steps ahead (the host guarantees that many blocks per tile): step
-        # s + LEAD refills the stage of step s - 1, whose MMA the wait below has finished.
-        LEAD: gl.constexpr = STAGES - 1
-        g, end, row0, col_tile = _tile_origin(pid, gs, starts, ends, tile_begin, tile_end,
+    # Loads run LEAD steps ahead (the host guarantees that many blocks per tile): step
+    # s + LEAD refills the stage of step s - 1, whose MMA the wait below has finished.
+    LEAD: gl.constexpr = STAGES - 1
+    g, end, row0, col_tile = tile_origin(pid, gs, starts, ends, tile_begin, tile_end,
+                                          n_tiles, BLOCK_M, GROUP_M)
+    for p in gl.static_range(LEAD):
+        _load_step(a_desc, b_desc, row0, g, col_tile * BLOCK_N, p * BLOCK_K, R, W, bars,
+                   a_bufs, b_bufs, p, STAGES, TRANSPOSED, p < steps)
+
+    rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, mma_layout))
+    cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma_layout))
+    step = 0
+    for t in range(0, my_tiles):
+        tile = pid + t * NUM_PROGRAMS
+        g, end, row0, col_tile = tile_origin(tile, gs, starts, ends, tile_begin, tile_end,
                                               n_tiles, BLOCK_M, GROUP_M)
-        for p in gl.static_range(LEAD):
-            _load_step(a_desc, b_desc, row0, g, col_tile * BLOCK_N, p * BLOCK_K, R, W, bars,
-                       a_bufs, b_bufs, p, STAGES, TRANSPOSED, p < steps)
-
-        rows = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, mma_layout))
-        cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma_layout))
-        step = 0
-        for t in range(0, my_tiles):
-            tile = pid + t * NUM_PROGRAMS
-            g, end, row0, col_tile = _tile_origin(tile, gs, starts, ends, tile_begin, tile_end,
-                                                  n_tiles, BLOCK_M, GROUP_M)
-            next_g, _next_end, next_row0, next_col_tile = _tile_origin(
-                tile + NUM_PROGRAMS, gs, starts, ends, tile_begin, tile_end, n_tiles, BLOCK_M,
-                GROUP_M)
-            acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=mma_layout)
-            for kb in range(0, k_blocks):
-                stage = step % STAGES
-                mbarrier.wait(bars.index(stage), (step // STAGES) & 1)
-                if TRANSPOSED:
-                    b_tile = b_bufs.index(stage)
-                else:
-                    b_tile = b_bufs.index(stage).permute((1, 0))
-                acc = warpgroup_mma(a_bufs.index(stage), b_tile, acc, is_async=True)
-                acc = warpgroup_mma_wait(1, deps=[acc])
-                ahead = kb + LEAD
-                in_tile = ahead < k_blocks
-                _load_step(a_desc, b_desc, gl.where(in_tile, row0, next_row0),
-                           gl.where(in_tile, g, next_g),
-                           gl.where(in_tile, col_tile, next_col_tile) * BLOCK_N,
-                           gl.where(in_tile, ahead, ahead - k_blocks) * BLOCK_K, R, W, bars,
-                           a_bufs, b_bufs, step + LEAD, STAGES, TRANSPOSED,
-                           step + LEAD < steps)
-                step += 1
-            acc = warpgroup_mma_wait(0, deps=[acc])
-            col0 = col_tile * BLOCK_N
-            col_mask = cols < W - col0
-            if HAS_BIAS:
-                bias = gl.load(bias_ptr + (g.to(gl.int64) * stride_bias + col0) + cols,
-                               mask=col_mask & (g < G), other=0.0)
-                acc = acc + bias.to(gl.float32)[None, :]
-            values = acc.to(out_ptr.dtype.element_ty)
-            if TMA_STORE:
-                # A tile whose rows all belong to its group leaves by TMA (columns past W
-                # are clipped) while the next tile's MMAs run; a group's last, partial
-                # tile is stored with a row mask.
-                if end - row0 >= BLOCK_M:
-                    tma.store_wait(0)  # the previous tile's copy has left the buffer
-                    out_tile.store(values)
-                    fence_async_shared()
-                    tma.async_copy_shared_to_global(out_desc, [row0, col0], out_tile)
-                else:
-                    _store_rows(out_ptr, values, rows, cols, row0, end - row0, col0, col_mask,
-                                stride_om)
+        next_g, _next_end, next_row0, next_col_tile = tile_origin(
+            tile + NUM_PROGRAMS, gs, starts, ends, tile_begin, tile_end, n_tiles, BLOCK_M,
+            GROUP_M)
+        acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=mma_layout)
+        for kb in range(0, k_blocks):
+            stage = step % STAGES
+            mbarrier.wait(bars.index(stage), (step // STAGES) & 1)
+            if TRANSPOSED:
+                b_tile = b_bufs.index(stage)
+            else:
+                b_tile = b_bufs.index(stage).permute((1, 0))
+            acc = warpgroup_mma(a_bufs.index(stage), b_tile, acc, is_async=True)
+            acc = warpgroup_mma_wait(1, deps=[acc])
+            ahead = kb + LEAD
+            in_tile = ahead < k_blocks
+            _load_step(a_desc, b_desc, gl.where(in_tile, row0, next_row0),
+                       gl.where(in_tile, g, next_g),
+                       gl.where(in_tile, col_tile, next_col_tile) * BLOCK_N,
+                       gl.where(in_tile, ahead, ahead - k_blocks) * BLOCK_K, R, W, bars,
+                       a_bufs, b_bufs, step + LEAD, STAGES, TRANSPOSED,
+                       step + LEAD < steps)
+            step += 1
+        acc = warpgroup_mma_wait(0, deps=[acc])
+        col0 = col_tile * BLOCK_N
+        col_mask = cols < W - col0
+        if HAS_BIAS:
+            bias = gl.load(bias_ptr + (g.to(gl.int64) * stride_bias + col0) + cols,
+                           mask=col_mask & (g < G), other=0.0)
+            acc = acc + bias.to(gl.float32)[None, :]
+        values = acc.to(out_ptr.dtype.element_ty)
+        if TMA_STORE:
+            # A tile whose rows all belong to its group leaves by TMA (columns past W
+            # are clipped) while the next tile's MMAs run; a group's last, partial
+            # tile is stored with a row mask.
+            if end - row0 >= BLOCK_M:
+                tma.store_wait(0)  # the previous tile's copy has left the buffer
+                out_tile.store(values)
+                fence_async_shared()
+                tma.async_copy_shared_to_global(out_desc, [row0, col0], out_tile)
             else:
                 _store_rows(out_ptr, values, rows, cols, row0, end - row0, col0, col_mask,
                             stride_om)
+        else:
+            _store_rows(out_ptr, values, rows, cols, row0, end - row0, col0, col_mask,
+                        stride_om)
 
-        if TMA_STORE:
-            tma.store_wait(0)
-        _release_ring(bars, STAGES)
+    if TMA_STORE:
+        tma.store_wait(0)
+    release_ring(bars, STAGES)
 
 
 DTYPES = (torch.bfloat16, torch.float16)  # the operand dtypes the bf16/fp16 kernels take
@@ -206,7 +202,7 @@ def supported(a: torch.Tensor, weight: torch.Tensor, transposed_weight: bool = F
     block_k, stages = config.block_k, config.stages
     reduction = a.shape[1]
     rows_per_group, row_length = weight.shape[1], weight.shape[2]
-    return (_is_sm90(a.device.index or 0) and a.dtype in DTYPES and weight.dtype == a.dtype
+    return (is_sm90(a.device.index or 0) and a.dtype in DTYPES and weight.dtype == a.dtype
             and a.is_contiguous() and weight.is_contiguous()
             and reduction % 8 == 0 and row_length % 8 == 0
             and reduction == (rows_per_group if transposed_weight else row_length)
@@ -239,14 +235,14 @@ def grouped_mm(a: torch.Tensor, weight: torch.Tensor, sizes: torch.Tensor,
         return out.zero_()
     config = MMConfig(*config)
     block_m, block_n, block_k = config.block_m, config.block_n, config.block_k
-    a_desc = _descriptor(a, block_m, block_k)
+    a_desc = descriptor(a, block_m, block_k)
     tma_store = config.tma_store and width % 8 == 0 and out.data_ptr() % 16 == 0
-    out_desc = _descriptor(out, block_m, block_n) if tma_store else a_desc
+    out_desc = descriptor(out, block_m, block_n) if tma_store else a_desc
     flat_weight = weight.view(G * weight.shape[1], weight.shape[2])
     if transposed_weight:
-        b_desc = _descriptor(flat_weight, block_k, block_n)
+        b_desc = descriptor(flat_weight, block_k, block_n)
     else:
-        b_desc = _descriptor(flat_weight, block_n, block_k)
+        b_desc = descriptor(flat_weight, block_n, block_k)
     upper_tiles = (cdiv(M, block_m) + G + 1) * cdiv(width, block_n)
     programs = max(1, min(sm_count(a.device), upper_tiles))
     has_bias = bias is not None

@@ -7,7 +7,7 @@ kernels fill with zeros; the forward adds the per-group bias in its epilogue;
 the wgrad kernel also sums the output gradient per group (the bias gradient)
 from the tiles it already loads. Small problems, where every launch counts,
 are what this backend is for; the plain-PyTorch references are the ``loop``
-functions of :mod:`grouped_linear.kernels.grouped_gemm`.
+functions of :mod:`grouped_linear.kernels.gemm.torch_gemm`.
 
 Shapes: ``x`` ``(M, K)``, ``weight`` ``(G, N, K)``, ``bias`` ``(G, N)``,
 ``grad_out`` ``(M, N)``. All index arithmetic on rows and strides is int64.
@@ -16,51 +16,12 @@ Shapes: ``x`` ``(M, K)``, ``weight`` ``(G, N, K)``, ``bias`` ``(G, N)``,
 
 import torch
 
+from .._groups import group_rows, tile_list, tile_origin
 from .._triton import LaunchPlan, cdiv, kernel, next_power_of_2, sm_count, tl, triton
 from ..bias import bias_grad_reference
 from ..ends import group_offsets
 
 __all__ = ["forward", "dgrad", "wgrad", "backward", "LinearLaunches", "fits", "MAX_GROUPS"]
-
-
-@triton.jit
-def _group_rows(sizes_ptr, G, M, BLOCK_G: tl.constexpr):
-    """Vectors over ``BLOCK_G > G`` slots: group start and end rows, clamped to
-    ``[0, M]`` (negative sizes count as 0); slot ``G`` is the tail ``[sum, M)``."""
-    gs = tl.arange(0, BLOCK_G)
-    sizes = tl.maximum(tl.load(sizes_ptr + gs, mask=gs < G, other=0).to(tl.int64), 0)
-    inclusive = tl.cumsum(sizes, axis=0)
-    ends = tl.minimum(inclusive, M)
-    starts = tl.minimum(inclusive - sizes, M)
-    ends = tl.where(gs == G, M, ends)
-    return gs, starts, ends
-
-
-@triton.jit
-def _tile_list(sizes_ptr, G, M, W, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-               BLOCK_G: tl.constexpr):
-    """The persistent schedule: every group's (row tile, column tile) pairs of an ``(M, W)``
-    output, numbered group after group (slot ``G``, the tail, included). Returns the per-slot
-    vectors the tiles are looked up in, and the tile count."""
-    gs, starts, ends = _group_rows(sizes_ptr, G, M, BLOCK_G)
-    n_tiles = tl.cdiv(W, BLOCK_N)
-    tiles = ((ends - starts + BLOCK_M - 1) // BLOCK_M) * n_tiles
-    tile_end = tl.cumsum(tiles, axis=0)
-    return gs, starts, ends, tile_end - tiles, tile_end, tl.sum(tiles, axis=0)
-
-
-@triton.jit
-def _tile_origin(tile, gs, starts, ends, tile_begin, tile_end, W, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr):
-    """Tile ``tile`` of :func:`_tile_list`: its group (``G`` for the tail), the group's end
-    row, the tile's first row and its column-tile index."""
-    owner = (tile_begin <= tile) & (tile < tile_end)
-    n_tiles = tl.cdiv(W, BLOCK_N)
-    g = tl.sum(tl.where(owner, gs, 0), axis=0)
-    local = tile - tl.sum(tl.where(owner, tile_begin, 0), axis=0)
-    end = tl.sum(tl.where(owner, ends, 0), axis=0)
-    row0 = tl.sum(tl.where(owner, starts, 0), axis=0) + (local // n_tiles) * BLOCK_M
-    return g, end, row0, local % n_tiles
 
 
 @triton.jit
@@ -84,10 +45,10 @@ def _mm_tiles(first_tile, a_ptr, b_ptr, bias_ptr, out_ptr, sizes_ptr, M, N, K, G
     Persistent: the caller's program walks the (group, row tile, column tile) list from
     ``first_tile`` in steps of ``NUM_PROGRAMS``.
     """
-    gs, starts, ends, tile_begin, tile_end, total = _tile_list(sizes_ptr, G, M, N, BLOCK_M,
+    gs, starts, ends, tile_begin, tile_end, total = tile_list(sizes_ptr, G, M, N, BLOCK_M,
                                                                BLOCK_N, BLOCK_G)
     for tile in range(first_tile, total, NUM_PROGRAMS):
-        g, end, row0, col_tile = _tile_origin(tile, gs, starts, ends, tile_begin, tile_end, N,
+        g, end, row0, col_tile = tile_origin(tile, gs, starts, ends, tile_begin, tile_end, N,
                                               BLOCK_M, BLOCK_N)
         col0 = col_tile * BLOCK_N
         # int64 scalar bases, int32 offsets inside the tile: 64-bit pointer tensors live
@@ -141,7 +102,7 @@ def _wgrad_tile(pid, dy_ptr, x_ptr, dw_ptr, db_ptr, sizes_ptr, M, N, K, G,
     g = pid // (n_tiles * k_tiles)
     n_tile = (pid // k_tiles) % n_tiles
     k_tile = pid % k_tiles
-    gs, starts, ends = _group_rows(sizes_ptr, G, M, BLOCK_G)
+    gs, starts, ends = group_rows(sizes_ptr, G, M, BLOCK_G)
     start = tl.sum(tl.where(gs == g, starts, 0), axis=0)
     end = tl.sum(tl.where(gs == g, ends, 0), axis=0)
     cols_n = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)

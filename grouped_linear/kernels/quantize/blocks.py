@@ -2,7 +2,7 @@
 
 Each kernel program loads one scaling tile into registers, takes its amax, scales,
 saturates, rounds and stores it: one read and one write of the data. Scales follow
-:func:`grouped_linear.kernels.quantize.scale_from_amax` (``fp8_max / amax``, 1 for
+:func:`grouped_linear.kernels.quantize.common.scale_from_amax` (``fp8_max / amax``, 1 for
 all-zero tiles, optionally rounded down to a power of two); the returned ``inv``
 factors are the float32 ``1 / scale`` of each tile.
 
@@ -28,9 +28,9 @@ from __future__ import annotations
 
 import torch
 
+from .._groups import group_rows
 from .._triton import cdiv, kernel, next_power_of_2, tl, triton, use_triton
-from ..gemm.triton_gemm import _group_rows
-from .rows import _finish, _fp8_buffer, _pad_to, _scale, saturate, scale_from_amax
+from .common import amax_to_scale, finish, fp8_buffer, pad_to, saturate, scale_from_amax
 
 __all__ = ["quantize_row_tiles", "quantize_row_tiles_reference", "quantize_weight_blocks",
            "quantize_weight_blocks_reference", "quantize_token_blocks",
@@ -52,7 +52,7 @@ def quantize_row_tiles_reference(t: torch.Tensor, fp8_dtype: torch.dtype, power_
     scale per row and block of ``tile`` columns (the last block may be partial)."""
     M, C = t.shape
     blocks = cdiv(C, tile)
-    padded = _pad_to(t.float(), 1, tile).view(M, blocks, tile)
+    padded = pad_to(t.float(), 1, tile).view(M, blocks, tile)
     amax = padded.abs().amax(dim=2) if padded.numel() else padded.new_zeros(M, blocks)
     scale = scale_from_amax(amax, fp8_dtype, power_of_two)
     data = saturate(padded, scale[:, :, None], fp8_dtype).view(M, blocks * tile)[:, :C]
@@ -76,7 +76,7 @@ def _quantize_row_tiles_kernel(t_ptr, q_ptr, inv_ptr, M, C, stride_tm, stride_tc
     cols64 = cols.to(tl.int64)[None, :]
     values = tl.load(t_ptr + rows64 * stride_tm + cols64 * stride_tc, mask=mask,
                      other=0.0).to(tl.float32)
-    scale = _scale(tl.max(tl.abs(values), axis=1), FP8_MAX, POW2)
+    scale = amax_to_scale(tl.max(tl.abs(values), axis=1), FP8_MAX, POW2)
     scaled = tl.clamp(values * scale[:, None], -FP8_MAX, FP8_MAX)
     tl.store(q_ptr + rows64 * C + cols64, scaled.to(q_ptr.dtype.element_ty), mask=mask)
     tl.store(inv_ptr + rows.to(tl.int64) * n_blocks + block, 1.0 / scale, mask=row_mask)
@@ -90,7 +90,7 @@ def quantize_row_tiles(t: torch.Tensor, fp8_dtype: torch.dtype, power_of_two: bo
         return quantize_row_tiles_reference(t, fp8_dtype, power_of_two, tile)
     M, C = t.shape
     blocks = cdiv(C, tile)
-    data = _fp8_buffer((M, C), t.device, fp8_dtype)
+    data = fp8_buffer((M, C), t.device, fp8_dtype)
     inv = torch.empty(M, blocks, device=t.device, dtype=torch.float32)
     block_r, warps = ROW_TILES_CONFIG
     _quantize_row_tiles_kernel[(cdiv(M, block_r), blocks)](
@@ -98,7 +98,7 @@ def quantize_row_tiles(t: torch.Tensor, fp8_dtype: torch.dtype, power_of_two: bo
         FP8_MAX=torch.finfo(fp8_dtype).max, POW2=power_of_two, TILE=tile, BLOCK_R=block_r,
         BLOCK_T=next_power_of_2(tile), num_warps=warps,
     )
-    return _finish(data, fp8_dtype), inv
+    return finish(data, fp8_dtype), inv
 
 
 # --------------------------------------------------------------------------- weight blocks
@@ -109,7 +109,7 @@ def quantize_weight_blocks_reference(weight: torch.Tensor, fp8_dtype: torch.dtyp
     factors: one scale per ``block x block`` tile of each expert (edge tiles partial)."""
     G, N, K = weight.shape
     nb, kb = cdiv(N, block), cdiv(K, block)
-    padded = _pad_to(_pad_to(weight.float(), 1, block), 2, block)
+    padded = pad_to(pad_to(weight.float(), 1, block), 2, block)
     tiles = padded.view(G, nb, block, kb, block)
     amax = tiles.abs().amax(dim=(2, 4)) if tiles.numel() else tiles.new_zeros(G, nb, kb)
     scale = scale_from_amax(amax, fp8_dtype, power_of_two)
@@ -137,7 +137,7 @@ def _quantize_weight_blocks_kernel(w_ptr, q_ptr, inv_ptr, N, K, stride_wg, strid
     values = tl.load(w_ptr + g * stride_wg + ns64 * stride_wn + ks64 * stride_wk, mask=mask,
                      other=0.0).to(tl.float32)
     amax = tl.max(tl.max(tl.abs(values), axis=1), axis=0)
-    scale = _scale(amax, FP8_MAX, POW2)
+    scale = amax_to_scale(amax, FP8_MAX, POW2)
     scaled = tl.clamp(values * scale, -FP8_MAX, FP8_MAX)
     tl.store(q_ptr + g * N * K + ns64 * K + ks64, scaled.to(q_ptr.dtype.element_ty), mask=mask)
     n_blocks = tl.num_programs(1)
@@ -154,7 +154,7 @@ def quantize_weight_blocks(weight: torch.Tensor, fp8_dtype: torch.dtype, power_o
         return quantize_weight_blocks_reference(weight, fp8_dtype, power_of_two, block)
     G, N, K = weight.shape
     nb, kb = cdiv(N, block), cdiv(K, block)
-    data = _fp8_buffer((G, N, K), weight.device, fp8_dtype)
+    data = fp8_buffer((G, N, K), weight.device, fp8_dtype)
     inv = torch.empty(G, nb, kb, device=weight.device, dtype=torch.float32)
     (warps,) = WEIGHT_BLOCKS_CONFIG
     _quantize_weight_blocks_kernel[(G, nb, kb)](
@@ -162,7 +162,7 @@ def quantize_weight_blocks(weight: torch.Tensor, fp8_dtype: torch.dtype, power_o
         FP8_MAX=torch.finfo(fp8_dtype).max, POW2=power_of_two, BLOCK=block,
         BLOCK_P=next_power_of_2(block), num_warps=warps,
     )
-    return _finish(data, fp8_dtype), inv
+    return finish(data, fp8_dtype), inv
 
 
 # --------------------------------------------------------------------------- token blocks
@@ -231,7 +231,7 @@ def _quantize_token_blocks_kernel(t_ptr, sizes_ptr, q_ptr, inv_ptr, M, C, G, str
     b = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     col_mask = cols < C
-    gs, starts, ends = _group_rows(sizes_ptr, G, M, BLOCK_G)  # slot G: the tail
+    gs, starts, ends = group_rows(sizes_ptr, G, M, BLOCK_G)  # slot G: the tail
     counts = (ends - starts + TILE - 1) // TILE
     block_end = tl.cumsum(counts, axis=0)
     owner = (block_end - counts <= b) & (b < block_end)
@@ -247,7 +247,7 @@ def _quantize_token_blocks_kernel(t_ptr, sizes_ptr, q_ptr, inv_ptr, M, C, G, str
     cols64 = cols.to(tl.int64)[None, :]
     values = tl.load(t_ptr + rows64 * stride_tm + cols64 * stride_tc, mask=mask & in_group,
                      other=0.0).to(tl.float32)
-    scale = _scale(tl.max(tl.abs(values), axis=0), FP8_MAX, POW2)  # 1 outside groups
+    scale = amax_to_scale(tl.max(tl.abs(values), axis=0), FP8_MAX, POW2)  # 1 outside groups
     scaled = tl.clamp(values * scale[None, :], -FP8_MAX, FP8_MAX)
     if BLOCK_LAYOUT:
         slots = (b.to(tl.int64) * TILE + offs)[:, None]
@@ -286,7 +286,7 @@ def quantize_token_blocks(t: torch.Tensor, sizes: torch.Tensor, fp8_dtype: torch
         blocked[:, columns[used]] = data[used].float().t()
         return blocked.to(fp8_dtype), inv
     sizes = sizes.to(t.device).contiguous()  # no-ops for sizes already on the device
-    data = _fp8_buffer((C, blocks * tile) if transpose else (M, C), t.device, fp8_dtype)
+    data = fp8_buffer((C, blocks * tile) if transpose else (M, C), t.device, fp8_dtype)
     stride_qm, stride_qc = (data.stride(1), data.stride(0)) if transpose else data.stride()
     inv = torch.empty(blocks, C, device=t.device, dtype=torch.float32)
     block_c, warps = TOKEN_BLOCKS_CONFIG
@@ -296,7 +296,7 @@ def quantize_token_blocks(t: torch.Tensor, sizes: torch.Tensor, fp8_dtype: torch
         BLOCK_T=next_power_of_2(tile), BLOCK_C=block_c,
         BLOCK_G=max(2, next_power_of_2(G + 1)), BLOCK_LAYOUT=transpose, num_warps=warps,
     )
-    return _finish(data, fp8_dtype), inv
+    return finish(data, fp8_dtype), inv
 
 
 def token_block_columns(sizes: torch.Tensor, num_rows: int, tile: int = 128) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""The tiled method of :func:`~grouped_linear.kernels.quantize_transposed.quantize_group_columns_t`:
+"""The tiled method of :func:`~grouped_linear.kernels.quantize.transposed.quantize_group_columns_t`:
 ``(M, C)`` rows in groups -> FP8 ``(C, M')``, transposed, one scale per (group, column).
 
 Tiles of ``BLOCK_R`` destination columns are numbered slot after slot (:func:`_column_tile`:
@@ -9,7 +9,7 @@ one quantize-and-transpose kernel over the same tiles
 (:func:`_quantize_columns_t_tiled_kernel`), which derives the scales and writes the
 factors itself. Given per-group scales or FP8 codes to move unchanged, only the second.
 The plain-PyTorch reference is
-:func:`~grouped_linear.kernels.quantize_transposed.quantize_group_columns_t_reference`.
+:func:`~grouped_linear.kernels.quantize.transposed.quantize_group_columns_t_reference`.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from .._triton import cdiv, kernel, next_power_of_2, tl, triton
-from .rows import _scale, piece_shift
+from .common import amax_to_scale, piece_shift
 
 __all__ = ["quantize_columns_t", "TILED_CONFIG", "AMAX_SUB_TILES"]
 
@@ -74,7 +74,7 @@ def _group_column_amax_kernel(t_ptr, offsets_ptr, amax_ptr, sums_ptr, shifts_ptr
     max per column. ``SUMS``: also the program's float32 column sums, at row ``program``
     of ``sums`` ``(programs, C)`` (summed per group, in order, by the reduce kernel).
     ``PIECES``: ``t`` is the first of a list of pieces read as one tensor (see
-    :func:`~grouped_linear.kernels.quantize.piece_shift`). ``FACTORS``: the maxima are of
+    :func:`~grouped_linear.kernels.quantize.common.piece_shift`). ``FACTORS``: the maxima are of
     ``t[r, c] * factors[r]`` (``quantize_transposed.fold_row_factors``); the sums stay of
     ``t``."""
     g, src0, end, _, _, total = _column_tile(tl.program_id(0), offsets_ptr, offsets_ptr, G, 0,
@@ -158,7 +158,7 @@ def _quantize_columns_t_tiled_kernel(t_ptr, offsets_ptr, dst_offsets_ptr, scale_
             if SCALING == "group":
                 inv_scale = tl.zeros([BLOCK_C], dtype=tl.float32) + tl.load(scale_ptr + inv_group)
             else:
-                inv_scale = _scale(tl.load(scale_ptr + inv_group * C + inv_cols,
+                inv_scale = amax_to_scale(tl.load(scale_ptr + inv_group * C + inv_cols,
                                            mask=inv_cols < C, other=0.0), FP8_MAX, POW2)
             tl.store(inv_ptr + inv_group * C + inv_cols, 1.0 / inv_scale, mask=inv_cols < C)
     g, src0, end, dst0, dst_end, total = _column_tile(tl.program_id(0), offsets_ptr,
@@ -185,7 +185,7 @@ def _quantize_columns_t_tiled_kernel(t_ptr, offsets_ptr, dst_offsets_ptr, scale_
                 scaled = values.to(tl.float32) * tl.load(scale_ptr + clamped)
             else:
                 amax = tl.load(scale_ptr + clamped * C + cols, mask=col_mask, other=0.0)
-                scaled = values.to(tl.float32) * _scale(amax, FP8_MAX, POW2)[None, :]
+                scaled = values.to(tl.float32) * amax_to_scale(amax, FP8_MAX, POW2)[None, :]
             scaled = tl.clamp(scaled, -FP8_MAX, FP8_MAX)
         # No-ops that tell the compiler what DST_MULTIPLE promises (the tile's start and the
         # columns left in its slot are multiples of it), so the stores can be vectors.
@@ -207,7 +207,7 @@ def quantize_columns_t(t, offsets, data_offsets, data, fp8_dtype, power_of_two,
     entry is a multiple of 16 (the transposed stores are then 16-byte vectors). ``sums``:
     a ``(G, C)`` float32 tensor that receives the per-group column sums of ``t`` (computed
     by the column-amax pass; needs ``group_scale=None``). ``shifts``: a
-    :class:`~grouped_linear.kernels.quantize.PieceShifts`; ``t`` is then the first of the
+    :class:`~grouped_linear.kernels.quantize.common.PieceShifts`; ``t`` is then the first of the
     pieces and ``num_rows`` their total rows. ``row_factors``: ``(M,)`` float32 multipliers
     of the rows (not with ``shifts``); ``sums`` stay those of ``t``. ``unit_scale``: ``t``
     holds FP8 codes that are moved unchanged (no factors returned: ``None``). Returns the

@@ -16,9 +16,10 @@ from dataclasses import dataclass
 
 import torch
 
+from .._groups import row_group, row_groups
 from .._triton import cdiv, kernel, next_power_of_2, tl, triton, use_triton
-from ..bias import _row_group, row_groups
-from .rows import _finish, _fp8_buffer, _scale, quantize_rows_reference
+from .common import amax_to_scale, finish, fp8_buffer
+from .rows import quantize_rows_reference
 
 __all__ = ["ColumnFactors", "quantize_rows_folded", "quantize_rows_folded_reference"]
 
@@ -69,7 +70,7 @@ def _quantize_rows_folded_kernel(t_ptr, factors_ptr, offsets_ptr, q_ptr, inv_ptr
     col_mask = cols < C
     first = tl.program_id(0).to(tl.int64) * ROWS
     slots = tl.arange(0, ROWS)
-    groups = tl.minimum(_row_group(offsets_ptr, first + slots, G, BLOCK_G), G - 1)
+    groups = tl.minimum(row_group(offsets_ptr, first + slots, G, BLOCK_G), G - 1)
     held = tl.min(groups, axis=0)  # the run's first row's group (groups never decrease)
     factors = tl.load(factors_ptr + held * C + cols, mask=col_mask, other=0.0)
     for i in range(ROWS):
@@ -82,7 +83,7 @@ def _quantize_rows_folded_kernel(t_ptr, factors_ptr, offsets_ptr, q_ptr, inv_ptr
         mask = col_mask & live
         values = tl.load(t_ptr + row * stride_t + cols, mask=mask, other=0.0).to(tl.float32)
         values *= factors
-        scale = _scale(tl.max(tl.abs(values), axis=0), FP8_MAX, POW2)
+        scale = amax_to_scale(tl.max(tl.abs(values), axis=0), FP8_MAX, POW2)
         scaled = tl.clamp(values * scale, -FP8_MAX, FP8_MAX)
         tl.store(q_ptr + row * stride_q + cols, scaled.to(q_ptr.dtype.element_ty), mask=mask)
         tl.store(inv_ptr + row, 1.0 / scale, mask=live)
@@ -107,7 +108,7 @@ def quantize_rows_folded(t: torch.Tensor, column_factors: ColumnFactors, fp8_dty
     block_c = next_power_of_2(max(C, 16))
     if not use_triton(t) or t.stride(-1) != 1 or R == 0 or block_c > MAX_BLOCK_C:
         return quantize_rows_folded_reference(t, column_factors, fp8_dtype, power_of_two)
-    data = _fp8_buffer((R, C), t.device, fp8_dtype)
+    data = fp8_buffer((R, C), t.device, fp8_dtype)
     inv = torch.empty(R, device=t.device, dtype=torch.float32)
     rows, columns_per_warp = FOLDED_CONFIG
     warps = min(16, max(2, block_c // columns_per_warp))
@@ -117,4 +118,4 @@ def quantize_rows_folded(t: torch.Tensor, column_factors: ColumnFactors, fp8_dty
         BLOCK_C=block_c, BLOCK_G=min(256, next_power_of_2(factors.shape[0])),
         num_warps=warps,
     )
-    return _finish(data, fp8_dtype), inv
+    return finish(data, fp8_dtype), inv

@@ -7,7 +7,7 @@
 
 On GPUs each is three launches whatever ``G`` is: a zero fill, one pass over the tensor
 (each program's rows' maxima, one atomic maximum per group they touch) and a small kernel
-that turns maxima into scales (:func:`~grouped_linear.kernels.quantize.scale_from_amax`'s
+that turns maxima into scales (:func:`~grouped_linear.kernels.quantize.common.scale_from_amax`'s
 rule). The plain-PyTorch references sit beside them.
 """
 
@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import torch
 
+from .._groups import row_group, row_groups
 from .._triton import cdiv, kernel, next_power_of_2, tl, triton, use_triton
-from ..bias import _row_group, row_groups
-from .rows import _scale, scale_from_amax
+from .common import amax_to_scale, scale_from_amax
 
 __all__ = ["group_amax_scales", "group_amax_scales_reference", "weight_group_scales",
            "weight_group_scales_reference", "AMAX_CONFIG"]
@@ -46,7 +46,7 @@ def _group_amax_kernel(t_ptr, ends_ptr, amax_ptr, R, C, G, stride_t, GROUP_ROWS:
     if GROUP_ROWS > 0:
         groups = rows // GROUP_ROWS
     else:
-        groups = _row_group(ends_ptr, rows, G, BLOCK_G)
+        groups = row_group(ends_ptr, rows, G, BLOCK_G)
     groups = tl.where(row_mask & (groups < G), groups, G)
     first = tl.min(groups, axis=0)
     last = tl.max(tl.where(groups < G, groups, -1), axis=0)
@@ -61,7 +61,7 @@ def _scales_kernel(amax_ptr, scale_ptr, inv_ptr, n, width, FP8_MAX: tl.constexpr
     """``scale[i]`` from ``amax[i]``; with ``width > 0`` also ``inv[i, :width] = 1 / scale[i]``."""
     idx = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = idx < n
-    scale = _scale(tl.load(amax_ptr + idx, mask=mask, other=0.0), FP8_MAX, POW2)
+    scale = amax_to_scale(tl.load(amax_ptr + idx, mask=mask, other=0.0), FP8_MAX, POW2)
     tl.store(scale_ptr + idx, scale, mask=mask)
     inv = 1.0 / scale
     for w0 in range(0, width, BLOCK_W):

@@ -4,21 +4,22 @@ GEMM and the dgrad GEMM's weight.
 * :func:`quantize_group_columns_t`: ``(M, C)`` rows split into groups -> FP8 ``(C, M')``,
   one scale per (group, column) along the group's rows (or per group), each group
   optionally starting on an aligned column;
-* the same tiles serve the weights of :mod:`grouped_linear.kernels.quantize_weight`.
+* the same tiles serve the weights of :mod:`grouped_linear.kernels.quantize.rows`.
 
 Each has its plain-PyTorch reference beside it; scales follow
-:func:`grouped_linear.kernels.quantize.scale_from_amax`.
+:func:`grouped_linear.kernels.quantize.common.scale_from_amax`.
 """
 
 from __future__ import annotations
 
 import torch
 
+from .._groups import row_groups
 from .._triton import cdiv, kernel, next_power_of_2, tl, triton, use_triton
-from ..bias import bias_grad, row_groups
+from ..bias import bias_grad
 from ..ends import aligned_offsets
 from . import columns_tiled
-from .rows import _finish, _fp8_buffer, _group_amax, _scale, piece_shifts, scale_from_amax
+from .common import amax_to_scale, finish, fp8_buffer, group_amax, piece_shifts, scale_from_amax
 
 __all__ = ["quantize_group_columns_t", "quantize_group_columns_t_reference",
            "quantize_group_columns_t_pieces", "transpose_group_columns", "fold_row_factors",
@@ -27,7 +28,7 @@ __all__ = ["quantize_group_columns_t", "quantize_group_columns_t_reference",
 # How quantize_group_columns_t runs on GPUs: "per_group" (one program per group and
 # column block walks the group's rows twice) or "tiled" (a column-amax kernel over row
 # tiles with atomic maxima, then one quantize-and-transpose kernel over the same tiles:
-# every tile in flight at once; :mod:`grouped_linear.kernels.quantize_columns_tiled`).
+# every tile in flight at once; :mod:`grouped_linear.kernels.quantize.columns_tiled`).
 # Launch shape of the per-group method: (rows, columns, warps).
 # benchmarks/fp8_quantize.py times both on the H200: tiled (128, 64, 4) is the faster
 # (0.37-0.40 of copy bandwidth against 0.28-0.31, dsv3_ep32_fc1's x and dy).
@@ -53,7 +54,7 @@ def quantize_group_columns_t_reference(t: torch.Tensor, offsets: torch.Tensor,
     if row_factors is not None:
         t = fold_row_factors(t, row_factors)
     if group_scale is None:
-        scale = scale_from_amax(_group_amax(t, offsets), fp8_dtype, power_of_two)
+        scale = scale_from_amax(group_amax(t, offsets), fp8_dtype, power_of_two)
     else:
         scale = group_scale[:, None].expand(offsets.shape[0], t.shape[1]).contiguous()
     groups = row_groups(offsets, t.shape[0])
@@ -90,7 +91,7 @@ def _quantize_group_columns_t_kernel(t_ptr, offsets_ptr, dst_offsets_ptr, q_ptr,
             values = tl.load(t_ptr + rows.to(tl.int64)[:, None] * stride_t + cols[None, :],
                              mask=mask, other=0.0)
             amax = tl.maximum(amax, tl.max(tl.abs(values.to(tl.float32)), axis=0))
-        scale = _scale(amax, FP8_MAX, POW2)
+        scale = amax_to_scale(amax, FP8_MAX, POW2)
     q_base = q_ptr + cols.to(tl.int64)[None, :] * stride_q
     dst_start = tl.load(dst_offsets_ptr + group - 1, mask=group > 0, other=0)
     for r0 in range(start, end, BLOCK_R):  # pass 2: quantize and write transposed
@@ -132,9 +133,9 @@ def _aligned_width(rows: int, groups: int, align: int) -> int:
 def _transposed_buffer(C: int, M: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     """Where the kernels write an FP8 ``(C, M)`` operand: on GPUs its row stride is ``M``
     rounded up to 16 elements (FP8 GEMMs need 16-byte aligned leading dimensions; the extra
-    columns are never read); on CPUs float32 (see :func:`~grouped_linear.kernels.quantize._fp8_buffer`)."""
+    columns are never read); on CPUs float32 (see :func:`~grouped_linear.kernels.quantize.common.fp8_buffer`)."""
     if device.type == "cpu":
-        return _fp8_buffer((C, M), device, dtype)
+        return fp8_buffer((C, M), device, dtype)
     return torch.empty(C, -(-M // 16) * 16, device=device, dtype=dtype)[:, :M]
 
 
@@ -150,7 +151,7 @@ def quantize_group_columns_t(t: torch.Tensor, offsets: torch.Tensor, fp8_dtype: 
     Returns ``(data, inv, data_offsets)``. With ``align=1``: ``data`` ``(C, M)``,
     ``data_offsets`` is ``offsets`` and columns past ``offsets[-1]`` are 0. With
     ``align > 1``: every group starts at a multiple of ``align`` columns, zero-padded
-    up to the next (``data_offsets`` = :func:`~grouped_linear.kernels.offsets.aligned_offsets`),
+    up to the next (``data_offsets`` = :func:`~grouped_linear.kernels.ends.aligned_offsets`),
     ``data`` has ``M + (align - 1) * G`` columns rounded up to a multiple of 16 (FP8
     GEMMs need 16-element rows), those past ``data_offsets[-1]`` unspecified. On GPUs
     the row stride is a multiple of 16. ``inv`` is ``(G, C)``.
@@ -191,7 +192,7 @@ def quantize_group_columns_t(t: torch.Tensor, offsets: torch.Tensor, fp8_dtype: 
                                               power_of_two, group_scale, align,
                                               dst_multiple=align, sums=fused_sums,
                                               row_factors=row_factors)
-        return _finish(data, fp8_dtype), inv, data_offsets
+        return finish(data, fp8_dtype), inv, data_offsets
     inv = torch.empty(G, C, device=t.device, dtype=torch.float32)
     block_r, block_c, warps = GROUP_COLUMNS_CONFIG
     _quantize_group_columns_t_kernel[(G, cdiv(C, block_c))](
@@ -205,7 +206,7 @@ def quantize_group_columns_t(t: torch.Tensor, offsets: torch.Tensor, fp8_dtype: 
         _zero_columns_from_kernel[(cdiv(C, 64),)](
             data, offsets, G, C, M, data.stride(0), BLOCK_C=64, BLOCK_M=32,
         )
-    return _finish(data, fp8_dtype), inv, data_offsets
+    return finish(data, fp8_dtype), inv, data_offsets
 
 
 def transpose_group_columns(codes: torch.Tensor, offsets: torch.Tensor, align: int = 1,
@@ -228,7 +229,7 @@ def transpose_group_columns(codes: torch.Tensor, offsets: torch.Tensor, align: i
     data = _transposed_buffer(C, _aligned_width(M, G, align), codes.device, codes.dtype)
     columns_tiled.quantize_columns_t(codes, offsets, data_offsets, data, codes.dtype, False, None,
                                     align, dst_multiple=align, unit_scale=True)
-    return _finish(data, codes.dtype)
+    return finish(data, codes.dtype)
 
 
 def quantize_group_columns_t_pieces(pieces: list[torch.Tensor], fp8_dtype: torch.dtype,
@@ -267,7 +268,7 @@ def quantize_group_columns_t_pieces(pieces: list[torch.Tensor], fp8_dtype: torch
         inv = columns_tiled.quantize_columns_t(
             shifts.base, offsets, data_offsets, data, fp8_dtype, power_of_two, group_scale, align,
             width=width, dst_multiple=align, shifts=shifts, num_rows=rows)
-        return _finish(data, fp8_dtype), inv
+        return finish(data, fp8_dtype), inv
     group_sizes = torch.diff(offsets.to(torch.int32), prepend=offsets.new_zeros(1, dtype=torch.int32))
     padded_sizes = (group_sizes + (align - 1)) // align * align
     invs, start = [], 0
@@ -287,7 +288,7 @@ def quantize_group_columns_t_pieces(pieces: list[torch.Tensor], fp8_dtype: torch
         start += padded[g]
     if start < width:
         data[:, start:].zero_()
-    return _finish(data, fp8_dtype), torch.cat(invs)
+    return finish(data, fp8_dtype), torch.cat(invs)
 
 
 def _realign_columns(data: torch.Tensor, offsets: torch.Tensor, data_offsets: torch.Tensor,

@@ -10,7 +10,8 @@ each row's token and each expert's slot count, on the device, without a host syn
 import torch
 
 from .._triton import cdiv, kernel, next_power_of_2, sm_count, tl, triton, use_triton
-from .rows import _starts, scatter_pdl
+from ..ends import group_starts
+from .rows import scatter_pdl
 
 try:  # grid dependency control (programmatic dependent launch), Triton >= 3.4
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -56,7 +57,7 @@ def routing_map_reference(topk_indices: torch.Tensor, num_experts: int, multiple
     sorted_key, order = torch.sort(key, stable=True)
     experts = torch.arange(num_experts, device=device, dtype=torch.int64)
     ends = torch.searchsorted(sorted_key, experts, right=True)
-    starts = _starts(ends)
+    starts = group_starts(ends)
     counts = ends - starts
     m_splits = (counts + (multiple - 1)) // multiple * multiple
     p_ends = m_splits.cumsum(0)

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from grouped_linear.kernels.quantize import blocks as qb
-from grouped_linear.kernels.quantize import rows as q
+from grouped_linear.kernels.quantize import emulate as qe
 from tests.reference import codes_close
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -72,7 +72,7 @@ def test_row_tiles(fp8, pow2, shape, magnitude):
     M, C = shape
     assert inv.shape == (M, -(-C // 128))
     assert torch.all(inv[1] == 1) and torch.all(data[1].float() == 0)
-    emulated = q.fake_quant_column_tiles(t, fp8, pow2)
+    emulated = qe.fake_quant_column_tiles(t, fp8, pow2)
     assert _same(_row_tiles_dequant(*ref, 128), emulated)
     assert _dequant_same(_row_tiles_dequant(data, inv, 128), emulated, data, ref[0])
 
@@ -83,7 +83,7 @@ def test_row_tiles_strided_bf16_and_small_tile():
     ref = qb.quantize_row_tiles_reference(t, E4M3, True, tile=48)
     _check_pair((data, inv), ref, E4M3)
     assert inv.shape == (50, 7)
-    emulated = q.fake_quant_column_tiles(t, E4M3, True, tile=48)
+    emulated = qe.fake_quant_column_tiles(t, E4M3, True, tile=48)
     assert _same(_row_tiles_dequant(*ref, 48), emulated)
     assert _dequant_same(_row_tiles_dequant(data, inv, 48), emulated, data, ref[0])
 
@@ -110,7 +110,7 @@ def test_weight_blocks(fp8, pow2, shape, magnitude):
     assert inv.shape == (G, -(-N // 128), -(-K // 128))
     if K > 128:
         assert torch.all(inv[0, :, 1:] == 1)
-    emulated = q.fake_quant_weight_blocks(w, fp8, pow2)
+    emulated = qe.fake_quant_weight_blocks(w, fp8, pow2)
     assert _same(_weight_dequant(*ref), emulated)
     assert _dequant_same(_weight_dequant(data, inv), emulated, data, ref[0])
 
@@ -120,7 +120,7 @@ def test_weight_blocks_strided():
     data, inv = qb.quantize_weight_blocks(w, E4M3, False)
     ref = qb.quantize_weight_blocks_reference(w, E4M3, False)
     _check_pair((data, inv), ref, E4M3)
-    emulated = q.fake_quant_weight_blocks(w, E4M3, False)
+    emulated = qe.fake_quant_weight_blocks(w, E4M3, False)
     assert _same(_weight_dequant(*ref), emulated)
     assert _dequant_same(_weight_dequant(data, inv), emulated, data, ref[0])
 
@@ -156,7 +156,7 @@ def _check_token_blocks(t, sizes, fp8, pow2, tile=128):
     assert torch.equal(index, expected)
     assert torch.all(data[used:].float() == 0)
     assert torch.all(inv[len(blocks):] == 1)
-    emulated = q.fake_quant_row_tiles(t, _clamped_offsets(sizes, M).to(t.device), fp8, pow2, tile)
+    emulated = qe.fake_quant_row_tiles(t, _clamped_offsets(sizes, M).to(t.device), fp8, pow2, tile)
     emulated = emulated.cpu()[:used]
     assert _same(_token_dequant(*ref, index)[:used], emulated)
     assert _dequant_same(_token_dequant(data, inv, index)[:used], emulated, data[:used], ref[0][:used])

@@ -4,6 +4,7 @@ group, against their plain-PyTorch references."""
 import pytest
 import torch
 
+from grouped_linear.kernels.quantize import common as qc
 from grouped_linear.kernels.quantize import groups as qg
 from grouped_linear.kernels.quantize import rows as q
 from tests.reference import codes_close
@@ -41,7 +42,7 @@ def test_group_amax_scales_match_the_reference(sizes, tail, pow2, monkeypatch):
         block = t[start:start + size].double()
         amax.append(block.abs().max().item() if size else 0.0)
         start += size
-    exact = q.scale_from_amax(torch.tensor(amax, dtype=torch.float64), E4M3, pow2)
+    exact = qc.scale_from_amax(torch.tensor(amax, dtype=torch.float64), E4M3, pow2)
     torch.testing.assert_close(got.cpu(), exact, rtol=1e-6, atol=0)
     assert torch.all(got[torch.tensor(sizes, device=DEVICE) == 0] == 1)  # empty groups: 1
 

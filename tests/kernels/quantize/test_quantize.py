@@ -6,6 +6,8 @@ import torch
 from grouped_linear.kernels import bias as bias_kernels
 from grouped_linear.kernels.ends import aligned_offsets_reference
 from grouped_linear.kernels.quantize import columns_tiled as qct
+from grouped_linear.kernels.quantize import common as qc
+from grouped_linear.kernels.quantize import emulate as qe
 from grouped_linear.kernels.quantize import groups as qg
 from grouped_linear.kernels.quantize import rows as q
 from grouped_linear.kernels.quantize import transposed as qt
@@ -47,11 +49,11 @@ def test_rows_groups_group_columns(fp8, pow2):
     t = torch.randn(sum(SIZES) + 2, 6) * torch.logspace(-3, 3, 6)  # columns of mixed range
     offsets = torch.tensor(SIZES).cumsum(0).to(torch.int32)
     b = _bounds()
-    got_rows = q.fake_quant_rows(t, fp8, pow2)
+    got_rows = qe.fake_quant_rows(t, fp8, pow2)
     for i in range(t.shape[0]):
         assert _same(got_rows[i], _unit(t[i], fp8, pow2))
-    got_groups = q.fake_quant_groups(t, offsets, fp8, pow2)
-    got_cols = q.fake_quant_group_columns(t, offsets, fp8, pow2)
+    got_groups = qe.fake_quant_groups(t, offsets, fp8, pow2)
+    got_cols = qe.fake_quant_group_columns(t, offsets, fp8, pow2)
     for g in range(len(SIZES)):
         assert _same(got_groups[b[g]:b[g + 1]], _unit(t[b[g]:b[g + 1]], fp8, pow2))
         for c in range(t.shape[1]):
@@ -61,7 +63,7 @@ def test_rows_groups_group_columns(fp8, pow2):
 @pytest.mark.parametrize("dim", [2, 1, None])
 def test_weight_units(dim):
     w = torch.randn(3, 4, 5) * 100
-    got = q.fake_quant_weight(w, dim, E4M3, False)
+    got = qe.fake_quant_weight(w, dim, E4M3, False)
     for g in range(3):
         if dim is None:  # one scale per group
             assert _same(got[g], _unit(w[g], E4M3, False))
@@ -77,10 +79,10 @@ def test_zeros_and_extremes_stay_finite():
     t = torch.zeros(4, 3)
     t[1] = 3e38
     t[2, 0] = 1e-40  # subnormal in float32
-    out = q.fake_quant_rows(t, E4M3, False)
+    out = qe.fake_quant_rows(t, E4M3, False)
     assert torch.isfinite(out).all() and torch.all(out[0] == 0)
     assert torch.allclose(out[1], t[1], rtol=0.07)
-    assert torch.isfinite(q.scale_from_amax(torch.tensor([0.0, 1e-45, 1e38]), E4M3, True)).all()
+    assert torch.isfinite(qc.scale_from_amax(torch.tensor([0.0, 1e-45, 1e38]), E4M3, True)).all()
 
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -164,12 +166,12 @@ def test_tiled_columns_with_groups_over_many_tiles(tiled_config, sub_tiles, alig
 
 def test_block_tiles_against_loops():
     t = torch.randn(5, 300) * torch.logspace(-3, 3, 300)
-    got = q.fake_quant_column_tiles(t, E4M3, False)
+    got = qe.fake_quant_column_tiles(t, E4M3, False)
     for r in range(5):
         for c0 in range(0, 300, 128):
             assert _same(got[r, c0:c0 + 128], _unit(t[r, c0:c0 + 128], E4M3, False))
     w = torch.randn(2, 200, 130) * 50
-    got_w = q.fake_quant_weight_blocks(w, E4M3, False)
+    got_w = qe.fake_quant_weight_blocks(w, E4M3, False)
     for g in range(2):
         for n0 in range(0, 200, 128):
             for k0 in range(0, 130, 128):
@@ -177,7 +179,7 @@ def test_block_tiles_against_loops():
                 assert _same(got_w[g, n0:n0 + 128, k0:k0 + 128], _unit(block, E4M3, False))
     sizes = [300, 0, 5]
     rows = torch.randn(sum(sizes) + 4, 3) * 10
-    got_r = q.fake_quant_row_tiles(rows, torch.tensor(sizes).cumsum(0), E4M3, False)
+    got_r = qe.fake_quant_row_tiles(rows, torch.tensor(sizes).cumsum(0), E4M3, False)
     for start, end in ((0, 128), (128, 256), (256, 300), (300, 305)):  # never across groups
         for c in range(3):
             assert _same(got_r[start:end, c], _unit(rows[start:end, c], E4M3, False))
@@ -192,7 +194,7 @@ def test_given_scales_replace_the_amax(pow2, method, monkeypatch):
     t = (torch.randn(M, C) * 30).to(DEVICE)
     offsets = torch.tensor(sizes, device=DEVICE).cumsum(0).to(torch.int32)
     group_scale = qg.group_amax_scales(t, offsets, E4M3, pow2)
-    want = q.scale_from_amax(torch.stack([t[0:5].abs().max(), t.new_tensor(0.0),
+    want = qc.scale_from_amax(torch.stack([t[0:5].abs().max(), t.new_tensor(0.0),
                                           t[5:14].abs().max()]), E4M3, pow2)
     assert torch.allclose(group_scale, want.to(DEVICE), rtol=1e-6)
     row_scale = torch.rand(M, device=DEVICE) * 4 + 0.5
@@ -384,6 +386,6 @@ def test_transposing_fp8_codes_keeps_them_and_the_aligned_layout(align):
 
 def test_unit_factors_are_ones_of_the_shape():
     for shape in ((3, 5), (7,), (2, 4096)):
-        factors = q.unit_factors(shape, torch.device(DEVICE))
+        factors = qc.unit_factors(shape, torch.device(DEVICE))
         assert factors.shape == shape and factors.dtype == torch.float32
         assert torch.all(factors == 1)

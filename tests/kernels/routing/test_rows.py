@@ -6,6 +6,7 @@ import torch
 from grouped_linear.kernels._triton import HAS_TRITON, use_triton
 from grouped_linear.kernels.routing import routing_map as routing
 from grouped_linear.kernels.routing import rows as layout
+from grouped_linear.kernels.routing.relayout import relayout, relayout_reference
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
@@ -25,8 +26,8 @@ def _ends(sizes):
 def test_relayout_matches_reference(src_sizes, dst_sizes, dst_rows, dtype):
     src = torch.randn(max(sum(src_sizes), 1), 300, device=DEVICE).to(dtype)
     assert use_triton(src)
-    got = layout.relayout(src, _ends(src_sizes), _ends(dst_sizes), dst_rows)
-    want = layout.relayout_reference(src, _ends(src_sizes), _ends(dst_sizes), dst_rows)
+    got = relayout(src, _ends(src_sizes), _ends(dst_sizes), dst_rows)
+    want = relayout_reference(src, _ends(src_sizes), _ends(dst_sizes), dst_rows)
     assert got.shape == (dst_rows, 300) and torch.equal(got, want)
     # spot-check the pairing itself: group 0's first row lands on destination row 0
     if src_sizes[0] and dst_sizes[0]:
