@@ -59,7 +59,7 @@ def _grouped_mm(a, a_inv, w_data, w_inv, sizes, out_dtype):
     if USE_GLUON and gluon_gemm.supported(a, w_data):
         return gluon_gemm.grouped_mm(a, a_inv, w_data, w_inv, sizes, out_dtype=out_dtype)
     return fg.grouped_mm(a, a_inv, w_data, w_inv, sizes, transpose_weight=True,
-                         scaling="blockwise", out_dtype=out_dtype)
+                         out_dtype=out_dtype)
 
 
 def _wgrad(dy_t, dy_inv, x_t, x_inv, sizes, num_rows, out_dtype):

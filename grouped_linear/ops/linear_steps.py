@@ -41,7 +41,7 @@ def forward_impl(
     if backend == "triton":
         return triton_gemm.forward(x, weight, bias, offsets)
     if backend == "grouped" and gluon_gemm.supported(x, weight):  # bias in the epilogue
-        return gluon_gemm.grouped_mm(x, weight, offsets, bias, ends=True)
+        return gluon_gemm.grouped_mm(x, weight, offsets, bias)
     out = grouped_gemm.forward(x, weight, offsets, host_offsets, backend)
     return bias_kernels.bias_epilogue_(out, bias, offsets, zero_tail)
 
@@ -57,8 +57,7 @@ def dgrad_impl(
     if backend == "triton":
         return triton_gemm.dgrad(grad_out, weight, offsets)
     if backend == "grouped" and gluon_gemm.supported(grad_out, weight, transposed_weight=True):
-        return gluon_gemm.grouped_mm(grad_out, weight, offsets, transposed_weight=True,
-                                     ends=True)
+        return gluon_gemm.grouped_mm(grad_out, weight, offsets, transposed_weight=True)
     grad_x = grouped_gemm.dgrad(grad_out, weight, offsets, host_offsets, backend)
     return bias_kernels.zero_tail_(grad_x, offsets) if zero_tail else grad_x
 

@@ -1,15 +1,13 @@
-"""FP8 grouped GEMMs in Triton: rowwise or 128-block scales, any group size.
+"""FP8 grouped GEMMs in Triton: 128-block scales, any group size.
 
 Operands are FP8 data with float32 dequantization factors (``1 / scale``):
 
 * :func:`grouped_mm` (forward and dgrad): ``out[rows of g] = A[rows of g] @ B_g`` with
   ``A`` ``(M, R)`` and ``B_g`` ``(R, W)`` read through strides (the ``(G, N, K)`` weight
-  serves as ``B_g = W_g^T`` in forward and as ``W_g`` in dgrad). Scales:
-
-  - ``"rowwise"``: ``a_inv`` ``(M,)``, ``b_inv`` ``(G, W)``: applied once, in the epilogue;
-  - ``"blockwise"``: ``a_inv`` ``(M, R/128)`` (1x128 tiles of ``A``), ``b_inv`` one factor
-    per 128x128 block of the weight, addressed through strides: each 128-deep step's
-    partial product is rescaled before it is accumulated (fp32).
+  serves as ``B_g = W_g^T`` in forward and as ``W_g`` in dgrad). ``a_inv`` ``(M, R/128)``
+  (1x128 tiles of ``A``), ``b_inv`` one factor per 128x128 block of the weight, addressed
+  through strides: each 128-deep step's partial product is rescaled before it is
+  accumulated (fp32).
 
   Persistent over the (group, row tile, column tile) list, so skewed and empty groups
   cost nothing; rows past the last group are written as zeros.
@@ -75,15 +73,15 @@ def _load_k_tile(base, offsets, mask, k_mask, EVEN_K: tl.constexpr):
 @triton.jit
 def _fp8_grouped_mm_kernel(a_ptr, a_inv_ptr, b_ptr, b_inv_ptr, out_ptr, sizes_ptr, M, W, R, G,
                            stride_am, stride_ai, stride_bg, stride_br, stride_bw, stride_big,
-                           stride_bir, stride_biw, stride_om, BLOCKWISE: tl.constexpr,
-                           UPCAST: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr,
-                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_G: tl.constexpr,
+                           stride_bir, stride_biw, stride_om, UPCAST: tl.constexpr,
+                           EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                           BLOCK_K: tl.constexpr, BLOCK_G: tl.constexpr,
                            NUM_PROGRAMS: tl.constexpr, SCALE_BLOCK: tl.constexpr):
     gs, starts, ends, tile_begin, tile_end, total = tile_list(sizes_ptr, G, M, W, BLOCK_M,
-                                                               BLOCK_N, BLOCK_G)
+                                                              BLOCK_N, BLOCK_G)
     for tile in range(tl.program_id(0), total, NUM_PROGRAMS):
         g, end, row0, col_tile = tile_origin(tile, gs, starts, ends, tile_begin, tile_end, W,
-                                              BLOCK_M, BLOCK_N)
+                                             BLOCK_M, BLOCK_N)
         col0 = col_tile * BLOCK_N
         # int64 scalar bases, int32 offsets inside the tile: 64-bit pointer tensors live
         # across the K loop would not fit in registers (ptxas spills; see NOTES.md).
@@ -98,33 +96,22 @@ def _fp8_grouped_mm_kernel(a_ptr, a_inv_ptr, b_ptr, b_inv_ptr, out_ptr, sizes_pt
         if g < G:
             a_base = a_ptr + row0.to(tl.int64) * stride_am
             b_base = b_ptr + g.to(tl.int64) * stride_bg + col0.to(tl.int64) * stride_bw
-            if BLOCKWISE:  # BLOCK_N == SCALE_BLOCK == the weight block; BLOCK_K divides it
-                for kb in range(0, tl.cdiv(R, SCALE_BLOCK)):
-                    # the block's partial product in float32, rescaled once per block
-                    step = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-                    for j in tl.static_range(0, SCALE_BLOCK, BLOCK_K):
-                        k0 = kb * SCALE_BLOCK + j
-                        a = _load_k_tile(a_base + k0, a_offsets, row_mask[:, None],
-                                         (k0 + ks < R)[None, :], EVEN_K)
-                        b = _load_k_tile(b_base + k0 * stride_br, b_offsets, col_mask[None, :],
-                                         (k0 + ks < R)[:, None], EVEN_K)
-                        step = _dot(a, b, step, UPCAST)
-                    a_scale = tl.load(a_inv_ptr + (row0 + rows).to(tl.int64) * stride_ai + kb,
-                                      mask=row_mask, other=0.0)
-                    b_scale = tl.load(b_inv_ptr + g.to(tl.int64) * stride_big + kb * stride_bir
-                                      + col_tile * stride_biw)
-                    acc += step * (a_scale[:, None] * b_scale)
-            else:
-                for k0 in range(0, R, BLOCK_K):
+            # BLOCK_N == SCALE_BLOCK == the weight block; BLOCK_K divides it
+            for kb in range(0, tl.cdiv(R, SCALE_BLOCK)):
+                # the block's partial product in float32, rescaled once per block
+                step = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+                for j in tl.static_range(0, SCALE_BLOCK, BLOCK_K):
+                    k0 = kb * SCALE_BLOCK + j
                     a = _load_k_tile(a_base + k0, a_offsets, row_mask[:, None],
                                      (k0 + ks < R)[None, :], EVEN_K)
                     b = _load_k_tile(b_base + k0 * stride_br, b_offsets, col_mask[None, :],
                                      (k0 + ks < R)[:, None], EVEN_K)
-                    acc = _dot(a, b, acc, UPCAST)
-                a_scale = tl.load(a_inv_ptr + row0.to(tl.int64) + rows, mask=row_mask, other=0.0)
-                b_scale = tl.load(b_inv_ptr + g.to(tl.int64) * stride_big + (col0 + cols) * stride_biw,
-                                  mask=col_mask, other=0.0)
-                acc = acc * a_scale[:, None] * b_scale[None, :]
+                    step = _dot(a, b, step, UPCAST)
+                a_scale = tl.load(a_inv_ptr + (row0 + rows).to(tl.int64) * stride_ai + kb,
+                                  mask=row_mask, other=0.0)
+                b_scale = tl.load(b_inv_ptr + g.to(tl.int64) * stride_big + kb * stride_bir
+                                  + col_tile * stride_biw)
+                acc += step * (a_scale[:, None] * b_scale)
         out = out_ptr + (row0.to(tl.int64) * stride_om + col0) + (rows[:, None] * stride_om + cols[None, :])
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
 
@@ -199,21 +186,17 @@ def _operand(t: torch.Tensor) -> torch.Tensor:
 
 
 def grouped_mm(a: torch.Tensor, a_inv: torch.Tensor, weight: torch.Tensor, w_inv: torch.Tensor,
-               sizes: torch.Tensor, *, transpose_weight: bool, scaling: str,
+               sizes: torch.Tensor, *, transpose_weight: bool,
                out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """FP8 ``A`` ``(M, R)`` times each group's weight, ``(M, W)`` in ``out_dtype``.
 
     Args:
-        a, a_inv: FP8 ``(M, R)``; factors ``(M,)`` (rowwise) or ``(M, cdiv(R, 128))``.
-        weight, w_inv: FP8 ``(G, N, K)``; factors ``(G, N)`` / ``(G, K)`` (rowwise: the
-            output channels of this GEMM) or ``(G, cdiv(N, 128), cdiv(K, 128))``.
+        a, a_inv: FP8 ``(M, R)``; factors ``(M, cdiv(R, 128))``.
+        weight, w_inv: FP8 ``(G, N, K)``; factors ``(G, cdiv(N, 128), cdiv(K, 128))``.
         sizes: ``(G,)`` group sizes on the device (clamped in the kernel).
         transpose_weight: ``True`` for forward (``B_g = W_g^T``, ``R = K``, ``W = N``),
             ``False`` for dgrad (``B_g = W_g``, ``R = N``, ``W = K``).
-        scaling: ``"rowwise"`` or ``"blockwise"``.
     """
-    if scaling not in ("rowwise", "blockwise"):
-        raise ValueError(f"scaling={scaling!r} is not 'rowwise' or 'blockwise'")
     M, R = a.shape
     G = weight.shape[0]
     width = weight.shape[1] if transpose_weight else weight.shape[2]
@@ -223,21 +206,18 @@ def grouped_mm(a: torch.Tensor, a_inv: torch.Tensor, weight: torch.Tensor, w_inv
     a, weight = _operand(a), _operand(weight)
     if transpose_weight:  # B_g[r, w] = W_g[w, r]
         b_strides = (weight.stride(0), weight.stride(2), weight.stride(1))
-        s_strides = (w_inv.stride(0), w_inv.stride(2), w_inv.stride(1)) if scaling == "blockwise" \
-            else (w_inv.stride(0), 0, w_inv.stride(1))
+        s_strides = (w_inv.stride(0), w_inv.stride(2), w_inv.stride(1))
     else:  # B_g[r, w] = W_g[r, w]
         b_strides = (weight.stride(0), weight.stride(1), weight.stride(2))
-        s_strides = (w_inv.stride(0), w_inv.stride(1), w_inv.stride(2)) if scaling == "blockwise" \
-            else (w_inv.stride(0), 0, w_inv.stride(1))
+        s_strides = (w_inv.stride(0), w_inv.stride(1), w_inv.stride(2))
     block_m, warps, stages = (64, 4, 1) if a.device.type == "cpu" else MM_CONFIG
     upper_tiles = (cdiv(M, block_m) + G + 1) * cdiv(width, BLOCK)
     programs = max(1, min(sm_count(a.device), upper_tiles))
     a_inv = a_inv.contiguous()
     _fp8_grouped_mm_kernel[(programs,)](
         a, a_inv, weight, w_inv, out, sizes, M, width, R, G,
-        a.stride(0), a_inv.stride(0) if a_inv.dim() == 2 else 1, *b_strides, *s_strides,
-        out.stride(0), BLOCKWISE=scaling == "blockwise", UPCAST=a.device.type == "cpu",
-        EVEN_K=R % (BLOCK if scaling == "blockwise" else MM_BLOCK_K) == 0,
+        a.stride(0), a_inv.stride(0), *b_strides, *s_strides, out.stride(0),
+        UPCAST=a.device.type == "cpu", EVEN_K=R % BLOCK == 0,
         BLOCK_M=block_m, BLOCK_N=BLOCK, BLOCK_K=MM_BLOCK_K, BLOCK_G=next_power_of_2(G + 1),
         NUM_PROGRAMS=programs, SCALE_BLOCK=BLOCK, num_warps=warps, num_stages=stages,
     )
@@ -249,15 +229,12 @@ def _spread(inv: torch.Tensor, dim: int, size: int) -> torch.Tensor:
     return inv.repeat_interleave(BLOCK, dim=dim).narrow(dim, 0, size)
 
 
-def grouped_mm_reference(a, a_inv, weight, w_inv, sizes, *, transpose_weight: bool, scaling: str,
+def grouped_mm_reference(a, a_inv, weight, w_inv, sizes, *, transpose_weight: bool,
                          out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    if scaling == "blockwise":
-        a_f = a.float() * _spread(a_inv, 1, a.shape[1])
-        w_factors = _spread(_spread(w_inv, 1, weight.shape[1]), 2, weight.shape[2])
-        w_f = weight.float() * w_factors
-    else:
-        a_f = a.float() * a_inv[:, None]
-        w_f = weight.float() * (w_inv[:, :, None] if transpose_weight else w_inv[:, None, :])
+    """:func:`grouped_mm` in plain PyTorch: a float32 matmul of the dequantized operands."""
+    a_f = a.float() * _spread(a_inv, 1, a.shape[1])
+    w_factors = _spread(_spread(w_inv, 1, weight.shape[1]), 2, weight.shape[2])
+    w_f = weight.float() * w_factors
     ends = sizes.to(torch.int64).clamp(min=0).cumsum(0).clamp(max=a.shape[0]).tolist()
     width = weight.shape[1] if transpose_weight else weight.shape[2]
     out = a_f.new_zeros(a.shape[0], width)

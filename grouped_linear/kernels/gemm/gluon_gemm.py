@@ -96,9 +96,9 @@ def _store_rows(out_ptr, values, rows, cols, row0, rows_left, col0, col_mask, st
              mask=mask)
 
 @gluon.jit
-def _mm_kernel(a_desc, b_desc, out_desc, bias_ptr, out_ptr, sizes_ptr, M, W, R, G,
+def _mm_kernel(a_desc, b_desc, out_desc, bias_ptr, out_ptr, ends_ptr, M, W, R, G,
                stride_bias, stride_om, HAS_BIAS: gl.constexpr, TRANSPOSED: gl.constexpr,
-               ENDS: gl.constexpr, TMA_STORE: gl.constexpr, GROUP_M: gl.constexpr,
+               TMA_STORE: gl.constexpr, GROUP_M: gl.constexpr,
                BLOCK_G: gl.constexpr, NUM_PROGRAMS: gl.constexpr, STAGES: gl.constexpr,
                num_warps: gl.constexpr):
     BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
@@ -113,7 +113,7 @@ def _mm_kernel(a_desc, b_desc, out_desc, bias_ptr, out_ptr, sizes_ptr, M, W, R, 
         out_tile = gl.allocate_shared_memory(out_desc.dtype, out_desc.block_type.shape,
                                              out_desc.layout)
     gs, starts, ends, tile_begin, tile_end, total = tile_list(
-        sizes_ptr, G, M, W, BLOCK_M, BLOCK_N, BLOCK_G, table_layout, ENDS)
+        ends_ptr, G, M, W, BLOCK_M, BLOCK_N, BLOCK_G, table_layout, True)
     n_tiles = gl.cdiv(W, BLOCK_N)
     k_blocks = gl.cdiv(R, BLOCK_K)
     pid, my_tiles = program_tiles(total, NUM_PROGRAMS)
@@ -212,18 +212,16 @@ def supported(a: torch.Tensor, weight: torch.Tensor, transposed_weight: bool = F
             and max(a.shape[0], weight.shape[0] * rows_per_group) < 2**31 - 512)
 
 
-def grouped_mm(a: torch.Tensor, weight: torch.Tensor, sizes: torch.Tensor,
+def grouped_mm(a: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor,
                bias: torch.Tensor | None = None, *, transposed_weight: bool = False,
-               ends: bool = False,
                config: MMConfig = MM_CONFIG) -> torch.Tensor:
     """``a`` ``(M, R)`` times each group's weight: ``(M, W)`` in ``a``'s dtype.
 
     ``weight`` ``(G, N, K)``: forward ``R = K``, ``W = N`` (``a @ weight[g]^T``, plus
     ``bias`` ``(G, N)`` if given); with ``transposed_weight`` ``R = N``, ``W = K``
-    (``a @ weight[g]``, the dgrad). ``sizes``: ``(G,)`` rows per group on the device
-    (clamped in the kernel; rows past their sum come out zero), or with ``ends`` the
-    non-decreasing cumulative group ends. Needs :func:`supported` operands; ``config``:
-    the launch shape.
+    (``a @ weight[g]``, the dgrad). ``ends``: ``(G,)`` non-decreasing cumulative group ends
+    on the device (clamped to ``[0, M]`` in the kernel; rows past the last end come out
+    zero). Needs :func:`supported` operands; ``config``: the launch shape.
     """
     M, R = a.shape
     G = weight.shape[0]
@@ -249,21 +247,20 @@ def grouped_mm(a: torch.Tensor, weight: torch.Tensor, sizes: torch.Tensor,
     if has_bias and bias.stride(-1) != 1:
         bias = bias.contiguous()
     _mm_kernel[(programs,)](
-        a_desc, b_desc, out_desc, bias if has_bias else out, out, sizes, M, width, R, G,
+        a_desc, b_desc, out_desc, bias if has_bias else out, out, ends, M, width, R, G,
         bias.stride(0) if has_bias else 0, out.stride(0),
-        HAS_BIAS=has_bias, TRANSPOSED=transposed_weight, ENDS=ends, TMA_STORE=tma_store,
+        HAS_BIAS=has_bias, TRANSPOSED=transposed_weight, TMA_STORE=tma_store,
         GROUP_M=config.group_m, BLOCK_G=max(32, next_power_of_2(G + 1)),
         NUM_PROGRAMS=programs, STAGES=config.stages, num_warps=config.warps)
     return out
 
 
-def grouped_mm_reference(a: torch.Tensor, weight: torch.Tensor, sizes: torch.Tensor,
+def grouped_mm_reference(a: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor,
                          bias: torch.Tensor | None = None, *,
-                         transposed_weight: bool = False, ends: bool = False) -> torch.Tensor:
+                         transposed_weight: bool = False) -> torch.Tensor:
     """:func:`grouped_mm` in plain PyTorch: a per-group matmul in float32 (float64 for
     float64 input), rows past the groups zero."""
-    if ends:
-        sizes = torch.diff(sizes.to(torch.int64), prepend=sizes.new_zeros(1, dtype=torch.int64))
+    sizes = torch.diff(ends.to(torch.int64), prepend=ends.new_zeros(1, dtype=torch.int64))
     acc_dtype = torch.float64 if a.dtype == torch.float64 else torch.float32
     width = weight.shape[2] if transposed_weight else weight.shape[1]
     out = torch.zeros(a.shape[0], width, device=a.device, dtype=acc_dtype)

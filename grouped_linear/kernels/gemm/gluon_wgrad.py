@@ -72,7 +72,6 @@ class WgradConfig(NamedTuple):
 # with one N tile's K tiles in a row.
 WGRAD_CONFIG = WgradConfig(128, 256, 64, 8, 3, band_n=8)
 BIAS_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-ONES = 8  # columns of the ones tile: the narrowest MMA
 
 
 @gluon.jit

@@ -220,16 +220,12 @@ def _launch(kernel, grid, args, meta, plan_key: tuple | None) -> None:
         _keep_plan(plan_key, kernel.launch_planned(grid, args, meta))
 
 
-def _launch_mm(a, b_tensor, b_strides, bias, sizes, out, reduction, plan_key=None):
-    rows_a, rows_bias = _rows_contiguous(a), _rows_contiguous(bias)
-    if rows_a is not a or rows_bias is not bias:
-        plan_key = None  # the plan would stand for the copies' strides, not the inputs'
-    a, bias = rows_a, rows_bias
+def _mm_launch(a, b_tensor, b_strides, bias, sizes, out, reduction):
+    """``(grid, args, meta)`` of :func:`_grouped_mm_kernel` writing ``out`` (rows of ``a``
+    and ``bias`` with unit column stride, an output with rows and columns)."""
     M, width = out.shape
     G = sizes.shape[0]
     block_m, block_n, block_k = 64, 128, 64
-    if M == 0 or width == 0:
-        return out
     upper_tiles = (cdiv(M, block_m) + G + 1) * cdiv(width, block_n)
     programs = max(1, min(sm_count(a.device), upper_tiles))
     stride_bg, stride_bk, stride_bn = b_strides
@@ -239,7 +235,18 @@ def _launch_mm(a, b_tensor, b_strides, bias, sizes, out, reduction, plan_key=Non
     meta = dict(HAS_BIAS=bias is not None, PRECISION=_precision(a.dtype), UPCAST=_upcast(a),
                 BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_G=_block_g(G),
                 NUM_PROGRAMS=programs, num_warps=4, num_stages=3)
-    _launch(_grouped_mm_kernel, (programs,), args, meta, plan_key)
+    return (programs,), args, meta
+
+
+def _launch_mm(a, b_tensor, b_strides, bias, sizes, out, reduction, plan_key=None):
+    rows_a, rows_bias = _rows_contiguous(a), _rows_contiguous(bias)
+    if rows_a is not a or rows_bias is not bias:
+        plan_key = None  # the plan would stand for the copies' strides, not the inputs'
+    a, bias = rows_a, rows_bias
+    if out.shape[0] == 0 or out.shape[1] == 0:
+        return out
+    grid, args, meta = _mm_launch(a, b_tensor, b_strides, bias, sizes, out, reduction)
+    _launch(_grouped_mm_kernel, grid, args, meta, plan_key)
     return out
 
 

@@ -10,9 +10,12 @@ shared memory by TMA and both reductions read it from there in 32-wide slices, s
 program holds little in registers: 4 bytes moved per element.
 
 :func:`quantize_row_tiles_and_token_blocks` takes the operands :func:`supported` accepts
-and returns what :func:`two_passes` (its reference: the two passes of
-:mod:`grouped_linear.kernels.quantize.blocks`) returns, bit for bit for finite inputs (a NaN
-stays NaN here; the reference's clamp turns it into the format's largest negative value).
+and returns what the two passes of :mod:`grouped_linear.kernels.quantize.blocks` return
+(:func:`~grouped_linear.kernels.quantize.blocks.quantize_row_tiles` of ``t`` with the rows
+past the last group zeroed, and
+:func:`~grouped_linear.kernels.quantize.blocks.quantize_token_blocks` in the token-block
+layout), bit for bit for finite inputs (a NaN stays NaN here; the passes' clamp turns it
+into the format's largest negative value).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from .._gluon import HAS_GLUON, TensorDescriptor, gl, gluon, is_sm90, mbarrier, 
 from .._triton import cdiv, next_power_of_2
 from . import blocks as qb
 
-__all__ = ["supported", "quantize_row_tiles_and_token_blocks", "two_passes", "TILE", "SLICE",
+__all__ = ["supported", "quantize_row_tiles_and_token_blocks", "TILE", "SLICE",
            "WARPS"]
 
 TILE = 128  # the recipe's block: rows of a token block, columns of a row tile
@@ -155,20 +158,6 @@ def _quantize_both_kernel(t_desc, sizes_ptr, rq_ptr, rinv_ptr, q_ptr, inv_ptr, M
                       POW2, SLICE_, False, num_warps)
 
 
-def two_passes(t: torch.Tensor, sizes: torch.Tensor, fp8_dtype: torch.dtype,
-               power_of_two: bool) -> tuple:
-    """``((row_data, row_inv), (block_data, block_inv))``: :func:`~grouped_linear.kernels.
-    quantize_blocks.quantize_row_tiles` of ``t`` with the rows past the last group zeroed,
-    and :func:`~grouped_linear.kernels.quantize.blocks.quantize_token_blocks` of ``t`` in the
-    token-block layout (``transpose=True``). Any device, dtype and strides."""
-    M = t.shape[0]
-    used = sizes.to(device=t.device, dtype=torch.int64).clamp(min=0).sum().clamp(max=M)
-    in_groups = (torch.arange(M, device=t.device) < used)[:, None]
-    # ``where``, not a product with a 0/1 mask: the zeroed rows stay +0, not -0.
-    return (qb.quantize_row_tiles(torch.where(in_groups, t, 0), fp8_dtype, power_of_two, TILE),
-            qb.quantize_token_blocks(t, sizes, fp8_dtype, power_of_two, TILE, transpose=True))
-
-
 def supported(t: torch.Tensor) -> bool:
     """Whether :func:`quantize_row_tiles_and_token_blocks` takes ``t``: a contiguous bf16
     ``(M, C)`` on an sm90 GPU with rows TMA can address (``C`` a multiple of 8)."""
@@ -184,8 +173,9 @@ def _tile_layout():
 
 def quantize_row_tiles_and_token_blocks(t: torch.Tensor, sizes: torch.Tensor,
                                         fp8_dtype: torch.dtype, power_of_two: bool):
-    """:func:`two_passes` of a :func:`supported` ``t`` from one read of it (``sizes``:
-    ``(G,)`` integers on ``t``'s device, never read on the host)."""
+    """``((row_data, row_inv), (block_data, block_inv))``: the two block layouts of a
+    :func:`supported` ``t`` (see above) from one read of it (``sizes``: ``(G,)`` integers on
+    ``t``'s device, never read on the host)."""
     M, C = t.shape
     G = sizes.shape[0]
     blocks = qb.num_token_blocks(M, G, TILE)

@@ -73,13 +73,14 @@ def _scales_kernel(amax_ptr, scale_ptr, inv_ptr, n, width, FP8_MAX: tl.constexpr
 
 def _scales_from_rows(t: torch.Tensor, ends: torch.Tensor | None, num_groups: int,
                       group_rows: int, fp8_dtype: torch.dtype, power_of_two: bool,
-                      inv_width: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+                      inv_width: int, config: tuple[int, int, int]
+                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The kernels' path: ``(G,)`` scales of the row groups of ``t`` (by ``ends`` or every
     ``group_rows`` rows), and the ``(G, inv_width)`` spread factors when ``inv_width``."""
     R, C = t.shape
     device = t.device
     amax = torch.zeros(num_groups, device=device, dtype=torch.float32)
-    block_r, max_block_c, warps = AMAX_CONFIG
+    block_r, max_block_c, warps = config
     block_c = min(max_block_c, next_power_of_2(max(C, 16)))
     _group_amax_kernel[(cdiv(R, block_r),)](
         t, ends if ends is not None else amax, amax, R, C, num_groups, t.stride(0),
@@ -114,13 +115,15 @@ def group_amax_scales_reference(t: torch.Tensor, offsets: torch.Tensor, fp8_dtyp
 
 
 def group_amax_scales(t: torch.Tensor, offsets: torch.Tensor, fp8_dtype: torch.dtype,
-                      power_of_two: bool) -> torch.Tensor:
+                      power_of_two: bool, *,
+                      config: tuple[int, int, int] = AMAX_CONFIG) -> torch.Tensor:
     """``(G,)`` float32 tensorwise scales of the row groups of ``(M, C)`` ending at
-    ``offsets`` ``(G,)`` (rows past the last end belong to none); empty groups get 1."""
+    ``offsets`` ``(G,)`` (rows past the last end belong to none); empty groups get 1.
+    ``config``: the launch shape of the amax pass."""
     G = offsets.shape[0]
     if not _kernels_ok(t, G):
         return group_amax_scales_reference(t, offsets, fp8_dtype, power_of_two)
-    return _scales_from_rows(t, offsets, G, 0, fp8_dtype, power_of_two, 0)[0]
+    return _scales_from_rows(t, offsets, G, 0, fp8_dtype, power_of_two, 0, config)[0]
 
 
 def weight_group_scales_reference(weight: torch.Tensor, fp8_dtype: torch.dtype,
@@ -134,13 +137,15 @@ def weight_group_scales_reference(weight: torch.Tensor, fp8_dtype: torch.dtype,
 
 
 def weight_group_scales(weight: torch.Tensor, fp8_dtype: torch.dtype, power_of_two: bool,
-                        inv_width: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
+                        inv_width: int = 0, *, config: tuple[int, int, int] = AMAX_CONFIG
+                        ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(G,)`` float32 tensorwise scales of ``(G, N, K)`` expert weights, and with
-    ``inv_width`` their factors ``1 / scale`` spread over ``(G, inv_width)`` (else ``None``)."""
+    ``inv_width`` their factors ``1 / scale`` spread over ``(G, inv_width)`` (else ``None``).
+    ``config``: the launch shape of the amax pass."""
     G, N, K = weight.shape
     rows = weight.reshape(G * N, K) if weight.is_contiguous() else None
     if rows is None or not _kernels_ok(rows, G):
         scale = weight_group_scales_reference(weight, fp8_dtype, power_of_two)
         inv = (1.0 / scale)[:, None].expand(G, inv_width).contiguous() if inv_width else None
         return scale, inv
-    return _scales_from_rows(rows, None, G, N, fp8_dtype, power_of_two, inv_width)
+    return _scales_from_rows(rows, None, G, N, fp8_dtype, power_of_two, inv_width, config)

@@ -22,23 +22,13 @@ __all__ = ["gather_rows", "gather_rows_reference",
 # Launch shapes (rows per program, columns per program, warps) of scatter_rows (permute forward)
 # and combine_rows (unpermute forward, permute backward); the layouts bench times them.
 SCATTER_CONFIG = (16, 256, 4)
+COMBINE_CONFIG = (2, 2048, 4)
 # Destination rows per program of the scatter's zero-fill part (it reads their slot entries,
 # then writes zeros across all columns only where a row holds no slot).
 ZERO_ROWS = 32
 # Programs per SM that share out the scatter's zero rows when the group sizes locate them
 # (permute): the first ones launched, so the zeros are written while the copies run.
 GAP_PROGRAMS_PER_SM = 4
-# Cache hints of the scatter's row stores and source loads ("" = Triton's defaults). H200,
-# permute forward / unpermute backward at 4096 x 65536 and 7168 x 131072 rows: streaming
-# stores (".cs") ~1 % faster than the default in two sweeps; "evict_first" loads alone level,
-# both together 3 % slower; write-through stores level.
-SCATTER_STORE_CACHE = ".cs"
-SCATTER_LOAD_EVICTION = ""
-# Programmatic dependent launch of the scatter (Hopper on): its programs may start while the
-# kernel before it (the routing map, the inverse slot map) finishes, read their source rows,
-# and wait (``griddepcontrol.wait``) before they read what that kernel wrote.
-SCATTER_PDL = True
-COMBINE_CONFIG = (2, 2048, 4)
 # Launch shape (tokens per program, columns per step, warps) of slot_dots (the gradient of
 # unpermute's weights). H200 sweep at hidden 4096 (65536 / 131072 slots): (8, 256, 4) 0.91 /
 # 0.96 of copy, (1, 1024, 4) 0.90 / 0.96, the first guess (4, 1024, 4) 0.79 / 0.90.
@@ -143,8 +133,7 @@ def gather_rows(src: torch.Tensor, index: torch.Tensor,
 
 @triton.jit
 def _zero_gaps(dst_ptr, splits_ptr, counts_ptr, E, N, H, stride_dst, first_unit, stride_unit,
-               ROWS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_E: tl.constexpr,
-               STORE_CACHE: tl.constexpr):
+               ROWS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_E: tl.constexpr):
     """Zeros in the rows no slot holds, known from the group sizes: group ``e``'s last
     ``splits[e] - counts[e]`` rows (its padding) and the rows past the last group. Counted
     in row order, those rows form units of ``ROWS`` rows by one ``BLOCK_H`` column block;
@@ -171,7 +160,7 @@ def _zero_gaps(dst_ptr, splits_ptr, counts_ptr, E, N, H, stride_dst, first_unit,
         cols = (unit % column_blocks) * BLOCK_H + tl.arange(0, BLOCK_H)
         keep = (z < gaps) & (rows < N)
         tl.store(dst_ptr + rows[:, None] * stride_dst + cols[None, :], zeros,
-                 mask=keep[:, None] & (cols < H)[None, :], cache_modifier=STORE_CACHE)
+                 mask=keep[:, None] & (cols < H)[None, :], cache_modifier=".cs")
 
 
 @kernel
@@ -180,9 +169,7 @@ def _scatter_rows_kernel(src_ptr, dst_ptr, map_ptr, token_ptr, weights_ptr, spli
                          counts_ptr, T, K, N, H, E, stride_src, stride_dst, token_programs,
                          gap_programs, HAS_WEIGHTS: tl.constexpr, SLOTS: tl.constexpr,
                          GAPS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
-                         BLOCK_E: tl.constexpr, ZERO_ROWS: tl.constexpr,
-                         STORE_CACHE: tl.constexpr, LOAD_EVICTION: tl.constexpr,
-                         PDL: tl.constexpr):
+                         BLOCK_E: tl.constexpr, ZERO_ROWS: tl.constexpr, PDL: tl.constexpr):
     """A 1-D grid. The first ``token_programs * cdiv(H, BLOCK_H)`` programs: ``BLOCK_T``
     source rows by ``BLOCK_H`` columns each, read once and written to each of their ``K``
     slots' rows ``map[t, j]`` (those in ``[0, N)``), times ``weights[t, j]`` (float32) with
@@ -196,7 +183,10 @@ def _scatter_rows_kernel(src_ptr, dst_ptr, map_ptr, token_ptr, weights_ptr, spli
     slot back to the row (so the rows no slot holds may contain anything: the buffer needs
     no fill). With ``PDL`` (launched as a programmatic dependent of the kernel before it,
     which must not write ``src``) a program waits for that kernel only after reading its
-    source rows."""
+    source rows. The row stores stream past the caches (``.cs``): on the H200, permute
+    forward and unpermute backward at 4096 x 65536 and 7168 x 131072 rows ran ~1 % faster
+    than with Triton's default stores in two sweeps (write-through stores level;
+    ``evict_first`` source loads level alone, 3 % slower with the streaming stores)."""
     pid = tl.program_id(0)
     column_blocks = tl.cdiv(H, BLOCK_H)
     if pid < token_programs * column_blocks:
@@ -205,8 +195,7 @@ def _scatter_rows_kernel(src_ptr, dst_ptr, map_ptr, token_ptr, weights_ptr, spli
         tokens = (pid // column_blocks) * BLOCK_T + tl.arange(0, BLOCK_T)
         token_mask = tokens < T
         values = tl.load(src_ptr + tokens.to(tl.int64)[:, None] * stride_src + cols[None, :],
-                         mask=token_mask[:, None] & col_mask, other=0.0,
-                         eviction_policy=LOAD_EVICTION)
+                         mask=token_mask[:, None] & col_mask, other=0.0)
         if PDL:
             gdc_wait()
         for j in range(0, K):
@@ -219,11 +208,11 @@ def _scatter_rows_kernel(src_ptr, dst_ptr, map_ptr, token_ptr, weights_ptr, spli
             else:
                 out = values
             tl.store(dst_ptr + row[:, None] * stride_dst + cols[None, :], out,
-                     mask=valid[:, None] & col_mask, cache_modifier=STORE_CACHE)
+                     mask=valid[:, None] & col_mask, cache_modifier=".cs")
         if GAPS:
             if pid < gap_programs:
                 _zero_gaps(dst_ptr, splits_ptr, counts_ptr, E, N, H, stride_dst, pid,
-                           gap_programs, BLOCK_T, BLOCK_H, BLOCK_E, STORE_CACHE)
+                           gap_programs, BLOCK_T, BLOCK_H, BLOCK_E)
     else:
         if PDL:
             gdc_wait()
@@ -276,14 +265,13 @@ def _scatter(src: torch.Tensor, row_map: torch.Tensor, held: torch.Tensor,
         num_rows, H, num_experts, src.stride(0), out.stride(0), token_programs, gap_programs,
         HAS_WEIGHTS=weights is not None, SLOTS=slots, GAPS=groups is not None, BLOCK_T=block_t,
         BLOCK_H=block_h, BLOCK_E=next_power_of_2(num_experts + 1), ZERO_ROWS=ZERO_ROWS,
-        STORE_CACHE=SCATTER_STORE_CACHE, LOAD_EVICTION=SCATTER_LOAD_EVICTION, num_warps=warps,
-        **_pdl_options(src.device))
+        num_warps=warps, **_pdl_options(src.device))
     return out
 
 
 def scatter_pdl(device: torch.device) -> bool:
     """Whether the scatter launches as a programmatic dependent on ``device`` (sm90 on)."""
-    return SCATTER_PDL and gdc_wait is not None and device.type == "cuda" and _sm90_or_later(
+    return gdc_wait is not None and device.type == "cuda" and _sm90_or_later(
         device.index if device.index is not None else torch.cuda.current_device())
 
 
@@ -424,12 +412,14 @@ def _slot_dots_kernel(src_ptr, grad_ptr, map_ptr, out_ptr, T, K, R_src, H, strid
 
 
 def slot_dots(src: torch.Tensor, grad: torch.Tensor, row_map: torch.Tensor,
-              acc_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+              acc_dtype: torch.dtype = torch.float32, *,
+              config: tuple[int, int, int] = SLOT_DOTS_CONFIG) -> torch.Tensor:
     """``(T, k)`` in ``acc_dtype``: ``sum_h src[row_map[t, j], h] * grad[t, h]`` for every
     slot, 0 where the slot's row lies outside ``src`` (``-1``: dropped). The gradient of
     ``unpermute``'s weights: one read of ``grad`` and of each slot's row, no gathered copy.
     ``src`` ``(R, H)``, ``grad`` ``(T, H)``; float32 accumulation runs in one kernel,
-    ``float64`` in plain PyTorch."""
+    ``float64`` in plain PyTorch. ``config``: the launch shape (tokens per program, columns
+    per step, warps)."""
     tokens, k = row_map.shape
     if (acc_dtype != torch.float32 or not _rows_kernel_ok(src) or grad.stride(-1) != 1
             or tokens == 0 or k == 0 or src.shape[0] == 0 or k > 64):
@@ -437,7 +427,7 @@ def slot_dots(src: torch.Tensor, grad: torch.Tensor, row_map: torch.Tensor,
     H = src.shape[1]
     out = torch.empty(tokens, k, device=src.device, dtype=torch.float32)
     block_k = next_power_of_2(k)
-    block_t, block_h, warps = SLOT_DOTS_CONFIG
+    block_t, block_h, warps = config
     _slot_dots_kernel[(cdiv(tokens, block_t),)](
         src, grad, row_map.contiguous(), out, tokens, k, src.shape[0], H, src.stride(0),
         grad.stride(0), BLOCK_T=block_t, BLOCK_K=block_k,

@@ -48,8 +48,7 @@ def test_grouped_mm_against_float64_reference(sizes, tail, R, W, b_dtype):
     assert gg.supported(a, weight)
     got = gg.grouped_mm(a, a_inv, weight, w_inv, sizes_t, out_dtype=torch.float32)
     want = fg.grouped_mm_reference(a, a_inv.double(), weight, w_inv.double(), sizes_t,
-                                   transpose_weight=True, scaling="blockwise",
-                                   out_dtype=torch.float64)
+                                   transpose_weight=True, out_dtype=torch.float64)
     assert got.shape == (M, W)
     assert rel_err(got, want) < TOL
     assert torch.equal(got[sum(sizes):], torch.zeros_like(got[sum(sizes):]))
@@ -63,8 +62,7 @@ def test_grouped_mm_bf16_output_matches_triton_kernel():
     a, weight = _fp8(M, R), _fp8(4, W, R)
     a_inv, w_inv = _factors(M, R // 128), _factors(4, W // 128, R // 128)
     got = gg.grouped_mm(a, a_inv, weight, w_inv, sizes)
-    want = fg.grouped_mm(a, a_inv, weight, w_inv, sizes, transpose_weight=True,
-                         scaling="blockwise")
+    want = fg.grouped_mm(a, a_inv, weight, w_inv, sizes, transpose_weight=True)
     assert got.dtype == torch.bfloat16
     assert rel_err(got, want) < 1e-2
 
@@ -77,8 +75,7 @@ def test_device_sizes_past_the_rows_are_clamped():
     sizes = torch.tensor([60, 500], device="cuda")  # sums past M: the second group ends at 100
     got = gg.grouped_mm(a, a_inv, weight, w_inv, sizes, out_dtype=torch.float32)
     want = fg.grouped_mm_reference(a, a_inv.double(), weight, w_inv.double(), sizes,
-                                   transpose_weight=True, scaling="blockwise",
-                                   out_dtype=torch.float64)
+                                   transpose_weight=True, out_dtype=torch.float64)
     assert rel_err(got, want) < TOL
 
 

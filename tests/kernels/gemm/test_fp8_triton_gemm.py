@@ -21,20 +21,16 @@ def _factors(*shape):
     return (torch.rand(*shape) * 0.1 + 0.01).to(DEVICE)
 
 
-@pytest.mark.parametrize("scaling", ["rowwise", "blockwise"])
 @pytest.mark.parametrize("transpose_weight", [True, False])
 @pytest.mark.parametrize("sizes, tail", [([70, 0, 133, 1], 9), ([0, 0], 4), ([200], 0)])
-def test_grouped_mm_against_dequantized_float32(scaling, transpose_weight, sizes, tail):
+def test_grouped_mm_against_dequantized_float32(transpose_weight, sizes, tail):
     G, N, K = len(sizes), 136, 200
     M = sum(sizes) + tail
     R, W = (K, N) if transpose_weight else (N, K)
     a, w = _fp8(M, R), _fp8(G, N, K)
-    if scaling == "rowwise":
-        a_inv, w_inv = _factors(M), _factors(G, W)
-    else:
-        a_inv, w_inv = _factors(M, -(-R // 128)), _factors(G, -(-N // 128), -(-K // 128))
+    a_inv, w_inv = _factors(M, -(-R // 128)), _factors(G, -(-N // 128), -(-K // 128))
     sizes_t = torch.tensor(sizes, device=DEVICE)
-    kwargs = {"transpose_weight": transpose_weight, "scaling": scaling, "out_dtype": torch.float32}
+    kwargs = {"transpose_weight": transpose_weight, "out_dtype": torch.float32}
     got = fg.grouped_mm(a, a_inv, w, w_inv, sizes_t, **kwargs)
     want = fg.grouped_mm_reference(a, a_inv, w, w_inv, sizes_t, **kwargs)
     assert got.shape == (M, W)
@@ -48,7 +44,7 @@ def test_blockwise_scales_apply_per_block():
     a, w = _fp8(M, K), _fp8(1, N, K)
     a_inv, w_inv = _factors(M, 2), _factors(1, 1, 2)
     sizes = torch.tensor([M], device=DEVICE)
-    kwargs = {"transpose_weight": True, "scaling": "blockwise", "out_dtype": torch.float32}
+    kwargs = {"transpose_weight": True, "out_dtype": torch.float32}
     base = fg.grouped_mm(a, a_inv, w, w_inv, sizes, **kwargs)
     w_inv2 = w_inv.clone()
     w_inv2[0, 0, 1] *= 2
@@ -121,8 +117,3 @@ def test_blockwise_wgrad_rejects_strided_tokens():
     with pytest.raises(ValueError, match="dy_blocks"):
         fg.blockwise_wgrad(dy, _factors(3, 16), _fp8(8, 256), _factors(3, 8), sizes_t, 4)
 
-
-def test_bad_scaling_name():
-    with pytest.raises(ValueError, match="scaling"):
-        fg.grouped_mm(_fp8(4, 16), _factors(4), _fp8(1, 16, 16), _factors(1, 16),
-                      torch.tensor([4], device=DEVICE), transpose_weight=True, scaling="tensor")

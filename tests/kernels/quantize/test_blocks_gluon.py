@@ -22,6 +22,20 @@ def _operand(M, C):
     return t.to(torch.bfloat16).to(DEVICE)
 
 
+def two_passes(t: torch.Tensor, sizes: torch.Tensor, fp8_dtype: torch.dtype,
+               power_of_two: bool) -> tuple:
+    """The reference of ``quantize_row_tiles_and_token_blocks``: ``((row_data, row_inv),
+    (block_data, block_inv))``, ``quantize_row_tiles`` of ``t`` with the rows past the last
+    group zeroed and ``quantize_token_blocks`` of ``t`` in the token-block layout
+    (``transpose=True``). Any device, dtype and strides."""
+    M = t.shape[0]
+    used = sizes.to(device=t.device, dtype=torch.int64).clamp(min=0).sum().clamp(max=M)
+    in_groups = (torch.arange(M, device=t.device) < used)[:, None]
+    # ``where``, not a product with a 0/1 mask: the zeroed rows stay +0, not -0.
+    return (qb.quantize_row_tiles(torch.where(in_groups, t, 0), fp8_dtype, power_of_two, qbg.TILE),
+            qb.quantize_token_blocks(t, sizes, fp8_dtype, power_of_two, qbg.TILE, transpose=True))
+
+
 def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.dtype == E4M3 else t
 
@@ -29,7 +43,7 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 def test_two_passes_zero_the_rows_past_the_groups():
     t = _operand(300, 136)
     sizes = torch.tensor([100, 0, 150], device=DEVICE)
-    (row_data, row_inv), (block_data, block_inv) = qbg.two_passes(t, sizes, E4M3, False)
+    (row_data, row_inv), (block_data, block_inv) = two_passes(t, sizes, E4M3, False)
     want_rows = qb.quantize_row_tiles(t[:250], E4M3, False)
     assert torch.equal(_bytes(row_data[:250]), _bytes(want_rows[0]))
     assert torch.equal(row_inv[:250], want_rows[1])
@@ -53,7 +67,7 @@ def test_one_read_equals_the_two_passes(sizes, tail, C, pow2):
     size_tensor = torch.tensor(sizes, device="cuda")
     assert qbg.supported(t)
     got = qbg.quantize_row_tiles_and_token_blocks(t, size_tensor, E4M3, pow2)
-    want = qbg.two_passes(t, size_tensor, E4M3, pow2)
+    want = two_passes(t, size_tensor, E4M3, pow2)
     for (data, inv), (want_data, want_inv) in zip(got, want):
         assert data.shape == want_data.shape and data.dtype == E4M3
         assert torch.equal(_bytes(data), _bytes(want_data))
@@ -70,7 +84,7 @@ def test_many_groups_and_blocks():
     t = _operand(M, 256)
     size_tensor = sizes.cuda()
     got = qbg.quantize_row_tiles_and_token_blocks(t, size_tensor, E4M3, True)
-    want = qbg.two_passes(t, size_tensor, E4M3, True)
+    want = two_passes(t, size_tensor, E4M3, True)
     for (data, inv), (want_data, want_inv) in zip(got, want):
         assert torch.equal(_bytes(data), _bytes(want_data)) and torch.equal(inv, want_inv)
 

@@ -5,7 +5,6 @@ import torch
 
 from grouped_linear.kernels import bias as bias_kernels
 from grouped_linear.kernels.ends import aligned_offsets_reference
-from grouped_linear.kernels.quantize import columns_tiled as qct
 from grouped_linear.kernels.quantize import common as qc
 from grouped_linear.kernels.quantize import emulate as qe
 from grouped_linear.kernels.quantize import groups as qg
@@ -102,10 +101,8 @@ def test_quantize_rows_kernel(fp8, pow2, shape):
     assert torch.isfinite(inv).all()
 
 
-@pytest.mark.parametrize("method", ["per_group", "tiled"])
 @pytest.mark.parametrize("sizes, tail", [([3, 0, 70, 1], 5), ([0, 0], 3), ([33], 0)])
-def test_quantize_group_columns_transposed_kernel(sizes, tail, method, monkeypatch):
-    monkeypatch.setattr(qt, "GROUP_COLUMNS_METHOD", method)
+def test_quantize_group_columns_transposed_kernel(sizes, tail):
     M, C = sum(sizes) + tail, 70
     t = (torch.randn(M, C) * 10).to(DEVICE)
     offsets = torch.tensor(sizes, device=DEVICE).cumsum(0).to(torch.int32)
@@ -136,27 +133,22 @@ def _reference_columns(t, offsets, group_scale, align):
 @pytest.mark.parametrize("tiled_config, sub_tiles", [((16, 16, 4), 1), ((16, 32, 4), 3),
                                                      ((32, 16, 4), 4)])
 @pytest.mark.parametrize("align", [1, 16])
-def test_tiled_columns_with_groups_over_many_tiles(tiled_config, sub_tiles, align, monkeypatch):
+def test_tiled_columns_with_groups_over_many_tiles(tiled_config, sub_tiles, align):
     """Small tiles: groups span several row tiles and amax sub-tiles, alignment padding and
-    the tail span tiles of their own; the tiled method equals the plain-PyTorch reference."""
-    monkeypatch.setattr(qct, "TILED_CONFIG", tiled_config)
-    monkeypatch.setattr(qct, "AMAX_SUB_TILES", sub_tiles)
+    the tail span tiles of their own; the tiles equal the plain-PyTorch reference."""
     sizes, tail = [37, 0, 5, 70, 16], 9
     M, C = sum(sizes) + tail, 40
     t = (torch.randn(M, C) * torch.logspace(-2, 2, C)).to(DEVICE)
     offsets = torch.tensor(sizes, device=DEVICE).cumsum(0).to(torch.int32)
-    results, sums = {}, {}
-    for method in ("tiled", "per_group"):
-        monkeypatch.setattr(qt, "GROUP_COLUMNS_METHOD", method)
-        sums[method] = torch.full((len(sizes), C), float("nan"), device=DEVICE)
-        results[method] = qt.quantize_group_columns_t(t, offsets, E4M3, False, align=align,
-                                                      column_sums=sums[method])
-    data, inv, data_offsets = results["tiled"]
+    sums = torch.full((len(sizes), C), float("nan"), device=DEVICE)
+    data, inv, data_offsets = qt.quantize_group_columns_t(
+        t, offsets, E4M3, False, align=align, column_sums=sums,
+        config=qt.TiledConfig(*tiled_config, amax_sub_tiles=sub_tiles))
     ref_data, ref_inv, ref_offsets = _reference_columns(t, offsets, None, align)
     assert torch.equal(data_offsets.cpu(), ref_offsets.cpu())
     want_sums = bias_kernels.bias_grad_reference(t, offsets, torch.float64).float()
-    for method in sums:  # the tiled method's come from its column-amax pass
-        torch.testing.assert_close(sums[method], want_sums, rtol=1e-5, atol=1e-4)
+    # the sums come from the column-amax pass
+    torch.testing.assert_close(sums, want_sums, rtol=1e-5, atol=1e-4)
     end = int(data_offsets[-1])
     assert torch.allclose(inv, ref_inv, rtol=1e-6)  # scales computed by torch or in-kernel
     assert codes_close(data[:, :end], ref_data[:, :end])
@@ -185,10 +177,8 @@ def test_block_tiles_against_loops():
             assert _same(got_r[start:end, c], _unit(rows[start:end, c], E4M3, False))
 
 
-@pytest.mark.parametrize("method", ["per_group", "tiled"])
 @pytest.mark.parametrize("pow2", [False, True])
-def test_given_scales_replace_the_amax(pow2, method, monkeypatch):
-    monkeypatch.setattr(qt, "GROUP_COLUMNS_METHOD", method)
+def test_given_scales_replace_the_amax(pow2):
     sizes, tail, C = [5, 0, 9], 2, 40
     M = sum(sizes) + tail
     t = (torch.randn(M, C) * 30).to(DEVICE)
@@ -244,10 +234,8 @@ def test_transpose_groups_moves_every_byte(shape):
         transpose_groups(torch.zeros(2, 3, 4, device=DEVICE))
 
 
-@pytest.mark.parametrize("method", ["per_group", "tiled"])
 @pytest.mark.parametrize("sizes", [[3, 0, 17, 1, 16], [0, 0], [40], [150, 2, 0, 90]])
-def test_group_columns_aligned_layout(sizes, method, monkeypatch):
-    monkeypatch.setattr(qt, "GROUP_COLUMNS_METHOD", method)
+def test_group_columns_aligned_layout(sizes):
     M, C, align = sum(sizes) + 2, 70, 16
     t = (torch.randn(M, C) * 5).to(DEVICE)
     offsets = torch.tensor(sizes, device=DEVICE).cumsum(0).to(torch.int32)
@@ -271,18 +259,20 @@ def test_group_columns_aligned_layout(sizes, method, monkeypatch):
 def test_quantizing_pieces_equals_quantizing_their_concatenation(align, tensorwise, one_launch,
                                                                  monkeypatch):
     """A list input quantized without concatenation (one launch reading every piece, or one
-    launch per piece) gives the plain-PyTorch quantization of the concatenated tensor: rows
-    for forward, transposed group columns for wgrad. The pieces are views of one buffer in
-    another order (so some lie before the first) and a separate tensor."""
-    monkeypatch.setattr(qct, "TILED_CONFIG", (16, 32, 4))  # groups over several tiles
-    if not one_launch:
-        monkeypatch.setattr(q, "piece_shifts", lambda pieces: None)
-        monkeypatch.setattr(qt, "piece_shifts", lambda pieces: None)
+    launch per piece where the pieces' row strides differ) gives the plain-PyTorch
+    quantization of the concatenated tensor: rows for forward, transposed group columns for
+    wgrad. The pieces are views of one buffer in another order (so some lie before the
+    first) and a separate tensor (a column slice of a wider one, for one launch per piece)."""
     sizes, C = [37, 0, 5, 70], 40
     scales = torch.logspace(-2, 2, C)
     buffer = torch.randn(5 + 37, C) * scales
     on_device = buffer.to(DEVICE)
-    pieces = [on_device[5:], on_device[5:5], on_device[:5], (torch.randn(70, C) * scales).to(DEVICE)]
+    last = (torch.randn(70, C) * scales).to(DEVICE)
+    if not one_launch:  # another row stride: no single launch reads all the pieces
+        wide = torch.zeros(70, C + 8, device=DEVICE)
+        wide[:, :C] = last
+        last = wide[:, :C]
+    pieces = [on_device[5:], on_device[5:5], on_device[:5], last]
     assert [piece.shape[0] for piece in pieces] == sizes
     whole = torch.cat(pieces)
     offsets = torch.tensor(sizes, device=DEVICE).cumsum(0).to(torch.int32)
@@ -296,7 +286,7 @@ def test_quantizing_pieces_equals_quantizing_their_concatenation(align, tensorwi
             return function(*args, **kwargs)
         return wrapper
 
-    for module, name in ((q, "quantize_rows"), (qct, "quantize_columns_t")):
+    for module, name in ((q, "quantize_rows"), (qt, "quantize_columns_t")):
         monkeypatch.setattr(module, name, counted(getattr(module, name), name))
     rows, rows_inv = q.quantize_rows_pieces(pieces, E4M3, False, group_scale, offsets=offsets)
     row_scale = group_scale.repeat_interleave(torch.tensor(sizes, device=DEVICE)) \
@@ -305,7 +295,7 @@ def test_quantizing_pieces_equals_quantizing_their_concatenation(align, tensorwi
     assert torch.allclose(rows_inv, want_rows_inv, rtol=1e-6)
     assert codes_close(rows, want_rows)
     data, inv = qt.quantize_group_columns_t_pieces(pieces, E4M3, False, group_scale, align,
-                                                   offsets=offsets)
+                                                   offsets=offsets, config=(16, 32, 4))
     # one launch: no per-piece calls, and one tiled column quantization for all the pieces
     per_piece = 3 if not one_launch else 0
     assert launches.count("quantize_rows") == per_piece
@@ -316,14 +306,11 @@ def test_quantizing_pieces_equals_quantizing_their_concatenation(align, tensorwi
     assert codes_close(data[:, :end], want[:, :end])
 
 
-@pytest.mark.parametrize("method", ["per_group", "tiled"])
 @pytest.mark.parametrize("align", [1, 16])
-def test_group_columns_with_row_factors(method, align, monkeypatch):
+def test_group_columns_with_row_factors(align):
     """Rows multiplied by per-row factors before the per-(group, column) quantization: the
     kernels equal the reference on the folded rows (factors spanning 1e-6 to 1e6, one huge
     enough to saturate float32), while the column sums stay those of the unfolded rows."""
-    monkeypatch.setattr(qt, "GROUP_COLUMNS_METHOD", method)
-    monkeypatch.setattr(qct, "TILED_CONFIG", (16, 32, 4))  # groups over several tiles
     sizes, tail = [37, 0, 5, 70, 16], 9
     M, C = sum(sizes) + tail, 40
     t = torch.randn(M, C).to(DEVICE)
@@ -333,7 +320,8 @@ def test_group_columns_with_row_factors(method, align, monkeypatch):
     offsets = torch.tensor(sizes, device=DEVICE).cumsum(0).to(torch.int32)
     sums = torch.full((len(sizes), C), float("nan"), device=DEVICE)
     data, inv, data_offsets = qt.quantize_group_columns_t(t, offsets, E4M3, False, align=align,
-                                                          column_sums=sums, row_factors=factors)
+                                                          column_sums=sums, row_factors=factors,
+                                                          config=(16, 32, 4))  # many tiles
     folded = qt.fold_row_factors(t, factors)
     assert torch.isfinite(folded).all() and torch.isfinite(inv).all()
     ref_data, ref_inv, ref_offsets = _reference_columns(folded, offsets, None, align)

@@ -140,10 +140,9 @@ def test_scatter_rows_equals_gather_by_token(k, multiple, experts, dtype, locate
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("tokens, k, H", [(37, 1, 48), (20, 3, 300), (9, 8, 5), (5, 2, 2100)])
-def test_slot_dots_match_the_reference(tokens, k, H, dtype, monkeypatch):
+def test_slot_dots_match_the_reference(tokens, k, H, dtype):
     """Per slot, its row dotted with the token's gradient row: dropped slots (-1) and rows
     past the source give 0; several column steps and tokens blocks."""
-    monkeypatch.setattr(layout, "SLOT_DOTS_CONFIG", (4, 64, 4))
     gen = torch.Generator().manual_seed(tokens * k)
     rows = tokens * k + 3
     src = torch.randn(rows, H, generator=gen).to(dtype).to(DEVICE)
@@ -153,7 +152,7 @@ def test_slot_dots_match_the_reference(tokens, k, H, dtype, monkeypatch):
     if k > 1:
         row_map[-1, 1] = rows + 5  # outside the source: counts as dropped
     row_map = row_map.to(DEVICE)
-    got = layout.slot_dots(src, grad, row_map)
+    got = layout.slot_dots(src, grad, row_map, config=(4, 64, 4))
     want = layout.slot_dots_reference(src, grad, row_map, torch.float32)
     exact = torch.zeros(tokens, k, dtype=torch.float64)
     for t in range(tokens):
