@@ -79,7 +79,7 @@ def _piece_scales(pieces: tuple[torch.Tensor, ...], fp8_dtype: torch.dtype,
 def _quantize_tokens(t: torch.Tensor, offsets: torch.Tensor, fp8_dtype: torch.dtype,
                      recipe: Float8Recipe, group_scale: torch.Tensor | None):
     """``(M, C)`` -> FP8 ``(M, C)`` and ``(M,)`` factors: per row, or the row's group's."""
-    return q.quantize_rows(t, fp8_dtype, recipe.power_of_two_scales, group_scale, groups=offsets)
+    return q.quantize_rows(t, fp8_dtype, recipe.power_of_two_scales, group_scale, ends=offsets)
 
 
 class Fp8DeviceGroupedLinearFunction(torch.autograd.Function):
@@ -95,7 +95,7 @@ class Fp8DeviceGroupedLinearFunction(torch.autograd.Function):
         if pieces:
             x_scale = _piece_scales(pieces, fp8, recipe)
             x_data, x_inv = q.quantize_rows_pieces(list(pieces), fp8, recipe.power_of_two_scales,
-                                                   x_scale, offsets=offsets)
+                                                   x_scale, ends=offsets)
             dtype = pieces[0].dtype
         else:
             x_scale = _group_scales(x, offsets, fp8, recipe)
@@ -143,16 +143,16 @@ class Fp8DeviceGroupedLinearFunction(torch.autograd.Function):
                 grad_out, offsets, fp8_grad, pow2, dy_scale, align=align, column_sums=bias_sums,
                 row_factors=x_inv)
             if x_inv is not None:  # dy carries x's per-token factors: x's codes, transposed
-                x_t = qt.transpose_group_columns(x, offsets, align, data_offsets=aligned)
+                x_t = qt.transpose_group_columns(x, offsets, align, data_ends=aligned)
                 x_t_inv = qc.unit_factors((offsets.shape[0], x.shape[1]), x.device)
             elif pieces:  # each piece into its aligned columns, same width as dy's
                 x_t, x_t_inv = qt.quantize_group_columns_t_pieces(
                     pieces, recipe.forward_dtype, pow2, x_scale, align, width=dy_t.shape[1],
-                    offsets=offsets)
+                    ends=offsets)
             else:
                 x_t, x_t_inv, _ = qt.quantize_group_columns_t(
                     x, offsets, recipe.forward_dtype, pow2, x_scale, align=align,
-                    data_offsets=aligned)
+                    data_ends=aligned)
             if triton_wgrad:  # 128-token group blocks, one factor per (group, column)
                 sizes = torch.diff(offsets, prepend=offsets.new_zeros(1))
                 return fp8_triton_gemm.blockwise_wgrad(dy_t, dy_t_inv, x_t, x_t_inv, sizes,

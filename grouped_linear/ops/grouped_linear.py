@@ -14,7 +14,7 @@ import torch
 from torch._C._functorch import is_functorch_wrapped_tensor
 
 from ..kernels._triton import HAS_TRITON, interpreting
-from ..kernels.ends import group_offsets
+from ..kernels.ends import group_ends
 from ..kernels.gemm import triton_gemm
 from ..kernels.gemm.triton_gemm import LinearLaunches
 from ..recipes import Float8Recipe, check_recipe, current_recipe
@@ -296,7 +296,7 @@ def fast_grouped_linear(
         return None
     if launches is not None and not _functorch_involved(x, weight, bias):
         return apply_triton_linear(x, weight, bias, m_splits, launches)
-    groups = m_splits if resolved == "triton" else group_offsets(m_splits, shape[0])
+    groups = m_splits if resolved == "triton" else group_ends(m_splits, shape[0])
     return _run(x, weight, bias, groups, None, _DEVICE_SPLIT_CONFIGS[resolved])
 
 

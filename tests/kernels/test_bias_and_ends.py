@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from grouped_linear.kernels import bias as bias_kernels
-from grouped_linear.kernels import ends as offset_kernels
+from grouped_linear.kernels import ends as ends_kernels
 from grouped_linear.kernels._triton import HAS_TRITON, use_triton
 from tests.reference import rel_err
 
@@ -73,10 +73,10 @@ def test_bias_grad_large_group_int64_safe_indexing():
     (list(range(300)), 10**6),
 ])
 @pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
-def test_group_offsets(splits, M, dtype):
+def test_group_ends(splits, M, dtype):
     t = torch.tensor(splits, device=DEVICE, dtype=torch.int64).clamp(max=torch.iinfo(dtype).max)
     t = t.to(dtype)
-    got = offset_kernels.group_offsets(t, M)
+    got = ends_kernels.group_ends(t, M)
     want, run = [], 0
     for s in t.tolist():
         run += max(s, 0)
@@ -84,9 +84,9 @@ def test_group_offsets(splits, M, dtype):
     assert got.dtype == torch.int32 and got.tolist() == want
 
 
-def test_group_offsets_of_strided_splits():
+def test_group_ends_of_strided_splits():
     table = torch.tensor([[3, 50], [0, 50], [5, 50]], device=DEVICE)
-    assert offset_kernels.group_offsets(table[:, 0], 7).tolist() == [3, 3, 7]
+    assert ends_kernels.group_ends(table[:, 0], 7).tolist() == [3, 3, 7]
 
 
 @pytest.mark.parametrize("sizes, tail", [([1100, 0, 513, 3], 7), ([0, 2048], 0), ([511, 512, 1], 600)])

@@ -60,13 +60,13 @@ def _dot(a, b, acc, UPCAST: tl.constexpr):
 
 
 @triton.jit
-def _load_k_tile(base, offsets, mask, k_mask, EVEN_K: tl.constexpr):
+def _load_k_tile(base, tile_offsets, mask, k_mask, EVEN_K: tl.constexpr):
     """One operand tile; ``EVEN_K``: the reduced dimension has no ragged end, so only the
     row/column mask applies (a load masked along both dimensions is not software-pipelined
     by Triton 3.6 on sm90)."""
     if EVEN_K:
-        return tl.load(base + offsets, mask=mask, other=0.0)
-    return tl.load(base + offsets, mask=mask & k_mask, other=0.0)
+        return tl.load(base + tile_offsets, mask=mask, other=0.0)
+    return tl.load(base + tile_offsets, mask=mask & k_mask, other=0.0)
 
 
 @kernel
@@ -83,7 +83,7 @@ def _fp8_grouped_mm_kernel(a_ptr, a_inv_ptr, b_ptr, b_inv_ptr, out_ptr, sizes_pt
         g, end, row0, col_tile = tile_origin(tile, gs, starts, ends, tile_begin, tile_end, W,
                                              BLOCK_M, BLOCK_N)
         col0 = col_tile * BLOCK_N
-        # int64 scalar bases, int32 offsets inside the tile: 64-bit pointer tensors live
+        # int64 scalar bases, int32 ends inside the tile: 64-bit pointer tensors live
         # across the K loop would not fit in registers (ptxas spills; see NOTES.md).
         rows = tl.arange(0, BLOCK_M)
         cols = tl.arange(0, BLOCK_N)
@@ -136,7 +136,7 @@ def _fp8_blockwise_wgrad_kernel(dy_ptr, dy_inv_ptr, x_ptr, x_inv_ptr, dw_ptr, si
     g = pid // (n_tiles * k_tiles)
     n0 = ((pid // k_tiles) % n_tiles) * BLOCK_N
     k0 = (pid % k_tiles) * BLOCK_K
-    offs_n = tl.arange(0, BLOCK_N)  # int32 offsets inside the tile, int64 bases
+    offs_n = tl.arange(0, BLOCK_N)  # int32 ends inside the tile, int64 bases
     offs_k = tl.arange(0, BLOCK_K)
     offs_t = tl.arange(0, BLOCK_T)
     n_mask = offs_n < N - n0

@@ -13,7 +13,7 @@ group: the MMA warps zero those rows of both tiles in shared memory before its M
 Whole output tiles leave by TMA while the next tile's MMAs run (the tiles at the ``N``
 edge, whose rows would spill into the next group's, with a row mask). Groups are given by
 ``ends``, the non-decreasing cumulative row ends within ``[0, M]``
-(:func:`grouped_linear.kernels.ends.group_offsets`); empty groups get zeros.
+(:func:`grouped_linear.kernels.ends.group_ends`); empty groups get zeros.
 
 Tiles are walked in bands of ``band_n`` ``N`` tiles (each band's tiles of one ``K``
 column in a row, then the next column), so that programs running at the same time share

@@ -1,7 +1,7 @@
 """Grouped GEMMs in Triton: one launch per GEMM, everything around it fused in.
 
 The kernels take the raw ``(G,)`` split sizes (any integer dtype, on the
-device) and derive each group's clamped rows themselves, so no offsets kernel
+device) and derive each group's clamped rows themselves, so no ends kernel
 runs first; rows past the last group form a "tail" that the forward and dgrad
 kernels fill with zeros; the forward adds the per-group bias in its epilogue;
 the wgrad kernel also sums the output gradient per group (the bias gradient)
@@ -19,7 +19,7 @@ import torch
 from .._groups import group_rows, tile_list, tile_origin
 from .._triton import LaunchPlan, cdiv, kernel, next_power_of_2, sm_count, tl, triton
 from ..bias import bias_grad_reference
-from ..ends import group_offsets
+from ..ends import group_ends
 
 __all__ = ["forward", "dgrad", "wgrad", "backward", "LinearLaunches", "fits", "MAX_GROUPS"]
 
@@ -51,7 +51,7 @@ def _mm_tiles(first_tile, a_ptr, b_ptr, bias_ptr, out_ptr, sizes_ptr, M, N, K, G
         g, end, row0, col_tile = tile_origin(tile, gs, starts, ends, tile_begin, tile_end, N,
                                               BLOCK_M, BLOCK_N)
         col0 = col_tile * BLOCK_N
-        # int64 scalar bases, int32 offsets inside the tile: 64-bit pointer tensors live
+        # int64 scalar bases, int32 ends inside the tile: 64-bit pointer tensors live
         # across the K loop spill registers on sm90 (benchmarks/kernel_resources.py).
         rows = tl.arange(0, BLOCK_M)
         cols = tl.arange(0, BLOCK_N)
@@ -188,7 +188,7 @@ MAX_GROUPS = 4095
 
 def fits(num_groups: int, in_features: int, out_features: int) -> bool:
     """Whether these kernels take this problem: the group schedule is a vector of
-    ``num_groups + 1`` slots, and offsets inside one expert's weight are int32."""
+    ``num_groups + 1`` slots, and ends inside one expert's weight are int32."""
     return num_groups <= MAX_GROUPS and in_features * out_features < 2**31
 
 
@@ -310,7 +310,7 @@ def wgrad(grad_out: torch.Tensor, x: torch.Tensor, sizes: torch.Tensor,
     if N == 0 or K == 0:
         # Nothing to multiply; the bias sums still cover each group's (clamped) rows.
         if grad_b is not None:
-            grad_b = bias_grad_reference(grad_out, group_offsets(sizes, M), x.dtype)
+            grad_b = bias_grad_reference(grad_out, group_ends(sizes, M), x.dtype)
         return grad_w.zero_(), grad_b
     block_m, block_n, block_k = 64, 64, 64
     grid = (G * cdiv(N, block_n) * cdiv(K, block_k),)

@@ -89,9 +89,9 @@ def pad_to(t: torch.Tensor, dim: int, multiple: int) -> torch.Tensor:
     return torch.cat([t, t.new_zeros(shape)], dim=dim)
 
 
-def group_amax(t: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+def group_amax(t: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
     """``(G, C)`` max of ``|t|`` over each group's rows (0 for empty groups)."""
-    bounds = torch.cat([offsets.new_zeros(1), offsets]).to(torch.int64)
+    bounds = torch.cat([ends.new_zeros(1), ends]).to(torch.int64)
     return torch.segment_reduce(t.abs().float().contiguous(), "max", offsets=bounds, axis=0,
                                 unsafe=True, initial=0.0)
 

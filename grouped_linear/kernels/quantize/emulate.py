@@ -38,26 +38,26 @@ def fake_quant_rows(t: torch.Tensor, fp8_dtype: torch.dtype, power_of_two: bool)
     return fake_quant(t, scale_from_amax(amax, fp8_dtype, power_of_two), fp8_dtype)
 
 
-def _per_row(values: torch.Tensor, offsets: torch.Tensor, num_rows: int) -> torch.Tensor:
+def _per_row(values: torch.Tensor, ends: torch.Tensor, num_rows: int) -> torch.Tensor:
     """Spread per-group ``(G, ...)`` values onto rows; rows past the last group get 1."""
     padded = torch.cat([values, torch.ones_like(values[:1])])
-    return padded.index_select(0, row_groups(offsets, num_rows))
+    return padded.index_select(0, row_groups(ends, num_rows))
 
 
-def fake_quant_group_columns(t: torch.Tensor, offsets: torch.Tensor, fp8_dtype: torch.dtype,
+def fake_quant_group_columns(t: torch.Tensor, ends: torch.Tensor, fp8_dtype: torch.dtype,
                              power_of_two: bool) -> torch.Tensor:
     """One scale per (group, column) of ``(M, C)``: amax over the group's rows."""
-    scale = scale_from_amax(group_amax(t, offsets), fp8_dtype, power_of_two)
-    return fake_quant(t, _per_row(scale, offsets, t.shape[0]), fp8_dtype)
+    scale = scale_from_amax(group_amax(t, ends), fp8_dtype, power_of_two)
+    return fake_quant(t, _per_row(scale, ends, t.shape[0]), fp8_dtype)
 
 
-def fake_quant_groups(t: torch.Tensor, offsets: torch.Tensor, fp8_dtype: torch.dtype,
+def fake_quant_groups(t: torch.Tensor, ends: torch.Tensor, fp8_dtype: torch.dtype,
                       power_of_two: bool) -> torch.Tensor:
     """One scale per group of ``(M, C)``."""
-    amax = group_amax(t, offsets).amax(dim=1, keepdim=True) if t.shape[1] \
-        else t.new_zeros(offsets.shape[0], 1)
+    amax = group_amax(t, ends).amax(dim=1, keepdim=True) if t.shape[1] \
+        else t.new_zeros(ends.shape[0], 1)
     scale = scale_from_amax(amax, fp8_dtype, power_of_two)
-    return fake_quant(t, _per_row(scale, offsets, t.shape[0]), fp8_dtype)
+    return fake_quant(t, _per_row(scale, ends, t.shape[0]), fp8_dtype)
 
 
 def fake_quant_weight(weight: torch.Tensor, dim: int | None, fp8_dtype: torch.dtype,
@@ -89,13 +89,13 @@ def fake_quant_weight_blocks(weight: torch.Tensor, fp8_dtype: torch.dtype, power
     return fake_quant(tiles, scale, fp8_dtype).view(padded.shape)[:, :N, :K]
 
 
-def fake_quant_row_tiles(t: torch.Tensor, offsets: torch.Tensor, fp8_dtype: torch.dtype,
+def fake_quant_row_tiles(t: torch.Tensor, ends: torch.Tensor, fp8_dtype: torch.dtype,
                          power_of_two: bool, tile: int = 128) -> torch.Tensor:
     """One scale per (``tile`` consecutive rows of one group, column) of ``(M, C)``: the
     wgrad operands' 128x1 tiles along the tokens, never straddling a group boundary.
-    Reads the offsets back to the host (emulation only)."""
+    Reads the ends back to the host (emulation only)."""
     bounds, start = [], 0
-    for end in offsets.tolist():
+    for end in ends.tolist():
         bounds.extend(range(start, end, tile))
         start = end
     bounds.append(start)

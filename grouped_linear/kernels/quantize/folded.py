@@ -33,21 +33,21 @@ MAX_BLOCK_C = 16384
 @dataclass(frozen=True)
 class ColumnFactors:
     """Per-(group, column) factors for the rows of an ``(R, C)`` tensor: ``factors``
-    ``(G, C)`` float32, ``offsets`` ``(G,)`` the groups' cumulative row ends (rows after the
+    ``(G, C)`` float32, ``ends`` ``(G,)`` the groups' cumulative row ends (rows after the
     last group count as the last group's) and ``num_rows`` ``R``."""
 
     factors: torch.Tensor
-    offsets: torch.Tensor
+    ends: torch.Tensor
     num_rows: int
 
     @staticmethod
-    def of_groups(factors: torch.Tensor, offsets: torch.Tensor, num_rows: int) -> ColumnFactors:
-        """The factors of the row groups ending at ``offsets`` ``(G,)``."""
-        return ColumnFactors(factors.float().contiguous(), offsets, num_rows)
+    def of_groups(factors: torch.Tensor, ends: torch.Tensor, num_rows: int) -> ColumnFactors:
+        """The factors of the row groups ending at ``ends`` ``(G,)``."""
+        return ColumnFactors(factors.float().contiguous(), ends, num_rows)
 
     def apply(self, t: torch.Tensor) -> torch.Tensor:
         """``t * factors[group of each row]`` in float32."""
-        groups = row_groups(self.offsets, self.num_rows).clamp(max=self.factors.shape[0] - 1)
+        groups = row_groups(self.ends, self.num_rows).clamp(max=self.factors.shape[0] - 1)
         return t.float() * self.factors.index_select(0, groups)
 
 
@@ -60,17 +60,17 @@ def quantize_rows_folded_reference(t: torch.Tensor, column_factors: ColumnFactor
 
 @kernel
 @triton.jit
-def _quantize_rows_folded_kernel(t_ptr, factors_ptr, offsets_ptr, q_ptr, inv_ptr, R, C, G,
+def _quantize_rows_folded_kernel(t_ptr, factors_ptr, ends_ptr, q_ptr, inv_ptr, R, C, G,
                                  stride_t, stride_q, FP8_MAX: tl.constexpr, POW2: tl.constexpr,
                                  ROWS: tl.constexpr, BLOCK_C: tl.constexpr,
                                  BLOCK_G: tl.constexpr):
     """Rows ``[program * ROWS, program * ROWS + ROWS)``, each one block of ``BLOCK_C >= C``;
-    the rows' groups are found from the offsets, once for the whole run."""
+    the rows' groups are found from the ends, once for the whole run."""
     cols = tl.arange(0, BLOCK_C)
     col_mask = cols < C
     first = tl.program_id(0).to(tl.int64) * ROWS
     slots = tl.arange(0, ROWS)
-    groups = tl.minimum(row_group(offsets_ptr, first + slots, G, BLOCK_G), G - 1)
+    groups = tl.minimum(row_group(ends_ptr, first + slots, G, BLOCK_G), G - 1)
     held = tl.min(groups, axis=0)  # the run's first row's group (groups never decrease)
     factors = tl.load(factors_ptr + held * C + cols, mask=col_mask, other=0.0)
     for i in range(ROWS):
@@ -102,8 +102,8 @@ def quantize_rows_folded(t: torch.Tensor, column_factors: ColumnFactors, fp8_dty
     if column_factors.num_rows != R:
         raise ValueError(f"column factors for num_rows={column_factors.num_rows} do not fit "
                          f"a tensor of {R} rows")
-    if column_factors.offsets.shape != (factors.shape[0],):
-        raise ValueError(f"offsets has shape {tuple(column_factors.offsets.shape)}, expected "
+    if column_factors.ends.shape != (factors.shape[0],):
+        raise ValueError(f"ends has shape {tuple(column_factors.ends.shape)}, expected "
                          f"({factors.shape[0]},): one row end per factor row")
     block_c = next_power_of_2(max(C, 16))
     if not use_triton(t) or t.stride(-1) != 1 or R == 0 or block_c > MAX_BLOCK_C:
@@ -113,7 +113,7 @@ def quantize_rows_folded(t: torch.Tensor, column_factors: ColumnFactors, fp8_dty
     rows, columns_per_warp = FOLDED_CONFIG
     warps = min(16, max(2, block_c // columns_per_warp))
     _quantize_rows_folded_kernel[(cdiv(R, rows),)](
-        t, factors, column_factors.offsets, data, inv, R, C, factors.shape[0], t.stride(0),
+        t, factors, column_factors.ends, data, inv, R, C, factors.shape[0], t.stride(0),
         data.stride(0), FP8_MAX=torch.finfo(fp8_dtype).max, POW2=power_of_two, ROWS=rows,
         BLOCK_C=block_c, BLOCK_G=min(256, next_power_of_2(factors.shape[0])),
         num_warps=warps,

@@ -102,28 +102,28 @@ def _kernels_ok(t: torch.Tensor, num_groups: int) -> bool:
             and t.shape[1] > 0 and 0 < num_groups <= 2**20)
 
 
-def group_amax_scales_reference(t: torch.Tensor, offsets: torch.Tensor, fp8_dtype: torch.dtype,
+def group_amax_scales_reference(t: torch.Tensor, ends: torch.Tensor, fp8_dtype: torch.dtype,
                                 power_of_two: bool) -> torch.Tensor:
     """Plain PyTorch: the rows' maxima, a scatter-max into their groups, the scales."""
-    G = offsets.shape[0]
+    G = ends.shape[0]
     if t.shape[1] == 0 or t.shape[0] == 0:
         return scale_from_amax(t.new_zeros(G, dtype=torch.float32), fp8_dtype, power_of_two)
     row_amax = torch.linalg.vector_norm(t, ord=float("inf"), dim=1).float()
-    amax = row_amax.new_zeros(G + 1).scatter_reduce_(0, row_groups(offsets, t.shape[0]), row_amax,
+    amax = row_amax.new_zeros(G + 1).scatter_reduce_(0, row_groups(ends, t.shape[0]), row_amax,
                                                      "amax")
     return scale_from_amax(amax[:G], fp8_dtype, power_of_two)
 
 
-def group_amax_scales(t: torch.Tensor, offsets: torch.Tensor, fp8_dtype: torch.dtype,
+def group_amax_scales(t: torch.Tensor, ends: torch.Tensor, fp8_dtype: torch.dtype,
                       power_of_two: bool, *,
                       config: tuple[int, int, int] = AMAX_CONFIG) -> torch.Tensor:
     """``(G,)`` float32 tensorwise scales of the row groups of ``(M, C)`` ending at
-    ``offsets`` ``(G,)`` (rows past the last end belong to none); empty groups get 1.
+    ``ends`` ``(G,)`` (rows past the last end belong to none); empty groups get 1.
     ``config``: the launch shape of the amax pass."""
-    G = offsets.shape[0]
+    G = ends.shape[0]
     if not _kernels_ok(t, G):
-        return group_amax_scales_reference(t, offsets, fp8_dtype, power_of_two)
-    return _scales_from_rows(t, offsets, G, 0, fp8_dtype, power_of_two, 0, config)[0]
+        return group_amax_scales_reference(t, ends, fp8_dtype, power_of_two)
+    return _scales_from_rows(t, ends, G, 0, fp8_dtype, power_of_two, 0, config)[0]
 
 
 def weight_group_scales_reference(weight: torch.Tensor, fp8_dtype: torch.dtype,

@@ -97,23 +97,23 @@ def _rows_launch_shape(C: int) -> tuple[int, int, int]:
 def quantize_rows(t: torch.Tensor, fp8_dtype: torch.dtype, power_of_two: bool,
                   scale: torch.Tensor | None = None,
                   out: tuple[torch.Tensor, torch.Tensor] | None = None,
-                  groups: torch.Tensor | None = None, group_rows: int = 0
+                  ends: torch.Tensor | None = None, group_rows: int = 0
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(R, C)`` -> FP8 ``(R, C)`` and ``(R,)`` dequantization factors, one read pass
     per row block (two when a row is wider than one block). ``scale`` ``(R,)`` float32
-    gives the rows' scales instead of deriving them from the rows' amax; with ``groups``
+    gives the rows' scales instead of deriving them from the rows' amax; with ``ends``
     (the ``(G,)`` row ends of groups of rows) or ``group_rows`` (groups of that many rows)
     it is ``(G,)``, one scale per group (rows past the last end take the last group's).
     ``out``: an FP8 ``(R, C)`` tensor with unit column stride and a float32 ``(R,)`` one to
     write into (views of larger buffers: see :func:`quantize_rows_pieces`)."""
     kernel = use_triton(t) and t.stride(-1) == 1 and t.shape[0] > 0
-    if scale is not None and (groups is not None or group_rows):
-        num_groups = groups.shape[0] if groups is not None else -(-t.shape[0] // group_rows)
+    if scale is not None and (ends is not None or group_rows):
+        num_groups = ends.shape[0] if ends is not None else -(-t.shape[0] // group_rows)
         if not (kernel and out is None and 0 < num_groups <= _MAX_KERNEL_GROUPS):
-            scale = _scale_per_row(scale, groups, group_rows, t.shape[0])
-            groups, group_rows = None, 0
+            scale = _scale_per_row(scale, ends, group_rows, t.shape[0])
+            ends, group_rows = None, 0
     else:
-        groups, group_rows = None, 0
+        ends, group_rows = None, 0
     if not kernel or (out is not None and t.device.type == "cpu"):
         if out is None:
             return quantize_rows_reference(t, fp8_dtype, power_of_two, scale)
@@ -129,7 +129,7 @@ def quantize_rows(t: torch.Tensor, fp8_dtype: torch.dtype, power_of_two: bool,
         inv = torch.empty(R, device=t.device, dtype=torch.float32)
     if scale is not None and (scale.dtype != torch.float32 or not scale.is_contiguous()):
         scale = scale.float().contiguous()
-    _launch_rows(t, data, inv, scale, fp8_dtype, power_of_two, ends=groups,
+    _launch_rows(t, data, inv, scale, fp8_dtype, power_of_two, ends=ends,
                  group_rows=group_rows)
     return finish(data, fp8_dtype), inv
 
@@ -139,13 +139,13 @@ def quantize_rows(t: torch.Tensor, fp8_dtype: torch.dtype, power_of_two: bool,
 _MAX_KERNEL_GROUPS = 4096
 
 
-def _scale_per_row(scale: torch.Tensor, groups: torch.Tensor | None, group_rows: int,
+def _scale_per_row(scale: torch.Tensor, ends: torch.Tensor | None, group_rows: int,
                    num_rows: int) -> torch.Tensor:
     """Per-group scales spread onto ``num_rows`` rows (past the last group: the last's)."""
-    if groups is None:
+    if ends is None:
         index = torch.arange(num_rows, device=scale.device) // group_rows
     else:
-        index = row_groups(groups, num_rows)
+        index = row_groups(ends, num_rows)
     return scale.float().index_select(0, index.clamp(max=scale.shape[0] - 1)).contiguous()
 
 
@@ -179,24 +179,24 @@ def _launch_rows(t: torch.Tensor, data: torch.Tensor, inv: torch.Tensor,
 
 def quantize_rows_pieces(pieces: list[torch.Tensor], fp8_dtype: torch.dtype, power_of_two: bool,
                          group_scale: torch.Tensor | None = None,
-                         offsets: torch.Tensor | None = None
+                         ends: torch.Tensor | None = None
                          ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`quantize_rows` of ``torch.cat(pieces)`` without the concatenation: each
     ``(m_g, C)`` piece is quantized straight into its rows of one FP8 ``(M, C)`` buffer
     (one read of each piece). ``group_scale`` ``(G,)``: piece ``g``'s rows all take scale
-    ``group_scale[g]`` (tensorwise) instead of their own amax. ``offsets``: the pieces'
+    ``group_scale[g]`` (tensorwise) instead of their own amax. ``ends``: the pieces'
     ``(G,)`` row ends on the device; with them, one launch reads all the pieces (see
     :func:`piece_shifts`), else one launch per piece."""
     rows = sum(piece.shape[0] for piece in pieces)
     C = pieces[0].shape[1]
     device = pieces[0].device
-    shifts = piece_shifts(pieces) if use_triton(pieces[0]) and rows and offsets is not None \
+    shifts = piece_shifts(pieces) if use_triton(pieces[0]) and rows and ends is not None \
         else None
     if shifts is not None:  # one launch over all the pieces
         data = fp8_buffer((rows, C), device, fp8_dtype)
         inv = torch.empty(rows, device=device, dtype=torch.float32)
         scale = group_scale.float().contiguous() if group_scale is not None else None
-        _launch_rows(shifts.base, data, inv, scale, fp8_dtype, power_of_two, shifts, offsets)
+        _launch_rows(shifts.base, data, inv, scale, fp8_dtype, power_of_two, shifts, ends)
         return finish(data, fp8_dtype), inv
     data = torch.empty(rows, C, device=device, dtype=fp8_dtype)
     inv = torch.empty(rows, device=device, dtype=torch.float32)

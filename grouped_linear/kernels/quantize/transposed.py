@@ -26,7 +26,7 @@ import torch
 from .._groups import row_groups
 from .._triton import cdiv, kernel, next_power_of_2, tl, triton, use_triton
 from ..bias import bias_grad
-from ..ends import aligned_offsets
+from ..ends import aligned_ends
 from .common import amax_to_scale, finish, fp8_buffer, group_amax, piece_shift, piece_shifts, scale_from_amax
 
 __all__ = ["quantize_group_columns_t", "quantize_group_columns_t_reference",
@@ -54,7 +54,7 @@ def fold_row_factors(t: torch.Tensor, row_factors: torch.Tensor) -> torch.Tensor
     return (t.float() * row_factors.float()[:, None]).clamp(-limit, limit)
 
 
-def quantize_group_columns_t_reference(t: torch.Tensor, offsets: torch.Tensor,
+def quantize_group_columns_t_reference(t: torch.Tensor, ends: torch.Tensor,
                                        fp8_dtype: torch.dtype, power_of_two: bool,
                                        group_scale: torch.Tensor | None = None,
                                        row_factors: torch.Tensor | None = None
@@ -66,14 +66,14 @@ def quantize_group_columns_t_reference(t: torch.Tensor, offsets: torch.Tensor,
     if row_factors is not None:
         t = fold_row_factors(t, row_factors)
     if group_scale is None:
-        scale = scale_from_amax(group_amax(t, offsets), fp8_dtype, power_of_two)
+        scale = scale_from_amax(group_amax(t, ends), fp8_dtype, power_of_two)
     else:
-        scale = group_scale[:, None].expand(offsets.shape[0], t.shape[1]).contiguous()
-    groups = row_groups(offsets, t.shape[0])
+        scale = group_scale[:, None].expand(ends.shape[0], t.shape[1]).contiguous()
+    groups = row_groups(ends, t.shape[0])
     per_row = torch.cat([scale, torch.ones_like(scale[:1])]).index_select(0, groups)
     fp8_max = torch.finfo(fp8_dtype).max
     scaled = (t.float() * per_row).clamp(-fp8_max, fp8_max)
-    data = scaled.masked_fill((groups == offsets.shape[0]).unsqueeze(1), 0.0).to(fp8_dtype)
+    data = scaled.masked_fill((groups == ends.shape[0]).unsqueeze(1), 0.0).to(fp8_dtype)
     return data.t().contiguous(), 1.0 / scale
 
 
@@ -102,7 +102,7 @@ def _fold(values, factors_ptr, row0, rows, left):
 
 
 @triton.jit
-def _column_tile(tile, offsets_ptr, dst_offsets_ptr, G, width, ALIGN: tl.constexpr,
+def _column_tile(tile, ends_ptr, dst_ends_ptr, G, width, ALIGN: tl.constexpr,
                  BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr):
     """Tile ``tile`` of the transposed layout, tiles numbered slot after slot: slot ``g < G``
     covers group ``g``'s destination columns (its rows, then its alignment padding), slot
@@ -110,9 +110,9 @@ def _column_tile(tile, offsets_ptr, dst_offsets_ptr, G, width, ALIGN: tl.constex
     first source row and the group's end row, the tile's first destination column, the
     slot's destination end and the number of tiles."""
     slots = tl.arange(0, BLOCK_S)  # BLOCK_S > G
-    ends = tl.load(offsets_ptr + slots, mask=slots < G, other=0).to(tl.int64)
-    starts = tl.load(offsets_ptr + slots - 1, mask=(slots > 0) & (slots < G), other=0).to(tl.int64)
-    dst_starts = tl.load(dst_offsets_ptr + slots - 1, mask=(slots > 0) & (slots <= G),
+    ends = tl.load(ends_ptr + slots, mask=slots < G, other=0).to(tl.int64)
+    starts = tl.load(ends_ptr + slots - 1, mask=(slots > 0) & (slots < G), other=0).to(tl.int64)
+    dst_starts = tl.load(dst_ends_ptr + slots - 1, mask=(slots > 0) & (slots <= G),
                          other=0).to(tl.int64)
     lengths = tl.where(slots < G, (ends - starts + ALIGN - 1) // ALIGN * ALIGN,
                        tl.where(slots == G, tl.maximum(width - dst_starts, 0), 0))
@@ -130,7 +130,7 @@ def _column_tile(tile, offsets_ptr, dst_offsets_ptr, G, width, ALIGN: tl.constex
 
 @kernel
 @triton.jit
-def _group_column_amax_kernel(t_ptr, offsets_ptr, amax_ptr, sums_ptr, shifts_ptr, factors_ptr,
+def _group_column_amax_kernel(t_ptr, ends_ptr, amax_ptr, sums_ptr, shifts_ptr, factors_ptr,
                               M, C, G, stride_t, SUMS: tl.constexpr, PIECES: tl.constexpr,
                               FACTORS: tl.constexpr, SHIFT_MULTIPLE: tl.constexpr,
                               BLOCK_R: tl.constexpr, SUB_TILES: tl.constexpr,
@@ -143,7 +143,7 @@ def _group_column_amax_kernel(t_ptr, offsets_ptr, amax_ptr, sums_ptr, shifts_ptr
     :func:`~grouped_linear.kernels.quantize.common.piece_shift`). ``FACTORS``: the maxima are of
     ``t[r, c] * factors[r]`` (:func:`fold_row_factors`); the sums stay of
     ``t``."""
-    g, src0, end, _, _, total = _column_tile(tl.program_id(0), offsets_ptr, offsets_ptr, G, 0,
+    g, src0, end, _, _, total = _column_tile(tl.program_id(0), ends_ptr, ends_ptr, G, 0,
                                              1, BLOCK_R * SUB_TILES, BLOCK_S)
     if (tl.program_id(0) < total) & (g < G):
         rows = tl.arange(0, BLOCK_R)
@@ -174,15 +174,15 @@ def _group_column_amax_kernel(t_ptr, offsets_ptr, amax_ptr, sums_ptr, shifts_ptr
 
 @kernel
 @triton.jit
-def _reduce_group_sums_kernel(sums_ptr, offsets_ptr, out_ptr, C, G, ROWS_PER_TILE: tl.constexpr,
+def _reduce_group_sums_kernel(sums_ptr, ends_ptr, out_ptr, C, G, ROWS_PER_TILE: tl.constexpr,
                               BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr):
     """``out[g, c]``: the partial sums of group ``g``'s column-amax programs, added in
     program order (deterministic)."""
     g = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     slots = tl.arange(0, BLOCK_S)
-    ends = tl.load(offsets_ptr + slots, mask=slots < G, other=0).to(tl.int64)
-    starts = tl.load(offsets_ptr + slots - 1, mask=(slots > 0) & (slots < G), other=0).to(tl.int64)
+    ends = tl.load(ends_ptr + slots, mask=slots < G, other=0).to(tl.int64)
+    starts = tl.load(ends_ptr + slots - 1, mask=(slots > 0) & (slots < G), other=0).to(tl.int64)
     tiles = tl.where(slots < G, (ends - starts + ROWS_PER_TILE - 1) // ROWS_PER_TILE, 0)
     first = tl.sum(tl.where(slots == g, tl.cumsum(tiles, axis=0) - tiles, 0), axis=0)
     count = tl.sum(tl.where(slots == g, tiles, 0), axis=0)
@@ -194,7 +194,7 @@ def _reduce_group_sums_kernel(sums_ptr, offsets_ptr, out_ptr, C, G, ROWS_PER_TIL
 
 @kernel
 @triton.jit
-def _quantize_columns_t_tiled_kernel(t_ptr, offsets_ptr, dst_offsets_ptr, scale_ptr, inv_ptr,
+def _quantize_columns_t_tiled_kernel(t_ptr, ends_ptr, dst_ends_ptr, scale_ptr, inv_ptr,
                                      q_ptr, shifts_ptr, factors_ptr, C, G, stride_t, stride_q,
                                      width, FP8_MAX: tl.constexpr, POW2: tl.constexpr,
                                      SCALING: tl.constexpr,
@@ -227,8 +227,8 @@ def _quantize_columns_t_tiled_kernel(t_ptr, offsets_ptr, dst_offsets_ptr, scale_
                 inv_scale = amax_to_scale(tl.load(scale_ptr + inv_group * C + inv_cols,
                                            mask=inv_cols < C, other=0.0), FP8_MAX, POW2)
             tl.store(inv_ptr + inv_group * C + inv_cols, 1.0 / inv_scale, mask=inv_cols < C)
-    g, src0, end, dst0, dst_end, total = _column_tile(tl.program_id(0), offsets_ptr,
-                                                      dst_offsets_ptr, G, width, ALIGN, BLOCK_R,
+    g, src0, end, dst0, dst_end, total = _column_tile(tl.program_id(0), ends_ptr,
+                                                      dst_ends_ptr, G, width, ALIGN, BLOCK_R,
                                                       BLOCK_S)
     if tl.program_id(0) < total:
         rows = tl.arange(0, BLOCK_R)
@@ -262,14 +262,14 @@ def _quantize_columns_t_tiled_kernel(t_ptr, offsets_ptr, dst_offsets_ptr, scale_
                  mask=(rows < left)[:, None] & col_mask[None, :])
 
 
-def quantize_columns_t(t, offsets, data_offsets, data, fp8_dtype, power_of_two, group_scale,
+def quantize_columns_t(t, ends, data_ends, data, fp8_dtype, power_of_two, group_scale,
                        align, stride_q=None, width=None, dst_multiple=1, sums=None, shifts=None,
                        num_rows=None, row_factors=None, unit_scale=False,
                        config: TiledConfig = TILED_CONFIG):
-    """Group ``g``'s row ``r`` lands at ``data_flat[c * stride_q + data_offsets[g-1] + r -
+    """Group ``g``'s row ``r`` lands at ``data_flat[c * stride_q + data_ends[g-1] + r -
     start_g]``, followed by zeros up to ``round_up(size_g, align)`` columns; columns from
-    ``data_offsets[-1]`` to ``width`` are zeros (``stride_q``/``width`` default to
-    ``data``'s 2-D row stride and width). ``dst_multiple``: 16 when every ``data_offsets``
+    ``data_ends[-1]`` to ``width`` are zeros (``stride_q``/``width`` default to
+    ``data``'s 2-D row stride and width). ``dst_multiple``: 16 when every ``data_ends``
     entry is a multiple of 16 (the transposed stores are then 16-byte vectors). ``sums``:
     a ``(G, C)`` float32 tensor that receives the per-group column sums of ``t`` (computed
     by the column-amax pass; needs ``group_scale=None``). ``shifts``: a
@@ -284,8 +284,8 @@ def quantize_columns_t(t, offsets, data_offsets, data, fp8_dtype, power_of_two, 
     shift_args = (shifts.shifts, True, shifts.multiple) if shifts is not None else (t, False, 1)
     stride_q = data.stride(0) if stride_q is None else stride_q
     width = data.shape[1] if width is None else width
-    G = offsets.shape[0]
-    factors = row_factors.float().contiguous() if row_factors is not None else offsets
+    G = ends.shape[0]
+    factors = row_factors.float().contiguous() if row_factors is not None else ends
     block_r, block_c, warps, sub_tiles = TiledConfig(*config)
     block_s = max(2, next_power_of_2(G + 1))
     # tiles cover the groups' padded columns and the tail: min(width, that) columns at most;
@@ -295,7 +295,7 @@ def quantize_columns_t(t, offsets, data_offsets, data, fp8_dtype, power_of_two, 
     grid = (cdiv(covered, block_r) + G + 1, cdiv(C, block_c))
     inv = None if unit_scale else torch.empty(G, C, device=t.device, dtype=torch.float32)
     if unit_scale:
-        scaling, scale = "unit", offsets
+        scaling, scale = "unit", ends
     elif group_scale is None:
         scaling = "amax"
         scale = torch.zeros(G, C, device=t.device, dtype=torch.float32)  # the column maxima
@@ -303,20 +303,20 @@ def quantize_columns_t(t, offsets, data_offsets, data, fp8_dtype, power_of_two, 
         partial = torch.empty(amax_grid[0], C, device=t.device, dtype=torch.float32) \
             if sums is not None else scale
         _group_column_amax_kernel[amax_grid](
-            t, offsets, scale, partial, shift_args[0], factors, M, C, G, t.stride(0),
+            t, ends, scale, partial, shift_args[0], factors, M, C, G, t.stride(0),
             SUMS=sums is not None, PIECES=shift_args[1], FACTORS=row_factors is not None,
             SHIFT_MULTIPLE=shift_args[2], BLOCK_R=block_r,
             SUB_TILES=sub_tiles, BLOCK_C=block_c, BLOCK_S=block_s, num_warps=warps)
         if sums is not None:
             _reduce_group_sums_kernel[(G, cdiv(C, 256))](
-                partial, offsets, sums, C, G, ROWS_PER_TILE=block_r * sub_tiles,
+                partial, ends, sums, C, G, ROWS_PER_TILE=block_r * sub_tiles,
                 BLOCK_C=256, BLOCK_S=block_s)
     else:
         scaling = "group"
         scale = group_scale if group_scale.dtype == torch.float32 and group_scale.is_contiguous() \
             else group_scale.float().contiguous()
     _quantize_columns_t_tiled_kernel[grid](
-        t, offsets, data_offsets, scale, inv if inv is not None else scale, data, shift_args[0],
+        t, ends, data_ends, scale, inv if inv is not None else scale, data, shift_args[0],
         factors, C, G, t.stride(0), stride_q, width, FP8_MAX=torch.finfo(fp8_dtype).max,
         POW2=power_of_two, SCALING=scaling, PIECES=shift_args[1],
         FACTORS=row_factors is not None, SHIFT_MULTIPLE=shift_args[2], ALIGN=align,
@@ -326,22 +326,22 @@ def quantize_columns_t(t, offsets, data_offsets, data, fp8_dtype, power_of_two, 
     return inv
 
 
-def quantize_group_columns_t(t: torch.Tensor, offsets: torch.Tensor, fp8_dtype: torch.dtype,
+def quantize_group_columns_t(t: torch.Tensor, ends: torch.Tensor, fp8_dtype: torch.dtype,
                              power_of_two: bool, group_scale: torch.Tensor | None = None,
                              align: int = 1, column_sums: torch.Tensor | None = None,
                              row_factors: torch.Tensor | None = None,
-                             data_offsets: torch.Tensor | None = None,
+                             data_ends: torch.Tensor | None = None,
                              config: TiledConfig = TILED_CONFIG
                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The wgrad operand: ``(M, C)`` -> FP8 transposed, scaled per (group, column) along
     the group's rows (or per group with ``group_scale`` ``(G,)`` float32).
 
-    Returns ``(data, inv, data_offsets)``. With ``align=1``: ``data`` ``(C, M)``,
-    ``data_offsets`` is ``offsets`` and columns past ``offsets[-1]`` are 0. With
+    Returns ``(data, inv, data_ends)``. With ``align=1``: ``data`` ``(C, M)``,
+    ``data_ends`` is ``ends`` and columns past ``ends[-1]`` are 0. With
     ``align > 1``: every group starts at a multiple of ``align`` columns, zero-padded
-    up to the next (``data_offsets`` = :func:`~grouped_linear.kernels.ends.aligned_offsets`),
+    up to the next (``data_ends`` = :func:`~grouped_linear.kernels.ends.aligned_ends`),
     ``data`` has ``M + (align - 1) * G`` columns rounded up to a multiple of 16 (FP8
-    GEMMs need 16-element rows), those past ``data_offsets[-1]`` unspecified. On GPUs
+    GEMMs need 16-element rows), those past ``data_ends[-1]`` unspecified. On GPUs
     the row stride is a multiple of 16. ``inv`` is ``(G, C)``.
 
     ``column_sums``: an optional ``(G, C)`` float32 tensor filled with the per-group column
@@ -353,51 +353,51 @@ def quantize_group_columns_t(t: torch.Tensor, offsets: torch.Tensor, fp8_dtype: 
     stay those of ``t`` itself). The weight gradient folds the forward's per-token factors
     of ``x`` into ``dy`` this way.
 
-    ``data_offsets``: the aligned group ends when the caller already has them (from an
-    earlier call with the same ``offsets`` and ``align``). ``config``: the launch shape.
+    ``data_ends``: the aligned group ends when the caller already has them (from an
+    earlier call with the same ``ends`` and ``align``). ``config``: the launch shape.
     """
     M, C = t.shape
-    G = offsets.shape[0]
-    if data_offsets is None:
-        data_offsets = offsets if align == 1 else aligned_offsets(offsets, align)
+    G = ends.shape[0]
+    if data_ends is None:
+        data_ends = ends if align == 1 else aligned_ends(ends, align)
     width = _aligned_width(M, G, align)
     kernels = use_triton(t) and t.stride(-1) == 1 and t.shape[0] > 0
     fused_sums = column_sums if kernels and group_scale is None else None
     if column_sums is not None and fused_sums is None:  # no column-amax pass to share
-        column_sums.copy_(bias_grad(t, offsets, torch.float32))
+        column_sums.copy_(bias_grad(t, ends, torch.float32))
     if not kernels:
         if row_factors is not None:
             t = fold_row_factors(t, row_factors)
-        data, inv = quantize_group_columns_t_reference(t, offsets, fp8_dtype, power_of_two,
+        data, inv = quantize_group_columns_t_reference(t, ends, fp8_dtype, power_of_two,
                                                        group_scale)
         if align > 1:
-            data = _realign_columns(data, offsets, data_offsets, width)
-        return data, inv, data_offsets
+            data = _realign_columns(data, ends, data_ends, width)
+        return data, inv, data_ends
     data = _transposed_buffer(C, width, t.device, fp8_dtype)
-    inv = quantize_columns_t(t, offsets, data_offsets, data, fp8_dtype, power_of_two, group_scale,
+    inv = quantize_columns_t(t, ends, data_ends, data, fp8_dtype, power_of_two, group_scale,
                              align, dst_multiple=align, sums=fused_sums, row_factors=row_factors,
                              config=config)
-    return finish(data, fp8_dtype), inv, data_offsets
+    return finish(data, fp8_dtype), inv, data_ends
 
 
-def transpose_group_columns(codes: torch.Tensor, offsets: torch.Tensor, align: int = 1,
-                            data_offsets: torch.Tensor | None = None) -> torch.Tensor:
+def transpose_group_columns(codes: torch.Tensor, ends: torch.Tensor, align: int = 1,
+                            data_ends: torch.Tensor | None = None) -> torch.Tensor:
     """FP8 codes ``(M, C)`` moved unchanged into the transposed layout of
-    :func:`quantize_group_columns_t` with the same ``align`` (and ``data_offsets``, computed
+    :func:`quantize_group_columns_t` with the same ``align`` (and ``data_ends``, computed
     when not given): ``(C, width)``, zeros in the alignment and tail columns. The wgrad
     operand of a tensor already quantized per token whose factors were moved onto the other
     operand; one launch on GPUs, no factors."""
     M, C = codes.shape
-    G = offsets.shape[0]
-    if data_offsets is None:
-        data_offsets = offsets if align == 1 else aligned_offsets(offsets, align)
+    G = ends.shape[0]
+    if data_ends is None:
+        data_ends = ends if align == 1 else aligned_ends(ends, align)
     if not (use_triton(codes) and codes.stride(-1) == 1 and M > 0):
         ones = torch.ones(G, device=codes.device)
-        data, _ = quantize_group_columns_t_reference(codes, offsets, codes.dtype, False, ones)
-        return _realign_columns(data, offsets, data_offsets, _aligned_width(M, G, align)) \
+        data, _ = quantize_group_columns_t_reference(codes, ends, codes.dtype, False, ones)
+        return _realign_columns(data, ends, data_ends, _aligned_width(M, G, align)) \
             if align > 1 else data
     data = _transposed_buffer(C, _aligned_width(M, G, align), codes.device, codes.dtype)
-    quantize_columns_t(codes, offsets, data_offsets, data, codes.dtype, False, None,
+    quantize_columns_t(codes, ends, data_ends, data, codes.dtype, False, None,
                                     align, dst_multiple=align, unit_scale=True)
     return finish(data, codes.dtype)
 
@@ -405,7 +405,7 @@ def transpose_group_columns(codes: torch.Tensor, offsets: torch.Tensor, align: i
 def quantize_group_columns_t_pieces(pieces: list[torch.Tensor], fp8_dtype: torch.dtype,
                                     power_of_two: bool, group_scale: torch.Tensor | None = None,
                                     align: int = 16, width: int | None = None,
-                                    offsets: torch.Tensor | None = None,
+                                    ends: torch.Tensor | None = None,
                                     config: TiledConfig = TILED_CONFIG
                                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`quantize_group_columns_t` of ``torch.cat(pieces)`` with ``align`` (one group
@@ -413,7 +413,7 @@ def quantize_group_columns_t_pieces(pieces: list[torch.Tensor], fp8_dtype: torch
     its aligned columns of one transposed FP8 buffer. Returns ``(data, inv)``: ``data``
     ``(C, width)`` (``width`` defaults to the one :func:`quantize_group_columns_t` uses),
     group ``g`` at columns from ``sum_{h<g} round_up(m_h, align)``, zero-padded to
-    ``round_up(m_g, align)``; ``inv`` ``(G, C)``. ``offsets``: the pieces' ``(G,)`` int32
+    ``round_up(m_g, align)``; ``inv`` ``(G, C)``. ``ends``: the pieces' ``(G,)`` int32
     row ends already on the device, so nothing is copied from the host per call (a
     host-to-device copy waits for the queued GPU work). ``config``: the launch shape."""
     sizes = [piece.shape[0] for piece in pieces]
@@ -423,10 +423,10 @@ def quantize_group_columns_t_pieces(pieces: list[torch.Tensor], fp8_dtype: torch
     if width is None:
         width = _aligned_width(rows, G, align)
     padded = [-(-size // align) * align for size in sizes]
-    if offsets is None:
-        offsets = torch.tensor(sizes, device=device).cumsum(0).to(torch.int32)
+    if ends is None:
+        ends = torch.tensor(sizes, device=device).cumsum(0).to(torch.int32)
     if not use_triton(pieces[0]) or any(piece.stride(-1) != 1 for piece in pieces):
-        data, inv, _ = quantize_group_columns_t(torch.cat(pieces), offsets, fp8_dtype,
+        data, inv, _ = quantize_group_columns_t(torch.cat(pieces), ends, fp8_dtype,
                                                 power_of_two, group_scale, align, config=config)
         if data.shape[1] < width:
             data = torch.cat([data, data.new_zeros(C, width - data.shape[1])], dim=1)
@@ -434,12 +434,12 @@ def quantize_group_columns_t_pieces(pieces: list[torch.Tensor], fp8_dtype: torch
     data = _transposed_buffer(C, width, device, fp8_dtype)
     shifts = piece_shifts(pieces) if rows else None
     if shifts is not None:  # one launch per pass over all the pieces
-        data_offsets = aligned_offsets(offsets, align) if align > 1 else offsets
+        data_ends = aligned_ends(ends, align) if align > 1 else ends
         inv = quantize_columns_t(
-            shifts.base, offsets, data_offsets, data, fp8_dtype, power_of_two, group_scale, align,
+            shifts.base, ends, data_ends, data, fp8_dtype, power_of_two, group_scale, align,
             width=width, dst_multiple=align, shifts=shifts, num_rows=rows, config=config)
         return finish(data, fp8_dtype), inv
-    group_sizes = torch.diff(offsets.to(torch.int32), prepend=offsets.new_zeros(1, dtype=torch.int32))
+    group_sizes = torch.diff(ends.to(torch.int32), prepend=ends.new_zeros(1, dtype=torch.int32))
     padded_sizes = (group_sizes + (align - 1)) // align * align
     invs, start = [], 0
     for g, piece in enumerate(pieces):
@@ -461,13 +461,13 @@ def quantize_group_columns_t_pieces(pieces: list[torch.Tensor], fp8_dtype: torch
     return finish(data, fp8_dtype), torch.cat(invs)
 
 
-def _realign_columns(data: torch.Tensor, offsets: torch.Tensor, data_offsets: torch.Tensor,
+def _realign_columns(data: torch.Tensor, ends: torch.Tensor, data_ends: torch.Tensor,
                      width: int) -> torch.Tensor:
     """Reference of the aligned layout: each group's columns moved to its aligned start."""
     out = torch.zeros(data.shape[0], width, dtype=data.dtype, device=data.device)
-    ends, aligned_ends = offsets.tolist(), data_offsets.tolist()
-    for g, end in enumerate(ends):
-        start = ends[g - 1] if g else 0
-        aligned_start = aligned_ends[g - 1] if g else 0
+    row_ends, column_ends = ends.tolist(), data_ends.tolist()
+    for g, end in enumerate(row_ends):
+        start = row_ends[g - 1] if g else 0
+        aligned_start = column_ends[g - 1] if g else 0
         out[:, aligned_start:aligned_start + end - start] = data[:, start:end]
     return out

@@ -77,7 +77,7 @@ def test_rows_with_group_scales(sizes, tail):
     group_scale = torch.rand(len(sizes), device=DEVICE) * 8 + 0.25
     groups = torch.bucketize(torch.arange(M, device=DEVICE), offsets.long(), right=True)
     per_row = group_scale[groups.clamp(max=len(sizes) - 1)]
-    data, inv = q.quantize_rows(t, E4M3, False, group_scale, groups=offsets)
+    data, inv = q.quantize_rows(t, E4M3, False, group_scale, ends=offsets)
     want_data, want_inv = q.quantize_rows_reference(t, E4M3, False, per_row)
     torch.testing.assert_close(inv, want_inv)
     assert codes_close(data, want_data)

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from grouped_linear.kernels import bias as bias_kernels
-from grouped_linear.kernels.ends import aligned_offsets_reference
+from grouped_linear.kernels.ends import aligned_ends_reference
 from grouped_linear.kernels.quantize import common as qc
 from grouped_linear.kernels.quantize import emulate as qe
 from grouped_linear.kernels.quantize import groups as qg
@@ -125,7 +125,7 @@ def _reference_columns(t, offsets, group_scale, align):
     data, inv = qt.quantize_group_columns_t_reference(t, offsets, E4M3, False, group_scale)
     if align == 1:
         return data, inv, offsets
-    data_offsets = aligned_offsets_reference(offsets, align).to(offsets.device)
+    data_offsets = aligned_ends_reference(offsets, align).to(offsets.device)
     width = -(-(t.shape[0] + (align - 1) * offsets.shape[0]) // 16) * 16
     return qt._realign_columns(data, offsets, data_offsets, width), inv, data_offsets
 
@@ -288,14 +288,14 @@ def test_quantizing_pieces_equals_quantizing_their_concatenation(align, tensorwi
 
     for module, name in ((q, "quantize_rows"), (qt, "quantize_columns_t")):
         monkeypatch.setattr(module, name, counted(getattr(module, name), name))
-    rows, rows_inv = q.quantize_rows_pieces(pieces, E4M3, False, group_scale, offsets=offsets)
+    rows, rows_inv = q.quantize_rows_pieces(pieces, E4M3, False, group_scale, ends=offsets)
     row_scale = group_scale.repeat_interleave(torch.tensor(sizes, device=DEVICE)) \
         if tensorwise else None
     want_rows, want_rows_inv = q.quantize_rows_reference(whole, E4M3, False, row_scale)
     assert torch.allclose(rows_inv, want_rows_inv, rtol=1e-6)
     assert codes_close(rows, want_rows)
     data, inv = qt.quantize_group_columns_t_pieces(pieces, E4M3, False, group_scale, align,
-                                                   offsets=offsets, config=(16, 32, 4))
+                                                   ends=offsets, config=(16, 32, 4))
     # one launch: no per-piece calls, and one tiled column quantization for all the pieces
     per_piece = 3 if not one_launch else 0
     assert launches.count("quantize_rows") == per_piece
@@ -368,7 +368,7 @@ def test_transposing_fp8_codes_keeps_them_and_the_aligned_layout(align):
         start += size
         aligned_start += -(-size // align) * align
     assert torch.equal(data.float().cpu(), want)
-    again = qt.transpose_group_columns(codes, offsets, align, data_offsets=aligned)
+    again = qt.transpose_group_columns(codes, offsets, align, data_ends=aligned)
     assert torch.equal(again[:, :aligned_start].float(), data[:, :aligned_start].float())
 
 
