@@ -13,7 +13,7 @@ import functools
 
 import torch
 
-from ._triton import HAS_TRITON
+from ._triton import HAS_TRITON, Stub
 
 try:
     from triton.experimental import gluon
@@ -30,17 +30,7 @@ try:
     HAS_GLUON = HAS_TRITON
 except ImportError:  # pragma: no cover - older Triton or none
     HAS_GLUON = False
-
-    class _Stub:
-        constexpr = object
-
-        @staticmethod
-        def jit(fn=None, **_kwargs):
-            return fn if fn is not None else (lambda f: f)
-
-        constexpr_function = jit
-
-    gluon = gl = _Stub()
+    gluon = gl = Stub()
     fence_async_shared = mbarrier = tma = warpgroup_mma = warpgroup_mma_wait = None
     TensorDescriptor = None
 

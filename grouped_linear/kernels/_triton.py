@@ -17,17 +17,25 @@ try:
 except ImportError:  # pragma: no cover - exercised only without triton installed
     HAS_TRITON = False
 
-    class _Stub:
-        constexpr = object
+__all__ = ["triton", "tl", "HAS_TRITON", "Stub", "interpreting", "use_triton", "kernel",
+           "LaunchPlan", "cdiv", "next_power_of_2", "sm_count"]
 
-        @staticmethod
-        def jit(fn=None, **_kwargs):
-            return fn if fn is not None else (lambda f: f)
 
-    triton = tl = _Stub()
+class Stub:
+    """Stands in for ``triton`` and ``triton.language`` (and Gluon's) where they cannot be
+    imported: decorators that return the function, ``constexpr`` for annotations."""
 
-__all__ = ["triton", "tl", "HAS_TRITON", "interpreting", "use_triton", "kernel", "LaunchPlan",
-           "cdiv", "next_power_of_2", "sm_count"]
+    constexpr = object
+
+    @staticmethod
+    def jit(fn=None, **_kwargs):
+        return fn if fn is not None else (lambda f: f)
+
+    constexpr_function = jit
+
+
+if not HAS_TRITON:  # pragma: no cover
+    triton = tl = Stub()
 
 
 def cdiv(a: int, b: int) -> int:

@@ -160,4 +160,3 @@ def test_plans_step_aside_for_launch_hooks_and_stay_bounded():
     for rows in range(1, triton_gemm.MAX_PLANS + 8):  # one geometry (and plan) per row count
         triton_gemm.forward(wide[:rows], weight, None, sizes)
         assert len(triton_gemm._PLANS) <= triton_gemm.MAX_PLANS
-

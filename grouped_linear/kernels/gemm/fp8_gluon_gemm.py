@@ -78,6 +78,7 @@ def _mm_step(a_desc, b_desc, bars, a_bufs, b_bufs, step, into, kb, steps, k_bloc
     partial = issue_mma(bars, a_bufs, b_bufs, step, into, STAGES)
     return partial, _block_scale(a_inv_rows, row_mask, b_inv_tile, stride_bir, has_group, kb)
 
+
 @gluon.jit
 def _block_scale(a_inv_rows, row_mask, b_inv_tile, stride_bir, has_group, kb):
     """Block ``kb``'s factor per row: the row's 1x128 factor times the weight block's."""
@@ -92,6 +93,7 @@ def _tile_factors(a_inv_ptr, b_inv_ptr, rows, row0, end, g, col_tile, G, stride_
     weight blocks' (none for the rows past the groups, ``g == G``)."""
     return (rows < (end - row0), a_inv_ptr + (row0 + rows).to(gl.int64) * stride_ai,
             b_inv_ptr + g.to(gl.int64) * stride_big + col_tile * stride_biw, g < G)
+
 
 @gluon.jit
 def _rescale_rows(acc, partial, scale, PENDING: gl.constexpr):
@@ -129,7 +131,7 @@ def _blockwise_mm_kernel(a_desc, b_desc, a_inv_ptr, b_inv_ptr, out_ptr, sizes_pt
     # which time that MMA has been waited for.
     LEAD: gl.constexpr = STAGES - 2
     g, end, row0, col_tile = tile_origin(pid, gs, starts, ends, tile_begin, tile_end,
-                                          n_tiles, BLOCK_M)
+                                         n_tiles, BLOCK_M)
     for p in gl.static_range(LEAD):
         _issue_loads(a_desc, b_desc, row0, g * W + col_tile * BLOCK_N, p * BLOCK_K, bars,
                      a_bufs, b_bufs, p, STAGES, p < steps)
@@ -139,7 +141,7 @@ def _blockwise_mm_kernel(a_desc, b_desc, a_inv_ptr, b_inv_ptr, out_ptr, sizes_pt
     for t in range(0, my_tiles):
         tile = pid + t * NUM_PROGRAMS
         g, end, row0, col_tile = tile_origin(tile, gs, starts, ends, tile_begin, tile_end,
-                                              n_tiles, BLOCK_M)
+                                             n_tiles, BLOCK_M)
         next_g, _next_end, next_row0, next_col_tile = tile_origin(
             tile + NUM_PROGRAMS, gs, starts, ends, tile_begin, tile_end, n_tiles, BLOCK_M)
         b_row = g * W + col_tile * BLOCK_N

@@ -75,6 +75,7 @@ def _issue_wgrad_loads(dy_desc, x_desc, dy_inv_desc, x_inv_desc, n0, k0, block, 
     tma.async_copy_global_to_shared(dy_inv_desc, [block, n0], bar, dy_inv_bufs.index(stage))
     tma.async_copy_global_to_shared(x_inv_desc, [block, k0], bar, x_inv_bufs.index(stage))
 
+
 @gluon.jit
 def _rescale_outer(acc, partial, dy_inv_bufs, x_inv_bufs, step, STAGES: gl.constexpr,
                    PENDING: gl.constexpr):
@@ -87,6 +88,7 @@ def _rescale_outer(acc, partial, dy_inv_bufs, x_inv_bufs, step, STAGES: gl.const
     x_scale = x_inv_bufs.index(stage).reshape([acc.shape[1]]).load(gl.SliceLayout(0, layout))
     return acc + done * dy_scale[:, None] * x_scale[None, :], done
 
+
 @gluon.jit
 def _load_tile(dy_desc, x_desc, dy_inv_desc, x_inv_desc, dy_bufs, x_bufs, dy_inv_bufs,
                x_inv_bufs, ready, empty, step0, n0, k0, first_block, n_blocks):
@@ -98,6 +100,7 @@ def _load_tile(dy_desc, x_desc, dy_inv_desc, x_inv_desc, dy_bufs, x_bufs, dy_inv
         mbarrier.wait(empty.index(step % STAGES), ((step // STAGES) & 1) ^ 1)
         _issue_wgrad_loads(dy_desc, x_desc, dy_inv_desc, x_inv_desc, n0, k0, first_block + i,
                            ready, dy_bufs, x_bufs, dy_inv_bufs, x_inv_bufs, step, STAGES)
+
 
 @gluon.jit
 def _tile_product(dy_bufs, x_bufs, dy_inv_bufs, x_inv_bufs, ready, empty, step0, n_blocks,
@@ -142,6 +145,7 @@ def _group_blocks(sizes_ptr, G, M, BLOCK_T: gl.constexpr, BLOCK_G: gl.constexpr,
     blocks = ((ends - starts + BLOCK_T - 1) // BLOCK_T).to(gl.int32)
     return gs, gl.associative_scan(blocks, 0, add) - blocks, blocks
 
+
 @gluon.jit
 def _tile_schedule(sizes_ptr, M, N, K, G, BLOCK_T: gl.constexpr, BLOCK_N: gl.constexpr,
                    BLOCK_K: gl.constexpr, BLOCK_G: gl.constexpr, NUM_PROGRAMS: gl.constexpr,
@@ -154,16 +158,18 @@ def _tile_schedule(sizes_ptr, M, N, K, G, BLOCK_T: gl.constexpr, BLOCK_N: gl.con
     pid, my_tiles = program_tiles(G * n_tiles * k_tiles, NUM_PROGRAMS)
     return gs, firsts, blocks, n_tiles, k_tiles, pid, my_tiles
 
+
 @gluon.jit
 def _program_tile(t, pid, gs, firsts, blocks, n_tiles, k_tiles, GROUP_N: gl.constexpr,
                   BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, NUM_PROGRAMS: gl.constexpr):
     """The program's ``t``-th tile: its group, first N and K, and the group's first token
     block and block count."""
     g, n0, k0 = band_tile(pid + t * NUM_PROGRAMS, n_tiles, k_tiles, GROUP_N, BLOCK_N,
-                            BLOCK_K)
+                          BLOCK_K)
     first_block = gl.sum(gl.where(gs == g, firsts, 0), axis=0)
     n_blocks = gl.sum(gl.where(gs == g, blocks, 0), axis=0)
     return g, n0, k0, first_block, n_blocks
+
 
 @gluon.jit
 def _wgrad_loader(dy_desc, x_desc, dy_inv_desc, x_inv_desc, dy_bufs, x_bufs, dy_inv_bufs,
@@ -186,6 +192,7 @@ def _wgrad_loader(dy_desc, x_desc, dy_inv_desc, x_inv_desc, dy_bufs, x_bufs, dy_
         _load_tile(dy_desc, x_desc, dy_inv_desc, x_inv_desc, dy_bufs, x_bufs, dy_inv_bufs,
                    x_inv_bufs, ready, empty, step, n0, k0, first_block, n_blocks)
         step += n_blocks
+
 
 @gluon.jit
 def _wgrad_tiles(dy_bufs, x_bufs, dy_inv_bufs, x_inv_bufs, ready, empty, dw_ptr, sizes_ptr,
@@ -210,8 +217,9 @@ def _wgrad_tiles(dy_bufs, x_bufs, dy_inv_bufs, x_inv_bufs, ready, empty, dw_ptr,
         acc = _tile_product(dy_bufs, x_bufs, dy_inv_bufs, x_inv_bufs, ready, empty, step,
                             n_blocks, UNROLL, mma_layout)
         store_tile(dw_ptr + g.to(gl.int64) * stride_dwg, acc, n0, N - n0, k0, K - k0,
-                    stride_dwn, num_warps, BLOCK_N, BLOCK_K)
+                   stride_dwn, num_warps, BLOCK_N, BLOCK_K)
         step += n_blocks
+
 
 @gluon.jit
 def _blockwise_wgrad_kernel(dy_desc, x_desc, dy_inv_desc, x_inv_desc, dw_ptr, sizes_ptr, M,

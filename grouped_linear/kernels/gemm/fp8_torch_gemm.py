@@ -23,6 +23,8 @@ import functools
 
 import torch
 
+from .._gluon import is_sm90
+
 # The wgrad form reduces over the tokens: each group must start on a 16-element
 # boundary there (unaligned ends trip a device-side assert in torch 2.11).
 WGRAD_GROUP_ALIGN = 16
@@ -36,12 +38,7 @@ def available(device: torch.device) -> bool:
     if device.type != "cuda" or not hasattr(torch, "_scaled_grouped_mm"):
         return False
     index = device.index if device.index is not None else torch.cuda.current_device()
-    return _is_sm90(index)
-
-
-@functools.cache
-def _is_sm90(device_index: int) -> bool:
-    return torch.cuda.get_device_capability(device_index) == (9, 0)
+    return is_sm90(index)
 
 
 def shapes_supported(in_features: int, out_features: int) -> bool:

@@ -81,10 +81,11 @@ def _load_step(a_desc, b_desc, a_row, g, col0, k, R, W, bars, a_bufs, b_bufs, st
     tile at rows ``a_row``, group ``g``, output columns ``col0``) into its stage."""
     if TRANSPOSED:  # weight[g] rows along the reduction
         load_stage(a_desc, a_row, k, b_desc, g * R + k, col0, bars, a_bufs, b_bufs, step,
-                    STAGES, pred)
+                   STAGES, pred)
     else:  # weight[g] rows along the output columns
         load_stage(a_desc, a_row, k, b_desc, g * W + col0, k, bars, a_bufs, b_bufs, step,
-                    STAGES, pred)
+                   STAGES, pred)
+
 
 @gluon.jit
 def _store_rows(out_ptr, values, rows, cols, row0, rows_left, col0, col_mask, stride_om):
@@ -94,6 +95,7 @@ def _store_rows(out_ptr, values, rows, cols, row0, rows_left, col0, col_mask, st
     base = out_ptr + (row0.to(gl.int64) * stride_om + col0)
     gl.store(base + (rows[:, None].to(gl.int64) * stride_om + cols[None, :]), values,
              mask=mask)
+
 
 @gluon.jit
 def _mm_kernel(a_desc, b_desc, out_desc, bias_ptr, out_ptr, ends_ptr, M, W, R, G,
@@ -123,7 +125,7 @@ def _mm_kernel(a_desc, b_desc, out_desc, bias_ptr, out_ptr, ends_ptr, M, W, R, G
     # s + LEAD refills the stage of step s - 1, whose MMA the wait below has finished.
     LEAD: gl.constexpr = STAGES - 1
     g, end, row0, col_tile = tile_origin(pid, gs, starts, ends, tile_begin, tile_end,
-                                          n_tiles, BLOCK_M, GROUP_M)
+                                         n_tiles, BLOCK_M, GROUP_M)
     for p in gl.static_range(LEAD):
         _load_step(a_desc, b_desc, row0, g, col_tile * BLOCK_N, p * BLOCK_K, R, W, bars,
                    a_bufs, b_bufs, p, STAGES, TRANSPOSED, p < steps)
@@ -134,7 +136,7 @@ def _mm_kernel(a_desc, b_desc, out_desc, bias_ptr, out_ptr, ends_ptr, M, W, R, G
     for t in range(0, my_tiles):
         tile = pid + t * NUM_PROGRAMS
         g, end, row0, col_tile = tile_origin(tile, gs, starts, ends, tile_begin, tile_end,
-                                              n_tiles, BLOCK_M, GROUP_M)
+                                             n_tiles, BLOCK_M, GROUP_M)
         next_g, _next_end, next_row0, next_col_tile = tile_origin(
             tile + NUM_PROGRAMS, gs, starts, ends, tile_begin, tile_end, n_tiles, BLOCK_M,
             GROUP_M)

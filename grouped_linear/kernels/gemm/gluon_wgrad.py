@@ -82,6 +82,7 @@ def _zero_rows_from(tile, first_zero_row, BLOCK_T: gl.constexpr, num_warps: gl.c
     rows = gl.arange(0, BLOCK_T, layout=gl.SliceLayout(1, layout))
     tile.store(gl.where((rows < first_zero_row)[:, None], values, gl.zeros_like(values)))
 
+
 @gluon.jit
 def _tile_products(dy_desc, x_desc, dy_bufs, x_bufs, bars, ones_tile, start, end, n0, k0,
                    step, SUMS: gl.constexpr, mma_layout: gl.constexpr,
@@ -100,7 +101,7 @@ def _tile_products(dy_desc, x_desc, dy_bufs, x_bufs, bars, ones_tile, start, end
     for p in gl.static_range(LEAD):
         row = start + p * BLOCK_T
         load_stage(dy_desc, row, n0, x_desc, row, k0, bars, dy_bufs, x_bufs, step + p,
-                    STAGES, p < k_blocks)
+                   STAGES, p < k_blocks)
     acc = gl.zeros([BLOCK_N, BLOCK_K], gl.float32, layout=mma_layout)
     bias_acc = gl.zeros([BLOCK_N, 8], gl.float32, layout=bias_layout)
     for kb in range(0, k_blocks):
@@ -125,13 +126,14 @@ def _tile_products(dy_desc, x_desc, dy_bufs, x_bufs, bars, ones_tile, start, end
             acc = warpgroup_mma_wait(IN_FLIGHT, deps=[acc])
         row = start + (kb + LEAD) * BLOCK_T
         load_stage(dy_desc, row, n0, x_desc, row, k0, bars, dy_bufs, x_bufs, step + LEAD,
-                    STAGES, kb + LEAD < k_blocks)
+                   STAGES, kb + LEAD < k_blocks)
         step += 1
     if SUMS:
         acc, bias_acc = warpgroup_mma_wait(0, deps=[acc, bias_acc])
     else:
         acc = warpgroup_mma_wait(0, deps=[acc])
     return acc, bias_acc, step
+
 
 @gluon.jit
 def _wgrad_kernel(dy_desc, x_desc, out_desc, out_ptr, bias_grad_ptr, ends_ptr, N, K, G,
@@ -263,4 +265,3 @@ def wgrad_reference(grad_out: torch.Tensor, x: torch.Tensor, ends: torch.Tensor,
         grad_b[g] = dy.sum(0)
         start = end
     return grad_w.to(x.dtype), (grad_b.to(torch.float32) if with_bias else None)
-

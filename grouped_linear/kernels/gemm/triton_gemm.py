@@ -46,10 +46,10 @@ def _mm_tiles(first_tile, a_ptr, b_ptr, bias_ptr, out_ptr, sizes_ptr, M, N, K, G
     ``first_tile`` in steps of ``NUM_PROGRAMS``.
     """
     gs, starts, ends, tile_begin, tile_end, total = tile_list(sizes_ptr, G, M, N, BLOCK_M,
-                                                               BLOCK_N, BLOCK_G)
+                                                              BLOCK_N, BLOCK_G)
     for tile in range(first_tile, total, NUM_PROGRAMS):
         g, end, row0, col_tile = tile_origin(tile, gs, starts, ends, tile_begin, tile_end, N,
-                                              BLOCK_M, BLOCK_N)
+                                             BLOCK_M, BLOCK_N)
         col0 = col_tile * BLOCK_N
         # int64 scalar bases, int32 ends inside the tile: 64-bit pointer tensors live
         # across the K loop spill registers on sm90 (benchmarks/kernel_resources.py).

@@ -47,12 +47,14 @@ def _scale(amax, FP8_MAX: gl.constexpr, POW2: gl.constexpr):
         scale = gl.exp2(gl.floor(gl.log2(scale)))
     return scale
 
+
 @gluon.jit
 def _to_fp8(values, scale, dtype: gl.constexpr):
     """``values * scale`` in FP8: the conversion saturates at the format's largest finite
     value, which is where :func:`grouped_linear.kernels.quantize.blocks`'s explicit
     clamp puts it too (bit for bit for finite inputs; a NaN stays NaN here)."""
     return (values * scale).to(dtype)
+
 
 @gluon.jit
 def _row_tiles(tile, rq_ptr, rinv_ptr, start, rows_here, valid_rows, col0, C,
@@ -79,6 +81,7 @@ def _row_tiles(tile, rq_ptr, rinv_ptr, start, rows_here, valid_rows, col0, C,
                  mask=row_mask[:, None] & (cols < C)[None, :])
         gl.store(rinv_ptr + rows * gl.num_programs(1) + gl.program_id(1), 1.0 / scale,
                  mask=row_mask)
+
 
 @gluon.jit
 def _token_blocks(tile, q_ptr, inv_ptr, b, valid_rows, col0, C, stride_q,
@@ -108,6 +111,7 @@ def _token_blocks(tile, q_ptr, inv_ptr, b, valid_rows, col0, C, stride_q,
                  mask=col_mask[None, :])
         gl.store(inv_ptr + b.to(gl.int64) * C + cols, 1.0 / scale, mask=col_mask)
 
+
 @gluon.jit
 def _quantize_both_kernel(t_desc, sizes_ptr, rq_ptr, rinv_ptr, q_ptr, inv_ptr, M, C, G,
                           stride_q, FP8_MAX: gl.constexpr, POW2: gl.constexpr,
@@ -135,7 +139,7 @@ def _quantize_both_kernel(t_desc, sizes_ptr, rq_ptr, rinv_ptr, q_ptr, inv_ptr, M
     gs, starts, ends, block_begin, block_end, _total = tile_list(
         sizes_ptr, G, M, 1, TILE_R, 1, BLOCK_G, table_layout)
     g, end, start, _col = tile_origin(b, gs, starts, ends, block_begin, block_end, 1,
-                                       TILE_R)
+                                      TILE_R)
     valid_rows = gl.where(g < G, end - start, 0)  # rows whose values count
 
     tile = gl.allocate_shared_memory(t_desc.dtype, t_desc.block_type.shape, t_desc.layout)

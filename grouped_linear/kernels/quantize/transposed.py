@@ -225,7 +225,7 @@ def _quantize_columns_t_tiled_kernel(t_ptr, ends_ptr, dst_ends_ptr, scale_ptr, i
                 inv_scale = tl.zeros([BLOCK_C], dtype=tl.float32) + tl.load(scale_ptr + inv_group)
             else:
                 inv_scale = amax_to_scale(tl.load(scale_ptr + inv_group * C + inv_cols,
-                                           mask=inv_cols < C, other=0.0), FP8_MAX, POW2)
+                                                  mask=inv_cols < C, other=0.0), FP8_MAX, POW2)
             tl.store(inv_ptr + inv_group * C + inv_cols, 1.0 / inv_scale, mask=inv_cols < C)
     g, src0, end, dst0, dst_end, total = _column_tile(tl.program_id(0), ends_ptr,
                                                       dst_ends_ptr, G, width, ALIGN, BLOCK_R,
@@ -398,7 +398,7 @@ def transpose_group_columns(codes: torch.Tensor, ends: torch.Tensor, align: int 
             if align > 1 else data
     data = _transposed_buffer(C, _aligned_width(M, G, align), codes.device, codes.dtype)
     quantize_columns_t(codes, ends, data_ends, data, codes.dtype, False, None,
-                                    align, dst_multiple=align, unit_scale=True)
+                       align, dst_multiple=align, unit_scale=True)
     return finish(data, codes.dtype)
 
 

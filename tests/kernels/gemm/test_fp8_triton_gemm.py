@@ -116,4 +116,3 @@ def test_blockwise_wgrad_rejects_strided_tokens():
     dy = _fp8(256, 16).t()  # (16, 256) with token stride 16
     with pytest.raises(ValueError, match="dy_blocks"):
         fg.blockwise_wgrad(dy, _factors(3, 16), _fp8(8, 256), _factors(3, 8), sizes_t, 4)
-
