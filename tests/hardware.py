@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from grouped_linear.kernels.fp8_gluon_gemm import HAS_GLUON
+from grouped_linear.kernels._gluon import HAS_GLUON
 
 #: An sm90 (Hopper) GPU with Triton's Gluon: where the Gluon kernels can run.
 HOPPER_GLUON = (HAS_GLUON and torch.cuda.is_available()

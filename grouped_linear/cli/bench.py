@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 
 import grouped_linear as gl
-from grouped_linear.kernels import fp8_gemm
+from grouped_linear.kernels.gemm import fp8_torch_gemm
 
 from .demo import resolve_device
 from .report import RATIOS, SMALL_SHAPE_NAME, ratio, render_table, write_plot
@@ -364,7 +364,7 @@ def run_bench(
         unknown = [c for c in columns if c not in COLUMNS]
         if unknown:
             raise ValueError(f"unknown column(s) {unknown}; available: {list(COLUMNS)}")
-    fp8_here = dev.type == "cuda" and torch_dtype == torch.bfloat16 and fp8_gemm.available(dev)
+    fp8_here = dev.type == "cuda" and torch_dtype == torch.bfloat16 and fp8_torch_gemm.available(dev)
     asked = columns
     columns = [c for c in COLUMNS
                if (columns is None or c in columns)

@@ -17,21 +17,25 @@ try:
 except ImportError:  # pragma: no cover - exercised only without triton installed
     HAS_TRITON = False
 
-    class _Stub:
-        constexpr = object
+__all__ = ["triton", "tl", "HAS_TRITON", "Stub", "interpreting", "use_triton", "kernel",
+           "LaunchPlan", "cdiv", "next_power_of_2", "sm_count"]
 
-        @staticmethod
-        def jit(fn=None, **_kwargs):
-            return fn if fn is not None else (lambda f: f)
 
-    triton = tl = _Stub()
+class Stub:
+    """Stands in for ``triton`` and ``triton.language`` (and Gluon's) where they cannot be
+    imported: decorators that return the function, ``constexpr`` for annotations."""
 
-__all__ = ["triton", "tl", "HAS_TRITON", "interpreting", "use_triton", "kernel", "LaunchPlan",
-           "FAST_LAUNCH", "cdiv", "next_power_of_2"]
+    constexpr = object
 
-# Launch compiled kernels through :class:`_Kernel`'s cached path (see there); ``False``
-# sends every launch through Triton's own ``kernel[grid](...)``.
-FAST_LAUNCH = True
+    @staticmethod
+    def jit(fn=None, **_kwargs):
+        return fn if fn is not None else (lambda f: f)
+
+    constexpr_function = jit
+
+
+if not HAS_TRITON:  # pragma: no cover
+    triton = tl = Stub()
 
 
 def cdiv(a: int, b: int) -> int:
@@ -76,8 +80,9 @@ class _Kernel:
     ``JITFunction.run``'s per-call work (option strings, global-value checks, launch
     metadata): an empty kernel's launch took 27.9 µs of host time that way and 10.0 µs
     this way on the H200 machine's host (benchmarks/small_step.py), and small MoE
-    problems are made of launches. Launch hooks (profilers), the CPU interpreter and
-    ``FAST_LAUNCH = False`` take Triton's path. Other attributes are the JIT function's.
+    problems are made of launches. Launch hooks (profilers) and the CPU interpreter take
+    Triton's path, and so does every launch after a Triton launcher has rejected the
+    cached path's arguments (:attr:`cached`). Other attributes are the JIT function's.
     """
 
     def __init__(self, jit_fn):
@@ -85,6 +90,8 @@ class _Kernel:
         self._compiled: dict = {}
         # Under TRITON_INTERPRET=1 (read when the kernel was decorated) there is no binary.
         self._interpreted = not hasattr(jit_fn, "device_caches")
+        # False once a launcher has rejected the cached path: Triton's own path from then on.
+        self.cached = True
 
     def __getattr__(self, name):
         return getattr(self.jit_fn, name)
@@ -98,7 +105,7 @@ class _Kernel:
     def _run(self, grid, args, meta):
         """Launch; return what Triton's launch returns and, when the cached path knows the
         compiled binary, ``(device, bound arguments)`` for :class:`LaunchPlan` (else ``None``)."""
-        if not FAST_LAUNCH or self._interpreted or _hooks_active():
+        if not self.cached or self._interpreted or _hooks_active():
             return self.jit_fn[grid](*args, **meta), None
         device = torch.cuda.current_device()
         binder = self.jit_fn.device_caches[device][4]
@@ -118,7 +125,7 @@ class _Kernel:
         except TypeError:
             # A Triton whose launcher takes other arguments (it checks them before
             # launching anything): use Triton's own path from now on.
-            _disable_fast_launch()
+            self.cached = False
             return self.jit_fn[grid](*args, **meta), None
         return compiled, (device, bound)
 
@@ -154,8 +161,8 @@ class LaunchPlan:
 
     ``plan(*tensors)`` returns ``False`` without launching when it cannot stand for
     Triton's launch: a tensor address the binary assumed 16-byte aligned is not, the
-    current device is another, launch hooks are set, or ``FAST_LAUNCH`` is off. The
-    caller then launches the usual way.
+    current device is another, launch hooks are set, or the launcher has rejected the
+    plan's arguments once (then the plan stays off). The caller then launches the usual way.
     """
 
     __slots__ = ("_launch", "_grid", "_middle", "_values", "_slots", "_aligned", "_device")
@@ -191,7 +198,7 @@ class LaunchPlan:
         if len(tensors) != len(self._slots):
             raise TypeError(f"this launch takes {len(self._slots)} tensors, got {len(tensors)}")
         device = self._device
-        if not FAST_LAUNCH or torch._C._cuda_getDevice() != device or _hooks_active():
+        if self._launch is None or torch._C._cuda_getDevice() != device or _hooks_active():
             return False
         values = self._values.copy()
         for slot, aligned, tensor in zip(self._slots, self._aligned, tensors):
@@ -204,15 +211,10 @@ class LaunchPlan:
                          *self._middle, *values)
         except TypeError:
             # A Triton whose launcher takes other arguments (it checks them before
-            # launching anything): use Triton's own path from now on.
-            _disable_fast_launch()
+            # launching anything): the caller's path from now on.
+            self._launch = None
             return False
         return True
-
-
-def _disable_fast_launch() -> None:
-    global FAST_LAUNCH
-    FAST_LAUNCH = False
 
 
 def kernel(jit_fn):

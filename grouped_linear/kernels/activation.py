@@ -2,7 +2,7 @@
 
 ``a = act(h + b[g])`` for non-gated activations and
 ``a = act(h[:, :F] + b[g, :F]) * (h[:, F:] + b[g, F:])`` for gated ones (gate
-half first), where ``g`` is the row's group. Rows past ``offsets[-1]`` give
+half first), where ``g`` is the row's group. Rows past ``ends[-1]`` give
 zero. One read of ``h`` and one write of ``a`` forward; backward recomputes
 from ``h`` (nothing else saved) in one read of ``h`` and ``grad_a`` and one
 write of ``grad_h``. A Triton kernel each way, the PyTorch reference beside it.
@@ -11,8 +11,8 @@ write of ``grad_h``. A Triton kernel each way, the PyTorch reference beside it.
 import torch
 import torch.nn.functional as F
 
+from ._groups import row_group, row_groups
 from ._triton import cdiv, kernel, next_power_of_2, tl, triton, use_triton
-from .bias import _row_group, row_groups
 
 __all__ = ["ACTIVATION_KINDS", "GATED_KINDS", "bias_act_forward", "bias_act_backward",
            "bias_act_reference", "bias_act_backward_reference"]
@@ -33,12 +33,12 @@ def _base_activation(kind: str, value: torch.Tensor) -> torch.Tensor:
     return F.relu(value)
 
 
-def bias_act_reference(h, bias, offsets, kind, zero_tail):
+def bias_act_reference(h, bias, ends, kind, zero_tail):
     """Differentiable plain-PyTorch form (float32 math, float64 for float64; output in ``h.dtype``)."""
     compute = torch.float64 if h.dtype == torch.float64 else torch.float32
     value = h.to(compute)
-    groups = row_groups(offsets, h.shape[0])
-    in_group = (groups < offsets.shape[0]).unsqueeze(1)
+    groups = row_groups(ends, h.shape[0])
+    in_group = (groups < ends.shape[0]).unsqueeze(1)
     if bias is not None:
         padded = torch.cat([bias.to(compute), bias.new_zeros(1, bias.shape[1], dtype=compute)])
         value = value + padded.index_select(0, groups)
@@ -64,12 +64,12 @@ def _base_activation_grad(kind: str, value: torch.Tensor) -> torch.Tensor:
     return (value > 0).to(value.dtype)
 
 
-def bias_act_backward_reference(grad_a, h, bias, offsets, kind):
+def bias_act_backward_reference(grad_a, h, bias, ends, kind):
     """The gradient with respect to ``h``, written out (no autograd: it also runs inside
     custom ops, where autograd does not record). Rows past the last group get zero."""
     compute = torch.float64 if h.dtype == torch.float64 else torch.float32
-    groups = row_groups(offsets, h.shape[0])
-    in_group = (groups < offsets.shape[0]).unsqueeze(1)
+    groups = row_groups(ends, h.shape[0])
+    in_group = (groups < ends.shape[0]).unsqueeze(1)
     value = h.to(compute)
     if bias is not None:
         padded = torch.cat([bias.to(compute), bias.new_zeros(1, bias.shape[1], dtype=compute)])
@@ -123,7 +123,7 @@ def _load_input(h_ptr, bias_ptr, rows, cols, groups, in_group, mask, stride_h, s
 
 @kernel
 @triton.jit
-def _bias_act_kernel(h_ptr, bias_ptr, offsets_ptr, grad_a_ptr, out_ptr, M, F, G,
+def _bias_act_kernel(h_ptr, bias_ptr, ends_ptr, grad_a_ptr, out_ptr, M, F, G,
                      stride_h, stride_bias, stride_grad_a, stride_out,
                      HAS_BIAS: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr,
                      BACKWARD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -131,7 +131,7 @@ def _bias_act_kernel(h_ptr, bias_ptr, offsets_ptr, grad_a_ptr, out_ptr, M, F, G,
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (rows < M)[:, None] & (cols < F)[None, :]
-    groups = _row_group(offsets_ptr, rows, G, BLOCK_G)
+    groups = row_group(ends_ptr, rows, G, BLOCK_G)
     in_group = groups < G
     keep = in_group[:, None]
     gate = _load_input(h_ptr, bias_ptr, rows, cols, groups, in_group, mask, stride_h, stride_bias,
@@ -157,13 +157,13 @@ def _bias_act_kernel(h_ptr, bias_ptr, offsets_ptr, grad_a_ptr, out_ptr, M, F, G,
         tl.store(out_rows, grad_gate.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _launch(h, bias, offsets, kind, grad_a, out, width):
+def _launch(h, bias, ends, kind, grad_a, out, width):
     M = h.shape[0]
-    G = offsets.shape[0]
+    G = ends.shape[0]
     block_m, block_n = 32, 64
     grid = (cdiv(M, block_m), cdiv(width, block_n))
     _bias_act_kernel[grid](
-        h, bias if bias is not None else h, offsets, grad_a if grad_a is not None else h, out,
+        h, bias if bias is not None else h, ends, grad_a if grad_a is not None else h, out,
         M, width, G, h.stride(0), bias.stride(0) if bias is not None else 0,
         grad_a.stride(0) if grad_a is not None else 0, out.stride(0),
         HAS_BIAS=bias is not None, GATED=kind in GATED_KINDS, ACT=ACTIVATION_KINDS[kind],
@@ -179,29 +179,29 @@ def _triton_ok(*tensors) -> bool:
 
 
 # --------------------------------------------------------------------------- public
-def bias_act_forward(h: torch.Tensor, bias: torch.Tensor | None, offsets: torch.Tensor,
+def bias_act_forward(h: torch.Tensor, bias: torch.Tensor | None, ends: torch.Tensor,
                      kind: str, zero_tail: bool) -> torch.Tensor:
     """``(M, W)`` fc1 output (``W = 2F`` gated, else ``F``) -> ``(M, F)`` activation.
 
-    ``bias`` is ``(G, W)`` or ``None``; rows past ``offsets[-1]`` give zero
+    ``bias`` is ``(G, W)`` or ``None``; rows past ``ends[-1]`` give zero
     (always in the Triton kernel; with ``zero_tail`` in the reference).
     """
     width = h.shape[1] // 2 if kind in GATED_KINDS else h.shape[1]
     if h.shape[0] == 0 or not _triton_ok(h, bias):
         with torch.no_grad():
-            return bias_act_reference(h, bias, offsets, kind, zero_tail)
+            return bias_act_reference(h, bias, ends, kind, zero_tail)
     out = torch.empty(h.shape[0], width, device=h.device, dtype=h.dtype)
-    return _launch(h, bias, offsets, kind, None, out, width)
+    return _launch(h, bias, ends, kind, None, out, width)
 
 
 def bias_act_backward(grad_a: torch.Tensor, h: torch.Tensor, bias: torch.Tensor | None,
-                      offsets: torch.Tensor, kind: str, zero_tail: bool) -> torch.Tensor:
+                      ends: torch.Tensor, kind: str, zero_tail: bool) -> torch.Tensor:
     """``(M, F)`` gradient of the activation -> ``(M, W)`` gradient of fc1's output.
 
-    Recomputes from ``h`` (and ``bias``); rows past ``offsets[-1]`` get zero.
+    Recomputes from ``h`` (and ``bias``); rows past ``ends[-1]`` get zero.
     """
     width = h.shape[1] // 2 if kind in GATED_KINDS else h.shape[1]
     if h.shape[0] == 0 or not _triton_ok(h, bias, grad_a):
-        return bias_act_backward_reference(grad_a, h, bias, offsets, kind)
+        return bias_act_backward_reference(grad_a, h, bias, ends, kind)
     out = torch.empty_like(h)
-    return _launch(h, bias, offsets, kind, grad_a, out, width)
+    return _launch(h, bias, ends, kind, grad_a, out, width)

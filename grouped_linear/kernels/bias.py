@@ -4,15 +4,15 @@ Each job has a Triton kernel (one pass over the tensor) and a plain-PyTorch
 reference beside it; the public functions pick the kernel where Triton can run
 (CUDA, or CPU under ``TRITON_INTERPRET=1``) and the reference elsewhere. Both
 are free of host syncs: rows find their group on the device from the ``(G,)``
-cumulative ``offsets``.
+cumulative ``ends``.
 """
 
 import torch
 
+from ._groups import row_group, row_groups
 from ._triton import cdiv, kernel, next_power_of_2, tl, triton, use_triton
 
 __all__ = [
-    "row_groups",
     "bias_epilogue_",
     "bias_epilogue_reference_",
     "bias_grad",
@@ -23,30 +23,24 @@ __all__ = [
 
 
 # --------------------------------------------------------------------------- references
-def row_groups(offsets: torch.Tensor, num_rows: int) -> torch.Tensor:
-    """``(M,)`` group of every row; ``G`` for rows past ``offsets[-1]``."""
-    rows = torch.arange(num_rows, device=offsets.device, dtype=offsets.dtype)
-    return torch.searchsorted(offsets, rows, right=True)
+def zero_tail_reference_(out: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    groups = row_groups(ends, out.shape[0])
+    return out.masked_fill_((groups == ends.shape[0]).unsqueeze(1), 0)
 
 
-def zero_tail_reference_(out: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    groups = row_groups(offsets, out.shape[0])
-    return out.masked_fill_((groups == offsets.shape[0]).unsqueeze(1), 0)
-
-
-def bias_epilogue_reference_(out, bias, offsets, zero_tail):
+def bias_epilogue_reference_(out, bias, ends, zero_tail):
     if bias is None:
-        return zero_tail_reference_(out, offsets) if zero_tail else out
-    groups = row_groups(offsets, out.shape[0])
+        return zero_tail_reference_(out, ends) if zero_tail else out
+    groups = row_groups(ends, out.shape[0])
     padded_bias = torch.cat([bias.to(out.dtype), bias.new_zeros(1, bias.shape[1], dtype=out.dtype)])
     if zero_tail:
-        out.masked_fill_((groups == offsets.shape[0]).unsqueeze(1), 0)
+        out.masked_fill_((groups == ends.shape[0]).unsqueeze(1), 0)
     return out.add_(padded_bias.index_select(0, groups))
 
 
-def bias_grad_reference(grad_out, offsets, dtype):
+def bias_grad_reference(grad_out, ends, dtype):
     acc_dtype = torch.float64 if grad_out.dtype == torch.float64 else torch.float32
-    bounds = torch.cat([offsets.new_zeros(1), offsets]).to(torch.int64)
+    bounds = torch.cat([ends.new_zeros(1), ends]).to(torch.int64)
     sums = torch.segment_reduce(
         grad_out.to(acc_dtype).contiguous(), "sum", offsets=bounds, axis=0, unsafe=True
     )
@@ -54,26 +48,15 @@ def bias_grad_reference(grad_out, offsets, dtype):
 
 
 # --------------------------------------------------------------------------- Triton kernels
-@triton.jit
-def _row_group(offsets_ptr, rows, G, BLOCK_G: tl.constexpr):
-    """Group of each row: how many group ends are <= the row (``G`` past the last end)."""
-    count = tl.zeros_like(rows)
-    for g0 in range(0, G, BLOCK_G):
-        gs = g0 + tl.arange(0, BLOCK_G)
-        ends = tl.load(offsets_ptr + gs, mask=gs < G, other=2147483647)
-        count += tl.sum((ends[None, :] <= rows[:, None]).to(tl.int32), axis=1)
-    return count
-
-
 @kernel
 @triton.jit
-def _bias_epilogue_kernel(out_ptr, bias_ptr, offsets_ptr, M, N, G, stride_out, stride_bias,
+def _bias_epilogue_kernel(out_ptr, bias_ptr, ends_ptr, M, N, G, stride_out, stride_bias,
                           ZERO_TAIL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                           BLOCK_G: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (rows < M)[:, None] & (cols < N)[None, :]
-    groups = _row_group(offsets_ptr, rows, G, BLOCK_G)
+    groups = row_group(ends_ptr, rows, G, BLOCK_G)
     in_group = groups < G
     bias = tl.load(bias_ptr + groups.to(tl.int64)[:, None] * stride_bias + cols[None, :],
                    mask=mask & in_group[:, None], other=0.0)
@@ -86,10 +69,10 @@ def _bias_epilogue_kernel(out_ptr, bias_ptr, offsets_ptr, M, N, G, stride_out, s
 
 @kernel
 @triton.jit
-def _zero_tail_kernel(out_ptr, offsets_ptr, M, N, G, stride_out,
+def _zero_tail_kernel(out_ptr, ends_ptr, M, N, G, stride_out,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     row0 = tl.program_id(0) * BLOCK_M
-    end = tl.load(offsets_ptr + G - 1)
+    end = tl.load(ends_ptr + G - 1)
     if row0 + BLOCK_M > end:  # only row blocks that reach the tail write anything
         rows = row0 + tl.arange(0, BLOCK_M)
         row_mask = (rows < M) & (rows >= end)
@@ -101,12 +84,12 @@ def _zero_tail_kernel(out_ptr, offsets_ptr, M, N, G, stride_out,
 
 
 @triton.jit
-def _group_chunks(offsets_ptr, G, CHUNK: tl.constexpr, BLOCK_G: tl.constexpr):
+def _group_chunks(ends_ptr, G, CHUNK: tl.constexpr, BLOCK_G: tl.constexpr):
     """Per group (vectors of BLOCK_G >= G): start row, end row, and the first chunk
     index, where each group's rows are cut into chunks of CHUNK rows."""
     gs = tl.arange(0, BLOCK_G)
-    ends = tl.load(offsets_ptr + gs, mask=gs < G, other=0)
-    starts = tl.load(offsets_ptr + gs - 1, mask=(gs > 0) & (gs < G), other=0)
+    ends = tl.load(ends_ptr + gs, mask=gs < G, other=0)
+    starts = tl.load(ends_ptr + gs - 1, mask=(gs > 0) & (gs < G), other=0)
     chunks = tl.where(gs < G, (ends - starts + CHUNK - 1) // CHUNK, 0)
     first_chunk = tl.cumsum(chunks, axis=0) - chunks
     return gs, starts, ends, chunks, first_chunk
@@ -114,13 +97,13 @@ def _group_chunks(offsets_ptr, G, CHUNK: tl.constexpr, BLOCK_G: tl.constexpr):
 
 @kernel
 @triton.jit
-def _bias_grad_partial_kernel(grad_ptr, offsets_ptr, partial_ptr, N, G, stride_grad,
+def _bias_grad_partial_kernel(grad_ptr, ends_ptr, partial_ptr, N, G, stride_grad,
                               CHUNK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                               BLOCK_G: tl.constexpr):
     item = tl.program_id(0)  # one chunk of one group's rows
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < N
-    gs, starts, ends, chunks, first_chunk = _group_chunks(offsets_ptr, G, CHUNK, BLOCK_G)
+    gs, starts, ends, chunks, first_chunk = _group_chunks(ends_ptr, G, CHUNK, BLOCK_G)
     owner = (first_chunk <= item) & (item < first_chunk + chunks)
     if tl.sum(owner.to(tl.int32), axis=0) > 0:
         start = tl.sum(tl.where(owner, starts + (item - first_chunk) * CHUNK, 0), axis=0)
@@ -136,12 +119,12 @@ def _bias_grad_partial_kernel(grad_ptr, offsets_ptr, partial_ptr, N, G, stride_g
 
 @kernel
 @triton.jit
-def _bias_grad_reduce_kernel(partial_ptr, offsets_ptr, out_ptr, N, G, CHUNK: tl.constexpr,
+def _bias_grad_reduce_kernel(partial_ptr, ends_ptr, out_ptr, N, G, CHUNK: tl.constexpr,
                              BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr):
     group = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < N
-    gs, starts, ends, chunks, first_chunk = _group_chunks(offsets_ptr, G, CHUNK, BLOCK_G)
+    gs, starts, ends, chunks, first_chunk = _group_chunks(ends_ptr, G, CHUNK, BLOCK_G)
     mine = gs == group
     first = tl.sum(tl.where(mine, first_chunk, 0), axis=0)
     count = tl.sum(tl.where(mine, chunks, 0), axis=0)
@@ -160,18 +143,18 @@ def _block_g(num_groups: int) -> int:
 
 
 # --------------------------------------------------------------------------- public
-def zero_tail_(out: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """Zero, in place, the rows of ``out`` ``(M, N)`` past ``offsets[-1]``."""
+def zero_tail_(out: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """Zero, in place, the rows of ``out`` ``(M, N)`` past ``ends[-1]``."""
     M, N = out.shape
     if M == 0 or N == 0:
         return out
-    if offsets.shape[0] == 0:  # no groups: every row is a tail row
+    if ends.shape[0] == 0:  # no groups: every row is a tail row
         return out.zero_()
     if not use_triton(out) or out.stride(1) != 1:
-        return zero_tail_reference_(out, offsets)
+        return zero_tail_reference_(out, ends)
     block_m = 32
     _zero_tail_kernel[(cdiv(M, block_m),)](
-        out, offsets, M, N, offsets.shape[0], out.stride(0), BLOCK_M=block_m, BLOCK_N=128
+        out, ends, M, N, ends.shape[0], out.stride(0), BLOCK_M=block_m, BLOCK_N=128
     )
     return out
 
@@ -179,64 +162,64 @@ def zero_tail_(out: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
 def bias_epilogue_(
     out: torch.Tensor,
     bias: torch.Tensor | None,
-    offsets: torch.Tensor,
+    ends: torch.Tensor,
     zero_tail: bool,
 ) -> torch.Tensor:
     """In place on ``out`` ``(M, N)``: add ``bias[g]`` ``(G, N)`` to the rows of group ``g``.
 
-    With ``zero_tail``, rows past ``offsets[-1]`` (which the GEMM may have left
+    With ``zero_tail``, rows past ``ends[-1]`` (which the GEMM may have left
     unspecified) become zero and get no bias. One read and one write of ``out``.
     """
     if bias is None:
-        return zero_tail_(out, offsets) if zero_tail else out
+        return zero_tail_(out, ends) if zero_tail else out
     M, N = out.shape
     if M == 0:
         return out
-    if offsets.shape[0] == 0:  # no groups, so no bias to add: only the tail to zero
+    if ends.shape[0] == 0:  # no groups, so no bias to add: only the tail to zero
         return out.zero_() if zero_tail else out
     if (not use_triton(out) or out.dtype == torch.float64 or out.stride(1) != 1
             or bias.stride(1) != 1):
-        return bias_epilogue_reference_(out, bias, offsets, zero_tail)
-    G = offsets.shape[0]
+        return bias_epilogue_reference_(out, bias, ends, zero_tail)
+    G = ends.shape[0]
     block_m, block_n = 32, 128
     grid = (cdiv(M, block_m), cdiv(N, block_n))
     _bias_epilogue_kernel[grid](
-        out, bias, offsets, M, N, G, out.stride(0), bias.stride(0),
+        out, bias, ends, M, N, G, out.stride(0), bias.stride(0),
         ZERO_TAIL=zero_tail, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_G=_block_g(G),
     )
     return out
 
 
-def bias_grad(grad_out: torch.Tensor, offsets: torch.Tensor, dtype: torch.dtype, *,
+def bias_grad(grad_out: torch.Tensor, ends: torch.Tensor, dtype: torch.dtype, *,
               chunk: int = _BIAS_GRAD_CHUNK, block_n: int = 64) -> torch.Tensor:
     """``(M, N) -> (G, N)``: sum of ``grad_out`` over each group's rows, in ``dtype``.
 
     Accumulates in float32 (float64 for float64 input); deterministic (partial
     sums over chunks of each group's rows, then a fixed-order sum of the
-    chunks; no atomics); empty groups give zeros; rows past ``offsets[-1]`` are
+    chunks; no atomics); empty groups give zeros; rows past ``ends[-1]`` are
     ignored. One read of ``grad_out``. ``chunk`` (rows per partial sum) and
     ``block_n`` (columns per program) are tuning knobs.
     """
-    if offsets.shape[0] == 0:
+    if ends.shape[0] == 0:
         return grad_out.new_zeros(0, grad_out.shape[1], dtype=dtype)
     if (not use_triton(grad_out) or grad_out.dtype == torch.float64 or grad_out.stride(1) != 1
             or grad_out.shape[0] == 0):
-        return bias_grad_reference(grad_out, offsets, dtype)
+        return bias_grad_reference(grad_out, ends, dtype)
     M, N = grad_out.shape
-    G = offsets.shape[0]
+    G = ends.shape[0]
     if G > _MAX_CHUNKED_GROUPS:
-        return bias_grad_reference(grad_out, offsets, dtype)
+        return bias_grad_reference(grad_out, ends, dtype)
     block_g = next_power_of_2(G)
     # Chunks never straddle groups: at most cdiv(M, chunk) + G of them.
     num_items = cdiv(M, chunk) + G
     partial = torch.empty(num_items, N, device=grad_out.device, dtype=torch.float32)
     col_blocks = cdiv(N, block_n)
     _bias_grad_partial_kernel[(num_items, col_blocks)](
-        grad_out, offsets, partial, N, G, grad_out.stride(0),
+        grad_out, ends, partial, N, G, grad_out.stride(0),
         CHUNK=chunk, BLOCK_M=32, BLOCK_N=block_n, BLOCK_G=block_g,
     )
     out = torch.empty(G, N, device=grad_out.device, dtype=torch.float32)
     _bias_grad_reduce_kernel[(G, col_blocks)](
-        partial, offsets, out, N, G, CHUNK=chunk, BLOCK_N=block_n, BLOCK_G=block_g,
+        partial, ends, out, N, G, CHUNK=chunk, BLOCK_N=block_n, BLOCK_G=block_g,
     )
     return out.to(dtype)

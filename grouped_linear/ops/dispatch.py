@@ -24,9 +24,9 @@ from __future__ import annotations
 import torch
 
 from .. import _tuning
-from ..kernels import fp8_gemm, triton_gemm
 from ..kernels._triton import HAS_TRITON, interpreting
-from ..kernels.triton_gemm import LinearLaunches
+from ..kernels.gemm import fp8_torch_gemm, triton_gemm
+from ..kernels.gemm.triton_gemm import LinearLaunches
 from ..recipes import Float8Blockwise, Float8Recipe, Float8Rowwise, Float8Tensorwise, check_recipe
 from .splits import SPLIT_DTYPES
 
@@ -117,10 +117,11 @@ def fp8_route(recipe: Float8Recipe, device: torch.device, dtype: torch.dtype, in
             and triton_gemm.fits(num_groups, in_features, out_features)):
         return "fp8_blockwise"
     if (isinstance(recipe, (Float8Rowwise, Float8Tensorwise)) and dtype == torch.bfloat16
-            and fp8_gemm.available(device) and fp8_gemm.shapes_supported(in_features, out_features)
-            and fp8_gemm.gemm_accepts(recipe.gradient_dtype, recipe.forward_dtype,
-                                      device.index if device.index is not None
-                                      else torch.cuda.current_device())):
+            and fp8_torch_gemm.available(device)
+            and fp8_torch_gemm.shapes_supported(in_features, out_features)
+            and fp8_torch_gemm.gemm_accepts(recipe.gradient_dtype, recipe.forward_dtype,
+                                            device.index if device.index is not None
+                                            else torch.cuda.current_device())):
         return "fp8_scaled_mm"
     return "fp8_emulated"
 

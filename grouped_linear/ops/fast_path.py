@@ -6,7 +6,7 @@ of GPU time each, and the Python around them sets the pace. This autograd functi
 cached verdict (:func:`~grouped_linear.ops.dispatch.cached_verdict`) has already established
 (a plain CUDA tensor input, device splits, parameters of the input's dtype, no gradient
 routing, nothing tracing): it launches the Triton kernels through the caller's
-:class:`~grouped_linear.kernels.triton_gemm.LinearLaunches` for the call's geometry (launch
+:class:`~grouped_linear.kernels.gemm.triton_gemm.LinearLaunches` for the call's geometry (launch
 plans found once, so no plan key per call, and no Triton argument binding), saves three
 tensors and that object, and builds no configuration object.
 ``torch.compile``, functorch transforms and every other case go through
@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch._C._functorch import is_functorch_wrapped_tensor
 
-from ..kernels import triton_gemm
+from ..kernels.gemm import triton_gemm
 
 __all__ = ["TritonGroupedLinearFunction", "apply_triton_linear", "records_graph",
            "functorch_involved"]

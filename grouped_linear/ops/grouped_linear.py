@@ -14,7 +14,7 @@ from typing import Protocol
 
 import torch
 
-from ..kernels.offsets import group_offsets
+from ..kernels.ends import group_ends
 from ..recipes import Float8Recipe, check_recipe, current_recipe
 from .bias_add import add_group_bias
 from .dispatch import cached_verdict, choose_route
@@ -84,7 +84,7 @@ def apply_grouped_linear(
                 return apply_triton_linear(x, weight, bias, m_splits, launches)
             if route == "triton":
                 return run_linear(x, weight, bias, m_splits, None, None, _PLAIN_CONFIGS[route])
-            return run_linear(x, weight, bias, None, group_offsets(m_splits, x.shape[0]), None,
+            return run_linear(x, weight, bias, None, group_ends(m_splits, x.shape[0]), None,
                               _PLAIN_CONFIGS[route])
 
     weight = _check_tensor("weight", weight)

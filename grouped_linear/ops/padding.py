@@ -1,6 +1,6 @@
 """Pad every group of rows to a multiple of an alignment, and the inverse.
 
-Both directions are one row relayout (:func:`grouped_linear.kernels.layout.relayout`):
+Both directions are one row relayout (:func:`grouped_linear.kernels.routing.relayout.relayout`):
 every destination row is written once, from its partner source row or as zeros. The
 backward of one direction is the other direction, so forward and backward are
 deterministic (no scatter-add) and, with CUDA split tensors, free of host
@@ -14,7 +14,8 @@ from collections.abc import Sequence
 
 import torch
 
-from grouped_linear.kernels import layout as layout_kernels
+from grouped_linear.kernels.routing import relayout as relayout_kernels
+from grouped_linear.kernels.routing import rows as layout_kernels
 from grouped_linear.ops.checks import check_int
 from grouped_linear.ops.splits import debug_checks_enabled, normalize_splits
 
@@ -42,7 +43,7 @@ class _Relayout(torch.autograd.Function):
     def forward(ctx, src, src_ends, dst_ends, num_dst_rows):  # type: ignore[override]
         ctx.save_for_backward(src_ends, dst_ends)
         ctx.num_src_rows = src.shape[0]
-        return layout_kernels.relayout(src, src_ends, dst_ends, num_dst_rows)
+        return relayout_kernels.relayout(src, src_ends, dst_ends, num_dst_rows)
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]

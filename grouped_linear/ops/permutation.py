@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from grouped_linear.kernels import layout as layout_kernels
-from grouped_linear.kernels import routing
+from grouped_linear.kernels.routing import routing_map as routing
+from grouped_linear.kernels.routing import rows as layout_kernels
 from grouped_linear.ops.checks import check_int
 from grouped_linear.ops.padding import _check_matrix, _gather_rows
 from grouped_linear.ops.splits import SPLIT_DTYPES, debug_checks_enabled

@@ -17,7 +17,7 @@ from dataclasses import InitVar, dataclass
 
 import torch
 
-from ..kernels.offsets import group_offsets
+from ..kernels.ends import group_ends
 
 __all__ = ["GroupSplits", "normalize_splits", "debug_checks_enabled", "SPLIT_DTYPES"]
 
@@ -111,7 +111,7 @@ class GroupSplits:
         cached = self.__dict__.get("_ends")
         if cached is None:
             if self.host_sizes is None:
-                cached = group_offsets(self.device_sizes, self.num_rows)
+                cached = group_ends(self.device_sizes, self.num_rows)
             else:
                 ends = _int32_tensor(itertools.accumulate(self.host_sizes))
                 cached = ends if self.device.type == "cpu" else ends.to(self.device, non_blocking=True)

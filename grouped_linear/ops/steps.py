@@ -7,9 +7,9 @@ straight to the function (:func:`step`). The ``triton`` backend reads the ``(G,)
 ``sizes`` (its kernels clamp them, zero the tail and fuse the bias themselves); the
 ``loop`` and ``grouped`` backends read the cumulative group ``ends`` (``host_ends``: the
 same on the host, for the loop over CUDA tensors with host splits). On Hopper the ``grouped``
-backend's forward and dgrad run :mod:`grouped_linear.kernels.gluon_gemm` where it takes
+backend's forward and dgrad run :mod:`grouped_linear.kernels.gemm.gluon_gemm` where it takes
 the operands (bias in the epilogue, tail zeroed), and its weight gradient
-:mod:`grouped_linear.kernels.gluon_wgrad` (the bias gradient summed from the same tiles);
+:mod:`grouped_linear.kernels.gemm.gluon_wgrad` (the bias gradient summed from the same tiles);
 torch's grouped GEMM and the bias reduction kernel elsewhere.
 """
 
@@ -20,7 +20,7 @@ from collections.abc import Callable
 import torch
 
 from ..kernels import bias as bias_kernels
-from ..kernels import gluon_gemm, gluon_wgrad, grouped_gemm, triton_gemm
+from ..kernels.gemm import gluon_gemm, gluon_wgrad, torch_gemm, triton_gemm
 
 __all__ = [
     "forward_impl", "forward_op", "dgrad_impl", "dgrad_op", "weight_grads_impl", "weight_grads_op",
@@ -70,8 +70,8 @@ def forward_impl(
     if backend == "triton":
         return triton_gemm.forward(x, weight, bias, sizes)
     if backend == "grouped" and gluon_gemm.supported(x, weight):  # bias in the epilogue
-        return gluon_gemm.grouped_mm(x, weight, ends, bias, ends=True)
-    out = grouped_gemm.forward(x, weight, ends, host_ends, backend)
+        return gluon_gemm.grouped_mm(x, weight, ends, bias)
+    out = torch_gemm.forward(x, weight, ends, host_ends, backend)
     return bias_kernels.bias_epilogue_(out, bias, ends, zero_tail)
 
 
@@ -88,8 +88,8 @@ def dgrad_impl(
     if backend == "triton":
         return triton_gemm.dgrad(grad_out, weight, sizes)
     if backend == "grouped" and gluon_gemm.supported(grad_out, weight, transposed_weight=True):
-        return gluon_gemm.grouped_mm(grad_out, weight, ends, transposed_weight=True, ends=True)
-    grad_x = grouped_gemm.dgrad(grad_out, weight, ends, host_ends, backend)
+        return gluon_gemm.grouped_mm(grad_out, weight, ends, transposed_weight=True)
+    grad_x = torch_gemm.dgrad(grad_out, weight, ends, host_ends, backend)
     return bias_kernels.zero_tail_(grad_x, ends) if zero_tail else grad_x
 
 
@@ -109,7 +109,7 @@ def weight_grads_impl(
             and gluon_wgrad.supported(grad_out, x, ends.shape[0])):
         grad_w, grad_b = gluon_wgrad.wgrad(grad_out, x, ends, with_bias, bias_dtype=bias_dtype)
     else:
-        grad_w = grouped_gemm.wgrad(grad_out, x, ends, host_ends, backend)
+        grad_w = torch_gemm.wgrad(grad_out, x, ends, host_ends, backend)
         grad_b = bias_kernels.bias_grad(grad_out, ends, bias_dtype) if with_bias else None
     return grad_w, (grad_b if grad_b is not None else grad_w.new_empty(0))
 

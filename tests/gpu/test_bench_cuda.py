@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from grouped_linear.cli.bench import Shape, render_table, run_bench
-from grouped_linear.kernels import fp8_gemm
+from grouped_linear.kernels.gemm import fp8_torch_gemm as fp8_gemm
 
 pytestmark = [
     pytest.mark.gpu,

@@ -5,7 +5,7 @@ import torch
 
 import grouped_linear as gl
 from grouped_linear import _tuning
-from grouped_linear.kernels import fp8_gemm
+from grouped_linear.kernels.gemm import fp8_torch_gemm
 from grouped_linear.ops.dispatch import fp8_route
 from grouped_linear.recipes import Float8Blockwise, Float8Rowwise, Float8Tensorwise
 from tests.gpu.test_cuda_graphs import check_layer_step_replays
@@ -51,7 +51,7 @@ def _step(recipe, split_kind="cuda", x_scale=1.0, grad_scale=1.0, sizes=SIZES, t
 def test_each_recipe_takes_its_fp8_gemm_path():
     x = torch.randn(4, K, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(2, N, K, device="cuda", dtype=torch.bfloat16)
-    takes_e5m2 = fp8_gemm.gemm_accepts(torch.float8_e5m2, torch.float8_e4m3fn,
+    takes_e5m2 = fp8_torch_gemm.gemm_accepts(torch.float8_e5m2, torch.float8_e4m3fn,
                                        torch.cuda.current_device())
     def route(recipe, dtype=torch.bfloat16, in_features=K):
         return fp8_route(recipe, x.device, dtype, in_features, N, w.shape[0])
@@ -75,7 +75,7 @@ def test_wgrad_gemm_choice_of_the_rowwise_recipes(recipe, split_kind, min_groups
     """The wgrad GEMM in the group-scaled Triton kernel (128-token group blocks) or, below its
     group threshold, torch's (16-token blocks): the chosen kernel is the one that ran, and
     every gradient matches float64 either way."""
-    from grouped_linear.kernels import fp8_triton_gemm
+    from grouped_linear.kernels.gemm import fp8_triton_gemm
 
     calls = []
     original = fp8_triton_gemm.blockwise_wgrad
@@ -215,8 +215,8 @@ def test_blockwise_beats_rowwise_on_outlier_channels_on_cuda():
 def test_list_input_is_quantized_piece_by_piece(recipe, monkeypatch):
     """A list input takes the piece-by-piece quantization (no concatenation) and gives the
     tensor input's output and gradients; the pieces' gradients are views of one tensor."""
-    from grouped_linear.kernels import quantize as q
-    from grouped_linear.kernels import quantize_transposed as qt
+    from grouped_linear.kernels.quantize import rows as q
+    from grouped_linear.kernels.quantize import transposed as qt
     calls = []
     for module, name in ((q, "quantize_rows_pieces"), (qt, "quantize_group_columns_t_pieces")):
         original = getattr(module, name)

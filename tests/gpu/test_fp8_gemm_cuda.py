@@ -3,11 +3,11 @@
 import pytest
 import torch
 
-from grouped_linear.kernels import fp8_gemm
-from grouped_linear.kernels import quantize as q
-from grouped_linear.kernels import quantize_folded as qf
-from grouped_linear.kernels import quantize_transposed as qt
-from grouped_linear.kernels.transpose import transpose_groups
+from grouped_linear.kernels.gemm import fp8_torch_gemm as fp8_gemm
+from grouped_linear.kernels.quantize import folded as qf
+from grouped_linear.kernels.quantize import rows as q
+from grouped_linear.kernels.quantize import transposed as qt
+from grouped_linear.kernels.quantize.transpose import transpose_groups
 from tests.reference import rel_err
 
 pytestmark = [

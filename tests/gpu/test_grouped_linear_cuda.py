@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import grouped_linear as gl
-from grouped_linear.kernels import gluon_gemm, gluon_wgrad
+from grouped_linear.kernels.gemm import gluon_gemm, gluon_wgrad
 from tests.hardware import sm90
 from tests.reference import reference_grads, rel_err
 

@@ -23,22 +23,23 @@ import tempfile
 import pytest
 import torch
 
-from grouped_linear.kernels import fp8_gluon_gemm as gg
-from grouped_linear.kernels import fp8_gluon_wgrad as gw
-from grouped_linear.kernels import fp8_triton_gemm as fg
-from grouped_linear.kernels import gluon_gemm as bg
-from grouped_linear.kernels import gluon_wgrad as bwg
-from grouped_linear.kernels import layout, routing
-from grouped_linear.kernels import quantize as q
-from grouped_linear.kernels import quantize_blocks as qb
-from grouped_linear.kernels import quantize_blocks_gluon as qbg
-from grouped_linear.kernels import quantize_columns_tiled as qct
-from grouped_linear.kernels import quantize_folded as qf
-from grouped_linear.kernels import quantize_groups as qg
-from grouped_linear.kernels import quantize_transposed as qt
-from grouped_linear.kernels import transpose as tp
-from grouped_linear.kernels import triton_gemm as tg
+from grouped_linear.kernels._gluon import HAS_GLUON
 from grouped_linear.kernels._triton import HAS_TRITON
+from grouped_linear.kernels.gemm import fp8_gluon_gemm as gg
+from grouped_linear.kernels.gemm import fp8_gluon_wgrad as gw
+from grouped_linear.kernels.gemm import fp8_triton_gemm as fg
+from grouped_linear.kernels.gemm import gluon_gemm as bg
+from grouped_linear.kernels.gemm import gluon_wgrad as bwg
+from grouped_linear.kernels.gemm import triton_gemm as tg
+from grouped_linear.kernels.quantize import blocks as qb
+from grouped_linear.kernels.quantize import blocks_gluon as qbg
+from grouped_linear.kernels.quantize import folded as qf
+from grouped_linear.kernels.quantize import groups as qg
+from grouped_linear.kernels.quantize import rows as q
+from grouped_linear.kernels.quantize import transpose as tp
+from grouped_linear.kernels.quantize import transposed as qt
+from grouped_linear.kernels.routing import routing_map as routing
+from grouped_linear.kernels.routing import rows as layout
 
 if HAS_TRITON:
     import triton
@@ -75,8 +76,8 @@ def _compile(kernel, pointers, constants, num_warps=4):
                           options={"num_warps": num_warps, "num_stages": 3})
 
 
-def _mm_case(blockwise, reduction_contiguous):
-    constants = {"BLOCKWISE": blockwise, "UPCAST": False, "BLOCK_M": 128, "BLOCK_N": fg.BLOCK,
+def _mm_case(reduction_contiguous):
+    constants = {"UPCAST": False, "BLOCK_M": 128, "BLOCK_N": fg.BLOCK,
                  "BLOCK_K": fg.MM_BLOCK_K, "BLOCK_G": 16, "NUM_PROGRAMS": 132,
                  "SCALE_BLOCK": fg.BLOCK, "EVEN_K": True}
     if reduction_contiguous:
@@ -87,13 +88,12 @@ def _mm_case(blockwise, reduction_contiguous):
 
 # The launch constants the tiled transposed quantization shares across its modes.
 TILED_TRANSPOSE = {"FP8_MAX": FP8_MAX, "POW2": False, "ALIGN": 16, "DST_MULTIPLE": 16,
-                   "BLOCK_R": qct.TILED_CONFIG[0], "BLOCK_C": qct.TILED_CONFIG[1],
+                   "BLOCK_R": qt.TILED_CONFIG.block_r, "BLOCK_C": qt.TILED_CONFIG.block_c,
                    "BLOCK_S": 16, "PIECES": False, "SHIFT_MULTIPLE": 1}
 
 CASES = {
-    "fp8 mm rowwise": _mm_case(False, True),
-    "fp8 mm blockwise": _mm_case(True, True),
-    "fp8 mm blockwise, reduction strided": _mm_case(True, False),
+    "fp8 mm blockwise": _mm_case(True),
+    "fp8 mm blockwise, reduction strided": _mm_case(False),
     "fp8 blockwise wgrad": (fg._fp8_blockwise_wgrad_kernel,
                             {"dy_ptr": F8, "x_ptr": F8, "dw_ptr": "*bf16", "sizes_ptr": "*i64"},
                             {"UPCAST": False, "GROUP_SCALES": False,
@@ -140,7 +140,7 @@ CASES = {
     "scales from maxima": (qg._scales_kernel, {},
                            {"FP8_MAX": FP8_MAX, "POW2": True, "BLOCK": 16, "BLOCK_W": 256}, 4),
     "rows folded": (qf._quantize_rows_folded_kernel,
-                    {"t_ptr": "*bf16", "q_ptr": F8, "offsets_ptr": "*i32"},
+                    {"t_ptr": "*bf16", "q_ptr": F8, "ends_ptr": "*i32"},
                     {"FP8_MAX": FP8_MAX, "POW2": False, "ROWS": qf.FOLDED_CONFIG[0],
                      "BLOCK_C": 4096, "BLOCK_G": 16}, 4096 // qf.FOLDED_CONFIG[1]),
     "byte transpose": (tp._transpose_kernel, {"src_ptr": "*u8", "dst_ptr": "*u8"},
@@ -151,26 +151,23 @@ CASES = {
                        {"FP8_MAX": FP8_MAX, "POW2": False, "GIVEN_SCALE": False, "PIECES": True,
                         "GROUPS": "ends", "GROUP_ROWS": 1, "SHIFT_MULTIPLE": 8, "BLOCK_R": q.ROWS_CONFIG[0],
                         "BLOCK_C": q.ROWS_CONFIG[1], "BLOCK_S": 16}, q.ROWS_CONFIG[2]),
-    "group columns": (qt._quantize_group_columns_t_kernel,
-                      {"t_ptr": "*bf16", "offsets_ptr": "*i32", "dst_offsets_ptr": "*i32", "q_ptr": F8},
-                      {"FP8_MAX": FP8_MAX, "POW2": True, "GIVEN_SCALE": False,
-                       "PAD": 16, "BLOCK_R": 32, "BLOCK_C": 64}, 4),
-    "column amax (tiled)": (qct._group_column_amax_kernel, {"t_ptr": "*bf16", "offsets_ptr": "*i32"},
-                            {"BLOCK_R": qct.TILED_CONFIG[0], "BLOCK_C": qct.TILED_CONFIG[1], "BLOCK_S": 16,
-                             "SUB_TILES": qct.AMAX_SUB_TILES, "SUMS": True, "PIECES": False,
-                             "SHIFT_MULTIPLE": 1}, qct.TILED_CONFIG[2]),
-    "group column sums": (qct._reduce_group_sums_kernel, {"offsets_ptr": "*i32"},
+    "column amax (tiled)": (qt._group_column_amax_kernel, {"t_ptr": "*bf16", "ends_ptr": "*i32"},
+                            {"BLOCK_R": qt.TILED_CONFIG.block_r, "BLOCK_C": qt.TILED_CONFIG.block_c,
+                             "BLOCK_S": 16, "SUB_TILES": qt.TILED_CONFIG.amax_sub_tiles,
+                             "SUMS": True, "PIECES": False, "SHIFT_MULTIPLE": 1},
+                            qt.TILED_CONFIG.warps),
+    "group column sums": (qt._reduce_group_sums_kernel, {"ends_ptr": "*i32"},
                           {"ROWS_PER_TILE": 512, "BLOCK_C": 256, "BLOCK_S": 16}, 4),
-    "columns transposed (tiled)": (qct._quantize_columns_t_tiled_kernel,
-                                   {"t_ptr": "*bf16", "offsets_ptr": "*i32",
-                                    "dst_offsets_ptr": "*i32", "q_ptr": F8},
+    "columns transposed (tiled)": (qt._quantize_columns_t_tiled_kernel,
+                                   {"t_ptr": "*bf16", "ends_ptr": "*i32",
+                                    "dst_ends_ptr": "*i32", "q_ptr": F8},
                                    {**TILED_TRANSPOSE, "SCALING": "amax", "FACTORS": True},
-                                   qct.TILED_CONFIG[2]),
-    "codes transposed (tiled)": (qct._quantize_columns_t_tiled_kernel,
-                                 {"t_ptr": F8, "offsets_ptr": "*i32", "dst_offsets_ptr": "*i32",
+                                   qt.TILED_CONFIG.warps),
+    "codes transposed (tiled)": (qt._quantize_columns_t_tiled_kernel,
+                                 {"t_ptr": F8, "ends_ptr": "*i32", "dst_ends_ptr": "*i32",
                                   "q_ptr": F8},
                                  {**TILED_TRANSPOSE, "SCALING": "unit", "FACTORS": False},
-                                 qct.TILED_CONFIG[2]),
+                                 qt.TILED_CONFIG.warps),
     "row tiles": (qb._quantize_row_tiles_kernel, {"t_ptr": "*bf16", "q_ptr": F8},
                   {"FP8_MAX": FP8_MAX, "POW2": False, "TILE": 128, "BLOCK_R": 32, "BLOCK_T": 128}, 4),
     "weight blocks": (qb._quantize_weight_blocks_kernel, {"w_ptr": "*bf16", "q_ptr": F8},
@@ -186,7 +183,6 @@ CASES = {
         {"HAS_WEIGHTS": not gaps, "SLOTS": not gaps, "GAPS": gaps,
          "BLOCK_T": layout.SCATTER_CONFIG[0], "BLOCK_H": layout.SCATTER_CONFIG[1],
          "BLOCK_E": 128 if gaps else 1, "ZERO_ROWS": layout.ZERO_ROWS,
-         "STORE_CACHE": layout.SCATTER_STORE_CACHE, "LOAD_EVICTION": layout.SCATTER_LOAD_EVICTION,
          "PDL": True}, 4) for gaps in (False, True)},
     **{f"routing phase {phase}, {experts} experts": (
         routing._routing_kernel, {"topk_ptr": "*i64", "row_map_ptr": "*i64", "token_ptr": "*i64",
@@ -206,7 +202,7 @@ CASES = {
                        {"HAS_SCALE": True, "BLOCK_R": 16, "BLOCK_H": 256}, 4),
 }
 
-PIPELINED = {"fp8 mm rowwise", "fp8 mm blockwise", "fp8 blockwise wgrad", "fp8 group-scaled wgrad",
+PIPELINED = {"fp8 mm blockwise", "fp8 blockwise wgrad", "fp8 group-scaled wgrad",
              "bf16 mm", "bf16 wgrad"}
 # Streaming kernels whose bf16 loads must stay 16-byte vectors (one read at copy speed).
 VECTOR_LOADS = {"rows", "rows of pieces", "rows, scale per group", "group amax"}
@@ -258,15 +254,15 @@ def _bf16_descriptor(rows: int, cols: int) -> str:
 
 def _bf16_mm_case(transposed: bool):
     """The bf16 grouped GEMM at its default launch shape (forward with bias, or dgrad)."""
-    if not (HAS_TRITON and gg.HAS_GLUON):
+    if not (HAS_TRITON and HAS_GLUON):
         return None, {}, {}, 4, None
     config = bg.MM_CONFIG
     bm, bn, bk = config.block_m, config.block_n, config.block_k
     pointers = {"a_desc": _bf16_descriptor(bm, bk),
                 "b_desc": _bf16_descriptor(*((bk, bn) if transposed else (bn, bk))),
                 "out_desc": _bf16_descriptor(bm, bn), "bias_ptr": "*bf16", "out_ptr": "*bf16",
-                "sizes_ptr": "*i32"}
-    constants = {"HAS_BIAS": not transposed, "TRANSPOSED": transposed, "ENDS": True,
+                "ends_ptr": "*i32"}
+    constants = {"HAS_BIAS": not transposed, "TRANSPOSED": transposed,
                  "TMA_STORE": config.tma_store, "GROUP_M": config.group_m, "BLOCK_G": 32,
                  "NUM_PROGRAMS": 132, "STAGES": config.stages}
     return bg._mm_kernel, pointers, constants, config.warps, None
@@ -275,7 +271,7 @@ def _bf16_mm_case(transposed: bool):
 def _bf16_wgrad_case():
     """The bf16 weight gradient with the bias sums (stored in bf16, as the layer's bias
     takes them), at its default launch shape."""
-    if not (HAS_TRITON and gg.HAS_GLUON):
+    if not (HAS_TRITON and HAS_GLUON):
         return None, {}, {}, 4, None
     config = bwg.WGRAD_CONFIG
     bn, bk, bt = config.block_n, config.block_k, config.block_t
@@ -293,19 +289,19 @@ GLUON_CASES = {
     "gluon bf16 mm (bias)": _bf16_mm_case(False),
     "gluon bf16 mm (dgrad)": _bf16_mm_case(True),
     "gluon bf16 wgrad (bias sums)": _bf16_wgrad_case(),
-    "gluon blockwise mm": (gg._blockwise_mm_kernel if HAS_TRITON and gg.HAS_GLUON else None,
+    "gluon blockwise mm": (gg._blockwise_mm_kernel if HAS_TRITON and HAS_GLUON else None,
                            {"out_ptr": "*bf16", "sizes_ptr": "*i64"},
                            {"BLOCK_G": 32, "NUM_PROGRAMS": 132, "STAGES": gg.MM_CONFIG[2],
                             "UNROLL": gg.MM_UNROLL},
                            gg.MM_CONFIG[1], None),
     "gluon blockwise wgrad": (
-        gw._blockwise_wgrad_kernel if HAS_TRITON and gg.HAS_GLUON else None,
+        gw._blockwise_wgrad_kernel if HAS_TRITON and HAS_GLUON else None,
         {"dw_ptr": "*bf16", "sizes_ptr": "*i64"},
         {"BLOCK_G": 32, "STAGES": gw.WGRAD_CONFIG[2], "UNROLL": gg.MM_UNROLL,
          "GROUP_N": gw.WGRAD_GROUP_N, "NUM_PROGRAMS": 132},
         gw.WGRAD_CONFIG[1], gw.WGRAD_MAXNREG),
     "gluon row tiles and token blocks": (
-        qbg._quantize_both_kernel if HAS_TRITON and gg.HAS_GLUON else None,
+        qbg._quantize_both_kernel if HAS_TRITON and HAS_GLUON else None,
         {"sizes_ptr": "*i64", "rq_ptr": F8, "q_ptr": F8},
         {"FP8_MAX": FP8_MAX, "POW2": True, "SLICE_": qbg.SLICE, "BLOCK_G": 32}, qbg.WARPS, None),
 }

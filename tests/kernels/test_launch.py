@@ -5,8 +5,9 @@ attributes through (the sm90 compile test reads them)."""
 import pytest
 import torch
 
-from grouped_linear.kernels import _triton, triton_gemm
-from grouped_linear.kernels._triton import HAS_TRITON, interpreting
+from grouped_linear.kernels import _triton
+from grouped_linear.kernels._triton import HAS_TRITON, interpreting, triton
+from grouped_linear.kernels.gemm import triton_gemm
 
 pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
 
@@ -28,19 +29,22 @@ def test_interpreted_launches_are_not_cached():
     out = triton_gemm.forward(x, weight, None, torch.tensor([5, 7]))
     torch.testing.assert_close(out[:5], x[:5] @ weight[0].t())
     torch.testing.assert_close(out[5:], x[5:] @ weight[1].t())
-    assert kernel._compiled == {} and _triton.FAST_LAUNCH
+    assert kernel._compiled == {} and kernel.cached
 
 
 # --------------------------------------------------------------------------- launch plans
 class _Launcher:
-    """Stands in for Triton's C launcher: records each call's arguments."""
+    """Stands in for Triton's C launcher: records each call's arguments (and counts the
+    calls it rejects)."""
 
     def __init__(self, error=None):
         self.calls = []
+        self.rejected = 0
         self.error = error
 
     def __call__(self, *args):
         if self.error is not None:
+            self.rejected += 1
             raise self.error
         self.calls.append(args)
 
@@ -50,7 +54,6 @@ def _plan(monkeypatch, launcher, device=0):
     16-byte aligned address, the second not; the current device is 0."""
     monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0, raising=False)
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda d: 1234, raising=False)
-    monkeypatch.setattr(_triton, "FAST_LAUNCH", True)
     middle = ("function", False, False, None, None, "metadata", None, None, None)
     return _triton.LaunchPlan(launcher, (7, 1, 1), middle, [None, 40, None, 64], (0, 2),
                               (True, False), device)
@@ -68,8 +71,8 @@ def test_plan_passes_addresses_in_the_tensor_slots(monkeypatch):
 
 def test_plan_declines_what_its_binary_cannot_take(monkeypatch):
     """A misaligned address where the binary assumed alignment, another current device, or
-    the switch off: ``False`` and nothing launched; a misaligned address where the binary
-    assumed none launches. The wrong number of tensors is a TypeError."""
+    a launch hook set (a profiler): ``False`` and nothing launched; a misaligned address
+    where the binary assumed none launches. The wrong number of tensors is a TypeError."""
     launcher = _Launcher()
     plan = _plan(monkeypatch, launcher)
     base = torch.zeros(16)
@@ -81,11 +84,22 @@ def test_plan_declines_what_its_binary_cannot_take(monkeypatch):
         plan(base)
     other_device = _plan(monkeypatch, launcher, device=1)
     assert other_device(base, base) is False
-    monkeypatch.setattr(_triton, "FAST_LAUNCH", False)
-    assert plan(base, base) is False and len(launcher.calls) == 1
+    hooks = triton.knobs.runtime.launch_enter_hook
+
+    def hook(*args):
+        pass
+
+    hooks.add(hook)
+    try:
+        assert plan(base, base) is False and len(launcher.calls) == 1
+    finally:
+        hooks.remove(hook)
+    assert plan(base, base) is True and len(launcher.calls) == 2
 
 
-def test_plan_turns_the_cached_paths_off_when_the_launcher_rejects_it(monkeypatch):
-    plan = _plan(monkeypatch, _Launcher(TypeError("function takes exactly 40 arguments")))
+def test_plan_turns_itself_off_when_the_launcher_rejects_it(monkeypatch):
+    launcher = _Launcher(TypeError("function takes exactly 40 arguments"))
+    plan = _plan(monkeypatch, launcher)
     assert plan(torch.zeros(4), torch.zeros(4)) is False
-    assert _triton.FAST_LAUNCH is False
+    assert plan(torch.zeros(4), torch.zeros(4)) is False  # not offered to the launcher again
+    assert launcher.rejected == 1

@@ -175,7 +175,7 @@ def test_inference_builds_no_graph_and_matches_training_path():
 
 
 def test_triton_backend_limits():
-    from grouped_linear.kernels import triton_gemm
+    from grouped_linear.kernels.gemm import triton_gemm
     from grouped_linear.ops.dispatch import resolve_backend
 
     cuda = torch.device("cuda")  # resolution only: no tensor is placed there

@@ -10,12 +10,12 @@
 
 Both layouts of ``x`` (in the forward, when the weight's gradient may be wanted) and of
 ``dy`` (in the backward) from one read of each
-(:mod:`grouped_linear.kernels.quantize_blocks_gluon` on Hopper; elsewhere one pass per
-layout, :mod:`grouped_linear.kernels.quantize_blocks`), so backward keeps ``x``'s FP8
+(:mod:`grouped_linear.kernels.quantize.blocks_gluon` on Hopper; elsewhere one pass per
+layout, :mod:`grouped_linear.kernels.quantize.blocks`), so backward keeps ``x``'s FP8
 token blocks rather than ``x``;
-the GEMMs from :mod:`grouped_linear.kernels.fp8_gluon_gemm` and
-:mod:`grouped_linear.kernels.fp8_gluon_wgrad` on Hopper (asynchronous MMAs that overlap each
-block's rescale) and :mod:`grouped_linear.kernels.fp8_triton_gemm` elsewhere (CPU, other
+the GEMMs from :mod:`grouped_linear.kernels.gemm.fp8_gluon_gemm` and
+:mod:`grouped_linear.kernels.gemm.fp8_gluon_wgrad` on Hopper (asynchronous MMAs that overlap each
+block's rescale) and :mod:`grouped_linear.kernels.gemm.fp8_triton_gemm` elsewhere (CPU, other
 GPUs, operands TMA cannot address); any group size, rows past the splits' sum written as
 zeros by the GEMMs themselves, nothing read back to the host.
 """
@@ -25,10 +25,8 @@ from __future__ import annotations
 import torch
 
 from ...kernels import bias as bias_kernels
-from ...kernels import fp8_gluon_gemm, fp8_gluon_wgrad
-from ...kernels import fp8_triton_gemm as fg
-from ...kernels import quantize_blocks as qb
-from ...kernels import quantize_blocks_gluon as qbg
+from ...kernels.gemm import fp8_gluon_gemm, fp8_gluon_wgrad, fp8_triton_gemm
+from ...kernels.quantize import blocks, blocks_gluon
 from .weight import Fp8Config, Fp8Weight, weight_and_bias_grads
 
 __all__ = ["Fp8BlockwiseFunction"]
@@ -36,27 +34,29 @@ __all__ = ["Fp8BlockwiseFunction"]
 
 def _both_layouts(t, sizes, fp8_dtype, power_of_two):
     """``((row_data, row_inv), (block_data, block_inv))`` of ``t``: one read on Hopper
-    (:mod:`grouped_linear.kernels.quantize_blocks_gluon`), one pass per layout elsewhere (the
+    (:mod:`grouped_linear.kernels.quantize.blocks_gluon`), one pass per layout elsewhere (the
     row tiles of rows past the groups are then not zeroed: no GEMM reads them)."""
-    if qbg.supported(t):
-        return qbg.quantize_row_tiles_and_token_blocks(t, sizes, fp8_dtype, power_of_two)
-    return (qb.quantize_row_tiles(t, fp8_dtype, power_of_two, qbg.TILE),
-            qb.quantize_token_blocks(t, sizes, fp8_dtype, power_of_two, qbg.TILE, transpose=True))
+    if blocks_gluon.supported(t):
+        return blocks_gluon.quantize_row_tiles_and_token_blocks(t, sizes, fp8_dtype, power_of_two)
+    tile = blocks_gluon.TILE
+    return (blocks.quantize_row_tiles(t, fp8_dtype, power_of_two, tile),
+            blocks.quantize_token_blocks(t, sizes, fp8_dtype, power_of_two, tile, transpose=True))
 
 
 def _grouped_mm(a, a_inv, w_data, w_inv, sizes, out_dtype):
     """``a @ W_g^T`` per group, block-scaled (forward: the weight; dgrad: its transpose)."""
     if fp8_gluon_gemm.supported(a, w_data):
         return fp8_gluon_gemm.grouped_mm(a, a_inv, w_data, w_inv, sizes, out_dtype=out_dtype)
-    return fg.grouped_mm(a, a_inv, w_data, w_inv, sizes, transpose_weight=True,
-                         scaling="blockwise", out_dtype=out_dtype)
+    return fp8_triton_gemm.grouped_mm(a, a_inv, w_data, w_inv, sizes, transpose_weight=True,
+                                      out_dtype=out_dtype)
 
 
 def _wgrad(dy_t, dy_inv, x_t, x_inv, sizes, num_rows, out_dtype):
     if fp8_gluon_wgrad.wgrad_supported(dy_t, dy_inv, x_t, x_inv):
         return fp8_gluon_wgrad.blockwise_wgrad(dy_t, dy_inv, x_t, x_inv, sizes, num_rows,
                                               out_dtype=out_dtype)
-    return fg.blockwise_wgrad(dy_t, dy_inv, x_t, x_inv, sizes, num_rows, out_dtype=out_dtype)
+    return fp8_triton_gemm.blockwise_wgrad(dy_t, dy_inv, x_t, x_inv, sizes, num_rows,
+                                           out_dtype=out_dtype)
 
 
 class Fp8BlockwiseFunction(torch.autograd.Function):
@@ -73,7 +73,7 @@ class Fp8BlockwiseFunction(torch.autograd.Function):
         if weight_grad_ahead:  # both layouts from one read (docs/design.md)
             (x_data, x_inv), x_blocks = _both_layouts(x, sizes, recipe.forward_dtype, pow2)
         else:
-            x_data, x_inv = qb.quantize_row_tiles(x, recipe.forward_dtype, pow2)
+            x_data, x_inv = blocks.quantize_row_tiles(x, recipe.forward_dtype, pow2)
         w = cached if cached is not None else Fp8Weight(weight.detach(), recipe, "fp8_blockwise")
         out = _grouped_mm(x_data, x_inv, w.forward_data, w.forward_inv, sizes, x.dtype)
         if bias is not None:
@@ -99,15 +99,15 @@ class Fp8BlockwiseFunction(torch.autograd.Function):
             if ctx.needs_input_grad[1]:
                 (dy_data, dy_inv), dy_blocks = _both_layouts(grad_out, sizes, fp8_grad, pow2)
             else:
-                dy_data, dy_inv = qb.quantize_row_tiles(grad_out, fp8_grad, pow2)
+                dy_data, dy_inv = blocks.quantize_row_tiles(grad_out, fp8_grad, pow2)
             grad_x = _grouped_mm(dy_data, dy_inv, wt_data, wt_inv, sizes, ctx.x_dtype)
             del dy_data, dy_inv
 
         def grad_weight():
             dy_t, dy_inv_blocks = dy_blocks if dy_blocks is not None else \
-                qb.quantize_token_blocks(grad_out, sizes, fp8_grad, pow2, transpose=True)
+                blocks.quantize_token_blocks(grad_out, sizes, fp8_grad, pow2, transpose=True)
             xt, xt_inv = (x_t, x_inv_blocks) if x is None else \
-                qb.quantize_token_blocks(x, sizes, recipe.forward_dtype, pow2, transpose=True)
+                blocks.quantize_token_blocks(x, sizes, recipe.forward_dtype, pow2, transpose=True)
             return _wgrad(dy_t, dy_inv_blocks, xt, xt_inv, sizes, ctx.num_rows, weight.dtype)
 
         grad_w, grad_b = weight_and_bias_grads(ctx, grad_out, ends, grad_weight)

@@ -1,7 +1,7 @@
 """FP8 grouped linear, as quantize -> dequantize emulation (every device).
 
 Each GEMM multiplies exactly the values an FP8 GEMM with the recipe's scales
-would (see :mod:`grouped_linear.kernels.quantize`), accumulating in float32:
+would (see :mod:`grouped_linear.kernels.quantize.emulate`), accumulating in float32:
 
 * forward: ``x`` per token (rowwise) or per group (tensorwise), ``W`` per output
   channel or per group, E4M3;
@@ -26,10 +26,9 @@ from __future__ import annotations
 import torch
 
 from ...kernels import bias as bias_kernels
-from ...kernels import grouped_gemm
-from ...kernels import quantize as q
-from ...kernels import quantize_transposed as qt
-from ...kernels.quantize_folded import ColumnFactors
+from ...kernels.gemm import torch_gemm
+from ...kernels.quantize import emulate, rows, transposed
+from ...kernels.quantize.folded import ColumnFactors
 from ...recipes import Float8Blockwise, Float8Recipe, Float8Rowwise
 from .weight import Fp8Config, quantize_weight_emulated, weight_and_bias_grads
 
@@ -50,20 +49,20 @@ def _dgrad_operands(grad_out: torch.Tensor, weight: torch.Tensor, ends: torch.Te
         return (_quantize_tokens(grad_out, ends, recipe.gradient_dtype, recipe),
                 weight if quantized else quantize_weight_emulated(weight, recipe))
     G, N, K = weight.shape
-    codes, inv = q.quantize_rows_reference(weight.reshape(G * N, K), recipe.forward_dtype,
+    codes, inv = rows.quantize_rows_reference(weight.reshape(G * N, K), recipe.forward_dtype,
                                            recipe.power_of_two_scales)
     folded = ColumnFactors.of_groups(inv.view(G, N), ends, grad_out.shape[0]).apply(grad_out)
-    return (q.fake_quant_rows(folded, recipe.gradient_dtype, recipe.power_of_two_scales),
+    return (emulate.fake_quant_rows(folded, recipe.gradient_dtype, recipe.power_of_two_scales),
             codes.float().view(G, N, K))
 
 
 def _quantize_tokens(t, ends, fp8_dtype, recipe):
     """The token-side operand of forward (``x``) and dgrad (``dy``)."""
     if isinstance(recipe, Float8Rowwise):
-        return q.fake_quant_rows(t, fp8_dtype, recipe.power_of_two_scales)
+        return emulate.fake_quant_rows(t, fp8_dtype, recipe.power_of_two_scales)
     if isinstance(recipe, Float8Blockwise):
-        return q.fake_quant_column_tiles(t, fp8_dtype, recipe.power_of_two_scales)
-    return q.fake_quant_groups(t, ends, fp8_dtype, recipe.power_of_two_scales)
+        return emulate.fake_quant_column_tiles(t, fp8_dtype, recipe.power_of_two_scales)
+    return emulate.fake_quant_groups(t, ends, fp8_dtype, recipe.power_of_two_scales)
 
 
 def _wgrad_operands(grad_out: torch.Tensor, x: torch.Tensor, ends: torch.Tensor,
@@ -77,16 +76,16 @@ def _wgrad_operands(grad_out: torch.Tensor, x: torch.Tensor, ends: torch.Tensor,
     if not isinstance(recipe, Float8Rowwise):
         return (_quantize_for_wgrad(grad_out, ends, recipe.gradient_dtype, recipe),
                 _quantize_for_wgrad(x, ends, recipe.forward_dtype, recipe))
-    codes, inv = q.quantize_rows_reference(x, recipe.forward_dtype, pow2)
-    folded = qt.fold_row_factors(grad_out, inv)
-    return q.fake_quant_group_columns(folded, ends, recipe.gradient_dtype, pow2), codes.float()
+    codes, inv = rows.quantize_rows_reference(x, recipe.forward_dtype, pow2)
+    folded = transposed.fold_row_factors(grad_out, inv)
+    return emulate.fake_quant_group_columns(folded, ends, recipe.gradient_dtype, pow2), codes.float()
 
 
 def _quantize_for_wgrad(t, ends, fp8_dtype, recipe):
     """The wgrad operands of the per-group recipes, scaled along the tokens of each group."""
     if isinstance(recipe, Float8Blockwise):
-        return q.fake_quant_row_tiles(t, ends, fp8_dtype, recipe.power_of_two_scales)
-    return q.fake_quant_groups(t, ends, fp8_dtype, recipe.power_of_two_scales)
+        return emulate.fake_quant_row_tiles(t, ends, fp8_dtype, recipe.power_of_two_scales)
+    return emulate.fake_quant_groups(t, ends, fp8_dtype, recipe.power_of_two_scales)
 
 
 class Fp8EmulatedFunction(torch.autograd.Function):
@@ -99,7 +98,7 @@ class Fp8EmulatedFunction(torch.autograd.Function):
         x_q = _quantize_tokens(x, ends, recipe.forward_dtype, recipe)
         w_q = cached_weight.emulated if cached_weight is not None else \
             quantize_weight_emulated(weight.detach(), recipe)
-        out = grouped_gemm.forward(x_q, w_q, ends, None, "loop")
+        out = torch_gemm.forward(x_q, w_q, ends, None, "loop")
         out = bias_kernels.bias_epilogue_(out, bias.float() if bias is not None else None, ends,
                                           config.zero_tail)
         ctx.save_for_backward(x, weight, ends)
@@ -121,11 +120,11 @@ class Fp8EmulatedFunction(torch.autograd.Function):
             cached = ctx.cached_emulated
             dy_q, w_q = _dgrad_operands(grad_out, weight.detach() if cached is None else cached,
                                         ends, recipe, quantized=cached is not None)
-            grad_x = grouped_gemm.dgrad(dy_q, w_q, ends, None, "loop").to(x.dtype)
+            grad_x = torch_gemm.dgrad(dy_q, w_q, ends, None, "loop").to(x.dtype)
 
         def grad_weight():
             dy_q, x_q = _wgrad_operands(grad_out, x, ends, recipe)
-            return grouped_gemm.wgrad(dy_q, x_q, ends, None, "loop").to(weight.dtype)
+            return torch_gemm.wgrad(dy_q, x_q, ends, None, "loop").to(weight.dtype)
 
         grad_w, grad_b = weight_and_bias_grads(ctx, grad_out, ends, grad_weight)
         return grad_x, grad_w, grad_b, None, None, None

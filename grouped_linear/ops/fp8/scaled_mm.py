@@ -1,8 +1,8 @@
 """The ``fp8_scaled_mm`` route: rowwise and tensorwise recipes on real FP8 GEMMs (sm90).
 
 Per call, one fused quantization kernel per operand and direction
-(:mod:`grouped_linear.kernels.quantize`), then torch's FP8 grouped GEMM
-(:mod:`grouped_linear.kernels.fp8_gemm`):
+(:mod:`grouped_linear.kernels.quantize.rows`), then torch's FP8 grouped GEMM
+(:mod:`grouped_linear.kernels.gemm.fp8_torch_gemm`):
 
 * forward: ``x`` per token (rowwise) or per group (tensorwise), the weight per output
   channel or group (cached per step by the module);
@@ -11,8 +11,8 @@ Per call, one fused quantization kernel per operand and direction
   factors per token: the rows kernel applies the factors as it quantizes;
 * wgrad: operands written transposed by the quantization kernels themselves, each group
   starting on a 16-column boundary (the GEMM's requirement along the reduced dimension; 128
-  for this library's Triton wgrad, from ``fp8_triton_wgrad_min_groups`` groups on), with the alignment
-  zeros written by the same kernels. Rowwise: ``x``'s forward FP8 codes, transposed, and
+  for this library's Triton wgrad, from ``fp8_triton_wgrad_min_groups`` groups on), with the
+  alignment zeros written by the same kernels. Rowwise: ``x``'s forward FP8 codes, transposed, and
   ``dy`` multiplied row by row by ``x``'s per-token factors, quantized per (group, column)
   along the tokens: the tokens are the reduced dimension, so the factors may move across
   it, and ``x`` is saved for backward in FP8 (half its bytes). Tensorwise: ``dy`` and
@@ -29,11 +29,8 @@ import torch
 
 from ... import _tuning
 from ...kernels import bias as bias_kernels
-from ...kernels import fp8_gemm, fp8_triton_gemm
-from ...kernels import quantize as q
-from ...kernels import quantize_folded as qf
-from ...kernels import quantize_groups as qg
-from ...kernels import quantize_transposed as qt
+from ...kernels.gemm import fp8_torch_gemm, fp8_triton_gemm
+from ...kernels.quantize import common, folded, groups, rows, transposed
 from ...recipes import Float8Recipe, Float8Rowwise, Float8Tensorwise
 from .weight import Fp8Config, Fp8Weight, weight_and_bias_grads
 
@@ -44,7 +41,7 @@ def _group_scales(t: torch.Tensor, ends: torch.Tensor, fp8_dtype: torch.dtype,
     """Tensorwise: ``(G,)`` scales of ``t``'s row groups; rowwise: ``None``."""
     if not isinstance(recipe, Float8Tensorwise):
         return None
-    return qg.group_amax_scales(t, ends, fp8_dtype, recipe.power_of_two_scales)
+    return groups.group_amax_scales(t, ends, fp8_dtype, recipe.power_of_two_scales)
 
 
 def _folds_x(recipe: Float8Recipe) -> bool:
@@ -62,13 +59,13 @@ def _piece_scales(pieces: tuple[torch.Tensor, ...], fp8_dtype: torch.dtype,
     amax = torch.stack([torch.linalg.vector_norm(piece, ord=float("inf")).float()
                         if piece.numel() else piece.new_zeros((), dtype=torch.float32)
                         for piece in pieces])
-    return q.scale_from_amax(amax, fp8_dtype, recipe.power_of_two_scales)
+    return common.scale_from_amax(amax, fp8_dtype, recipe.power_of_two_scales)
 
 
 def _quantize_tokens(t: torch.Tensor, ends: torch.Tensor, fp8_dtype: torch.dtype,
                      recipe: Float8Recipe, group_scale: torch.Tensor | None):
     """``(M, C)`` -> FP8 ``(M, C)`` and ``(M,)`` factors: per row, or the row's group's."""
-    return q.quantize_rows(t, fp8_dtype, recipe.power_of_two_scales, group_scale, groups=ends)
+    return rows.quantize_rows(t, fp8_dtype, recipe.power_of_two_scales, group_scale, ends=ends)
 
 
 class Fp8ScaledMMFunction(torch.autograd.Function):
@@ -83,7 +80,7 @@ class Fp8ScaledMMFunction(torch.autograd.Function):
         fp8 = recipe.forward_dtype
         if pieces:
             x_scale = _piece_scales(pieces, fp8, recipe)
-            x_data, x_inv = q.quantize_rows_pieces(list(pieces), fp8, recipe.power_of_two_scales,
+            x_data, x_inv = rows.quantize_rows_pieces(list(pieces), fp8, recipe.power_of_two_scales,
                                                    x_scale, ends=ends)
             dtype = pieces[0].dtype
         else:
@@ -91,7 +88,7 @@ class Fp8ScaledMMFunction(torch.autograd.Function):
             x_data, x_inv = _quantize_tokens(x, ends, fp8, recipe, x_scale)
             dtype = x.dtype
         w = cached if cached is not None else Fp8Weight(weight.detach(), recipe, "fp8_scaled_mm")
-        out = fp8_gemm.forward(x_data, x_inv, w.forward_data, w.forward_inv, ends, dtype)
+        out = fp8_torch_gemm.forward(x_data, x_inv, w.forward_data, w.forward_inv, ends, dtype)
         out = bias_kernels.bias_epilogue_(out, bias, ends, config.zero_tail)
         # Rowwise: the wgrad reads the forward's FP8 rows, so they are what is saved (half
         # the bytes of x); tensorwise quantizes x again along the tokens.
@@ -116,38 +113,38 @@ class Fp8ScaledMMFunction(torch.autograd.Function):
         grad_x = None
         if ctx.needs_input_grad[0] or any(ctx.needs_input_grad[6:]):
             if wt_fold is not None:  # rowwise: dy times the weight's channel factors
-                folded = qf.ColumnFactors.of_groups(wt_fold, ends, grad_out.shape[0])
-                dy_data, dy_inv = qf.quantize_rows_folded(grad_out, folded, fp8_grad, pow2)
+                factors = folded.ColumnFactors.of_groups(wt_fold, ends, grad_out.shape[0])
+                dy_data, dy_inv = folded.quantize_rows_folded(grad_out, factors, fp8_grad, pow2)
             else:
                 dy_data, dy_inv = _quantize_tokens(grad_out, ends, fp8_grad, recipe, dy_scale)
-            grad_x = fp8_gemm.dgrad(dy_data, dy_inv, wt_data, wt_inv, ends, dtype)
+            grad_x = fp8_torch_gemm.dgrad(dy_data, dy_inv, wt_data, wt_inv, ends, dtype)
             if config.zero_tail:
                 grad_x = bias_kernels.zero_tail_(grad_x, ends)
 
         def grad_weight(bias_sums=None):
             # torch's 2-D x 2-D FP8 GEMM slows down at many groups (docs/design.md)
             triton_wgrad = ends.shape[0] >= _tuning.current().fp8_triton_wgrad_min_groups
-            align = fp8_triton_gemm.BLOCK if triton_wgrad else fp8_gemm.WGRAD_GROUP_ALIGN
-            dy_t, dy_t_inv, aligned = qt.quantize_group_columns_t(
+            align = fp8_triton_gemm.BLOCK if triton_wgrad else fp8_torch_gemm.WGRAD_GROUP_ALIGN
+            dy_t, dy_t_inv, aligned = transposed.quantize_group_columns_t(
                 grad_out, ends, fp8_grad, pow2, dy_scale, align=align, column_sums=bias_sums,
                 row_factors=x_inv)
             if x_inv is not None:  # dy carries x's per-token factors: x's codes, transposed
-                x_t = qt.transpose_group_columns(x, ends, align, data_offsets=aligned)
-                x_t_inv = q.unit_factors((ends.shape[0], x.shape[1]), x.device)
+                x_t = transposed.transpose_group_columns(x, ends, align, data_ends=aligned)
+                x_t_inv = common.unit_factors((ends.shape[0], x.shape[1]), x.device)
             elif pieces:  # each piece into its aligned columns, same width as dy's
-                x_t, x_t_inv = qt.quantize_group_columns_t_pieces(
+                x_t, x_t_inv = transposed.quantize_group_columns_t_pieces(
                     pieces, recipe.forward_dtype, pow2, x_scale, align, width=dy_t.shape[1],
                     ends=ends)
             else:
-                x_t, x_t_inv, _ = qt.quantize_group_columns_t(
+                x_t, x_t_inv, _ = transposed.quantize_group_columns_t(
                     x, ends, recipe.forward_dtype, pow2, x_scale, align=align,
-                    data_offsets=aligned)
+                    data_ends=aligned)
             if triton_wgrad:  # 128-token group blocks, one factor per (group, column)
                 sizes = torch.diff(ends, prepend=ends.new_zeros(1))
                 return fp8_triton_gemm.blockwise_wgrad(dy_t, dy_t_inv, x_t, x_t_inv, sizes,
                                                        grad_out.shape[0], weight.dtype,
                                                        group_scales=True)
-            return fp8_gemm.wgrad(dy_t, dy_t_inv, x_t, x_t_inv, aligned, weight.dtype)
+            return fp8_torch_gemm.wgrad(dy_t, dy_t_inv, x_t, x_t_inv, aligned, weight.dtype)
 
         grad_w, grad_b = weight_and_bias_grads(ctx, grad_out, ends, grad_weight,
                                                fuses_bias=True)

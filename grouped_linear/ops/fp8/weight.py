@@ -13,10 +13,8 @@ from dataclasses import dataclass
 import torch
 
 from ...kernels import bias as bias_kernels
-from ...kernels import quantize as q
-from ...kernels import quantize_blocks as qb
-from ...kernels import quantize_groups as qg
-from ...kernels.transpose import transpose_groups
+from ...kernels.quantize import blocks, common, emulate, groups, rows
+from ...kernels.quantize.transpose import transpose_groups
 from ...recipes import Float8Blockwise, Float8Recipe, Float8Rowwise, Float8Tensorwise
 from ..weight_grad import WeightGradSink, route_weight_grads
 
@@ -39,9 +37,9 @@ def quantize_weight_emulated(weight: torch.Tensor, recipe: Float8Recipe) -> torc
     channel for rowwise, 128x128 blocks for blockwise, per group for tensorwise."""
     pow2 = recipe.power_of_two_scales
     if isinstance(recipe, Float8Blockwise):
-        return q.fake_quant_weight_blocks(weight, recipe.forward_dtype, pow2)
+        return emulate.fake_quant_weight_blocks(weight, recipe.forward_dtype, pow2)
     dim = 2 if isinstance(recipe, Float8Rowwise) else None
-    return q.fake_quant_weight(weight, dim, recipe.forward_dtype, pow2)
+    return emulate.fake_quant_weight(weight, dim, recipe.forward_dtype, pow2)
 
 
 def _scaled_mm_weight(weight: torch.Tensor, recipe: Float8Recipe) -> tuple[torch.Tensor, ...]:
@@ -51,10 +49,10 @@ def _scaled_mm_weight(weight: torch.Tensor, recipe: Float8Recipe) -> tuple[torch
     pow2, fp8 = recipe.power_of_two_scales, recipe.forward_dtype
     G, N, K = weight.shape
     if isinstance(recipe, Float8Tensorwise):  # the dgrad's factors come with the scales
-        group_scale, dgrad_inv = qg.weight_group_scales(weight, fp8, pow2, inv_width=K)
+        group_scale, dgrad_inv = groups.weight_group_scales(weight, fp8, pow2, inv_width=K)
     else:
-        group_scale, dgrad_inv = None, q.unit_factors((G, K), weight.device)
-    forward_data, forward_inv = q.quantize_weight_rows(weight, fp8, pow2, group_scale)
+        group_scale, dgrad_inv = None, common.unit_factors((G, K), weight.device)
+    forward_data, forward_inv = rows.quantize_weight_rows(weight, fp8, pow2, group_scale)
     return forward_data, forward_inv, transpose_groups(forward_data), dgrad_inv
 
 
@@ -81,7 +79,7 @@ class Fp8Weight:
             if isinstance(recipe, Float8Rowwise):
                 self.dgrad_fold = self.forward_inv
         elif route == "fp8_blockwise":  # 128x128 blocks: dgrad reads the same factors transposed
-            self.forward_data, self.forward_inv = qb.quantize_weight_blocks(
+            self.forward_data, self.forward_inv = blocks.quantize_weight_blocks(
                 weight, recipe.forward_dtype, recipe.power_of_two_scales)
             self.dgrad_data = transpose_groups(self.forward_data)  # one tiled pass
             self.dgrad_inv = self.forward_inv.transpose(1, 2)  # a view: refreshed with it

@@ -1,0 +1,70 @@
+"""Where rows and tiles fall among groups: Triton helpers the kernels share, and the
+plain-PyTorch row -> group map.
+
+Groups are given either by their cumulative row ends (``ends`` ``(G,)``, non-decreasing)
+or by their sizes (``sizes`` ``(G,)``, any integers: negative ones count as 0 and the ends
+are clamped to the rows there are).
+"""
+
+import torch
+
+from ._triton import tl, triton
+
+__all__ = ["row_groups", "row_group", "group_rows", "tile_list", "tile_origin"]
+
+
+def row_groups(ends: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """``(M,)`` group of every row; ``G`` for rows past ``ends[-1]``."""
+    rows = torch.arange(num_rows, device=ends.device, dtype=ends.dtype)
+    return torch.searchsorted(ends, rows, right=True)
+
+
+@triton.jit
+def row_group(ends_ptr, rows, G, BLOCK_G: tl.constexpr):
+    """Group of each row: how many group ends are <= the row (``G`` past the last end)."""
+    count = tl.zeros_like(rows)
+    for g0 in range(0, G, BLOCK_G):
+        gs = g0 + tl.arange(0, BLOCK_G)
+        ends = tl.load(ends_ptr + gs, mask=gs < G, other=2147483647)
+        count += tl.sum((ends[None, :] <= rows[:, None]).to(tl.int32), axis=1)
+    return count
+
+
+@triton.jit
+def group_rows(sizes_ptr, G, M, BLOCK_G: tl.constexpr):
+    """Vectors over ``BLOCK_G > G`` slots: group start and end rows, clamped to
+    ``[0, M]`` (negative sizes count as 0); slot ``G`` is the tail ``[sum, M)``."""
+    gs = tl.arange(0, BLOCK_G)
+    sizes = tl.maximum(tl.load(sizes_ptr + gs, mask=gs < G, other=0).to(tl.int64), 0)
+    inclusive = tl.cumsum(sizes, axis=0)
+    ends = tl.minimum(inclusive, M)
+    starts = tl.minimum(inclusive - sizes, M)
+    ends = tl.where(gs == G, M, ends)
+    return gs, starts, ends
+
+
+@triton.jit
+def tile_list(sizes_ptr, G, M, W, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              BLOCK_G: tl.constexpr):
+    """The persistent schedule: every group's (row tile, column tile) pairs of an ``(M, W)``
+    output, numbered group after group (slot ``G``, the tail, included). Returns the per-slot
+    vectors the tiles are looked up in, and the tile count."""
+    gs, starts, ends = group_rows(sizes_ptr, G, M, BLOCK_G)
+    n_tiles = tl.cdiv(W, BLOCK_N)
+    tiles = ((ends - starts + BLOCK_M - 1) // BLOCK_M) * n_tiles
+    tile_end = tl.cumsum(tiles, axis=0)
+    return gs, starts, ends, tile_end - tiles, tile_end, tl.sum(tiles, axis=0)
+
+
+@triton.jit
+def tile_origin(tile, gs, starts, ends, tile_begin, tile_end, W, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr):
+    """Tile ``tile`` of :func:`tile_list`: its group (``G`` for the tail), the group's end
+    row, the tile's first row and its column-tile index."""
+    owner = (tile_begin <= tile) & (tile < tile_end)
+    n_tiles = tl.cdiv(W, BLOCK_N)
+    g = tl.sum(tl.where(owner, gs, 0), axis=0)
+    local = tile - tl.sum(tl.where(owner, tile_begin, 0), axis=0)
+    end = tl.sum(tl.where(owner, ends, 0), axis=0)
+    row0 = tl.sum(tl.where(owner, starts, 0), axis=0) + (local // n_tiles) * BLOCK_M
+    return g, end, row0, local % n_tiles

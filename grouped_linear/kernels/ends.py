@@ -1,0 +1,72 @@
+"""Device split sizes to clamped cumulative group ends, in one launch.
+
+``ends[g] = min(M, sum(max(splits[i], 0) for i <= g))``: non-decreasing and
+within ``[0, M]`` whatever the split values, so no kernel indexing with them
+can leave the tensor. Never reads the splits back to the host.
+"""
+
+import torch
+
+from ._triton import kernel, next_power_of_2, tl, triton, use_triton
+
+__all__ = ["group_starts", "group_ends", "group_ends_reference", "aligned_ends",
+           "aligned_ends_reference"]
+
+_MAX_TRITON_GROUPS = 8192
+
+
+def group_starts(ends: torch.Tensor) -> torch.Tensor:
+    """``(G,)`` cumulative group ends -> the groups' first rows (``ends`` shifted by one)."""
+    return torch.cat([ends.new_zeros(1), ends[:-1]])
+
+
+def group_ends_reference(splits: torch.Tensor, num_rows: int) -> torch.Tensor:
+    return splits.to(torch.int64).clamp(min=0).cumsum(0).clamp(max=num_rows).to(torch.int32)
+
+
+@kernel
+@triton.jit
+def _group_ends_kernel(splits_ptr, ends_ptr, G, M, BLOCK_G: tl.constexpr):
+    idx = tl.arange(0, BLOCK_G)
+    mask = idx < G
+    sizes = tl.maximum(tl.load(splits_ptr + idx, mask=mask, other=0).to(tl.int64), 0)
+    ends = tl.minimum(tl.cumsum(sizes, axis=0), M)
+    tl.store(ends_ptr + idx, ends.to(tl.int32), mask=mask)
+
+
+def group_ends(splits: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """``(G,)`` integer split sizes -> ``(G,)`` int32 clamped cumulative ends (same device)."""
+    G = splits.shape[0]
+    if (not use_triton(splits) or G > _MAX_TRITON_GROUPS or G == 0
+            or torch.compiler.is_compiling()):
+        return group_ends_reference(splits, num_rows)
+    ends = torch.empty(G, device=splits.device, dtype=torch.int32)
+    _group_ends_kernel[(1,)](splits.contiguous(), ends, G, num_rows, BLOCK_G=next_power_of_2(G))
+    return ends
+
+
+def aligned_ends_reference(ends: torch.Tensor, align: int) -> torch.Tensor:
+    sizes = torch.diff(ends.to(torch.int64), prepend=ends.new_zeros(1, dtype=torch.int64))
+    return ((sizes + align - 1) // align * align).cumsum(0).to(torch.int32)
+
+
+@kernel
+@triton.jit
+def _aligned_ends_kernel(ends_ptr, out_ptr, G, ALIGN: tl.constexpr, BLOCK_G: tl.constexpr):
+    idx = tl.arange(0, BLOCK_G)
+    mask = idx < G
+    ends = tl.load(ends_ptr + idx, mask=mask, other=0).to(tl.int64)
+    starts = tl.load(ends_ptr + idx - 1, mask=mask & (idx > 0), other=0).to(tl.int64)
+    padded = (ends - starts + ALIGN - 1) // ALIGN * ALIGN
+    tl.store(out_ptr + idx, tl.cumsum(padded, axis=0).to(tl.int32), mask=mask)
+
+
+def aligned_ends(ends: torch.Tensor, align: int) -> torch.Tensor:
+    """``(G,)`` cumulative group ends -> the ends once every group is rounded up to a
+    multiple of ``align`` rows (int32, same device; at most ``(align - 1) * G`` more)."""
+    G = ends.shape[0]
+    if not use_triton(ends) or G > _MAX_TRITON_GROUPS or G == 0 or torch.compiler.is_compiling():
+        return aligned_ends_reference(ends, align)
+    out = torch.empty(G, device=ends.device, dtype=torch.int32)
+    _aligned_ends_kernel[(1,)](ends, out, G, ALIGN=align, BLOCK_G=next_power_of_2(G))
+    return out

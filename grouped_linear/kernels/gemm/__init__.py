@@ -1,0 +1,1 @@
+"""Grouped GEMMs: plain PyTorch, Triton and Gluon, bf16 and FP8."""

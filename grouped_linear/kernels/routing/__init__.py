@@ -1,0 +1,1 @@
+"""Moving rows between layouts: padding, permutation and the routing map."""

@@ -1,0 +1,39 @@
+"""The folded rows quantization (Float8Rowwise's dgrad operand) against its reference."""
+
+import pytest
+import torch
+
+from grouped_linear.kernels.quantize import folded as qf
+from tests.reference import codes_close, rel_err
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+E4M3 = torch.float8_e4m3fn
+
+
+@pytest.mark.parametrize("pow2", [False, True])
+@pytest.mark.parametrize("sizes, tail", [([5, 0, 9], 2), ([1], 0), ([0, 7, 3, 0], 4),
+                                         ([40, 3, 0, 50], 5),
+                                         ([(g * 7) % 5 for g in range(300)], 3)])
+def test_rows_with_column_factors(sizes, tail, pow2):
+    """Rows times their group's column factors, quantized per row: the kernel against the
+    reference, and the dequantized result against the float64 product."""
+    C = 70
+    M = sum(sizes) + tail
+    t = (torch.randn(M, C) * 3).to(torch.bfloat16).to(DEVICE)
+    offsets = torch.tensor(sizes, device=DEVICE).cumsum(0).to(torch.int32)
+    factors = (torch.rand(len(sizes), C) * torch.logspace(-3, 3, C)).to(DEVICE)
+    column_factors = qf.ColumnFactors.of_groups(factors, offsets, M)
+    data, inv = qf.quantize_rows_folded(t, column_factors, E4M3, pow2)
+    ref_data, ref_inv = qf.quantize_rows_folded_reference(t, column_factors, E4M3, pow2)
+    assert torch.allclose(inv, ref_inv, rtol=1e-6) and codes_close(data, ref_data)
+    groups = torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(sizes))
+    groups = torch.cat([groups, torch.full((tail,), len(sizes) - 1)]).to(DEVICE)
+    want = t.double() * factors.double()[groups]
+    assert rel_err(data.double() * inv.double()[:, None], want) < 0.04
+    with pytest.raises(ValueError, match="do not fit"):
+        qf.quantize_rows_folded(t[:, :-1], column_factors, E4M3, pow2)
+    with pytest.raises(ValueError, match="num_rows"):
+        qf.quantize_rows_folded(t[:-1], column_factors, E4M3, pow2)
+    with pytest.raises(ValueError, match="ends has shape"):
+        qf.quantize_rows_folded(t, qf.ColumnFactors(column_factors.factors, offsets[:-1], M),
+                                E4M3, pow2)

@@ -1,0 +1,166 @@
+"""The row-moving layout kernels against their references (CUDA, or the Triton interpreter)."""
+
+import pytest
+import torch
+
+from grouped_linear.kernels._triton import HAS_TRITON, use_triton
+from grouped_linear.kernels.routing import routing_map as routing
+from grouped_linear.kernels.routing import rows as layout
+from grouped_linear.kernels.routing.relayout import relayout, relayout_reference
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+
+
+def _ends(sizes):
+    return torch.tensor(sizes, device=DEVICE).cumsum(0)
+
+
+@pytest.mark.parametrize("src_sizes, dst_sizes, dst_rows", [
+    ([3, 0, 17, 1], [16, 0, 32, 16], 64),     # pad to 16
+    ([16, 0, 32, 16], [3, 0, 17, 1], 21),     # unpad
+    ([5, 5], [8, 8], 30),                     # destination tail past the last group
+    ([0, 0, 0], [0, 0, 0], 4),                # nothing to copy: zeros
+])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_relayout_matches_reference(src_sizes, dst_sizes, dst_rows, dtype):
+    src = torch.randn(max(sum(src_sizes), 1), 300, device=DEVICE).to(dtype)
+    assert use_triton(src)
+    got = relayout(src, _ends(src_sizes), _ends(dst_sizes), dst_rows)
+    want = relayout_reference(src, _ends(src_sizes), _ends(dst_sizes), dst_rows)
+    assert got.shape == (dst_rows, 300) and torch.equal(got, want)
+    # spot-check the pairing itself: group 0's first row lands on destination row 0
+    if src_sizes[0] and dst_sizes[0]:
+        assert torch.equal(got[0], src[0])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gather_rows_kernel(dtype):
+    src = torch.randn(10, 300, device=DEVICE).to(dtype)
+    index = torch.tensor([3, -1, 9, 10, 0, 3, -7], device=DEVICE)  # -1, 10, -7: zero rows
+    assert use_triton(src)
+    got = layout.gather_rows(src, index)
+    assert torch.equal(got, layout.gather_rows_reference(src, index))
+    assert torch.equal(got[0], src[3]) and torch.all(got[[1, 3, 6]] == 0)
+
+
+@pytest.mark.parametrize("with_weights", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_combine_rows_kernel(with_weights, dtype):
+    src = torch.randn(12, 300, device=DEVICE).to(dtype)
+    row_map = torch.tensor([[0, 5, -1], [11, 2, 3], [-1, -1, -1], [7, 12, 1]], device=DEVICE)
+    weights = torch.rand(4, 3, device=DEVICE) if with_weights else None
+    got = layout.combine_rows(src, row_map, weights)
+    want = layout.combine_rows_reference(src, row_map, weights)
+    tol = {"rtol": 1e-6, "atol": 1e-6} if dtype == torch.float32 else {"rtol": 8e-3, "atol": 8e-3}
+    torch.testing.assert_close(got, want, **tol)
+    assert torch.all(got[2] == 0)  # every slot dropped
+    exact = src[0].double() * (weights[0, 0].double() if with_weights else 1) + src[5].double() * (
+        weights[0, 1].double() if with_weights else 1)
+    torch.testing.assert_close(got[0].double(), exact, **tol)
+
+
+@pytest.mark.parametrize("k, weighted", [(1, False), (2, True), (8, True)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_spread_rows_against_reference(k, weighted, dtype):
+    tokens, H, padding = 37, 40, 13
+    num_rows = tokens * k + padding
+    gen = torch.Generator().manual_seed(k)
+    row_map = torch.randperm(num_rows, generator=gen)[: tokens * k].view(tokens, k)
+    row_map[3, 0] = -1  # a dropped slot
+    if k > 1:
+        row_map[5, 1] = num_rows + 4  # outside: dropped too
+    src = torch.randn(tokens, H, generator=gen).to(DEVICE, dtype)
+    weights = torch.rand(tokens, k, generator=gen).to(DEVICE) if weighted else None
+    row_map = row_map.to(DEVICE)
+    got = layout.spread_rows(src, row_map, num_rows, weights)
+    want = layout.spread_rows_reference(src, row_map, num_rows, weights)
+    assert got.dtype == dtype and got.shape == (num_rows, H)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    held = row_map[(row_map >= 0) & (row_map < num_rows)]
+    unheld = torch.ones(num_rows, dtype=torch.bool, device=DEVICE)
+    unheld[held] = False
+    assert torch.all(got[unheld] == 0)
+
+
+def test_spread_rows_ignores_stale_slot_entries(monkeypatch):
+    """The inverse slot map is not filled before the slots are written: whatever an unheld
+    row's entry holds (a stale slot of another row, a negative or out-of-range number), the
+    row comes out zero, and held rows are unaffected."""
+    tokens, k, H, padding = 20, 3, 24, 9
+    num_rows = tokens * k + padding
+    gen = torch.Generator().manual_seed(7)
+    row_map = torch.randperm(num_rows, generator=gen)[: tokens * k].view(tokens, k).to(DEVICE)
+    src = torch.randn(tokens, H, generator=gen).to(DEVICE)
+    stale = torch.randint(-3, tokens * k + 3, (num_rows,), generator=gen).to(DEVICE)
+    original_empty = torch.empty
+
+    def stale_empty(*size, **kwargs):
+        out = original_empty(*size, **kwargs)
+        if out.dtype == torch.int64 and out.shape == (num_rows,):
+            out.copy_(stale)
+        return out
+
+    monkeypatch.setattr(layout.torch, "empty", stale_empty)
+    got = layout.spread_rows(src, row_map, num_rows, None)
+    monkeypatch.undo()
+    want = layout.spread_rows_reference(src, row_map, num_rows, None)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("k, multiple, experts", [(1, 1, 4), (2, 16, 5), (8, 128, 16), (3, 4, 1)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("located", [False, True])
+def test_scatter_rows_equals_gather_by_token(k, multiple, experts, dtype, located, monkeypatch):
+    """The permute layout written source-row by source-row (each read once) equals the
+    gather by each row's token, padding and dropped slots included; the rows no slot holds
+    found by scanning the row tokens, or (``located``) from the group sizes. The output
+    buffer starts as NaN, so a row left unwritten shows."""
+    tokens, H = 45, 300
+    gen = torch.Generator().manual_seed(k * 100 + multiple)
+    topk = torch.stack([torch.randperm(max(experts, k), generator=gen)[:k] % experts
+                        for _ in range(tokens)])
+    topk[2, 0] = -1  # a dropped slot
+    topk = topk.to(DEVICE)
+    num_rows = tokens * k + experts * (multiple - 1) + 7  # an upper bound with a tail
+    m_splits, row_map, token_of_row, counts = routing.routing_map_reference(
+        topk, experts, multiple, num_rows)
+    src = torch.randn(tokens, H, generator=gen).to(DEVICE, dtype)
+    original_empty = torch.empty
+    monkeypatch.setattr(layout.torch, "empty",
+                        lambda *size, **kwargs: original_empty(*size, **kwargs).fill_(float("nan"))
+                        if kwargs.get("dtype") == dtype else original_empty(*size, **kwargs))
+    got = layout.scatter_rows(src, row_map, token_of_row,
+                              (m_splits, counts) if located else None)
+    monkeypatch.undo()
+    assert got.shape == (num_rows, H)
+    assert torch.equal(got, layout.gather_rows_reference(src, token_of_row))
+    assert torch.all(got[token_of_row.cpu() < 0] == 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens, k, H", [(37, 1, 48), (20, 3, 300), (9, 8, 5), (5, 2, 2100)])
+def test_slot_dots_match_the_reference(tokens, k, H, dtype):
+    """Per slot, its row dotted with the token's gradient row: dropped slots (-1) and rows
+    past the source give 0; several column steps and tokens blocks."""
+    gen = torch.Generator().manual_seed(tokens * k)
+    rows = tokens * k + 3
+    src = torch.randn(rows, H, generator=gen).to(dtype).to(DEVICE)
+    grad = torch.randn(tokens, H, generator=gen).to(dtype).to(DEVICE)
+    row_map = torch.randperm(rows, generator=gen)[:tokens * k].view(tokens, k)
+    row_map[0, 0] = -1  # a dropped slot
+    if k > 1:
+        row_map[-1, 1] = rows + 5  # outside the source: counts as dropped
+    row_map = row_map.to(DEVICE)
+    got = layout.slot_dots(src, grad, row_map, config=(4, 64, 4))
+    want = layout.slot_dots_reference(src, grad, row_map, torch.float32)
+    exact = torch.zeros(tokens, k, dtype=torch.float64)
+    for t in range(tokens):
+        for j in range(k):
+            r = int(row_map[t, j])
+            if 0 <= r < rows:
+                exact[t, j] = (src[r].double() * grad[t].double()).sum()
+    assert got.shape == (tokens, k) and got.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got.double().cpu(), exact, rtol=1e-4, atol=1e-3)
+    assert got[0, 0] == 0
