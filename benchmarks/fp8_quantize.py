@@ -9,14 +9,17 @@ kernels|blocks] [SHAPE ...]`` (default: both parts):
   counting one read of the input and one write of the FP8 output (the one-pass floor),
   and that as a fraction of a bf16 copy's GB/s. Rows (activations, weights, with weight
   factors folded in), the FP8 weight transpose (the dgrad copy), the transposing
-  per-(group, column) quantization (wgrad operands) and the block-scaling quantizers.
+  per-(group, column) quantization (wgrad operands; tile shapes and amax sub-tiles) and
+  the block-scaling quantizers. Each launch shape goes in as the kernel's ``config=``;
+  the folded rows run at their one setting (``FOLDED_CONFIG``, chosen by an earlier sweep).
 * ``blocks`` (SHAPE: the bench's, default all): ``x`` ``(M, K)`` and ``dy`` ``(M, N)`` with
   the shape's splits, quantized to both block layouts (1x128 row tiles and transposed
   128-token blocks) from one read (Gluon, sm90) and by the two Triton passes; µs
   (median), bandwidth counting the bytes each must move (two passes: 2 + 1 bytes per
   element each; one read: 2 + 1 + 1), the speedup, and whether the outputs are identical
-  to the reference (``two_passes``, which also zeroes the row tiles of the rows past the
-  groups; the timed passes skip that, as the layer does).
+  to the reference (the two passes on the operand with its rows past the groups zeroed,
+  as the one-read kernel writes their row tiles; the timed passes skip that, as the layer
+  does).
 """
 
 import torch
@@ -30,17 +33,6 @@ from grouped_linear.kernels.quantize import transposed as qt
 from grouped_linear.kernels.quantize.transpose import transpose_groups
 
 DT = torch.bfloat16
-
-
-def _with(module, attr: str, values, report_one) -> None:
-    """``report_one(value)`` with ``module.attr`` set to each of ``values``; restored after."""
-    default = getattr(module, attr)
-    try:
-        for value in values:
-            setattr(module, attr, value)
-            report_one(value)
-    finally:
-        setattr(module, attr, default)
 
 
 def kernels() -> None:
@@ -60,9 +52,9 @@ def kernels() -> None:
         print(f"{name:52s} {ms:8.3f} ms {gbps:8.0f} GB/s {gbps / copy_gbps:6.2f} of copy",
               flush=True)
 
-    _with(qr, "ROWS_CONFIG", [(4, 1024, 4), (8, 1024, 8), (2, 2048, 4), (1, 4096, 8)],
-          lambda c: report(f"rows x {c}", median_ms(lambda: qr.quantize_rows(x, E4M3, False)),
-                           x.numel()))
+    for c in [(4, 1024, 4), (8, 1024, 8), (2, 2048, 4), (1, 4096, 8)]:
+        report(f"rows x {c}", median_ms(lambda c=c: qr.quantize_rows(x, E4M3, False, config=c)),
+               x.numel())
     report("weight rows (forward copy)",
            median_ms(lambda: qr.quantize_weight_rows(w, E4M3, False)), w.numel())
     w_data, _ = qr.quantize_weight_rows(w, E4M3, False)
@@ -70,39 +62,34 @@ def kernels() -> None:
            w.numel(), bytes_per_element=2)
     report("rows dy", median_ms(lambda: qr.quantize_rows(dy, E4M3, False)), dy.numel())
     folded = qf.ColumnFactors.of_groups(torch.rand(G, N, device=CUDA), ends, M)
-    _with(qf, "FOLDED_CONFIG", [(8, 512), (16, 512), (16, 1024), (32, 1024)],
-          lambda c: report(f"rows dy, weight factors folded in {c}",
-                           median_ms(lambda: qf.quantize_rows_folded(dy, folded, E4M3, False)),
-                           dy.numel()))
+    report(f"rows dy, weight factors folded in {qf.FOLDED_CONFIG}",
+           median_ms(lambda: qf.quantize_rows_folded(dy, folded, E4M3, False)), dy.numel())
     x_narrow = x[:, :1024].contiguous()
     report("rows x[:, :1024] (several rows per program)",
            median_ms(lambda: qr.quantize_rows(x_narrow, E4M3, False)), x_narrow.numel())
 
-    def group_columns(label):
+    tiled = [qt.TiledConfig(*c) for c in [(64, 64, 4), (128, 64, 4), (64, 128, 8), (128, 128, 8)]]
+    sub_tiles = [qt.TILED_CONFIG._replace(amax_sub_tiles=n) for n in [1, 2, 4, 8]]
+    for c in tiled + sub_tiles:
         for name, t in (("x", x), ("dy", dy)):
-            report(f"group columns {name} {label}", median_ms(
-                lambda t=t: qt.quantize_group_columns_t(t, ends, E4M3, False, align=16)),
+            report(f"group columns {name} {tuple(c)}", median_ms(
+                lambda t=t, c=c: qt.quantize_group_columns_t(t, ends, E4M3, False, align=16,
+                                                             config=c)),
                 t.numel())
 
-    _with(qt, "TILED_CONFIG", [(64, 64, 4), (128, 64, 4), (64, 128, 8), (128, 128, 8)],
-          lambda c: group_columns(f"tiled {c}"))
-    _with(qt, "AMAX_SUB_TILES", [1, 2, 4, 8], lambda n: group_columns(f"amax sub-tiles {n}"))
-
-    _with(qb, "ROW_TILES_CONFIG", [(32, 4), (64, 4), (16, 4)],
-          lambda c: report(f"blockwise row tiles x {c}",
-                           median_ms(lambda: qb.quantize_row_tiles(x, E4M3, False)), x.numel()))
-    _with(qb, "WEIGHT_BLOCKS_CONFIG", [(4,), (8,)],
-          lambda c: report(f"blockwise weight blocks {c}",
-                           median_ms(lambda: qb.quantize_weight_blocks(w, E4M3, False)),
-                           w.numel()))
-
-    def token_blocks(c):
+    for c in [(32, 4), (64, 4), (16, 4)]:
+        report(f"blockwise row tiles x {c}",
+               median_ms(lambda c=c: qb.quantize_row_tiles(x, E4M3, False, config=c)), x.numel())
+    for c in [(4,), (8,)]:
+        report(f"blockwise weight blocks {c}",
+               median_ms(lambda c=c: qb.quantize_weight_blocks(w, E4M3, False, config=c)),
+               w.numel())
+    for c in [(64, 4), (32, 4), (128, 8)]:
         for name, t in (("x", x), ("dy", dy)):
             report(f"blockwise token blocks {name} transposed {c}", median_ms(
-                lambda t=t: qb.quantize_token_blocks(t, sizes, E4M3, False, transpose=True)),
+                lambda t=t, c=c: qb.quantize_token_blocks(t, sizes, E4M3, False, transpose=True,
+                                                          config=c)),
                 t.numel())
-
-    _with(qb, "TOKEN_BLOCKS_CONFIG", [(64, 4), (32, 4), (128, 8)], token_blocks)
 
 
 def _same(got, want) -> bool:
@@ -132,7 +119,9 @@ def blocks(names: list[str]) -> None:
             def one(t=t, sizes=sizes):
                 return qbg.quantize_row_tiles_and_token_blocks(t, sizes, E4M3, True)
 
-            same = _same(one(), qbg.two_passes(t, sizes, E4M3, True))
+            in_groups = t.clone()
+            in_groups[int(sizes.clamp(min=0).sum()):] = 0  # rows past the groups
+            same = _same(one(), two(in_groups))
             two_ms, one_ms = median_ms(two), median_ms(one)
             print(f"{shape.name:22s} {operand:8s} {two_ms * 1e3:14.0f} "
                   f"{6 * M * C / two_ms / 1e9:6.2f} {one_ms * 1e3:12.0f} "

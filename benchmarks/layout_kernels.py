@@ -5,7 +5,9 @@ tokens, top-8 of 64 experts, hidden 4096 and 7168, bf16. ``scatter_rows`` (permu
 forward) moves ``(T + M) * H`` elements, ``combine_rows`` (permute backward, unpermute
 forward) ``(M + T) * H``; GB/s count 2 bytes each, as a fraction of a bf16 copy's GB/s
 (medians); ``spread_rows`` with weights (unpermute backward) moves what ``scatter_rows``
-does. First, per hidden size, the gather by token that permute ran before.
+does. Each launch shape of the list goes to all three as their ``config=`` (defaults
+``SCATTER_CONFIG``, ``COMBINE_CONFIG``). First, per hidden size, the gather by token that
+permute ran before.
 """
 
 import torch
@@ -24,7 +26,6 @@ def main() -> None:
     topk = torch.randn(tokens, experts, device=CUDA).topk(k, dim=-1).indices
     num_rows = tokens * k
     _, row_map, token_of_row, _ = routing_map.routing_map(topk, experts, 1, num_rows)
-    defaults = row_kernels.SCATTER_CONFIG, row_kernels.COMBINE_CONFIG
     for hidden in (4096, 7168):
         x = randn(tokens, hidden, device=CUDA, dtype=torch.bfloat16)
         y = randn(num_rows, hidden, device=CUDA, dtype=torch.bfloat16)
@@ -36,18 +37,16 @@ def main() -> None:
         ms = median_ms(lambda x=x: row_kernels.gather_rows(x, token_of_row))
         print(f"H={hidden} copy {copy:.0f} GB/s; gather by token (before): "
               f"{moved / ms / 1e6 / copy:.2f} of copy")
-        try:
-            for config in CONFIGS:
-                row_kernels.SCATTER_CONFIG = row_kernels.COMBINE_CONFIG = config
-                scatter = median_ms(lambda x=x: row_kernels.scatter_rows(x, row_map, token_of_row))
-                combine = median_ms(lambda y=y: row_kernels.combine_rows(y, row_map, None))
-                spread = median_ms(lambda x=x, p=probs: row_kernels.spread_rows(x, row_map,
-                                                                               num_rows, p))
-                print(f"  {config}: scatter {moved / scatter / 1e6 / copy:.2f}, "
-                      f"combine {moved / combine / 1e6 / copy:.2f}, "
-                      f"weighted spread {moved / spread / 1e6 / copy:.2f} of copy", flush=True)
-        finally:
-            row_kernels.SCATTER_CONFIG, row_kernels.COMBINE_CONFIG = defaults
+        for config in CONFIGS:
+            scatter = median_ms(lambda x=x, c=config: row_kernels.scatter_rows(
+                x, row_map, token_of_row, config=c))
+            combine = median_ms(lambda y=y, c=config: row_kernels.combine_rows(
+                y, row_map, None, config=c))
+            spread = median_ms(lambda x=x, p=probs, c=config: row_kernels.spread_rows(
+                x, row_map, num_rows, p, config=c))
+            print(f"  {config}: scatter {moved / scatter / 1e6 / copy:.2f}, "
+                  f"combine {moved / combine / 1e6 / copy:.2f}, "
+                  f"weighted spread {moved / spread / 1e6 / copy:.2f} of copy", flush=True)
 
 
 if __name__ == "__main__":

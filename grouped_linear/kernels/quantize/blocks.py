@@ -39,7 +39,8 @@ __all__ = ["quantize_row_tiles", "quantize_row_tiles_reference", "quantize_weigh
            "ROW_TILES_CONFIG", "WEIGHT_BLOCKS_CONFIG", "TOKEN_BLOCKS_CONFIG"]
 
 # Launch shapes: (rows per program, warps) for row tiles, (warps,) for weight blocks,
-# (columns per program, warps) for token blocks.
+# (columns per program, warps) for token blocks; the defaults of the quantizers' config=
+# keywords (benchmarks/fp8_quantize.py times others).
 ROW_TILES_CONFIG = (32, 4)
 WEIGHT_BLOCKS_CONFIG = (8,)
 TOKEN_BLOCKS_CONFIG = (64, 4)
@@ -83,16 +84,18 @@ def _quantize_row_tiles_kernel(t_ptr, q_ptr, inv_ptr, M, C, stride_tm, stride_tc
 
 
 def quantize_row_tiles(t: torch.Tensor, fp8_dtype: torch.dtype, power_of_two: bool,
-                       tile: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+                       tile: int = 128, *, config: tuple[int, int] = ROW_TILES_CONFIG
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(M, C)`` (any float dtype, any strides) -> contiguous FP8 ``(M, C)`` and float32
-    ``(M, cdiv(C, tile))`` factors: ``t[m, c] ~= data[m, c] * inv[m, c // tile]``."""
+    ``(M, cdiv(C, tile))`` factors: ``t[m, c] ~= data[m, c] * inv[m, c // tile]``.
+    ``config``: the launch shape (rows per program, warps)."""
     if not use_triton(t) or t.numel() == 0:
         return quantize_row_tiles_reference(t, fp8_dtype, power_of_two, tile)
     M, C = t.shape
     blocks = cdiv(C, tile)
     data = fp8_buffer((M, C), t.device, fp8_dtype)
     inv = torch.empty(M, blocks, device=t.device, dtype=torch.float32)
-    block_r, warps = ROW_TILES_CONFIG
+    block_r, warps = config
     _quantize_row_tiles_kernel[(cdiv(M, block_r), blocks)](
         t, data, inv, M, C, t.stride(0), t.stride(1), blocks,
         FP8_MAX=torch.finfo(fp8_dtype).max, POW2=power_of_two, TILE=tile, BLOCK_R=block_r,
@@ -146,17 +149,19 @@ def _quantize_weight_blocks_kernel(w_ptr, q_ptr, inv_ptr, N, K, stride_wg, strid
 
 
 def quantize_weight_blocks(weight: torch.Tensor, fp8_dtype: torch.dtype, power_of_two: bool,
-                           block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+                           block: int = 128, *, config: tuple[int] = WEIGHT_BLOCKS_CONFIG
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(G, N, K)`` (any float dtype, any strides) -> contiguous FP8 ``(G, N, K)`` and
     float32 ``(G, cdiv(N, block), cdiv(K, block))`` factors:
-    ``w[g, n, k] ~= data[g, n, k] * inv[g, n // block, k // block]``."""
+    ``w[g, n, k] ~= data[g, n, k] * inv[g, n // block, k // block]``. ``config``: the launch
+    shape (``(warps,)``)."""
     if not use_triton(weight) or weight.numel() == 0:
         return quantize_weight_blocks_reference(weight, fp8_dtype, power_of_two, block)
     G, N, K = weight.shape
     nb, kb = cdiv(N, block), cdiv(K, block)
     data = fp8_buffer((G, N, K), weight.device, fp8_dtype)
     inv = torch.empty(G, nb, kb, device=weight.device, dtype=torch.float32)
-    (warps,) = WEIGHT_BLOCKS_CONFIG
+    (warps,) = config
     _quantize_weight_blocks_kernel[(G, nb, kb)](
         weight, data, inv, N, K, weight.stride(0), weight.stride(1), weight.stride(2),
         FP8_MAX=torch.finfo(fp8_dtype).max, POW2=power_of_two, BLOCK=block,
@@ -260,7 +265,8 @@ def _quantize_token_blocks_kernel(t_ptr, sizes_ptr, q_ptr, inv_ptr, M, C, G, str
 
 
 def quantize_token_blocks(t: torch.Tensor, sizes: torch.Tensor, fp8_dtype: torch.dtype,
-                          power_of_two: bool, tile: int = 128, transpose: bool = False
+                          power_of_two: bool, tile: int = 128, transpose: bool = False, *,
+                          config: tuple[int, int] = TOKEN_BLOCKS_CONFIG
                           ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(M, C)`` (any float dtype, any strides) with rows split into groups by ``sizes``
     (``(G,)`` integers on ``t``'s device, never read on the host) -> FP8 data and float32
@@ -272,6 +278,8 @@ def quantize_token_blocks(t: torch.Tensor, sizes: torch.Tensor, fp8_dtype: torch
       over the tokens, which FP8 tensor cores want contiguous): data ``(C, (cdiv(M, tile)
       + G) * tile)``, block ``b`` at columns ``[b * tile, (b + 1) * tile)``, zeros past each
       group's end and in unused blocks (:func:`token_block_columns` maps rows to columns).
+
+    ``config``: the launch shape (columns per program, warps).
     """
     M, C = t.shape
     G = sizes.shape[0]
@@ -289,7 +297,7 @@ def quantize_token_blocks(t: torch.Tensor, sizes: torch.Tensor, fp8_dtype: torch
     data = fp8_buffer((C, blocks * tile) if transpose else (M, C), t.device, fp8_dtype)
     stride_qm, stride_qc = (data.stride(1), data.stride(0)) if transpose else data.stride()
     inv = torch.empty(blocks, C, device=t.device, dtype=torch.float32)
-    block_c, warps = TOKEN_BLOCKS_CONFIG
+    block_c, warps = config
     _quantize_token_blocks_kernel[(blocks, cdiv(C, block_c))](
         t, sizes, data, inv, M, C, G, t.stride(0), t.stride(1), stride_qm, stride_qc,
         FP8_MAX=torch.finfo(fp8_dtype).max, POW2=power_of_two, TILE=tile,

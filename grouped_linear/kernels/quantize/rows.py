@@ -25,8 +25,8 @@ __all__ = ["quantize_rows", "quantize_rows_reference", "quantize_rows_pieces",
            "quantize_weight_rows", "ROWS_CONFIG"]
 
 
-# Launch shape of the rows kernel: (rows per program, columns per block, warps);
-# benchmarks/fp8_quantize.py times the alternatives on the H200.
+# Launch shape of the rows kernel: (rows per program, columns per block, warps), the
+# default of quantize_rows(config=); benchmarks/fp8_quantize.py times the alternatives.
 ROWS_CONFIG = (1, 4096, 8)
 
 
@@ -86,10 +86,11 @@ def _quantize_rows_kernel(t_ptr, q_ptr, inv_ptr, scale_ptr, shifts_ptr, ends_ptr
     tl.store(inv_ptr + rows, 1.0 / scale, mask=row_mask)
 
 
-def _rows_launch_shape(C: int) -> tuple[int, int, int]:
+def _rows_launch_shape(C: int, config: tuple[int, int, int] = ROWS_CONFIG
+                       ) -> tuple[int, int, int]:
     """(rows per program, columns per block, warps) of :func:`_quantize_rows_kernel` for
-    rows of ``C``: ``ROWS_CONFIG``, with several narrow rows per program."""
-    block_r, max_block_c, warps = ROWS_CONFIG
+    rows of ``C``: ``config``, with several narrow rows per program."""
+    block_r, max_block_c, warps = config
     block_c = min(max_block_c, next_power_of_2(max(C, 16)))
     return max(block_r, max_block_c // block_c), block_c, warps
 
@@ -97,7 +98,8 @@ def _rows_launch_shape(C: int) -> tuple[int, int, int]:
 def quantize_rows(t: torch.Tensor, fp8_dtype: torch.dtype, power_of_two: bool,
                   scale: torch.Tensor | None = None,
                   out: tuple[torch.Tensor, torch.Tensor] | None = None,
-                  ends: torch.Tensor | None = None, group_rows: int = 0
+                  ends: torch.Tensor | None = None, group_rows: int = 0, *,
+                  config: tuple[int, int, int] = ROWS_CONFIG
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(R, C)`` -> FP8 ``(R, C)`` and ``(R,)`` dequantization factors, one read pass
     per row block (two when a row is wider than one block). ``scale`` ``(R,)`` float32
@@ -105,7 +107,8 @@ def quantize_rows(t: torch.Tensor, fp8_dtype: torch.dtype, power_of_two: bool,
     (the ``(G,)`` row ends of groups of rows) or ``group_rows`` (groups of that many rows)
     it is ``(G,)``, one scale per group (rows past the last end take the last group's).
     ``out``: an FP8 ``(R, C)`` tensor with unit column stride and a float32 ``(R,)`` one to
-    write into (views of larger buffers: see :func:`quantize_rows_pieces`)."""
+    write into (views of larger buffers: see :func:`quantize_rows_pieces`). ``config``: the
+    launch shape (rows per program, columns per block, warps)."""
     kernel = use_triton(t) and t.stride(-1) == 1 and t.shape[0] > 0
     if scale is not None and (ends is not None or group_rows):
         num_groups = ends.shape[0] if ends is not None else -(-t.shape[0] // group_rows)
@@ -130,7 +133,7 @@ def quantize_rows(t: torch.Tensor, fp8_dtype: torch.dtype, power_of_two: bool,
     if scale is not None and (scale.dtype != torch.float32 or not scale.is_contiguous()):
         scale = scale.float().contiguous()
     _launch_rows(t, data, inv, scale, fp8_dtype, power_of_two, ends=ends,
-                 group_rows=group_rows)
+                 group_rows=group_rows, config=config)
     return finish(data, fp8_dtype), inv
 
 
@@ -152,7 +155,7 @@ def _scale_per_row(scale: torch.Tensor, ends: torch.Tensor | None, group_rows: i
 def _launch_rows(t: torch.Tensor, data: torch.Tensor, inv: torch.Tensor,
                  scale: torch.Tensor | None, fp8_dtype: torch.dtype, power_of_two: bool,
                  shifts: "PieceShifts | None" = None, ends: torch.Tensor | None = None,
-                 group_rows: int = 0) -> None:
+                 group_rows: int = 0, config: tuple[int, int, int] = ROWS_CONFIG) -> None:
     """:func:`_quantize_rows_kernel` over the ``data.shape[0]`` rows of ``t`` into
     ``data``/``inv``; with ``shifts``, ``t`` is the first of the pieces and ``ends`` their
     ``(G,)`` row ends (``scale`` is then per piece); ``ends`` alone or ``group_rows``: the
@@ -164,7 +167,7 @@ def _launch_rows(t: torch.Tensor, data: torch.Tensor, inv: torch.Tensor,
         kind, G = "uniform", -(-R // group_rows)
     else:
         kind, G = "none", 1
-    block_r, block_c, warps = _rows_launch_shape(C)
+    block_r, block_c, warps = _rows_launch_shape(C, config)
     _quantize_rows_kernel[(cdiv(R, block_r),)](
         t, data, inv, scale if scale is not None else inv,
         shifts.shifts if shifts is not None else inv, ends if ends is not None else inv,

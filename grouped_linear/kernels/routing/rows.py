@@ -19,8 +19,9 @@ __all__ = ["gather_rows", "gather_rows_reference",
            "scatter_rows", "slot_dots", "slot_dots_reference", "SCATTER_CONFIG", "COMBINE_CONFIG",
            "SLOT_DOTS_CONFIG"]
 
-# Launch shapes (rows per program, columns per program, warps) of scatter_rows (permute forward)
-# and combine_rows (unpermute forward, permute backward); the layouts bench times them.
+# Launch shapes (rows per program, columns per program, warps) of scatter_rows (permute forward,
+# and spread_rows) and combine_rows (unpermute forward, permute backward): the defaults of their
+# config= keywords; the layouts bench times them, benchmarks/layout_kernels.py others.
 SCATTER_CONFIG = (16, 256, 4)
 COMBINE_CONFIG = (2, 2048, 4)
 # Destination rows per program of the scatter's zero-fill part (it reads their slot entries,
@@ -235,17 +236,19 @@ def _scatter_rows_kernel(src_ptr, dst_ptr, map_ptr, token_ptr, weights_ptr, spli
 
 def _scatter(src: torch.Tensor, row_map: torch.Tensor, held: torch.Tensor,
              weights: torch.Tensor | None, out_dtype: torch.dtype, slots: bool = False,
-             groups: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+             groups: tuple[torch.Tensor, torch.Tensor] | None = None,
+             config: tuple[int, int, int] = SCATTER_CONFIG) -> torch.Tensor:
     """Launch :func:`_scatter_rows_kernel`: ``held`` ``(N,)``, negative for rows no slot holds
     (``slots``: the slot of each held row, anything for the others); ``groups``: the padded
-    group sizes and each group's held rows, from which the unheld rows are found instead.
+    group sizes and each group's held rows, from which the unheld rows are found instead;
+    ``config``: the launch shape (rows per program, columns per program, warps).
     Both callers launch it right after the kernel that wrote ``held`` (and ``row_map`` or
     not), which itself started after ``src`` was complete: so the scatter may read ``src``
     before that kernel ends."""
     tokens, k = row_map.shape
     num_rows, H = held.shape[0], src.shape[1]
     out = torch.empty(num_rows, H, device=src.device, dtype=out_dtype)
-    block_t, block_h, warps = SCATTER_CONFIG
+    block_t, block_h, warps = config
     block_h = min(block_h, next_power_of_2(H))
     token_programs = cdiv(tokens, block_t)
     copy_programs = token_programs * cdiv(H, block_h)
@@ -285,7 +288,8 @@ def _sm90_or_later(device_index: int) -> bool:
 
 
 def scatter_rows(src: torch.Tensor, row_map: torch.Tensor, token_of_row: torch.Tensor,
-                 groups: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                 groups: tuple[torch.Tensor, torch.Tensor] | None = None, *,
+                 config: tuple[int, int, int] = SCATTER_CONFIG) -> torch.Tensor:
     """``(T, H)`` -> ``(N, H)`` with ``N = len(token_of_row)``: ``out[row_map[t, j]] = src[t]``,
     zero rows where ``token_of_row`` is negative. ``row_map`` ``(T, k)`` and ``token_of_row``
     must describe the same placement (as :func:`routing_map` returns them); the result
@@ -295,12 +299,13 @@ def scatter_rows(src: torch.Tensor, row_map: torch.Tensor, token_of_row: torch.T
     ``groups``: ``(m_splits, counts)`` of that routing map (``(E,)`` padded group sizes and
     the slots each group holds, summing to at most ``N``). The rows no slot holds are then
     each group's last ``m_splits - counts`` rows and those past the groups, zeroed by the
-    copying programs themselves instead of by a scan of ``token_of_row`` at the end."""
+    copying programs themselves instead of by a scan of ``token_of_row`` at the end.
+    ``config``: the launch shape (rows per program, columns per program, warps)."""
     tokens, k = row_map.shape
     num_rows = token_of_row.shape[0]
     if not _rows_kernel_ok(src) or tokens == 0 or k == 0 or num_rows == 0:
         return gather_rows_reference(src, token_of_row)
-    return _scatter(src, row_map, token_of_row, None, src.dtype, groups=groups)
+    return _scatter(src, row_map, token_of_row, None, src.dtype, groups=groups, config=config)
 
 
 def spread_rows_reference(src: torch.Tensor, row_map: torch.Tensor, num_rows: int,
@@ -331,10 +336,12 @@ def _slot_of_row_kernel(map_ptr, slot_ptr, S, N, BLOCK: tl.constexpr):
 
 
 def spread_rows(src: torch.Tensor, row_map: torch.Tensor, num_rows: int,
-                weights: torch.Tensor | None) -> torch.Tensor:
+                weights: torch.Tensor | None, *,
+                config: tuple[int, int, int] = SCATTER_CONFIG) -> torch.Tensor:
     """:func:`spread_rows_reference` as an inverse slot map (one small kernel, to know the
     rows no slot holds) and a scatter of the source rows, each read once and written to
-    its slots' rows, scaled by their weights; unheld rows written as zeros."""
+    its slots' rows, scaled by their weights; unheld rows written as zeros. ``config``: the
+    scatter's launch shape (as :func:`scatter_rows`)."""
     tokens, k = row_map.shape
     if (not _rows_kernel_ok(src) or tokens == 0 or k == 0 or num_rows == 0
             or (weights is not None and weights.dtype == torch.float64)):
@@ -345,14 +352,17 @@ def spread_rows(src: torch.Tensor, row_map: torch.Tensor, num_rows: int,
         row_map.contiguous(), slot_of_row, tokens * k, num_rows, BLOCK=1024)
     # The CPU interpreter truncates float32 -> bf16: with weights, torch does the rounding.
     out_dtype = torch.float32 if weights is not None and src.device.type == "cpu" else src.dtype
-    return _scatter(src, row_map, slot_of_row, weights, out_dtype, slots=True).to(src.dtype)
+    return _scatter(src, row_map, slot_of_row, weights, out_dtype, slots=True,
+                    config=config).to(src.dtype)
 
 
 def combine_rows(src: torch.Tensor, row_map: torch.Tensor,
-                 weights: torch.Tensor | None) -> torch.Tensor:
+                 weights: torch.Tensor | None, *,
+                 config: tuple[int, int, int] = COMBINE_CONFIG) -> torch.Tensor:
     """``(R_src, H)`` -> ``(T, H)``: ``sum_j weights[t, j] * src[row_map[t, j]]`` over the
     slots whose row lies in ``src``, accumulated in float32 in slot order. One read of
-    the routed rows, one write."""
+    the routed rows, one write. ``config``: the launch shape (tokens per program, columns
+    per program, warps)."""
     tokens, k = row_map.shape
     if not _rows_kernel_ok(src) or tokens == 0 or k == 0 or src.shape[0] == 0 or (
             weights is not None and weights.dtype == torch.float64):
@@ -362,7 +372,7 @@ def combine_rows(src: torch.Tensor, row_map: torch.Tensor,
     # kernel writes float32 and torch rounds.
     out_dtype = torch.float32 if src.device.type == "cpu" else src.dtype
     out = torch.empty(tokens, H, device=src.device, dtype=out_dtype)
-    block_t, block_h, warps = COMBINE_CONFIG
+    block_t, block_h, warps = config
     block_h = min(block_h, next_power_of_2(H))
     _combine_rows_kernel[(cdiv(tokens, block_t), cdiv(H, block_h))](
         src, out, row_map.contiguous(), weights.contiguous() if weights is not None else src,

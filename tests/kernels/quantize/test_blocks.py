@@ -94,6 +94,31 @@ def test_row_tiles_empty():
         assert data.shape == shape and inv.shape == (shape[0], -(-shape[1] // 128))
 
 
+
+def _bits(pair):
+    return pair[0].view(torch.uint8), pair[1]
+
+
+@pytest.mark.parametrize("row_tiles, weight_blocks, token_blocks",
+                         [((8, 2), (2,), (16, 2)), ((64, 8), (4,), (128, 8))])
+def test_launch_shapes_agree(row_tiles, weight_blocks, token_blocks):
+    """``config=`` other than the default gives the same codes and factors, for the row
+    tiles, the weight blocks and the (transposed) token blocks."""
+    t = _mixed(150, 300).to(DEVICE)
+    w = _mixed(2, 200, 130).to(DEVICE)
+    sizes = torch.tensor([0, 1, 129, 17], device=DEVICE)
+    pairs = [(qb.quantize_row_tiles(t, E4M3, False, config=row_tiles),
+              qb.quantize_row_tiles(t, E4M3, False)),
+             (qb.quantize_weight_blocks(w, E4M3, True, config=weight_blocks),
+              qb.quantize_weight_blocks(w, E4M3, True))]
+    for transpose in (False, True):
+        pairs.append((qb.quantize_token_blocks(t, sizes, E4M3, False, transpose=transpose,
+                                               config=token_blocks),
+                      qb.quantize_token_blocks(t, sizes, E4M3, False, transpose=transpose)))
+    for got, want in pairs:
+        for a, b in zip(_bits(got), _bits(want), strict=True):
+            assert torch.equal(a, b)
+
 # --------------------------------------------------------------------------- weight blocks
 @pytest.mark.parametrize("fp8", [E4M3, E5M2])
 @pytest.mark.parametrize("pow2", [False, True])

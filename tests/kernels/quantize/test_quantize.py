@@ -101,6 +101,18 @@ def test_quantize_rows_kernel(fp8, pow2, shape):
     assert torch.isfinite(inv).all()
 
 
+
+@pytest.mark.parametrize("config", [(4, 256, 4), (1, 1024, 2)])
+@pytest.mark.parametrize("shape", [(7, 40), (5, 1500)])
+def test_quantize_rows_launch_shapes_agree(config, shape):
+    """``config=`` (rows per program, columns per block, warps) other than the default: the
+    same codes and factors (one column block per row, or several)."""
+    t = (torch.randn(*shape) * torch.logspace(-2, 2, shape[1])).to(DEVICE)
+    data, inv = q.quantize_rows(t, E4M3, False, config=config)
+    ref_data, ref_inv = q.quantize_rows(t, E4M3, False)
+    assert torch.equal(data.view(torch.uint8), ref_data.view(torch.uint8))
+    assert torch.equal(inv, ref_inv)
+
 @pytest.mark.parametrize("sizes, tail", [([3, 0, 70, 1], 5), ([0, 0], 3), ([33], 0)])
 def test_quantize_group_columns_transposed_kernel(sizes, tail):
     M, C = sum(sizes) + tail, 70

@@ -138,6 +138,30 @@ def test_scatter_rows_equals_gather_by_token(k, multiple, experts, dtype, locate
     assert torch.all(got[token_of_row.cpu() < 0] == 0)
 
 
+
+@pytest.mark.parametrize("config", [(4, 64, 2), (32, 512, 8)])
+@pytest.mark.parametrize("located", [False, True])
+def test_row_kernels_launch_shapes_agree(config, located):
+    """``config=`` (rows per program, columns per program, warps) other than the default:
+    scatter_rows, spread_rows and combine_rows give the same rows."""
+    tokens, k, experts, multiple, H = 45, 3, 5, 16, 300
+    gen = torch.Generator().manual_seed(11)
+    topk = torch.stack([torch.randperm(experts, generator=gen)[:k] for _ in range(tokens)])
+    topk[2, 0] = -1  # a dropped slot
+    num_rows = tokens * k + experts * (multiple - 1) + 7
+    m_splits, row_map, token_of_row, counts = routing.routing_map_reference(
+        topk.to(DEVICE), experts, multiple, num_rows)
+    src = torch.randn(tokens, H, generator=gen).to(DEVICE, torch.bfloat16)
+    routed = torch.randn(num_rows, H, generator=gen).to(DEVICE, torch.bfloat16)
+    weights = torch.rand(tokens, k, generator=gen).to(DEVICE)
+    groups = (m_splits, counts) if located else None
+    assert torch.equal(layout.scatter_rows(src, row_map, token_of_row, groups, config=config),
+                       layout.scatter_rows(src, row_map, token_of_row, groups))
+    assert torch.equal(layout.spread_rows(src, row_map, num_rows, weights, config=config),
+                       layout.spread_rows(src, row_map, num_rows, weights))
+    assert torch.equal(layout.combine_rows(routed, row_map, weights, config=config),
+                       layout.combine_rows(routed, row_map, weights))
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("tokens, k, H", [(37, 1, 48), (20, 3, 300), (9, 8, 5), (5, 2, 2100)])
 def test_slot_dots_match_the_reference(tokens, k, H, dtype):
