@@ -40,18 +40,15 @@ BLOCK = 128  # the scaling block: 1x128 token tiles, 128x128 weight blocks, 128x
 MM_BLOCK_K = 128
 WGRAD_BLOCK_T = 64
 # Launch shapes on GPUs: (rows per tile, warps, pipeline stages) of forward/dgrad and
-# (warps, stages, tokens per step, N tile, K tile) of the blockwise wgrad, the defaults of
-# the config= keywords (benchmarks/fp8_gemms.py --sweep times others). In Triton's
-# interpreter the defaults are smaller tiles (CPU_MM_CONFIG, CPU_WGRAD_CONFIG).
+# (warps, stages, tokens per step, N tile, K tile) of the blockwise wgrad; module-level so
+# benchmarks/fp8_gemm.py can sweep them.
 MM_CONFIG = (128, 8, 3)
 WGRAD_CONFIG = (8, 3, 128, 128, 128)  # 429-559 against 402-521 TFLOP/s in 64-token steps
 # The group-scaled wgrad (one factor per group and row, no per-block rescale): (warps,
 # stages, tokens per step, N tile, K tile). On qwen3_30b_g128_skew's operands 128 x 256 tiles
 # in 128-token steps ran 836 TFLOP/s against 712 for 128 x 128 in 64-token steps, and 1244
-# on dsv3_ep32_fc1's (benchmarks/fp8_gemms.py --sweep).
+# on dsv3_ep32_fc1's (benchmarks/fp8_gemm.py sweep).
 GROUP_SCALED_WGRAD_CONFIG = (8, 3, 128, 128, 256)
-CPU_MM_CONFIG = (64, 4, 1)
-CPU_WGRAD_CONFIG = (4, 1, WGRAD_BLOCK_T, 64, 64)
 
 
 @triton.jit
@@ -190,8 +187,7 @@ def _operand(t: torch.Tensor) -> torch.Tensor:
 
 def grouped_mm(a: torch.Tensor, a_inv: torch.Tensor, weight: torch.Tensor, w_inv: torch.Tensor,
                sizes: torch.Tensor, *, transpose_weight: bool,
-               out_dtype: torch.dtype = torch.bfloat16,
-               config: tuple[int, int, int] | None = None) -> torch.Tensor:
+               out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """FP8 ``A`` ``(M, R)`` times each group's weight, ``(M, W)`` in ``out_dtype``.
 
     Args:
@@ -200,8 +196,6 @@ def grouped_mm(a: torch.Tensor, a_inv: torch.Tensor, weight: torch.Tensor, w_inv
         sizes: ``(G,)`` group sizes on the device (clamped in the kernel).
         transpose_weight: ``True`` for forward (``B_g = W_g^T``, ``R = K``, ``W = N``),
             ``False`` for dgrad (``B_g = W_g``, ``R = N``, ``W = K``).
-        config: the launch shape (rows per tile, warps, pipeline stages); ``None``:
-            ``MM_CONFIG`` (``CPU_MM_CONFIG`` in Triton's interpreter).
     """
     M, R = a.shape
     G = weight.shape[0]
@@ -216,9 +210,7 @@ def grouped_mm(a: torch.Tensor, a_inv: torch.Tensor, weight: torch.Tensor, w_inv
     else:  # B_g[r, w] = W_g[r, w]
         b_strides = (weight.stride(0), weight.stride(1), weight.stride(2))
         s_strides = (w_inv.stride(0), w_inv.stride(1), w_inv.stride(2))
-    if config is None:
-        config = CPU_MM_CONFIG if a.device.type == "cpu" else MM_CONFIG
-    block_m, warps, stages = config
+    block_m, warps, stages = (64, 4, 1) if a.device.type == "cpu" else MM_CONFIG
     upper_tiles = (cdiv(M, block_m) + G + 1) * cdiv(width, BLOCK)
     programs = max(1, min(sm_count(a.device), upper_tiles))
     a_inv = a_inv.contiguous()
@@ -257,8 +249,7 @@ def grouped_mm_reference(a, a_inv, weight, w_inv, sizes, *, transpose_weight: bo
 def blockwise_wgrad(dy_blocks: torch.Tensor, dy_inv: torch.Tensor, x_blocks: torch.Tensor,
                     x_inv: torch.Tensor, sizes: torch.Tensor, num_rows: int,
                     out_dtype: torch.dtype = torch.bfloat16, *,
-                    group_scales: bool = False,
-                    config: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
+                    group_scales: bool = False) -> torch.Tensor:
     """``(G, N, K)``: ``dW_g = dy_g^T @ x_g`` from FP8 operands in the token-block layout of
     :func:`grouped_linear.kernels.quantize.blocks.quantize_token_blocks` (``transpose=True``)
     or, with ``group_scales``, of
@@ -272,9 +263,6 @@ def blockwise_wgrad(dy_blocks: torch.Tensor, dy_inv: torch.Tensor, x_blocks: tor
         dy_inv, x_inv: ``(blocks, N)`` / ``(blocks, K)`` float32 factors per block and row,
             or ``(G, N)`` / ``(G, K)`` per group and row with ``group_scales``.
         sizes: ``(G,)`` group sizes on the device, clamped to ``num_rows`` tokens in all.
-        config: the launch shape (warps, stages, tokens per step dividing 128, N tile, K
-            tile); ``None``: ``WGRAD_CONFIG``, or ``GROUP_SCALED_WGRAD_CONFIG`` with
-            ``group_scales`` (``CPU_WGRAD_CONFIG`` in Triton's interpreter).
     """
     N, K, G = dy_blocks.shape[0], x_blocks.shape[0], sizes.shape[0]
     dw = torch.empty(G, N, K, device=dy_blocks.device, dtype=out_dtype)
@@ -285,10 +273,11 @@ def blockwise_wgrad(dy_blocks: torch.Tensor, dy_inv: torch.Tensor, x_blocks: tor
             raise ValueError(f"{name} must have unit stride along the tokens, got strides "
                              f"{tuple(t.stride())}")
     cpu = dy_blocks.device.type == "cpu"
-    if config is None:
-        config = (CPU_WGRAD_CONFIG if cpu
-                  else GROUP_SCALED_WGRAD_CONFIG if group_scales else WGRAD_CONFIG)
-    warps, stages, block_t, block_n, block_k = config
+    if cpu:
+        warps, stages, block_t, block_n, block_k = 4, 1, WGRAD_BLOCK_T, 64, 64
+    else:
+        warps, stages, block_t, block_n, block_k = (GROUP_SCALED_WGRAD_CONFIG if group_scales
+                                                    else WGRAD_CONFIG)
     grid = (G * cdiv(N, block_n) * cdiv(K, block_k),)
     dy_blocks, x_blocks = _operand(dy_blocks), _operand(x_blocks)
     _fp8_blockwise_wgrad_kernel[grid](

@@ -53,22 +53,6 @@ def test_blockwise_scales_apply_per_block():
     assert rel_err(changed - base, second) < TOL
 
 
-
-@pytest.mark.parametrize("transpose_weight", [True, False])
-@pytest.mark.parametrize("config", [(32, 4, 1), (128, 8, 3)])
-def test_grouped_mm_launch_shapes_agree(transpose_weight, config):
-    """``config=`` (rows per tile, warps, stages) other than the default: the same result."""
-    sizes, N, K = [70, 0, 133, 1], 136, 200
-    M = sum(sizes) + 9
-    R = K if transpose_weight else N
-    a, w = _fp8(M, R), _fp8(len(sizes), N, K)
-    a_inv, w_inv = _factors(M, -(-R // 128)), _factors(len(sizes), -(-N // 128), -(-K // 128))
-    sizes_t = torch.tensor(sizes, device=DEVICE)
-    kwargs = {"transpose_weight": transpose_weight, "out_dtype": torch.float32}
-    got = fg.grouped_mm(a, a_inv, w, w_inv, sizes_t, config=config, **kwargs)
-    torch.testing.assert_close(got, fg.grouped_mm(a, a_inv, w, w_inv, sizes_t, **kwargs),
-                               rtol=1e-6, atol=1e-6)
-
 @pytest.mark.parametrize("group_scales", [False, True])
 @pytest.mark.parametrize("sizes, tail", [([130, 0, 5, 257], 3), ([0], 2), ([128, 128], 0),
                                          ([300, 40], -100)])
@@ -91,24 +75,6 @@ def test_blockwise_wgrad_against_dequantized_float32(sizes, tail, group_scales):
         if size == 0:
             assert torch.all(got[g] == 0)
 
-
-
-@pytest.mark.parametrize("group_scales", [False, True])
-@pytest.mark.parametrize("config", [(4, 1, 32, 32, 64), (8, 3, 128, 128, 128)])
-def test_blockwise_wgrad_launch_shapes_agree(group_scales, config):
-    """``config=`` (warps, stages, tokens per step, N tile, K tile) other than the default:
-    the same result (up to float32 summation order across token steps)."""
-    sizes, N, K = [130, 0, 5, 257], 72, 136
-    M = sum(sizes) + 3
-    blocks = -(-M // 128) + len(sizes)
-    dy, x = _fp8(N, blocks * 128), _fp8(K, blocks * 128)
-    factor_rows = len(sizes) if group_scales else blocks
-    dy_inv, x_inv = _factors(factor_rows, N), _factors(factor_rows, K)
-    sizes_t = torch.tensor(sizes, device=DEVICE)
-    kwargs = {"out_dtype": torch.float32, "group_scales": group_scales}
-    got = fg.blockwise_wgrad(dy, dy_inv, x, x_inv, sizes_t, M, config=config, **kwargs)
-    want = fg.blockwise_wgrad(dy, dy_inv, x, x_inv, sizes_t, M, **kwargs)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 def test_group_scaled_wgrad_reads_the_rowwise_wgrad_operands():
     """The rowwise recipes' wgrad operands, quantized with 128-token group alignment, are the
