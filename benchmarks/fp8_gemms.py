@@ -2,8 +2,8 @@
 torch's ``_scaled_grouped_mm`` (rowwise) and the blockwise Triton and Gluon kernels (CUDA,
 the Gluon kernels on sm90).
 
-From the repository root, ``PYTHONPATH=. python benchmarks/fp8_gemms.py [--sweep]
-[SHAPE ...]`` (SHAPE: the bench's, or ``uniform:G:M:K:N``; default all). Per shape, TFLOP/s
+From the repository root, ``PYTHONPATH=. python benchmarks/fp8_gemms.py [SHAPE ...]``
+(SHAPE: the bench's, or ``uniform:G:M:K:N``; default all). Per shape, TFLOP/s
 (median, ``2 M K N`` per GEMM) of:
 
 * forward: bf16 ``grouped_mm``, torch's FP8 GEMM on rowwise operands, the blockwise Triton
@@ -14,14 +14,10 @@ From the repository root, ``PYTHONPATH=. python benchmarks/fp8_gemms.py [--sweep
   group-scaled Triton kernel (128-token group blocks), on the same values;
 
 with, for each Gluon kernel, whether its bf16 output is identical to the Triton kernel's.
-``--sweep`` also times the Triton kernels at each launch shape of a list, passed as their
-``config=`` (forward and dgrad: rows per tile, warps, stages; the wgrads: warps, stages,
-tokens per step, N tile, K tile; defaults ``MM_CONFIG``, ``WGRAD_CONFIG`` and
-``GROUP_SCALED_WGRAD_CONFIG``) and names the best.
+(The Triton kernels' launch shapes are settled; ``fp8_triton_gemm`` records the figures.)
 """
 
 import argparse
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -36,29 +32,6 @@ from grouped_linear.kernels.quantize import rows as qr
 from grouped_linear.kernels.quantize import transposed as qt
 
 DT = torch.bfloat16
-# (rows per tile, warps, stages) of forward/dgrad; their K step stays MM_BLOCK_K (128)
-MM_CONFIGS = [(128, 8, 3), (128, 8, 4), (128, 4, 3), (64, 4, 4), (256, 8, 3)]
-# (warps, stages, tokens per step, N tile, K tile) of the blockwise and group-scaled wgrads
-WGRAD_CONFIGS = [(8, 3, 64, 128, 128), (4, 3, 64, 128, 128), (8, 3, 128, 128, 128),
-                 (8, 3, 128, 128, 256), (8, 3, 64, 128, 256), (8, 3, 128, 256, 128)]
-GROUP_SCALED_CONFIGS = [(4, 3, 64, 128, 128), (8, 3, 64, 128, 128), (4, 3, 128, 128, 128),
-                        (4, 4, 128, 128, 128), (8, 3, 128, 128, 256), (8, 4, 64, 128, 256),
-                        (8, 3, 128, 256, 128)]
-
-
-def _sweep(row: dict, name: str, configs: list[tuple], fn: Callable[[tuple], object],
-           flops: int) -> None:
-    """TFLOP/s of ``fn(config)`` at each launch shape of ``configs``, and the best."""
-    best = None
-    for config in configs:
-        try:
-            value_tflops = tflops(flops, median_ms(lambda config=config: fn(config)))
-        except Exception as error:  # a launch shape that does not fit (shared memory)
-            print(f"  {name} config={config}: {type(error).__name__}")
-            continue
-        row[f"{name} config={config}"] = value_tflops
-        best = max(best or 0.0, value_tflops)
-    row[f"{name} best"] = best
 
 
 def _pair(row: dict, gemm: str, flops: int, triton_fn, gluon_fn, gluon_ok: bool) -> None:
@@ -70,7 +43,7 @@ def _pair(row: dict, gemm: str, flops: int, triton_fn, gluon_fn, gluon_ok: bool)
         row[f"gluon blockwise {gemm} (identical: {same})"] = tflops(flops, median_ms(gluon_fn))
 
 
-def shape_row(shape, sweep: bool) -> dict:
+def shape_row(shape) -> dict:
     """TFLOP/s of every GEMM form on one shape."""
     G, M, K, N = shape.G, shape.M, shape.K, shape.N
     flops = 2 * M * K * N
@@ -91,40 +64,32 @@ def shape_row(shape, sweep: bool) -> dict:
     w_fwd = qb.quantize_weight_blocks(w, E4M3, True)
     w_dgrad = qb.quantize_weight_blocks(w.transpose(-2, -1).contiguous(), E4M3, True)
     for gemm, a, b in (("fwd", x_blk, w_fwd), ("dgrad", dy_blk, w_dgrad)):
-        def triton_fn(config=None, a=a, b=b):
-            return fg.grouped_mm(*a, *b, sizes, transpose_weight=True, config=config)
+        def triton_fn(a=a, b=b):
+            return fg.grouped_mm(*a, *b, sizes, transpose_weight=True)
 
         _pair(row, gemm, flops, triton_fn, lambda a=a, b=b: gg.grouped_mm(*a, *b, sizes),
               gg.supported(a[0], b[0]))
-        if sweep:
-            _sweep(row, f"triton blockwise {gemm}", MM_CONFIGS, triton_fn, flops)
 
     # Blockwise wgrad: token-block operands, transposed.
     dy_t = qb.quantize_token_blocks(dy, sizes, E4M3, True, transpose=True)
     x_t = qb.quantize_token_blocks(x, sizes, E4M3, True, transpose=True)
 
-    def wgrad_fn(config=None):
-        return fg.blockwise_wgrad(*dy_t, *x_t, sizes, M, config=config)
+    def wgrad_fn():
+        return fg.blockwise_wgrad(*dy_t, *x_t, sizes, M)
 
     _pair(row, "wgrad", flops, wgrad_fn, lambda: gw.blockwise_wgrad(*dy_t, *x_t, sizes, M),
           gw.wgrad_supported(*dy_t, *x_t))
-    if sweep:
-        _sweep(row, "triton blockwise wgrad", WGRAD_CONFIGS, wgrad_fn, flops)
 
     # The rowwise recipes' wgrad: per (group, column) factors, on either GEMM.
     for align in (fp8_torch_gemm.WGRAD_GROUP_ALIGN, fg.BLOCK):
         dy_c, dy_c_inv, aligned = qt.quantize_group_columns_t(dy, ends, E4M3, False, align=align)
         x_c, x_c_inv, _ = qt.quantize_group_columns_t(x, ends, E4M3, False, align=align)
         if align == fg.BLOCK:
-            def group_scaled(config=None, dy_c=dy_c, dy_c_inv=dy_c_inv, x_c=x_c,
-                             x_c_inv=x_c_inv):
+            def group_scaled(dy_c=dy_c, dy_c_inv=dy_c_inv, x_c=x_c, x_c_inv=x_c_inv):
                 return fg.blockwise_wgrad(dy_c, dy_c_inv, x_c, x_c_inv, sizes, M,
-                                          group_scales=True, config=config)
+                                          group_scales=True)
 
             row["triton group-scaled wgrad"] = tflops(flops, median_ms(group_scaled))
-            if sweep:
-                _sweep(row, "triton group-scaled wgrad", GROUP_SCALED_CONFIGS, group_scaled,
-                       flops)
         else:
             row["torch scaled rowwise wgrad"] = tflops(flops, median_ms(
                 lambda dy_c=dy_c, dy_c_inv=dy_c_inv, x_c=x_c, x_c_inv=x_c_inv, aligned=aligned:
@@ -135,13 +100,11 @@ def shape_row(shape, sweep: bool) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("shapes", nargs="*", help="bench shapes or uniform:G:M:K:N (default: all)")
-    parser.add_argument("--sweep", action="store_true",
-                        help="also time the Triton kernels at each launch shape of a list")
     args = parser.parse_args()
     torch.manual_seed(0)
     for shape in bench_shapes(args.shapes):
         warm_gpu()
-        row = shape_row(shape, args.sweep)
+        row = shape_row(shape)
         print(f"{shape.name} (G={shape.G}, M={shape.M}, K={shape.K}, N={shape.N}) TFLOP/s:")
         for key, value in row.items():
             print(f"  {key:58s} {value:7.0f}" if value else f"  {key:58s}       -", flush=True)
