@@ -15,25 +15,15 @@ from collections.abc import Sequence
 import torch
 
 from grouped_linear.kernels.routing import relayout as relayout_kernels
-from grouped_linear.kernels.routing import rows as layout_kernels
-from grouped_linear.ops.checks import check_int
+from grouped_linear.ops.checks import check_int, check_matrix
 from grouped_linear.ops.splits import debug_checks_enabled, normalize_splits
 
 __all__ = ["pad_groups", "unpad_groups"]
 
 
 # ---------------------------------------------------------------------------
-# helpers shared with permutation.py
+# the relayout
 # ---------------------------------------------------------------------------
-
-
-def _gather_rows(src: torch.Tensor, index: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """``out[r] = src[index[r]]`` where ``valid[r]``, else a zero row (one pass).
-
-    ``index`` may hold anything (negative, past the end) where ``valid`` is
-    false, so no access is out of bounds.
-    """
-    return layout_kernels.gather_rows(src, torch.where(valid, index, index.new_full((), -1)))
 
 
 class _Relayout(torch.autograd.Function):
@@ -72,14 +62,6 @@ def _num_groups(m_splits: object, name: str) -> int:
     return count
 
 
-def _check_matrix(x: object, name: str) -> torch.Tensor:
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{name} is {type(x).__name__}: expected a torch.Tensor")
-    if x.dim() != 2:
-        raise ValueError(f"{name} has shape {tuple(x.shape)}: expected a 2-D tensor")
-    return x
-
-
 def _host_total(m_splits: Sequence[int] | torch.Tensor) -> int | None:
     """Sum of host splits, or None when malformed (``normalize_splits`` reports how)."""
     try:
@@ -107,7 +89,7 @@ def _join_groups(
     if len(x) == 0:
         raise ValueError("x is an empty list: expected one 2-D tensor per group")
     for i, part in enumerate(x):
-        _check_matrix(part, f"x[{i}]")
+        check_matrix(part, f"x[{i}]")
         if part.shape[1] != x[0].shape[1]:
             raise ValueError(f"x[{i}] has {part.shape[1]} columns but x[0] has {x[0].shape[1]}")
         if part.dtype != x[0].dtype or part.device != x[0].device:
@@ -167,7 +149,7 @@ def pad_groups(
     if isinstance(x, (list, tuple)):
         x, m_splits, list_sizes = _join_groups(x, m_splits)
     else:
-        x = _check_matrix(x, "x")
+        x = check_matrix(x, "x")
         if m_splits is None:
             raise ValueError("m_splits is None: it is required when x is a single tensor")
     num_groups = _num_groups(m_splits, "m_splits")
@@ -228,7 +210,7 @@ def unpad_groups(
 
     Differentiable in ``yp`` (the padding rows get zero gradient).
     """
-    yp = _check_matrix(yp, "yp")
+    yp = check_matrix(yp, "yp")
     num_groups = _num_groups(m_splits, "m_splits")
     if _num_groups(padded_splits, "padded_splits") != num_groups:
         raise ValueError(

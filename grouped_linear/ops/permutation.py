@@ -15,9 +15,8 @@ from __future__ import annotations
 import torch
 
 from grouped_linear.kernels.routing import routing_map as routing
-from grouped_linear.kernels.routing import rows as layout_kernels
-from grouped_linear.ops.checks import check_int
-from grouped_linear.ops.padding import _check_matrix, _gather_rows
+from grouped_linear.kernels.routing import rows as row_kernels
+from grouped_linear.ops.checks import check_int, check_matrix
 from grouped_linear.ops.splits import SPLIT_DTYPES, debug_checks_enabled
 
 __all__ = ["permute", "unpermute"]
@@ -31,10 +30,19 @@ def _compute_dtype(y_dtype: torch.dtype, probs_dtype: torch.dtype | None) -> tor
     return dtype
 
 
+def _gather_rows(src: torch.Tensor, index: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """``out[r] = src[index[r]]`` where ``valid[r]``, else a zero row (one pass).
+
+    ``index`` may hold anything (negative, past the end) where ``valid`` is
+    false, so no access is out of bounds.
+    """
+    return row_kernels.gather_rows(src, torch.where(valid, index, index.new_full((), -1)))
+
+
 def _combine(y: torch.Tensor, row_map: torch.Tensor, probs: torch.Tensor | None) -> torch.Tensor:
     """``out[t] = sum_j probs[t, j] * y[row_map[t, j]]`` over slots with a row in ``y``."""
     if _compute_dtype(y.dtype, None if probs is None else probs.dtype) == torch.float32:
-        return layout_kernels.combine_rows(y, row_map, probs)  # one fused pass where it can
+        return row_kernels.combine_rows(y, row_map, probs)  # one fused pass where it can
     tokens, k = row_map.shape
     flat = row_map.reshape(-1)
     valid = (flat >= 0) & (flat < y.shape[0])
@@ -55,7 +63,7 @@ class _PermuteRows(torch.autograd.Function):
     def forward(ctx, x, token_of_row, row_map, m_splits, counts):  # type: ignore[override]
         ctx.save_for_backward(row_map)
         # each x row read once; the padding rows located from the group sizes
-        return layout_kernels.scatter_rows(x, row_map, token_of_row, (m_splits, counts))
+        return row_kernels.scatter_rows(x, row_map, token_of_row, (m_splits, counts))
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
@@ -81,14 +89,14 @@ class _Unpermute(torch.autograd.Function):
             # scattered to its slots' rows (an inverse slot map finds the unheld rows).
             if probs is None or acc == torch.float32:
                 weights = probs.to(acc) if probs is not None else None
-                grad_y = layout_kernels.spread_rows(grad_out.contiguous(), row_map, num_rows,
+                grad_y = row_kernels.spread_rows(grad_out.contiguous(), row_map, num_rows,
                                                     weights)
             else:  # wide dtypes: plain PyTorch
-                grad_y = layout_kernels.spread_rows_reference(grad_out, row_map, num_rows,
+                grad_y = row_kernels.spread_rows_reference(grad_out, row_map, num_rows,
                                                               probs.to(acc)).to(y.dtype)
         if probs is not None and ctx.needs_input_grad[2]:
             # Per slot, its row of y dotted with the token's gradient (one pass on GPUs).
-            grad_probs = layout_kernels.slot_dots(y, grad_out.contiguous(), row_map,
+            grad_probs = row_kernels.slot_dots(y, grad_out.contiguous(), row_map,
                                                   acc).to(probs.dtype)
         return grad_y, None, grad_probs
 
@@ -143,7 +151,7 @@ def permute(
     Differentiable in ``x``: ``grad_x[t] = sum_j grad_x_perm[row_map[t, j]]``
     (a gather, summed in float32 for half dtypes).
     """
-    x = _check_matrix(x, "x")
+    x = check_matrix(x, "x")
     topk_indices = _check_integer_matrix(topk_indices, "topk_indices")
     if topk_indices.device != x.device:
         raise ValueError(f"topk_indices is on {topk_indices.device} but x is on {x.device}")
@@ -206,7 +214,7 @@ def unpermute(
     (a copy into unique rows, and per-slot dot products), and dropped slots
     get zero gradient.
     """
-    y_perm = _check_matrix(y_perm, "y_perm")
+    y_perm = check_matrix(y_perm, "y_perm")
     row_map = _check_integer_matrix(row_map, "row_map")
     if row_map.device != y_perm.device:
         raise ValueError(f"row_map is on {row_map.device} but y_perm is on {y_perm.device}")

@@ -36,7 +36,7 @@ __all__ = ["grouped_mm", "grouped_mm_reference", "blockwise_wgrad", "blockwise_w
 BLOCK = 128  # the scaling block: 1x128 token tiles, 128x128 weight blocks, 128x1 wgrad tiles
 # K step of the forward/dgrad kernel (divides BLOCK): one dot per 128-deep scale block ran
 # 635-759 TFLOP/s against 584-701 in 64-deep steps on the H200; no register spills on sm90
-# (benchmarks/kernel_resources.py). The wgrad's token step on CPU (GPUs: the shapes below).
+# (ptxas -v). The wgrad's token step on CPU (GPUs: the shapes below).
 MM_BLOCK_K = 128
 WGRAD_BLOCK_T = 64
 # Launch shapes on GPUs: (rows per tile, warps, pipeline stages) of forward/dgrad and
@@ -84,7 +84,7 @@ def _fp8_grouped_mm_kernel(a_ptr, a_inv_ptr, b_ptr, b_inv_ptr, out_ptr, sizes_pt
                                              BLOCK_M, BLOCK_N)
         col0 = col_tile * BLOCK_N
         # int64 scalar bases, int32 ends inside the tile: 64-bit pointer tensors live
-        # across the K loop would not fit in registers (ptxas spills; see NOTES.md).
+        # across the K loop would not fit in registers (ptxas spills).
         rows = tl.arange(0, BLOCK_M)
         cols = tl.arange(0, BLOCK_N)
         ks = tl.arange(0, BLOCK_K)

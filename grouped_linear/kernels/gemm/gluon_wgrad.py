@@ -19,9 +19,9 @@ Tiles are walked in bands of ``band_n`` ``N`` tiles (each band's tiles of one ``
 column in a row, then the next column), so that programs running at the same time share
 the ``x`` tiles they read (the same order as the FP8 weight gradient's).
 The reference is :func:`wgrad_reference`. The ``grouped`` backend takes it on Hopper
-(:mod:`grouped_linear.ops.linear_steps`): on the bench shapes it ran at 1.00-1.03x torch's
+(:mod:`grouped_linear.ops.steps`): on the bench shapes it ran at 1.00-1.03x torch's
 weight-gradient GEMM alone and 0.99-1.05x torch's GEMM plus its bias reduction pass
-(``benchmarks/bf16_gluon_gemm.py``; benchmarks/NOTES.md).
+(``benchmarks/bf16_gemms.py``; docs/design.md).
 """
 
 from __future__ import annotations

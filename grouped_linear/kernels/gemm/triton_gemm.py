@@ -52,7 +52,7 @@ def _mm_tiles(first_tile, a_ptr, b_ptr, bias_ptr, out_ptr, sizes_ptr, M, N, K, G
                                              BLOCK_M, BLOCK_N)
         col0 = col_tile * BLOCK_N
         # int64 scalar bases, int32 ends inside the tile: 64-bit pointer tensors live
-        # across the K loop spill registers on sm90 (benchmarks/kernel_resources.py).
+        # across the K loop spill registers on sm90 (ptxas -v).
         rows = tl.arange(0, BLOCK_M)
         cols = tl.arange(0, BLOCK_N)
         row_mask = rows < (end - row0).to(tl.int32)

@@ -1,7 +1,7 @@
 """Batched transpose of 1-byte (FP8) matrices: ``(G, R, C)`` -> ``(G, C, R)``.
 
 The FP8 weight's dgrad copy is the transpose of its forward copy (same values, same
-per-output-channel factors: ``ops/fp8_device.py`` folds those into the gradient), so it
+per-output-channel factors: ``ops/fp8/scaled_mm.py`` folds those into the gradient), so it
 costs one read and one write of a byte per weight instead of a second quantization from
 the high-precision weight (two reads of two bytes and a write). The plain-PyTorch
 reference is :func:`transpose_groups_reference`.
