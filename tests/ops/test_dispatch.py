@@ -1,0 +1,67 @@
+"""The route table (ops/dispatch.py) and the thresholds it reads (grouped_linear/_tuning.py)."""
+
+import pytest
+import torch
+
+from grouped_linear import _tuning
+from grouped_linear.ops.dispatch import choose_route, resolve_backend
+from grouped_linear.recipes import Float8Blockwise, Float8Rowwise, Float8Tensorwise
+
+CPU, CUDA = torch.device("cpu"), torch.device("cuda")  # resolution only: nothing is placed
+
+
+def test_cpu_calls_take_the_loop_or_the_emulation():
+    assert choose_route("auto", None, CPU, torch.float32, 64, 32, 1000, 4) == "loop"
+    assert choose_route("grouped", None, CPU, torch.float32, 64, 32, 1000, 4) == "grouped"
+    for recipe in (Float8Rowwise(), Float8Tensorwise(), Float8Blockwise()):
+        assert choose_route("auto", recipe, CPU, torch.bfloat16, 64, 32, 1000, 4) == "fp8_emulated"
+
+
+def test_a_recipe_checks_the_backend_name_only():
+    """With a recipe the backend selects nothing (the FP8 GEMMs are chosen by device and
+    dtype), so a backend that could not take the high-precision call is not an error; an
+    unknown name still is."""
+    assert choose_route("triton", Float8Rowwise(), CPU, torch.float64, 7, 5, 10, 2) == "fp8_emulated"
+    with pytest.raises(ValueError, match="backend='fast' is not one of"):
+        choose_route("fast", Float8Rowwise(), CPU, torch.bfloat16, 64, 32, 10, 2)
+    with pytest.raises(ValueError, match="backend='grouped' needs in_features"):
+        choose_route("grouped", None, CPU, torch.float32, 7, 5, 10, 2)
+
+
+@pytest.mark.parametrize("rows", [16, 17, 4096, 4097])
+def test_the_triton_rows_threshold_follows_the_tuning(rows):
+    default = _tuning.current().triton_auto_max_rows
+    want = "triton" if rows <= default else "grouped"
+    assert resolve_backend("auto", CUDA, torch.bfloat16, 1024, 1024, rows, 8) == want
+    with _tuning.override(triton_auto_max_rows=16):
+        want = "triton" if rows <= 16 else "grouped"
+        assert resolve_backend("auto", CUDA, torch.bfloat16, 1024, 1024, rows, 8) == want
+    assert _tuning.current().triton_auto_max_rows == default
+
+
+def test_override_restores_on_error_and_rejects_unknown_names():
+    before = _tuning.current()
+    with pytest.raises(RuntimeError), _tuning.override(fp8_triton_wgrad_min_groups=1):
+        assert _tuning.current().fp8_triton_wgrad_min_groups == 1
+        raise RuntimeError
+    assert _tuning.current() is before
+    with pytest.raises(TypeError), _tuning.override(no_such_threshold=3):
+        pass
+    assert _tuning.current() is before
+
+
+def test_a_rejected_fp8_call_leaves_the_weight_cache_as_it_was():
+    """Every argument is checked before the cache moves: a call with bad splits and
+    ``is_first_microbatch=True`` raises without re-quantizing the cached weight."""
+    import grouped_linear as gl
+
+    torch.manual_seed(0)
+    layer = gl.GroupedLinear(2, 32, 16, recipe=Float8Rowwise())
+    x = torch.randn(10, 32)
+    first = layer(x, [4, 6], is_first_microbatch=True)
+    with torch.no_grad():
+        layer.weight.mul_(3.0)
+    with pytest.raises(ValueError, match="sums to 11"):
+        layer(x, [5, 6], is_first_microbatch=True)
+    assert torch.equal(layer(x, [4, 6], is_first_microbatch=False), first)
+    assert not torch.equal(layer(x, [4, 6], is_first_microbatch=True), first)
