@@ -15,7 +15,7 @@ from typing import Protocol
 import torch
 
 from ..kernels.ends import group_ends
-from ..recipes import Float8Recipe, check_recipe, current_recipe
+from ..recipes import Float8Recipe, current_recipe
 from .bias_add import add_group_bias
 from .dispatch import cached_verdict, choose_route
 from .fast_path import apply_triton_linear, functorch_involved
@@ -122,7 +122,6 @@ def apply_grouped_linear(
                 f"{name} has dtype {tensor.dtype} but x has dtype {dtype}: outside "
                 "torch.autocast the input and parameter dtypes must match"
             )
-    check_recipe(recipe)
     splits = normalize_splits(m_splits, num_groups=num_groups, num_rows=num_rows, device=device)
     route = choose_route(backend, recipe, device, dtype, in_features, out_features, num_rows,
                          num_groups)
