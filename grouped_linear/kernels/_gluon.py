@@ -43,8 +43,9 @@ __all__ = ["HAS_GLUON", "gluon", "gl", "fence_async_shared", "mbarrier", "tma", 
 # The FP8 operand dtypes the Gluon kernels take, as Gluon's types.
 GL_DTYPES = {torch.float8_e4m3fn: gl.float8e4nv, torch.float8_e5m2: gl.float8e5} \
     if HAS_GLUON else {}
-# TMA layouts: the FP8 operands and the 16-bit ones of the bf16/fp16 kernels.
-_LAYOUT_DTYPES = {**GL_DTYPES, torch.bfloat16: gl.bfloat16, torch.float16: gl.float16} \
+# TMA layouts: the FP8 operands, the 16-bit ones of the bf16/fp16 kernels, float32 outputs.
+_LAYOUT_DTYPES = {**GL_DTYPES, torch.bfloat16: gl.bfloat16, torch.float16: gl.float16,
+                  torch.float32: gl.float32} \
     if HAS_GLUON else {}
 
 

@@ -308,15 +308,16 @@ class GroupedLinear(nn.Module):
         """Compute the weight and bias gradients of every pending backward, oldest first.
 
         Only does work with ``delay_wgrad_compute=True``; gradients accumulate
-        into ``.grad`` (or ``main_grad`` with ``fuse_wgrad_accumulation``).
+        into ``.grad`` (or ``main_grad`` with ``fuse_wgrad_accumulation``). Every pending
+        entry is checked first (``main_grad`` present, the inputs it reads not changed in place
+        since its backward): a call that raises leaves them all pending.
         Not with ``fully_shard`` (FSDP2): it swaps the parameters back to their shards and
         reduces their gradients when the backward ends, so a pending gradient would land
         on a parameter that is no longer the layer's; that raises ``ValueError``.
         """
         current = {id(p) for p in self.parameters(recurse=False)}
-        for sink, _ in self._pending_wgrads:
+        for sink, *_ in self._pending_wgrads:
             if any(id(p) not in current for p in sink.weights + (sink.biases or [])):
-                self._pending_wgrads.clear()
                 raise ValueError(
                     "backward_dw: the layer's parameters were replaced after the forward that "
                     "queued this gradient (fully_shard reshards them when the backward ends), "

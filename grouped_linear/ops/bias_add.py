@@ -26,10 +26,11 @@ class _GroupBiasAdd(torch.autograd.Function):
         grad = grad.contiguous()
         bias_dtype = ctx.bias_dtype
 
-        def bias_grad():
+        def bias_grad(want_w: bool, want_b: bool, weight_dtype):
             return None, bias_kernels.bias_grad(grad, ends, bias_dtype)
 
-        _, grad_bias = route_weight_grads(ctx.sink, ctx.needs_input_grad[1], bias_grad)
+        _, grad_bias = route_weight_grads(ctx.sink, False, ctx.needs_input_grad[1], bias_grad,
+                                          (grad, ends))
         return grad, grad_bias, None, None, None
 
 

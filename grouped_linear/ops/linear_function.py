@@ -84,20 +84,21 @@ class GroupedLinearFunction(torch.autograd.Function):
                 grad_out, weight, sizes, ends, host_ends, config.route, config.zero_tail
             )
 
-        def weight_and_bias_grads():
+        def weight_and_bias_grads(want_w: bool, want_b: bool, weight_dtype):
+            weight_dtype = weight_dtype or weight.dtype
             if triton:
-                grad_w, grad_b = step(triton_wgrad_op, triton_wgrad_impl)(grad_out, x, sizes, need_b)
-                return _asked_grads(grad_w, grad_b, need_w, need_b, bias_dtype)
-            if need_w:  # the bias gradient beside the weight's, from one kernel where it can
+                grad_w, grad_b = step(triton_wgrad_op, triton_wgrad_impl)(
+                    grad_out, x, sizes, want_b, weight_dtype)
+                return _asked_grads(grad_w, grad_b, want_w, want_b, bias_dtype)
+            if want_w:  # the bias gradient beside the weight's, from one kernel where it can
                 grad_w, grad_b = step(weight_grads_op, weight_grads_impl)(
-                    grad_out, x, ends, host_ends, config.route, need_b,
-                    bias_dtype if need_b else x.dtype)
-                return grad_w, (grad_b if need_b else None)
-            if need_b:
-                return None, step(bias_grad_op, bias_grad_impl)(grad_out, ends, bias_dtype)
-            return None, None
+                    grad_out, x, ends, host_ends, config.route, want_b,
+                    bias_dtype if want_b else x.dtype, weight_dtype)
+                return grad_w, (grad_b if want_b else None)
+            return None, step(bias_grad_op, bias_grad_impl)(grad_out, ends, bias_dtype)
 
-        grad_w, grad_b = route_weight_grads(config.sink, need_w or need_b, weight_and_bias_grads)
+        grad_w, grad_b = route_weight_grads(config.sink, need_w, need_b, weight_and_bias_grads,
+                                            (x, sizes, ends, host_ends, grad_out))
         return grad_x, grad_w, grad_b, None, None, None, None
 
 

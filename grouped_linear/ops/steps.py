@@ -101,25 +101,30 @@ def weight_grads_impl(
     backend: str,
     with_bias: bool,
     bias_dtype: torch.dtype,
+    weight_dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(G, N, K)`` weight gradient and, with ``with_bias``, the ``(G, N)`` bias gradient
-    in ``bias_dtype`` (else an empty tensor): from one kernel where the Gluon weight
-    gradient takes the operands, else torch's GEMM and the bias reduction pass."""
+    """``(G, N, K)`` weight gradient in ``weight_dtype`` (``x``'s, or float32 for an fp32
+    ``main_grad``) and, with ``with_bias``, the ``(G, N)`` bias gradient in ``bias_dtype``
+    (else an empty tensor): from one kernel where the Gluon weight gradient takes the
+    operands, else torch's GEMM and the bias reduction pass."""
     if (backend == "grouped" and bias_dtype in gluon_wgrad.BIAS_DTYPES
+            and weight_dtype in (x.dtype, torch.float32)
             and gluon_wgrad.supported(grad_out, x, ends.shape[0])):
-        grad_w, grad_b = gluon_wgrad.wgrad(grad_out, x, ends, with_bias, bias_dtype=bias_dtype)
+        grad_w, grad_b = gluon_wgrad.wgrad(grad_out, x, ends, with_bias, bias_dtype=bias_dtype,
+                                           out_dtype=weight_dtype)
     else:
-        grad_w = torch_gemm.wgrad(grad_out, x, ends, host_ends, backend)
+        grad_w = torch_gemm.wgrad(grad_out, x, ends, host_ends, backend, weight_dtype)
         grad_b = bias_kernels.bias_grad(grad_out, ends, bias_dtype) if with_bias else None
     return grad_w, (grad_b if grad_b is not None else grad_w.new_empty(0))
 
 
 def triton_wgrad_impl(
-    grad_out: torch.Tensor, x: torch.Tensor, sizes: torch.Tensor, with_bias: bool
+    grad_out: torch.Tensor, x: torch.Tensor, sizes: torch.Tensor, with_bias: bool,
+    weight_dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The ``triton`` backend's weight and bias gradients (the bias sums in the input dtype,
-    an empty tensor without bias)."""
-    grad_w, grad_b = triton_gemm.wgrad(grad_out, x, sizes, with_bias)
+    """The ``triton`` backend's weight gradient in ``weight_dtype`` and bias gradient (the
+    sums in the input dtype, an empty tensor without bias)."""
+    grad_w, grad_b = triton_gemm.wgrad(grad_out, x, sizes, with_bias, weight_dtype)
     return grad_w, (grad_b if grad_b is not None else grad_w.new_empty(0))
 
 
@@ -156,16 +161,17 @@ def _(grad_out, weight, sizes, ends, host_ends, backend, zero_tail):
 
 
 @register_fake("weight_grads")
-def _(grad_out, x, ends, host_ends, backend, with_bias, bias_dtype):
-    grad_w = x.new_empty(ends.shape[0], grad_out.shape[1], x.shape[1])
+def _(grad_out, x, ends, host_ends, backend, with_bias, bias_dtype, weight_dtype):
+    grad_w = x.new_empty(ends.shape[0], grad_out.shape[1], x.shape[1], dtype=weight_dtype)
     grad_b = x.new_empty((ends.shape[0], grad_out.shape[1]) if with_bias else (0,),
                          dtype=bias_dtype)
     return grad_w, grad_b
 
 
 @register_fake("triton_wgrad")
-def _triton_wgrad_fake(grad_out, x, sizes, with_bias):
-    grad_w = x.new_empty(sizes.shape[0], grad_out.shape[1], x.shape[1])
+def _triton_wgrad_fake(grad_out, x, sizes, with_bias, weight_dtype=None):
+    grad_w = x.new_empty(sizes.shape[0], grad_out.shape[1], x.shape[1],
+                         dtype=weight_dtype or x.dtype)
     grad_b = x.new_empty((sizes.shape[0], grad_out.shape[1]) if with_bias else (0,))
     return grad_w, grad_b
 

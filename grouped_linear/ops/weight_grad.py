@@ -1,10 +1,17 @@
 """Where weight and bias gradients go when autograd's own accumulation is not wanted.
 
-A :class:`WeightGradSink` is handed to the grouped-linear autograd function by
-modules that use ``delay_wgrad_compute`` (gradients computed later, in
-``backward_dw``) or ``fuse_wgrad_accumulation`` (weight gradients added into
-``param.main_grad``, as Megatron-Core expects). The functional form uses none
-and gets its gradients from autograd as usual.
+A :class:`WeightGradSink` is handed to the grouped-linear autograd functions by modules that
+use ``delay_wgrad_compute`` (gradients computed later, in ``backward_dw``) or
+``fuse_wgrad_accumulation`` (weight gradients added into ``param.main_grad``, as
+Megatron-Core expects). The functional form uses none and gets its gradients from autograd
+as usual.
+
+The sink writes only what the running backward pass asks for: an input-only pass
+(``torch.autograd.grad(y, x)``, ``y.backward(inputs=[x])``) leaves the parameters alone, and
+``torch.autograd.grad`` over a parameter gets that gradient back from autograd. A weight
+gradient bound for an fp32 ``main_grad`` is computed in fp32 (never rounded to the
+parameter's dtype first). A queued gradient remembers the versions of the tensors it reads,
+so an in-place change before ``backward_dw`` raises as autograd does.
 """
 
 from __future__ import annotations
@@ -13,14 +20,21 @@ from collections import deque
 from collections.abc import Callable, Sequence
 
 import torch
+from torch.autograd.graph import get_gradient_edge
 
 __all__ = ["WeightGradSink", "check_main_grad", "route_weight_grads"]
 
 GradPair = tuple[torch.Tensor | None, torch.Tensor | None]
+# ``compute(want_weight, want_bias, weight_dtype)``: the gradients asked for, the weight's in
+# ``weight_dtype`` (``None``: the parameter's dtype).
+Compute = Callable[[bool, bool, "torch.dtype | None"], GradPair]
+
+_NOWHERE, _AUTOGRAD, _SINK = range(3)
 
 
 def check_main_grad(params: Sequence[torch.nn.Parameter], names: Sequence[str]) -> None:
-    """Raise ``ValueError`` naming the first parameter without a ``main_grad`` tensor."""
+    """Raise ``ValueError``/``TypeError`` naming the first parameter whose ``main_grad`` is
+    missing, of the wrong shape, dtype or device, or overlapping itself in memory."""
     for param, name in zip(params, names):
         main_grad = getattr(param, "main_grad", None)
         if not isinstance(main_grad, torch.Tensor):
@@ -37,6 +51,11 @@ def check_main_grad(params: Sequence[torch.nn.Parameter], names: Sequence[str]) 
                 f"{name}.main_grad is {main_grad.dtype} on {main_grad.device}: expected a "
                 f"floating-point tensor on {param.device}"
             )
+        if torch._debug_has_internal_overlap(main_grad) == 1:
+            raise ValueError(
+                f"{name}.main_grad overlaps itself in memory (strides {main_grad.stride()}, "
+                "e.g. an expanded tensor): gradients are added into it in place"
+            )
 
 
 def _accumulate_grad(param: torch.Tensor, grad: torch.Tensor) -> None:
@@ -45,6 +64,33 @@ def _accumulate_grad(param: torch.Tensor, grad: torch.Tensor) -> None:
         param.grad = grad
     else:
         param.grad.add_(grad)
+
+
+def _destination(params: Sequence[torch.nn.Parameter] | None) -> int:
+    """Where the running backward pass wants the gradients of ``params``: nowhere (a pass
+    that does not reach them), back to autograd (``torch.autograd.grad`` over one of them)
+    or into the sink (a ``backward`` that accumulates into them)."""
+    where = _NOWHERE
+    for param in params or ():
+        if not param.requires_grad:
+            continue
+        try:
+            if torch._C._will_engine_execute_node(get_gradient_edge(param).node):
+                where = _SINK
+        except RuntimeError:  # torch.autograd.grad captures this leaf's gradient
+            return _AUTOGRAD
+    return where
+
+
+def _check_versions(reads: Sequence[tuple[torch.Tensor, int]]) -> None:
+    for tensor, version in reads:
+        if tensor._version != version:
+            raise RuntimeError(
+                "one of the variables needed for gradient computation has been modified by an "
+                f"inplace operation: [{tensor.dtype} {list(tensor.shape)}] is at version "
+                f"{tensor._version}; expected version {version} instead (changed between the "
+                "backward that queued this weight gradient and backward_dw)"
+            )
 
 
 class WeightGradSink:
@@ -57,6 +103,7 @@ class WeightGradSink:
         weight_names: names for error messages, parallel to ``weights``.
         delay: defer both gradients to :meth:`flush` (``backward_dw``).
         fuse_main_grad: add weight gradients into ``param.main_grad``.
+        queue: the layer's queue of deferred gradients.
     """
 
     def __init__(
@@ -75,6 +122,11 @@ class WeightGradSink:
         self.delay = delay
         self.fuse_main_grad = fuse_main_grad
         self.queue = queue
+
+    def weight_grad_dtype(self) -> torch.dtype | None:
+        """The dtype the weight gradient is computed in: ``main_grad``'s when fused into it
+        (fp32 accumulation for half-precision parameters), else the parameter's (``None``)."""
+        return self.weights[0].main_grad.dtype if self.fuse_main_grad else None
 
     def _pieces(self, params: list[torch.nn.Parameter], grad: torch.Tensor) -> list[torch.Tensor]:
         if len(params) == 1 and params[0].shape == grad.shape:
@@ -99,39 +151,67 @@ class WeightGradSink:
         for param, piece in zip(self.biases, self._pieces(self.biases, grad_b)):
             _accumulate_grad(param, piece)
 
-    def defer(self, compute: Callable[[], GradPair]) -> None:
-        """Queue a closure computing ``(grad_w, grad_b)``; :meth:`flush` runs it."""
-        self.queue.append((self, compute))
+    def defer(self, compute: Callable[[], GradPair], reads: Sequence[torch.Tensor]) -> None:
+        """Queue a closure computing ``(grad_w, grad_b)`` for :meth:`flush`, with the versions
+        of the tensors it ``reads`` as they are now."""
+        self.queue.append((self, compute, [(t, t._version) for t in reads if t is not None]))
 
     @staticmethod
     @torch.no_grad()
     def flush(queue: deque) -> None:
-        """Compute and apply every queued gradient, oldest first."""
+        """Compute and apply every queued gradient, oldest first. Every entry is checked
+        (``main_grad`` present and sound, inputs unchanged) before any gradient moves; a
+        failing check raises and leaves the queue as it was."""
+        for sink, _, reads in queue:
+            if sink.fuse_main_grad:
+                check_main_grad(sink.weights, sink.weight_names)
+            _check_versions(reads)
         while queue:
-            sink, compute = queue.popleft()
+            sink, compute, _ = queue[0]
             grad_w, grad_b = compute()
             if grad_w is not None:
                 sink.accept_weight_grad(grad_w)
             if grad_b is not None:
                 sink.accept_bias_grad(grad_b)
+            queue.popleft()
 
 
-def route_weight_grads(
-    sink: WeightGradSink | None, needed: bool, compute: Callable[[], GradPair]
-) -> GradPair:
+def route_weight_grads(sink: WeightGradSink | None, need_w: bool, need_b: bool,
+                       compute: Compute, reads: Sequence[torch.Tensor] = ()) -> GradPair:
     """What an autograd backward returns for (weight, bias), given the layer's ``sink``.
 
-    No sink: compute both now and hand them to autograd. Delayed: queue ``compute``
-    for ``backward_dw`` and return ``(None, None)``. ``main_grad`` fusion: add the
-    weight gradient into ``main_grad`` now and return only the bias gradient.
+    ``need_w``/``need_b``: the function's ``needs_input_grad`` for them; ``reads``: the
+    tensors ``compute`` reads that a caller could change in place (saved inputs, split
+    tensors, the incoming gradient).
+
+    No sink: compute what is needed now and hand it to autograd. With a sink, only what the
+    running backward pass reaches: delayed, queued for ``backward_dw`` (returned as
+    ``None``); ``main_grad`` fusion, the weight gradient added into ``main_grad`` now in its
+    dtype and the bias gradient returned. Gradients ``torch.autograd.grad`` asks for go back
+    to autograd either way.
     """
-    if sink is None or not needed:
-        return compute()
-    if sink.delay:
-        sink.defer(compute)
+    if not (need_w or need_b):
         return None, None
-    grad_w, grad_b = compute()
-    if grad_w is not None and sink.fuse_main_grad:
+    if sink is None:
+        return compute(need_w, need_b, None)
+    if torch.compiler.is_compiling():  # traced: no engine to ask, no versions to keep
+        to_w = _SINK if need_w else _NOWHERE
+        to_b = _SINK if need_b else _NOWHERE
+        reads = ()
+    else:
+        to_w = _destination(sink.weights) if need_w else _NOWHERE
+        to_b = _destination(sink.biases) if need_b else _NOWHERE
+    if not sink.delay and to_b == _SINK:  # only weight gradients skip autograd when not delayed
+        to_b = _AUTOGRAD
+    now_w, now_b = to_w == _AUTOGRAD, to_b == _AUTOGRAD
+    later_w, later_b = to_w == _SINK, to_b == _SINK
+    if sink.delay:
+        if later_w or later_b:
+            sink.defer(lambda: compute(later_w, later_b,
+                                       sink.weight_grad_dtype() if later_w else None), reads)
+        return compute(now_w, now_b, None) if now_w or now_b else (None, None)
+    if later_w:  # fused into main_grad now
+        grad_w, grad_b = compute(True, now_b, sink.weight_grad_dtype())
         sink.accept_weight_grad(grad_w)
-        grad_w = None
-    return grad_w, grad_b
+        return None, grad_b
+    return compute(now_w, now_b, None) if now_w or now_b else (None, None)

@@ -53,6 +53,7 @@ MMA = "warp_group_dot"
 ASYNC_LOAD = "async_copy_global_to_local"
 
 F8 = "*fp8e4nv"
+SM90_SHARED_BYTES = 227 * 1024  # the most one block may allocate on sm90
 FP8_MAX = torch.finfo(torch.float8_e4m3fn).max
 
 
@@ -245,11 +246,12 @@ def _compile_gluon(kernel, pointers, constants, num_warps, maxnreg=None):
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
 
 
-def _bf16_descriptor(rows: int, cols: int) -> str:
+def _bf16_descriptor(rows: int, cols: int, dtype: str = "bf16") -> str:
     from triton.experimental.gluon import language as gl
 
-    layout = gl.NVMMASharedLayout.get_default_for([rows, cols], gl.bfloat16)
-    return f"tensordesc<bf16[{rows}, {cols}],{layout!r}>"
+    gl_dtype = {"bf16": gl.bfloat16, "fp32": gl.float32}[dtype]
+    layout = gl.NVMMASharedLayout.get_default_for([rows, cols], gl_dtype)
+    return f"tensordesc<{dtype}[{rows}, {cols}],{layout!r}>"
 
 
 def _bf16_mm_case(transposed: bool):
@@ -268,15 +270,15 @@ def _bf16_mm_case(transposed: bool):
     return bg._mm_kernel, pointers, constants, config.warps, None
 
 
-def _bf16_wgrad_case():
+def _bf16_wgrad_case(out: str = "bf16"):
     """The bf16 weight gradient with the bias sums (stored in bf16, as the layer's bias
-    takes them), at its default launch shape."""
+    takes them), at its launch shape for a bf16 or float32 (``main_grad``) output."""
     if not (HAS_TRITON and HAS_GLUON):
         return None, {}, {}, 4, None
-    config = bwg.WGRAD_CONFIG
+    config = bwg.WGRAD_CONFIG if out == "bf16" else bwg.FLOAT32_WGRAD_CONFIG
     bn, bk, bt = config.block_n, config.block_k, config.block_t
     pointers = {"dy_desc": _bf16_descriptor(bt, bn), "x_desc": _bf16_descriptor(bt, bk),
-                "out_desc": _bf16_descriptor(bn, bk), "out_ptr": "*bf16",
+                "out_desc": _bf16_descriptor(bn, bk, out), "out_ptr": f"*{out}",
                 "bias_grad_ptr": "*bf16", "ends_ptr": "*i32"}
     constants = {"HAS_BIAS": True, "BAND_N": config.band_n, "NUM_PROGRAMS": 132, "STAGES": config.stages}
     return bwg._wgrad_kernel, pointers, constants, config.warps, None
@@ -289,6 +291,7 @@ GLUON_CASES = {
     "gluon bf16 mm (bias)": _bf16_mm_case(False),
     "gluon bf16 mm (dgrad)": _bf16_mm_case(True),
     "gluon bf16 wgrad (bias sums)": _bf16_wgrad_case(),
+    "gluon bf16 wgrad (float32 out)": _bf16_wgrad_case("fp32"),
     "gluon blockwise mm": (gg._blockwise_mm_kernel if HAS_TRITON and HAS_GLUON else None,
                            {"out_ptr": "*bf16", "sizes_ptr": "*i64"},
                            {"BLOCK_G": 32, "NUM_PROGRAMS": 132, "STAGES": gg.MM_CONFIG[2],
@@ -318,6 +321,8 @@ def _check_gluon(name: str) -> str:
     ptx = compiled.asm["ptx"]
     if not compiled.asm.get("cubin"):
         return "no cubin"
+    if compiled.metadata.shared > SM90_SHARED_BYTES:
+        return f"needs {compiled.metadata.shared} bytes of shared memory"
     if name in GLUON_STREAMING:
         if "cp.async.bulk.tensor" not in ptx:
             return "the tile is not loaded by TMA"

@@ -50,7 +50,8 @@ from .._gluon import (
 from .._triton import sm_count
 from .gluon_gemm import DTYPES
 
-__all__ = ["WgradConfig", "WGRAD_CONFIG", "BIAS_DTYPES", "supported", "wgrad", "wgrad_reference"]
+__all__ = ["WgradConfig", "WGRAD_CONFIG", "FLOAT32_WGRAD_CONFIG", "BIAS_DTYPES", "supported", "wgrad",
+           "wgrad_reference"]
 
 
 class WgradConfig(NamedTuple):
@@ -71,6 +72,9 @@ class WgradConfig(NamedTuple):
 # Bands of 8 N tiles: 1.00-1.03x torch's GEMM on the bench shapes, against 0.87-1.03x
 # with one N tile's K tiles in a row.
 WGRAD_CONFIG = WgradConfig(128, 256, 64, 8, 3, band_n=8)
+# A float32 output (accumulation into an fp32 ``main_grad``): a 128 x 256 float32 tile would
+# not fit beside the stages, so 128 x 128 tiles (stages of 32 KB, a 64 KB output tile).
+FLOAT32_WGRAD_CONFIG = WgradConfig(128, 128, 64, 8, 3, band_n=8)
 BIAS_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -222,19 +226,25 @@ def supported(grad_out: torch.Tensor, x: torch.Tensor, num_groups: int) -> bool:
 
 
 def wgrad(grad_out: torch.Tensor, x: torch.Tensor, ends: torch.Tensor, with_bias: bool, *,
-          bias_dtype: torch.dtype = torch.float32,
-          config: WgradConfig = WGRAD_CONFIG) -> tuple[torch.Tensor, torch.Tensor | None]:
+          bias_dtype: torch.dtype = torch.float32, out_dtype: torch.dtype | None = None,
+          config: WgradConfig | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``grad_out`` ``(M, N)``, ``x`` ``(M, K)``, ``ends`` ``(G,)`` cumulative group ends on
-    the device -> ``grad_w`` ``(G, N, K)`` in ``x``'s dtype and, with ``with_bias``,
+    the device -> ``grad_w`` ``(G, N, K)`` in ``out_dtype`` (``x``'s or float32; default
+    ``x``'s) and, with ``with_bias``,
     ``grad_b`` ``(G, N)`` summed in float32 and stored in ``bias_dtype`` (one of
     :data:`BIAS_DTYPES`; rows past ``ends[-1]`` ignored, empty groups zero).
     Needs :func:`supported` operands."""
     if bias_dtype not in BIAS_DTYPES:
         raise ValueError(f"bias_dtype={bias_dtype} is not one of {BIAS_DTYPES}")
+    out_dtype = out_dtype or x.dtype
+    if out_dtype not in (x.dtype, torch.float32):
+        raise ValueError(f"out_dtype={out_dtype}: expected {x.dtype} or torch.float32")
+    if config is None:
+        config = FLOAT32_WGRAD_CONFIG if out_dtype == torch.float32 else WGRAD_CONFIG
     M, N = grad_out.shape
     K = x.shape[1]
     G = ends.shape[0]
-    grad_w = x.new_empty(G, N, K)
+    grad_w = x.new_empty(G, N, K, dtype=out_dtype)
     grad_b = grad_out.new_empty(G, N, dtype=bias_dtype) if with_bias else None
     if G == 0:
         return grad_w, grad_b

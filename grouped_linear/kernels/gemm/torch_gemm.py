@@ -102,9 +102,15 @@ def wgrad(
     ends: torch.Tensor,
     host_ends: torch.Tensor | None,
     backend: str,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """``(M, N)^T x (M, K) -> (G, N, K)`` per group: the weight gradient."""
+    """``(M, N)^T x (M, K) -> (G, N, K)`` per group: the weight gradient, in ``out_dtype``
+    (default ``x``'s)."""
     num_groups = ends.shape[0]
+    if out_dtype is not None and out_dtype != x.dtype:
+        # torch's GEMMs store in their operands' dtype: multiply in the wider one (exact for
+        # half-precision values, TF32 included: their mantissas fit)
+        grad_out, x = grad_out.to(out_dtype), x.to(out_dtype)
     if num_groups == 0:
         return x.new_zeros(0, grad_out.shape[1], x.shape[1])
     if backend == "grouped":

@@ -287,26 +287,28 @@ def dgrad(grad_out: torch.Tensor, weight: torch.Tensor, sizes: torch.Tensor) -> 
     return _launch_mm(grad_out, weight, strides, None, sizes, out, grad_out.shape[1])
 
 
-def _wgrad_buffers(x: torch.Tensor, G: int, N: int, K: int,
-                   with_bias: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _wgrad_buffers(x: torch.Tensor, G: int, N: int, K: int, with_bias: bool,
+                   out_dtype: torch.dtype | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The ``(G, N, K)`` weight gradient and, with ``with_bias``, the ``(G, N)`` bias sums.
     The CPU interpreter truncates float32 -> 16-bit stores: there the sums stay float32
     and torch rounds them."""
-    grad_w = x.new_empty((G, N, K))
+    grad_w = x.new_empty((G, N, K), dtype=out_dtype or x.dtype)
     sums_dtype = torch.float32 if x.is_cpu else x.dtype
     grad_b = x.new_empty((G, N), dtype=sums_dtype) if with_bias else None
     return grad_w, grad_b
 
 
-def wgrad(grad_out: torch.Tensor, x: torch.Tensor, sizes: torch.Tensor,
-          with_bias: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``(G, N, K)`` weight gradient and, with ``with_bias``, the ``(G, N)`` bias gradient
-    (summed in float32, stored in ``x``'s dtype), in one launch; empty groups give zeros."""
+def wgrad(grad_out: torch.Tensor, x: torch.Tensor, sizes: torch.Tensor, with_bias: bool,
+          out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(G, N, K)`` weight gradient in ``out_dtype`` (default ``x``'s; float32 accumulation
+    either way) and, with ``with_bias``, the ``(G, N)`` bias gradient (summed in float32,
+    stored in ``x``'s dtype), in one launch; empty groups give zeros."""
     grad_out, x, sizes = _rows_contiguous(grad_out), _rows_contiguous(x), sizes.contiguous()
     M, N = grad_out.shape
     K = x.shape[1]
     G = sizes.shape[0]
-    grad_w, grad_b = _wgrad_buffers(x, G, N, K, with_bias)
+    grad_w, grad_b = _wgrad_buffers(x, G, N, K, with_bias, out_dtype)
     if N == 0 or K == 0:
         # Nothing to multiply; the bias sums still cover each group's (clamped) rows.
         if grad_b is not None:

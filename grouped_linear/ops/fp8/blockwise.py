@@ -103,12 +103,13 @@ class Fp8BlockwiseFunction(torch.autograd.Function):
             grad_x = _grouped_mm(dy_data, dy_inv, wt_data, wt_inv, sizes, ctx.x_dtype)
             del dy_data, dy_inv
 
-        def grad_weight():
+        def grad_weight(out_dtype):
             dy_t, dy_inv_blocks = dy_blocks if dy_blocks is not None else \
                 blocks.quantize_token_blocks(grad_out, sizes, fp8_grad, pow2, transpose=True)
             xt, xt_inv = (x_t, x_inv_blocks) if x is None else \
                 blocks.quantize_token_blocks(x, sizes, recipe.forward_dtype, pow2, transpose=True)
-            return _wgrad(dy_t, dy_inv_blocks, xt, xt_inv, sizes, ctx.num_rows, weight.dtype)
+            return _wgrad(dy_t, dy_inv_blocks, xt, xt_inv, sizes, ctx.num_rows, out_dtype)
 
-        grad_w, grad_b = weight_and_bias_grads(ctx, grad_out, ends, grad_weight)
+        grad_w, grad_b = weight_and_bias_grads(ctx, grad_out, ends, grad_weight, weight.dtype,
+                                               (x, x_t, x_inv_blocks, sizes))
         return grad_x, grad_w, grad_b, None, None, None, None, None

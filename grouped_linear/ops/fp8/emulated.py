@@ -122,9 +122,10 @@ class Fp8EmulatedFunction(torch.autograd.Function):
                                         ends, recipe, quantized=cached is not None)
             grad_x = torch_gemm.dgrad(dy_q, w_q, ends, None, "loop").to(x.dtype)
 
-        def grad_weight():
+        def grad_weight(out_dtype):
             dy_q, x_q = _wgrad_operands(grad_out, x, ends, recipe)
-            return torch_gemm.wgrad(dy_q, x_q, ends, None, "loop").to(weight.dtype)
+            return torch_gemm.wgrad(dy_q, x_q, ends, None, "loop").to(out_dtype)
 
-        grad_w, grad_b = weight_and_bias_grads(ctx, grad_out, ends, grad_weight)
+        grad_w, grad_b = weight_and_bias_grads(ctx, grad_out, ends, grad_weight, weight.dtype,
+                                               (x,))
         return grad_x, grad_w, grad_b, None, None, None

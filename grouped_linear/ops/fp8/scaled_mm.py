@@ -121,7 +121,7 @@ class Fp8ScaledMMFunction(torch.autograd.Function):
             if config.zero_tail:
                 grad_x = bias_kernels.zero_tail_(grad_x, ends)
 
-        def grad_weight(bias_sums=None):
+        def grad_weight(out_dtype, bias_sums=None):
             # torch's 2-D x 2-D FP8 GEMM slows down at many groups (docs/design.md)
             triton_wgrad = ends.shape[0] >= _tuning.current().fp8_triton_wgrad_min_groups
             align = fp8_triton_gemm.BLOCK if triton_wgrad else fp8_torch_gemm.WGRAD_GROUP_ALIGN
@@ -142,12 +142,12 @@ class Fp8ScaledMMFunction(torch.autograd.Function):
             if triton_wgrad:  # 128-token group blocks, one factor per (group, column)
                 sizes = torch.diff(ends, prepend=ends.new_zeros(1))
                 return fp8_triton_gemm.blockwise_wgrad(dy_t, dy_t_inv, x_t, x_t_inv, sizes,
-                                                       grad_out.shape[0], weight.dtype,
+                                                       grad_out.shape[0], out_dtype,
                                                        group_scales=True)
-            return fp8_torch_gemm.wgrad(dy_t, dy_t_inv, x_t, x_t_inv, aligned, weight.dtype)
+            return fp8_torch_gemm.wgrad(dy_t, dy_t_inv, x_t, x_t_inv, aligned, out_dtype)
 
-        grad_w, grad_b = weight_and_bias_grads(ctx, grad_out, ends, grad_weight,
-                                               fuses_bias=True)
+        grad_w, grad_b = weight_and_bias_grads(ctx, grad_out, ends, grad_weight, weight.dtype,
+                                               (x, x_inv, *pieces), fuses_bias=True)
         if ctx.piece_sizes:  # views of the one dgrad output, no copy
             grad_pieces = grad_x.split(ctx.piece_sizes) if grad_x is not None else \
                 (None,) * len(ctx.piece_sizes)

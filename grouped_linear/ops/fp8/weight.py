@@ -131,23 +131,26 @@ class Fp8WeightCache:
 
 
 def weight_and_bias_grads(ctx, grad_out: torch.Tensor, ends: torch.Tensor,
-                          grad_weight: Callable[..., torch.Tensor],
-                          fuses_bias: bool = False) -> tuple:
-    """The weight gradient (``grad_weight()``) and the bias gradient (summed per group in
-    high precision) that backward owes, routed through ``ctx.config.sink`` (delayed or
-    fused into ``main_grad``). ``ctx`` carries ``config`` and ``bias_dtype``.
-    ``fuses_bias``: ``grad_weight(bias_sums)`` fills a ``(G, N)`` float32 ``bias_sums`` from
-    its own pass over ``grad_out`` when both gradients are needed."""
-    need_w = ctx.needs_input_grad[1]
-    need_b = ctx.bias_dtype is not None and ctx.needs_input_grad[2]
+                          grad_weight: Callable[..., torch.Tensor], param_dtype: torch.dtype,
+                          reads: tuple = (), fuses_bias: bool = False) -> tuple:
+    """The weight gradient (``grad_weight(dtype)``, in the parameter's dtype or float32 for
+    an fp32 ``main_grad``) and the bias gradient (summed per group in high precision) that
+    backward owes, routed through ``ctx.config.sink`` (delayed or fused into ``main_grad``).
+    ``ctx`` carries ``config`` and ``bias_dtype``; ``param_dtype`` is the weight's; ``reads``: the tensors
+    the closures read that a caller could change in place. ``fuses_bias``:
+    ``grad_weight(dtype, bias_sums)`` fills a ``(G, N)`` float32 ``bias_sums`` from its own
+    pass over ``grad_out`` when both gradients are wanted."""
     bias_dtype = ctx.bias_dtype
 
-    def compute():
-        if need_w and need_b and fuses_bias:
+    def compute(want_w: bool, want_b: bool, weight_dtype: torch.dtype | None):
+        weight_dtype = weight_dtype or param_dtype
+        if want_w and want_b and fuses_bias:
             sums = grad_out.new_empty(ends.shape[0], grad_out.shape[1], dtype=torch.float32)
-            return grad_weight(sums), sums.to(bias_dtype)
-        grad_w = grad_weight() if need_w else None
-        grad_b = bias_kernels.bias_grad(grad_out, ends, bias_dtype) if need_b else None
+            return grad_weight(weight_dtype, sums), sums.to(bias_dtype)
+        grad_w = grad_weight(weight_dtype) if want_w else None
+        grad_b = bias_kernels.bias_grad(grad_out, ends, bias_dtype) if want_b else None
         return grad_w, grad_b
 
-    return route_weight_grads(ctx.config.sink, need_w or need_b, compute)
+    return route_weight_grads(ctx.config.sink, ctx.needs_input_grad[1],
+                              bias_dtype is not None and ctx.needs_input_grad[2], compute,
+                              (grad_out, ends, *reads))
