@@ -34,6 +34,7 @@ __all__ = [
 # autograd functions call these operators only while compiling, inside their own forward and
 # backward, so the operators need no autograd kernel of their own.
 _LIBRARY = torch.library.Library("grouped_linear", "DEF")
+_HALF = (torch.bfloat16, torch.float16)
 
 
 def compute_op(name: str, impl: Callable) -> Callable:
@@ -66,13 +67,21 @@ def forward_impl(
     zero_tail: bool,
 ) -> torch.Tensor:
     """``(M, K) x (G, N, K) (+ (G, N)) -> (M, N)``; ``triton`` reads ``sizes``, the others
-    ``ends``."""
+    ``ends``. A half-precision output is rounded once, after the bias is added."""
     if backend == "triton":
         return triton_gemm.forward(x, weight, bias, sizes)
     if backend == "grouped" and gluon_gemm.supported(x, weight):  # bias in the epilogue
         return gluon_gemm.grouped_mm(x, weight, ends, bias)
-    out = torch_gemm.forward(x, weight, ends, host_ends, backend)
-    return bias_kernels.bias_epilogue_(out, bias, ends, zero_tail)
+    if bias is None or x.dtype not in _HALF:
+        out = torch_gemm.forward(x, weight, ends, host_ends, backend)
+        return bias_kernels.bias_epilogue_(out, bias, ends, zero_tail)
+    if backend == "loop":  # torch.addmm per group (tail rows zero)
+        return torch_gemm.forward(x, weight, ends, host_ends, backend, bias.to(x.dtype))
+    if x.is_cuda and triton_gemm.fits(weight.shape[0], weight.shape[2], weight.shape[1]):
+        # torch's grouped GEMM stores only the input dtype: the Triton GEMM adds the bias
+        return triton_gemm.forward(x, weight, bias, torch.diff(ends, prepend=ends.new_zeros(1)))
+    out = torch_gemm.forward(x.float(), weight.float(), ends, host_ends, backend)
+    return bias_kernels.bias_epilogue_(out, bias, ends, zero_tail).to(x.dtype)
 
 
 def dgrad_impl(

@@ -13,6 +13,12 @@ SIZES = [5, 0, 9, 6]
 G, K, N = len(SIZES), 16, 8
 M = sum(SIZES)
 BACKENDS = ["loop", "grouped", "triton"]
+# The triton backend runs where Triton does: CUDA, else the CPU interpreter.
+TRITON_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _device(backend):
+    return TRITON_DEVICE if backend == "triton" else "cpu"
 
 
 def _dtype(backend):
@@ -26,7 +32,8 @@ def _tol(backend):
 
 def _layer(backend="loop", **kwargs):
     torch.manual_seed(7)
-    return gl.GroupedLinear(G, K, N, params_dtype=_dtype(backend), backend=backend, **kwargs)
+    return gl.GroupedLinear(G, K, N, params_dtype=_dtype(backend), backend=backend,
+                            device=_device(backend), **kwargs)
 
 
 def _weights(layer):
@@ -68,8 +75,8 @@ def test_a_failing_backward_dw_keeps_every_pending_gradient(backend, single):
     dtype = _dtype(backend)
     _give_main_grads(layer, dtype)
     w, b = layer.grouped_weight().detach(), layer.grouped_bias().detach()
-    xs = [torch.randn(M, K, dtype=dtype) for _ in range(2)]
-    gs = [torch.randn(M, N, dtype=dtype) for _ in range(2)]
+    xs = [torch.randn(M, K, dtype=dtype, device=_device(backend)) for _ in range(2)]
+    gs = [torch.randn(M, N, dtype=dtype, device=_device(backend)) for _ in range(2)]
     for x, g in zip(xs, gs):
         layer(x, SIZES).backward(g)
     saved = [p.main_grad for p in _weights(layer)]
@@ -90,8 +97,8 @@ def test_a_failing_backward_dw_keeps_every_pending_gradient(backend, single):
 @pytest.mark.parametrize("changed", ["input", "output gradient"])
 def test_an_in_place_change_before_backward_dw_raises(backend, changed):
     layer = _layer(backend, delay_wgrad_compute=True)
-    x = torch.randn(M, K, dtype=_dtype(backend))
-    g = torch.randn(M, N, dtype=_dtype(backend))
+    x = torch.randn(M, K, dtype=_dtype(backend), device=_device(backend))
+    g = torch.randn(M, N, dtype=_dtype(backend), device=_device(backend))
     xx = x.clone()
     layer(xx, SIZES).backward(g)
     (xx if changed == "input" else g).mul_(10)
@@ -108,8 +115,9 @@ def test_split_sizes_changed_in_place_before_backward_dw_raise_or_are_not_read()
     into new tensors) would raise like the input; either way no gradient of the new sizes."""
     layer = _layer("triton", delay_wgrad_compute=True)
     w, b = layer.grouped_weight().detach(), layer.grouped_bias().detach()
-    sizes = torch.tensor(SIZES)
-    x, g = torch.randn(M, K), torch.randn(M, N)
+    sizes = torch.tensor(SIZES, device=TRITON_DEVICE)
+    x = torch.randn(M, K, device=TRITON_DEVICE)
+    g = torch.randn(M, N, device=TRITON_DEVICE)
     layer(x, sizes).backward(g)
     sizes[0] += 1
     sizes[2] -= 1
@@ -138,7 +146,7 @@ def test_an_input_only_backward_leaves_the_parameters_alone(backend, mode, kind)
     if mode != "delay":
         _give_main_grads(layer, dtype)
     w, b = layer.grouped_weight().detach(), layer.grouped_bias().detach()
-    x = torch.randn(M, K, dtype=dtype, requires_grad=True)
+    x = torch.randn(M, K, dtype=dtype, device=_device(backend), requires_grad=True)
     before = _params_snapshot(layer)
     grad_x = _input_only(kind, layer(x, SIZES), x)
     layer.backward_dw()
@@ -185,14 +193,15 @@ def test_main_grad_accumulates_in_float32(backend, dtype, delay):
     first are off by about 2^-9 of it)."""
     sizes = [200, 0, 180, 132]
     layer = gl.GroupedLinear(len(sizes), K, N, params_dtype=dtype, backend=backend,
-                             fuse_wgrad_accumulation=True, delay_wgrad_compute=delay)
+                             device=_device(backend), fuse_wgrad_accumulation=True,
+                             delay_wgrad_compute=delay)
     _give_main_grads(layer)
     torch.manual_seed(3)
     want = torch.zeros(len(sizes), N, K, dtype=torch.float64)
     w, b = layer.grouped_weight().detach(), layer.grouped_bias().detach()
     for _ in range(3):
-        x = (torch.randn(sum(sizes), K) * 4).to(dtype)
-        g = torch.randn(sum(sizes), N).to(dtype)
+        x = (torch.randn(sum(sizes), K) * 4).to(dtype).to(_device(backend))
+        g = torch.randn(sum(sizes), N).to(dtype).to(_device(backend))
         layer(x, sizes).backward(g)
         want += reference_grads(x, w, b, sizes, g)[2]
     layer.backward_dw()

@@ -7,7 +7,7 @@ per-group loop; read back from the device when absent).
 
 Shapes: ``x`` ``(M, K)``, ``weight`` ``(G, N, K)``, ``grad_out`` ``(M, N)``.
 
-* ``forward``: ``out[rows of g] = x[rows of g] @ weight[g]^T`` -> ``(M, N)``
+* ``forward``: ``out[rows of g] = x[rows of g] @ weight[g]^T (+ bias[g])`` -> ``(M, N)``
 * ``dgrad``:   ``grad_x[rows of g] = grad_out[rows of g] @ weight[g]`` -> ``(M, K)``
 * ``wgrad``:   ``grad_w[g] = grad_out[rows of g]^T @ x[rows of g]`` -> ``(G, N, K)``
 
@@ -37,11 +37,14 @@ def loop_bounds(ends: torch.Tensor, host_ends: torch.Tensor | None) -> list[tupl
     return list(zip([0] + host[:-1], host))
 
 
-def _loop_forward(x, weight, ends, host_ends):
+def _loop_forward(x, weight, ends, host_ends, bias):
     bounds = loop_bounds(ends, host_ends)
     out = x.new_empty(x.shape[0], weight.shape[1])
     for g, (start, end) in enumerate(bounds):
-        torch.matmul(x[start:end], weight[g].t(), out=out[start:end])
+        if bias is None:
+            torch.matmul(x[start:end], weight[g].t(), out=out[start:end])
+        else:  # the bias joins the product before it is rounded, as in F.linear
+            torch.addmm(bias[g], x[start:end], weight[g].t(), out=out[start:end])
     out[bounds[-1][1]:].zero_()
     return out
 
@@ -72,13 +75,17 @@ def forward(
     ends: torch.Tensor,
     host_ends: torch.Tensor | None,
     backend: str,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``(M, K) x (G, N, K) -> (M, N)``, each row block times its group's weight."""
+    """``(M, K) x (G, N, K) -> (M, N)``, each row block times its group's weight; ``bias``
+    ``(G, N)`` of ``x``'s dtype (``loop`` only) is added before the one rounding."""
     if weight.shape[0] == 0:  # no groups: every row is past the last group
         return x.new_zeros(x.shape[0], weight.shape[1])
     if backend == "grouped":
+        if bias is not None:
+            raise ValueError("the grouped backend's GEMM takes no bias; add it afterwards")
         return F.grouped_mm(x, weight.transpose(-2, -1), offs=ends)
-    return _loop_forward(x, weight, ends, host_ends)
+    return _loop_forward(x, weight, ends, host_ends, bias)
 
 
 def dgrad(

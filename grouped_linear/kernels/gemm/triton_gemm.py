@@ -179,6 +179,12 @@ def _upcast(tensor: torch.Tensor) -> bool:
     return tensor.device.type == "cpu" and tensor.dtype != torch.float32
 
 
+def _stored(like: torch.Tensor, dtype: torch.dtype) -> torch.dtype:
+    """The dtype a kernel stores a ``dtype`` result in: the CPU interpreter truncates
+    float32 -> bfloat16 stores, so there the kernels store float32 and torch rounds."""
+    return torch.float32 if like.is_cpu and dtype == torch.bfloat16 else dtype
+
+
 def _block_g(num_groups: int) -> int:
     return next_power_of_2(num_groups + 1)
 
@@ -258,8 +264,9 @@ def _forward_key(x, weight, bias, sizes) -> tuple:
 
 def _planned_forward(plan: LaunchPlan, x, weight, bias, sizes) -> torch.Tensor | None:
     """The forward launched from ``plan``, or ``None`` where the plan cannot launch it."""
-    out = x.new_empty((x.shape[0], weight.shape[1]))
-    return out if plan(x, weight, out if bias is None else bias, out, sizes) else None
+    out = x.new_empty((x.shape[0], weight.shape[1]), dtype=_stored(x, x.dtype))
+    return _in_dtype(out, x.dtype) if plan(x, weight, out if bias is None else bias, out,
+                                           sizes) else None
 
 
 def forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -272,19 +279,21 @@ def forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
         out = _planned_forward(plan, x, weight, bias, sizes)
         if out is not None:
             return out
-    out = x.new_empty((x.shape[0], weight.shape[1]))
+    out = x.new_empty((x.shape[0], weight.shape[1]), dtype=_stored(x, x.dtype))
     strides = (weight.stride(0), weight.stride(2), weight.stride(1))
-    return _launch_mm(x, weight, strides, bias, sizes, out, x.shape[1],
-                      plan_key=key if plan is None else None)
+    out = _launch_mm(x, weight, strides, bias, sizes, out, x.shape[1],
+                     plan_key=key if plan is None else None)
+    return _in_dtype(out, x.dtype)
 
 
 def dgrad(grad_out: torch.Tensor, weight: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:
     """``(M, N) x (G, N, K) -> (M, K)``: the input gradient, tail rows zero."""
     sizes = sizes.contiguous()
     out = torch.empty(grad_out.shape[0], weight.shape[2], device=grad_out.device,
-                      dtype=grad_out.dtype)
+                      dtype=_stored(grad_out, grad_out.dtype))
     strides = (weight.stride(0), weight.stride(1), weight.stride(2))
-    return _launch_mm(grad_out, weight, strides, None, sizes, out, grad_out.shape[1])
+    out = _launch_mm(grad_out, weight, strides, None, sizes, out, grad_out.shape[1])
+    return _in_dtype(out, grad_out.dtype)
 
 
 def _wgrad_buffers(x: torch.Tensor, G: int, N: int, K: int, with_bias: bool,
@@ -292,8 +301,8 @@ def _wgrad_buffers(x: torch.Tensor, G: int, N: int, K: int, with_bias: bool,
                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The ``(G, N, K)`` weight gradient and, with ``with_bias``, the ``(G, N)`` bias sums.
     The CPU interpreter truncates float32 -> 16-bit stores: there the sums stay float32
-    and torch rounds them."""
-    grad_w = x.new_empty((G, N, K), dtype=out_dtype or x.dtype)
+    and torch rounds them (and a bfloat16 weight gradient, see :func:`_stored`)."""
+    grad_w = x.new_empty((G, N, K), dtype=_stored(x, out_dtype or x.dtype))
     sums_dtype = torch.float32 if x.is_cpu else x.dtype
     grad_b = x.new_empty((G, N), dtype=sums_dtype) if with_bias else None
     return grad_w, grad_b
@@ -313,7 +322,7 @@ def wgrad(grad_out: torch.Tensor, x: torch.Tensor, sizes: torch.Tensor, with_bia
         # Nothing to multiply; the bias sums still cover each group's (clamped) rows.
         if grad_b is not None:
             grad_b = bias_grad_reference(grad_out, group_ends(sizes, M), x.dtype)
-        return grad_w.zero_(), grad_b
+        return _in_dtype(grad_w.zero_(), out_dtype or x.dtype), grad_b
     block_m, block_n, block_k = 64, 64, 64
     grid = (G * cdiv(N, block_n) * cdiv(K, block_k),)
     _grouped_wgrad_kernel[grid](
@@ -323,7 +332,7 @@ def wgrad(grad_out: torch.Tensor, x: torch.Tensor, sizes: torch.Tensor, with_bia
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_G=_block_g(G),
         num_warps=4, num_stages=3,
     )
-    return grad_w, _in_dtype(grad_b, x.dtype)
+    return _in_dtype(grad_w, out_dtype or x.dtype), _in_dtype(grad_b, x.dtype)
 
 
 def _backward_key(grad_out, x, weight, sizes, with_bias) -> tuple:
@@ -336,10 +345,11 @@ def _planned_backward(plan: LaunchPlan, grad_out, x, weight, sizes, with_bias):
     """:func:`backward` launched from ``plan``, or ``None`` where the plan cannot launch it."""
     M, N = grad_out.shape
     K = x.shape[1]
-    grad_x = grad_out.new_empty((M, K))
+    grad_x = grad_out.new_empty((M, K), dtype=_stored(x, grad_out.dtype))
     grad_w, grad_b = _wgrad_buffers(x, sizes.shape[0], N, K, with_bias)
     if plan(grad_out, x, weight, grad_x, grad_w, grad_w if grad_b is None else grad_b, sizes):
-        return grad_x, grad_w, _in_dtype(grad_b, x.dtype)
+        return (_in_dtype(grad_x, grad_out.dtype), _in_dtype(grad_w, x.dtype),
+                _in_dtype(grad_b, x.dtype))
     return None
 
 
@@ -363,7 +373,7 @@ def backward(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, size
     G = sizes.shape[0]
     if M == 0 or N == 0 or K == 0:
         return (dgrad(grad_out, weight, sizes), *wgrad(grad_out, x, sizes, with_bias))
-    grad_x = grad_out.new_empty((M, K))
+    grad_x = grad_out.new_empty((M, K), dtype=_stored(x, grad_out.dtype))
     grad_w, grad_b = _wgrad_buffers(x, G, N, K, with_bias)
     dx_programs = sm_count(x.device)  # fixed: one binary whatever M is
     dw_block = 64
@@ -377,7 +387,8 @@ def backward(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, size
                 DW_BLOCK_N=dw_block, DW_BLOCK_K=dw_block, BLOCK_G=_block_g(G),
                 DX_PROGRAMS=dx_programs, num_warps=4, num_stages=3)
     _launch(_grouped_backward_kernel, grid, args, meta, key if plan is None else None)
-    return grad_x, grad_w, _in_dtype(grad_b, x.dtype)
+    return (_in_dtype(grad_x, grad_out.dtype), _in_dtype(grad_w, x.dtype),
+            _in_dtype(grad_b, x.dtype))
 
 
 class LinearLaunches:

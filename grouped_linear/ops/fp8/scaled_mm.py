@@ -122,8 +122,10 @@ class Fp8ScaledMMFunction(torch.autograd.Function):
                 grad_x = bias_kernels.zero_tail_(grad_x, ends)
 
         def grad_weight(out_dtype, bias_sums=None):
-            # torch's 2-D x 2-D FP8 GEMM slows down at many groups (docs/design.md)
-            triton_wgrad = ends.shape[0] >= _tuning.current().fp8_triton_wgrad_min_groups
+            # torch's 2-D x 2-D FP8 GEMM slows down at many groups (docs/design.md) and
+            # stores only bf16 (a float32 main_grad takes the Triton GEMM's float32)
+            triton_wgrad = (ends.shape[0] >= _tuning.current().fp8_triton_wgrad_min_groups
+                            or out_dtype != torch.bfloat16)
             align = fp8_triton_gemm.BLOCK if triton_wgrad else fp8_torch_gemm.WGRAD_GROUP_ALIGN
             dy_t, dy_t_inv, aligned = transposed.quantize_group_columns_t(
                 grad_out, ends, fp8_grad, pow2, dy_scale, align=align, column_sums=bias_sums,
