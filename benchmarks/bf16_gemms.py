@@ -5,7 +5,9 @@ From the repository root, ``PYTHONPATH=. python benchmarks/bf16_gemms.py [--roun
 [--config BMxBNxBKxWxSxGROUP_MxTMA ...] [SHAPE ...]``: on the bench shapes (or
 ``uniform:G:M:K:N``), forward without and with bias, the dgrad (``dy @ W``) and the weight
 gradient without and with the bias gradient (:mod:`grouped_linear.kernels.gemm.gluon_wgrad`,
-in the first Gluon column; ``/b8``: its tile order in bands of 8 ``N`` tiles); medians in
+in the first Gluon column; ``/b8``: its tile order in bands of 8 ``N`` tiles; ``wgrad>main``:
+added into an fp32 ``main_grad``, rounded to bf16 first in the torch column, stored in
+float32 in the Gluon one); medians in
 TFLOP/s (``2 M K N`` per GEMM), torch and each Gluon configuration alternating within a
 shape, the best of ``R`` rounds; and the relative difference ``|gluon - torch| / |torch|``
 of the outputs (both accumulate in float32).
@@ -74,6 +76,19 @@ def _wgrad_cases(M, K, N, x, dy, ends):
 
             name = ("wgrad+bias" if with_bias else "wgrad") + (f"/b{band_n}" if band_n > 1 else "")
             yield name, flops, torch_fn, {"wgrad": gluon_fn}
+
+    # Into an fp32 main_grad: the Gluon gradient rounded to bf16 and added (the torch
+    # column) against the same kernel storing float32 tiles (128 x 128) and added.
+    main_grads = torch.zeros(2, ends.shape[0], N, K, device=x.device, dtype=torch.float32)
+
+    def rounded():
+        return main_grads[0].add_(gluon_wgrad.wgrad(dy, x, ends, False)[0])
+
+    def float32():
+        return main_grads[1].add_(
+            gluon_wgrad.wgrad(dy, x, ends, False, out_dtype=torch.float32)[0])
+
+    yield "wgrad>main", flops, rounded, {"float32": float32}
 
 
 def main():
