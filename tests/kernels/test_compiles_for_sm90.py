@@ -275,12 +275,13 @@ def _bf16_wgrad_case(out: str = "bf16"):
     takes them), at its launch shape for a bf16 or float32 (``main_grad``) output."""
     if not (HAS_TRITON and HAS_GLUON):
         return None, {}, {}, 4, None
-    config = bwg.WGRAD_CONFIG if out == "bf16" else bwg.FLOAT32_WGRAD_CONFIG
+    config = bwg.WGRAD_CONFIG
     bn, bk, bt = config.block_n, config.block_k, config.block_t
     pointers = {"dy_desc": _bf16_descriptor(bt, bn), "x_desc": _bf16_descriptor(bt, bk),
                 "out_desc": _bf16_descriptor(bn, bk, out), "out_ptr": f"*{out}",
                 "bias_grad_ptr": "*bf16", "ends_ptr": "*i32"}
-    constants = {"HAS_BIAS": True, "BAND_N": config.band_n, "NUM_PROGRAMS": 132, "STAGES": config.stages}
+    constants = {"HAS_BIAS": True, "BAND_N": config.band_n, "NUM_PROGRAMS": 132,
+                 "STAGES": config.stages, "TMA_STORE": out == "bf16"}
     return bwg._wgrad_kernel, pointers, constants, config.warps, None
 
 

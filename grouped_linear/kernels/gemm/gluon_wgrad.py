@@ -50,8 +50,7 @@ from .._gluon import (
 from .._triton import sm_count
 from .gluon_gemm import DTYPES
 
-__all__ = ["WgradConfig", "WGRAD_CONFIG", "FLOAT32_WGRAD_CONFIG", "BIAS_DTYPES", "supported", "wgrad",
-           "wgrad_reference"]
+__all__ = ["WgradConfig", "WGRAD_CONFIG", "BIAS_DTYPES", "supported", "wgrad", "wgrad_reference"]
 
 
 class WgradConfig(NamedTuple):
@@ -70,11 +69,9 @@ class WgradConfig(NamedTuple):
 # Two warp groups of 64 output rows, a 64 x 256 float32 accumulator each; a stage is a
 # 64 x 128 tile of dy and a 64 x 256 tile of x (48 KB); the 64 KB output tile besides.
 # Bands of 8 N tiles: 1.00-1.03x torch's GEMM on the bench shapes, against 0.87-1.03x
-# with one N tile's K tiles in a row.
+# with one N tile's K tiles in a row. A float32 output (for an fp32 main_grad) goes from the
+# accumulator registers straight to memory: its 128 KB tile would not fit beside the stages.
 WGRAD_CONFIG = WgradConfig(128, 256, 64, 8, 3, band_n=8)
-# A float32 output (accumulation into an fp32 ``main_grad``): a 128 x 256 float32 tile would
-# not fit beside the stages, so 128 x 128 tiles (stages of 32 KB, a 64 KB output tile).
-FLOAT32_WGRAD_CONFIG = WgradConfig(128, 128, 64, 8, 3, band_n=8)
 BIAS_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -142,7 +139,7 @@ def _tile_products(dy_desc, x_desc, dy_bufs, x_bufs, bars, ones_tile, start, end
 @gluon.jit
 def _wgrad_kernel(dy_desc, x_desc, out_desc, out_ptr, bias_grad_ptr, ends_ptr, N, K, G,
                   HAS_BIAS: gl.constexpr, BAND_N: gl.constexpr, NUM_PROGRAMS: gl.constexpr,
-                  STAGES: gl.constexpr, num_warps: gl.constexpr):
+                  STAGES: gl.constexpr, TMA_STORE: gl.constexpr, num_warps: gl.constexpr):
     BLOCK_T: gl.constexpr = dy_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = dy_desc.block_type.shape[1]
     BLOCK_K: gl.constexpr = x_desc.block_type.shape[1]
@@ -151,8 +148,9 @@ def _wgrad_kernel(dy_desc, x_desc, out_desc, out_ptr, bias_grad_ptr, ends_ptr, N
     bias_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, 8, 16])
     dy_bufs, x_bufs, bars = operand_ring(dy_desc, x_desc, STAGES)
-    out_tile = gl.allocate_shared_memory(out_desc.dtype, out_desc.block_type.shape,
-                                         out_desc.layout)
+    if TMA_STORE:
+        out_tile = gl.allocate_shared_memory(out_desc.dtype, out_desc.block_type.shape,
+                                             out_desc.layout)
     if HAS_BIAS:
         ones_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32, 1], [num_warps, 1],
                                                      [1, 0])
@@ -186,9 +184,9 @@ def _wgrad_kernel(dy_desc, x_desc, out_desc, out_ptr, bias_grad_ptr, ends_ptr, N
             acc, bias_acc, step = _tile_products(
                 dy_desc, x_desc, dy_bufs, x_bufs, bars, dy_bufs, start, end, n0, k0, step,
                 False, mma_layout, bias_layout, STAGES, num_warps)
-        values = acc.to(out_desc.dtype)
+        values = acc.to(out_ptr.dtype.element_ty)
         out_row = g * N + n0
-        if n0 + BLOCK_N <= N:
+        if TMA_STORE and n0 + BLOCK_N <= N:
             tma.store_wait(0)
             out_tile.store(values)
             fence_async_shared()
@@ -205,7 +203,8 @@ def _wgrad_kernel(dy_desc, x_desc, out_desc, out_ptr, bias_grad_ptr, ends_ptr, N
                 gl.store(bias_grad_ptr + (g.to(gl.int64) * N + n0) + rows_b,
                          sums.to(bias_grad_ptr.dtype.element_ty),
                          mask=rows_b < N - n0)
-    tma.store_wait(0)
+    if TMA_STORE:
+        tma.store_wait(0)
     release_ring(bars, STAGES)
 
 
@@ -227,7 +226,7 @@ def supported(grad_out: torch.Tensor, x: torch.Tensor, num_groups: int) -> bool:
 
 def wgrad(grad_out: torch.Tensor, x: torch.Tensor, ends: torch.Tensor, with_bias: bool, *,
           bias_dtype: torch.dtype = torch.float32, out_dtype: torch.dtype | None = None,
-          config: WgradConfig | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+          config: WgradConfig = WGRAD_CONFIG) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``grad_out`` ``(M, N)``, ``x`` ``(M, K)``, ``ends`` ``(G,)`` cumulative group ends on
     the device -> ``grad_w`` ``(G, N, K)`` in ``out_dtype`` (``x``'s or float32; default
     ``x``'s) and, with ``with_bias``,
@@ -239,8 +238,6 @@ def wgrad(grad_out: torch.Tensor, x: torch.Tensor, ends: torch.Tensor, with_bias
     out_dtype = out_dtype or x.dtype
     if out_dtype not in (x.dtype, torch.float32):
         raise ValueError(f"out_dtype={out_dtype}: expected {x.dtype} or torch.float32")
-    if config is None:
-        config = FLOAT32_WGRAD_CONFIG if out_dtype == torch.float32 else WGRAD_CONFIG
     M, N = grad_out.shape
     K = x.shape[1]
     G = ends.shape[0]
@@ -257,7 +254,7 @@ def wgrad(grad_out: torch.Tensor, x: torch.Tensor, ends: torch.Tensor, with_bias
     _wgrad_kernel[(programs,)](
         dy_desc, x_desc, out_desc, grad_w, grad_b if with_bias else grad_w, ends, N, K, G,
         HAS_BIAS=with_bias, BAND_N=config.band_n, NUM_PROGRAMS=programs, STAGES=config.stages,
-        num_warps=config.warps)
+        TMA_STORE=out_dtype != torch.float32, num_warps=config.warps)
     return grad_w, grad_b
 
 

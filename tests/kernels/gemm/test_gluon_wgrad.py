@@ -131,3 +131,24 @@ def test_fp16_matches_torch_grouped_mm_and_bias_sums():
     assert rel_err(grad_w, F.grouped_mm(dy.t(), x, offs=ends)) < 1e-2
     sums = torch.stack([part.float().sum(0) for part in dy.split(sizes)])
     assert rel_err(grad_b, sums) < 1e-5
+
+
+@pytest.mark.gpu
+@sm90
+@pytest.mark.parametrize("sizes, tail, N, K", CASES)
+def test_float32_output_is_the_unrounded_sum(sizes, tail, N, K):
+    """``out_dtype=torch.float32`` (an fp32 ``main_grad``): the accumulator stored as it is,
+    within float32 rounding of float64 (bf16 products are exact in float32)."""
+    torch.manual_seed(4)
+    M = sum(sizes) + tail
+    dy = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+    dy[sum(sizes):] = float("nan")
+    ends = torch.tensor(sizes, device="cuda").cumsum(0).to(torch.int32)
+    grad_w, grad_b = wg.wgrad(dy, x, ends, True, out_dtype=torch.float32)
+    want_w, want_b = _float64(dy, x, sizes)
+    assert grad_w.dtype == torch.float32 and grad_w.shape == (len(sizes), N, K)
+    assert rel_err(grad_w.cpu(), want_w) < 1e-5
+    assert rel_err(grad_b.cpu(), want_b) < 1e-5
+    rounded, _ = wg.wgrad(dy, x, ends, False)
+    assert torch.equal(rounded, grad_w.to(torch.bfloat16))
