@@ -2,17 +2,24 @@
 
 ``ends[g] = min(M, sum(max(splits[i], 0) for i <= g))``: non-decreasing and
 within ``[0, M]`` whatever the split values, so no kernel indexing with them
-can leave the tensor. Never reads the splits back to the host.
+can leave the tensor. Never reads the splits back to the host. The ends are int32, or
+int64 when ``M`` is past what int32 holds (:func:`ends_dtype`).
 """
 
 import torch
 
 from ._triton import kernel, next_power_of_2, tl, triton, use_triton
 
-__all__ = ["group_starts", "group_ends", "group_ends_reference", "aligned_ends",
+__all__ = ["ends_dtype", "group_starts", "group_ends", "group_ends_reference", "aligned_ends",
            "aligned_ends_reference"]
 
 _MAX_TRITON_GROUPS = 8192
+_INT32_MAX = 2**31 - 1
+
+
+def ends_dtype(num_rows: int) -> torch.dtype:
+    """The dtype of cumulative group ends over ``num_rows`` rows: int32, int64 past int32."""
+    return torch.int32 if num_rows <= _INT32_MAX else torch.int64
 
 
 def group_starts(ends: torch.Tensor) -> torch.Tensor:
@@ -21,7 +28,8 @@ def group_starts(ends: torch.Tensor) -> torch.Tensor:
 
 
 def group_ends_reference(splits: torch.Tensor, num_rows: int) -> torch.Tensor:
-    return splits.to(torch.int64).clamp(min=0).cumsum(0).clamp(max=num_rows).to(torch.int32)
+    ends = splits.to(torch.int64).clamp(min=0).cumsum(0).clamp(max=num_rows)
+    return ends.to(ends_dtype(num_rows))
 
 
 @kernel
@@ -31,16 +39,17 @@ def _group_ends_kernel(splits_ptr, ends_ptr, G, M, BLOCK_G: tl.constexpr):
     mask = idx < G
     sizes = tl.maximum(tl.load(splits_ptr + idx, mask=mask, other=0).to(tl.int64), 0)
     ends = tl.minimum(tl.cumsum(sizes, axis=0), M)
-    tl.store(ends_ptr + idx, ends.to(tl.int32), mask=mask)
+    tl.store(ends_ptr + idx, ends.to(ends_ptr.dtype.element_ty), mask=mask)
 
 
 def group_ends(splits: torch.Tensor, num_rows: int) -> torch.Tensor:
-    """``(G,)`` integer split sizes -> ``(G,)`` int32 clamped cumulative ends (same device)."""
+    """``(G,)`` integer split sizes -> ``(G,)`` clamped cumulative ends (same device), of
+    :func:`ends_dtype`."""
     G = splits.shape[0]
     if (not use_triton(splits) or G > _MAX_TRITON_GROUPS or G == 0
             or torch.compiler.is_compiling()):
         return group_ends_reference(splits, num_rows)
-    ends = torch.empty(G, device=splits.device, dtype=torch.int32)
+    ends = torch.empty(G, device=splits.device, dtype=ends_dtype(num_rows))
     _group_ends_kernel[(1,)](splits.contiguous(), ends, G, num_rows, BLOCK_G=next_power_of_2(G))
     return ends
 

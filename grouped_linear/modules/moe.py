@@ -61,9 +61,7 @@ class ExpertParallelMoE(nn.Module):
     def forward_routed(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(y (T, H), router probabilities (T, E) float32, routed rows per expert (E,))``,
         for callers that add a load-balancing loss."""
-        if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != self.hidden_size:
-            shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
-            raise ValueError(f"x is {shape}: expected a (tokens, {self.hidden_size}) tensor")
+        self._check_input(x)
         probs = F.softmax(self.router(x).float(), dim=-1)
         top_probs, top_experts = probs.topk(self.top_k, dim=-1)
         top_probs = (top_probs / top_probs.sum(dim=-1, keepdim=True)).to(x.dtype)
@@ -74,6 +72,24 @@ class ExpertParallelMoE(nn.Module):
         else:
             y_perm = self.experts(x_perm, counts)
         return unpermute(y_perm, row_map, top_probs), probs, counts
+
+    def _check_input(self, x: object) -> None:
+        """``x`` must be a ``(tokens, H)`` floating tensor of the router's dtype (any floating
+        dtype under ``torch.autocast``) on its device: checked before routing."""
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"x is {type(x).__name__}: expected a (tokens, {self.hidden_size}) "
+                            "tensor")
+        weight = self.router.weight
+        if not x.is_floating_point():
+            raise TypeError(f"x has dtype {x.dtype}: expected a floating-point tensor")
+        if x.dtype != weight.dtype and not torch.is_autocast_enabled(x.device.type):
+            raise TypeError(f"x has dtype {x.dtype} but the parameters have dtype {weight.dtype}: "
+                            "outside torch.autocast they must match")
+        if x.device != weight.device:
+            raise ValueError(f"x is on {x.device} but the parameters are on {weight.device}")
+        if x.dim() != 2 or x.shape[1] != self.hidden_size:
+            raise ValueError(f"x is {tuple(x.shape)}: expected a (tokens, {self.hidden_size}) "
+                             "tensor")
 
     def extra_repr(self) -> str:
         return (f"num_experts={self.num_experts}, top_k={self.top_k}, ep_size={self.ep_size}, "

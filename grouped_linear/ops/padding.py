@@ -9,14 +9,18 @@ synchronization.
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Sequence
 
 import torch
 
 from grouped_linear.kernels.routing import relayout as relayout_kernels
-from grouped_linear.ops.checks import check_int, check_matrix
-from grouped_linear.ops.splits import debug_checks_enabled, normalize_splits
+from grouped_linear.ops.checks import MAX_ROWS, check_int, check_matrix
+from grouped_linear.ops.splits import (
+    check_split_kind,
+    debug_checks_enabled,
+    host_split_sizes,
+    normalize_splits,
+)
 
 __all__ = ["pad_groups", "unpad_groups"]
 
@@ -48,38 +52,23 @@ class _Relayout(torch.autograd.Function):
 # ---------------------------------------------------------------------------
 
 
-def _num_groups(m_splits: object, name: str) -> int:
-    if isinstance(m_splits, torch.Tensor):
-        count = m_splits.numel()
-    elif isinstance(m_splits, (list, tuple)):
-        count = len(m_splits)
-    else:
-        raise TypeError(
-            f"{name} is {type(m_splits).__name__}: expected a list of ints or an integer tensor"
-        )
+def _num_groups(m_splits: object, name: str, device: torch.device) -> int:
+    """The group count, once what the splits are has been checked (no value read)."""
+    count = check_split_kind(m_splits, name, device)
     if count == 0:
         raise ValueError(f"{name} is empty: expected at least one group")
     return count
 
 
-def _host_total(m_splits: Sequence[int] | torch.Tensor) -> int | None:
-    """Sum of host splits, or None when malformed (``normalize_splits`` reports how)."""
-    try:
-        if isinstance(m_splits, torch.Tensor):
-            if m_splits.dim() != 1 or m_splits.is_floating_point() or m_splits.is_complex():
-                return None
-            if m_splits.dtype == torch.bool:
-                return None
-            return int(m_splits.sum())
-        if any(isinstance(v, bool) for v in m_splits):
-            return None
-        return sum(operator.index(v) for v in m_splits)
-    except (TypeError, RuntimeError):
-        return None
-
-
-def _is_host(m_splits: object) -> bool:
-    return not (isinstance(m_splits, torch.Tensor) and m_splits.device.type != "cpu")
+def _check_rows_bound(num_rows: int, num_groups: int, multiple: int) -> None:
+    """Every size derived from ``multiple`` stays an int64: the padded rows, at most
+    ``num_rows + num_groups * (multiple - 1)``, must fit a tensor dimension."""
+    bound = num_rows + num_groups * (multiple - 1)
+    if bound > MAX_ROWS:
+        raise ValueError(
+            f"multiple is {multiple}: padding {num_groups} groups of {num_rows} rows to it may "
+            f"take up to {bound} rows, more than a tensor holds ({MAX_ROWS})"
+        )
 
 
 def _join_groups(
@@ -99,11 +88,10 @@ def _join_groups(
     sizes = [part.shape[0] for part in x]
     if m_splits is None:
         m_splits = sizes
-    elif _num_groups(m_splits, "m_splits") != len(x):
-        raise ValueError(
-            f"m_splits has length {_num_groups(m_splits, 'm_splits')} but x is a list of "
-            f"{len(x)} tensors"
-        )
+    else:
+        count = _num_groups(m_splits, "m_splits", x[0].device)
+        if count != len(x):
+            raise ValueError(f"m_splits has length {count} but x is a list of {len(x)} tensors")
     return torch.cat(list(x)), m_splits, sizes
 
 
@@ -128,7 +116,8 @@ def pad_groups(
             by ``m_splits``, or a list/tuple of ``G`` tensors ``(m_i, H)``
             (then ``m_splits`` may be omitted; if given it must agree).
         m_splits: ``G`` Python ints, or a 1-D integer tensor ``(G,)``.
-        multiple: the alignment (an int >= 1).
+        multiple: the alignment: an int >= 1 with ``M + G*(multiple-1)``
+            within a tensor dimension (``2**63 - 1``).
 
     Returns:
         ``(xp, padded_splits)``. ``padded_splits[i]`` is ``m_i`` rounded up to a
@@ -152,9 +141,10 @@ def pad_groups(
         x = check_matrix(x, "x")
         if m_splits is None:
             raise ValueError("m_splits is None: it is required when x is a single tensor")
-    num_groups = _num_groups(m_splits, "m_splits")
+    num_groups = _num_groups(m_splits, "m_splits", x.device)
     num_rows = x.shape[0]
     splits = normalize_splits(m_splits, num_groups=num_groups, num_rows=num_rows, device=x.device)
+    _check_rows_bound(num_rows, num_groups, multiple)
     if list_sizes is not None:
         given = splits.host_sizes
         if given is None and debug_checks_enabled():
@@ -211,22 +201,24 @@ def unpad_groups(
     Differentiable in ``yp`` (the padding rows get zero gradient).
     """
     yp = check_matrix(yp, "yp")
-    num_groups = _num_groups(m_splits, "m_splits")
-    if _num_groups(padded_splits, "padded_splits") != num_groups:
+    # What the splits are, for both, before any value is read.
+    num_groups = _num_groups(m_splits, "m_splits", yp.device)
+    padded_groups = _num_groups(padded_splits, "padded_splits", yp.device)
+    if padded_groups != num_groups:
         raise ValueError(
-            f"padded_splits has length {_num_groups(padded_splits, 'padded_splits')} "
-            f"but m_splits has length {num_groups}"
+            f"padded_splits has length {padded_groups} but m_splits has length {num_groups}"
         )
     if num_rows is not None:
-        num_rows = check_int("num_rows", num_rows, minimum=0)
-    if _is_host(m_splits):
-        total = _host_total(m_splits)
-        if total is None:  # malformed: let normalize_splits name the offending entry
-            normalize_splits(m_splits, num_groups=num_groups, num_rows=0, device=yp.device)
-            raise TypeError(f"m_splits is {m_splits!r}: expected integer splits")
+        num_rows = check_int("num_rows", num_rows, minimum=0, maximum=MAX_ROWS)
+    sizes = host_split_sizes(m_splits, "m_splits")
+    if sizes is not None:
+        total = sum(sizes)
+        if total > MAX_ROWS:
+            raise ValueError(f"m_splits sums to {total}, more rows than a tensor holds "
+                             f"({MAX_ROWS})")
         if num_rows is not None and num_rows != total:
             raise ValueError(f"num_rows is {num_rows} but m_splits sums to {total}")
-        num_rows = total
+        num_rows, m_splits = total, sizes
     elif num_rows is None:
         num_rows = int(m_splits.to(torch.int64).clamp(min=0).sum())  # host sync, documented
 

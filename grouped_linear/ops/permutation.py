@@ -16,7 +16,7 @@ import torch
 
 from grouped_linear.kernels.routing import routing_map as routing
 from grouped_linear.kernels.routing import rows as row_kernels
-from grouped_linear.ops.checks import check_int, check_matrix
+from grouped_linear.ops.checks import MAX_ROWS, check_int, check_matrix
 from grouped_linear.ops.splits import SPLIT_DTYPES, debug_checks_enabled
 
 __all__ = ["permute", "unpermute"]
@@ -111,11 +111,22 @@ def _check_integer_matrix(t: object, name: str) -> torch.Tensor:
     return t
 
 
-def _first_bad(bad: torch.Tensor, values: torch.Tensor, name: str, allowed: str) -> None:
-    """Raise ValueError naming the first ``(t, j)`` where ``bad`` is set (host sync)."""
+def _host_checks() -> bool:
+    """Whether the checks that read index values on the host run: not while torch.compile
+    traces (the kernels treat out-of-range entries as dropped slots instead)."""
+    return not torch.compiler.is_compiling()
+
+
+def _check_range(values: torch.Tensor, high: int, name: str, allowed: str) -> None:
+    """Raise ValueError naming the first ``(t, j)`` outside ``[-1, high)`` (host sync).
+
+    Compared in int64: in a narrow dtype ``-1`` and ``high`` would wrap (uint8 has no -1,
+    int8 no 200)."""
+    wide = values.to(torch.int64)
+    bad = (wide < -1) | (wide >= high)
     if bool(bad.any()):
         t, j = (int(v) for v in bad.nonzero()[0])
-        raise ValueError(f"{name}[{t}, {j}] is {int(values[t, j])}: {allowed}")
+        raise ValueError(f"{name}[{t}, {j}] is {int(wide[t, j])}: {allowed}")
 
 
 def permute(
@@ -128,13 +139,16 @@ def permute(
 
     Args:
         x: ``(T, H)`` token rows.
-        topk_indices: ``(T, k)`` integer tensor on ``x``'s device: the expert of
-            slot ``(t, j)``, or ``-1`` to drop that slot. On CPU any other value
-            outside ``[0, num_experts)`` is a ValueError; on CUDA such slots are
-            dropped (checked only with ``GROUPED_LINEAR_DEBUG=1``, which syncs).
+        topk_indices: ``(T, k)`` integer tensor (any integer dtype; its values
+            are compared as int64) on ``x``'s device: the expert of slot
+            ``(t, j)``, or ``-1`` to drop that slot. On CPU any other value
+            outside ``[0, num_experts)`` is a ValueError; on CUDA, and while
+            ``torch.compile`` traces, such slots are dropped (on CUDA checked
+            only with ``GROUPED_LINEAR_DEBUG=1``, which syncs).
         num_experts: ``E >= 1``.
         multiple: every expert's group is padded with zero rows to a multiple
-            of this (an int >= 1).
+            of this: an int >= 1 with ``T*k + E*(multiple-1)`` within a tensor
+            dimension (``2**63 - 1``).
 
     Returns:
         ``(x_perm, m_splits, row_map)``:
@@ -143,7 +157,8 @@ def permute(
           in expert order, slots in ascending order ``t*k + j`` within an
           expert, each group followed by its zero padding rows. On CPU
           ``N = sum(m_splits)``; on CUDA nothing synchronizes and ``N`` is the
-          upper bound ``T*k + E*(multiple-1)``, rows past the data being zero.
+          upper bound ``T*k + E*(multiple-1)``, rows past the data being zero
+          (so too on CPU while ``torch.compile`` traces: nothing is read on the host).
         - ``m_splits`` ``(E,)`` int64 on ``x``'s device: the padded group sizes.
         - ``row_map`` ``(T, k)`` int64: the row of ``x_perm`` holding slot
           ``(t, j)``, or ``-1`` for a dropped slot.
@@ -162,21 +177,30 @@ def permute(
         )
     num_experts = check_int("num_experts", num_experts)
     multiple = check_int("multiple", multiple)
-    on_host = x.device.type == "cpu"
-    if on_host or debug_checks_enabled():
-        _first_bad(
-            (topk_indices < -1) | (topk_indices >= num_experts),
+    # The upper bound of the rows, and with it every padded size and row index, is an int64.
+    num_rows = topk_indices.numel() + num_experts * (multiple - 1)
+    if num_rows > MAX_ROWS:
+        raise ValueError(
+            f"multiple is {multiple}: padding the groups of {num_experts} experts to it may take "
+            f"up to {num_rows} rows, more than a tensor holds ({MAX_ROWS})"
+        )
+    exact = x.device.type == "cpu" and _host_checks()
+    if _host_checks() and (exact or debug_checks_enabled()):
+        _check_range(
             topk_indices,
+            num_experts,
             "topk_indices",
             f"expert indices must be in [-1, {num_experts - 1}] (num_experts={num_experts})",
         )
 
     with torch.no_grad():
-        if on_host:  # exact size: N = sum(m_splits), read on the host
+        if exact:  # exact size: N = sum(m_splits), read on the host
             m_splits, row_map, token_of_row, counts = routing.routing_map_reference(
                 topk_indices, num_experts, multiple, None)
+        elif x.device.type == "cpu":  # traced: no host read, N is the upper bound
+            m_splits, row_map, token_of_row, counts = routing.routing_map_reference(
+                topk_indices, num_experts, multiple, num_rows)
         else:  # one kernel, no sync: N is the upper bound
-            num_rows = topk_indices.numel() + num_experts * (multiple - 1)
             m_splits, row_map, token_of_row, counts = routing.routing_map(
                 topk_indices, num_experts, multiple, num_rows)
 
@@ -194,10 +218,11 @@ def unpermute(
     Args:
         y_perm: ``(N, H)`` rows in the layout :func:`permute` produced.
         row_map: ``(T, k)`` integer tensor from :func:`permute`: the row of
-            ``y_perm`` of slot ``(t, j)``, ``-1`` for a dropped slot. Its
-            non-negative entries must be distinct (checked on CPU). On CPU
-            entries outside ``[-1, N)`` are a ValueError; on CUDA they count as
-            dropped.
+            ``y_perm`` of slot ``(t, j)``, ``-1`` for a dropped slot (any
+            integer dtype; compared as int64). Its non-negative entries must be
+            distinct (checked on CPU). On CPU entries outside ``[-1, N)`` are a
+            ValueError; on CUDA, and while ``torch.compile`` traces (nothing is
+            read on the host then), they count as dropped.
         probs: optional ``(T, k)`` floating weights (e.g. the router's top-k
             probabilities); ``None`` means a plain sum.
 
@@ -231,10 +256,10 @@ def unpermute(
         if probs.device != y_perm.device:
             raise ValueError(f"probs is on {probs.device} but y_perm is on {y_perm.device}")
     num_rows = y_perm.shape[0]
-    if y_perm.device.type == "cpu" or debug_checks_enabled():
-        _first_bad(
-            (row_map < -1) | (row_map >= num_rows),
+    if _host_checks() and (y_perm.device.type == "cpu" or debug_checks_enabled()):
+        _check_range(
             row_map,
+            num_rows,
             "row_map",
             f"entries must be -1 (dropped) or a row of y_perm in [0, {num_rows})",
         )

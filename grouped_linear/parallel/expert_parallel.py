@@ -42,6 +42,16 @@ class DispatchPlan:
     group: object | None
 
 
+# What a rank's counts may be wrong by, sent with them so that every rank raises together.
+_NEGATIVE, _PAST_ROWS = 1, 2
+
+
+def _flaws(flags: int) -> str:
+    return " and ".join(what for bit, what in ((_NEGATIVE, "a negative count"),
+                                               (_PAST_ROWS, "a sum past its rows of x_perm"))
+                        if flags & bit)
+
+
 def dispatch(x_perm: torch.Tensor, counts: torch.Tensor, group: object | None = None
              ) -> tuple[torch.Tensor, torch.Tensor, DispatchPlan]:
     """Move the rows of every expert to the rank that owns it.
@@ -56,10 +66,19 @@ def dispatch(x_perm: torch.Tensor, counts: torch.Tensor, group: object | None = 
         ``(x_local, local_counts, plan)``: this rank's rows grouped by local expert
         (sources in rank order within an expert), ``(E_local,)`` int64 counts, and
         the plan for :func:`combine`.
+
+    Errors: the type, dtype, shape and device of the arguments are checked before any
+    communication (a rank that raises there leaves its peers waiting in the count
+    exchange, as any collective would). The values of ``counts`` are checked after it:
+    every rank sends, with its counts, whether they hold a negative count or sum past
+    its rows of ``x_perm``, so when one rank's counts are bad every rank raises a
+    ValueError (that rank naming its counts, the others naming that rank) before any
+    row moves, and none is left waiting in the row exchange.
     """
-    if not isinstance(x_perm, torch.Tensor) or x_perm.dim() != 2:
-        shape = tuple(x_perm.shape) if isinstance(x_perm, torch.Tensor) else type(x_perm).__name__
-        raise ValueError(f"x_perm is {shape}: expected a (rows, hidden) tensor")
+    if not isinstance(x_perm, torch.Tensor):
+        raise TypeError(f"x_perm is {type(x_perm).__name__}: expected a (rows, hidden) tensor")
+    if x_perm.dim() != 2:
+        raise ValueError(f"x_perm is {tuple(x_perm.shape)}: expected a (rows, hidden) tensor")
     if (not isinstance(counts, torch.Tensor) or counts.dtype.is_floating_point
             or counts.dtype in (torch.bool, torch.complex64, torch.complex128)):
         raise TypeError(f"counts must be an integer tensor, got {counts!r}")
@@ -73,16 +92,28 @@ def dispatch(x_perm: torch.Tensor, counts: torch.Tensor, group: object | None = 
         raise ValueError(f"counts has {num_experts} experts, not divisible by the {ep} ranks")
     local = num_experts // ep
     counts = counts.to(torch.int64).contiguous()
-    recv_counts = torch.empty_like(counts)
-    dist.all_to_all_single(recv_counts, counts, group=group)  # [src, local expert]
+    # Each destination gets this rank's counts of its experts and this rank's flags, on the
+    # device (no host read before the exchange).
+    flags = ((counts < 0).any().to(torch.int64) * _NEGATIVE
+             + (counts.sum() > x_perm.shape[0]).to(torch.int64) * _PAST_ROWS)
+    send = torch.cat([counts.view(ep, local), flags.expand(ep, 1)], dim=1)
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)  # [src, local expert | flags]
+    recv_counts = recv[:, :local].reshape(-1)
     sizes = torch.stack([counts.view(ep, local).sum(1), recv_counts.view(ep, local).sum(1),
-                         counts.min().expand(ep)])
-    send_sizes, recv_sizes, (smallest, *_) = sizes.tolist()  # the one host sync
-    if smallest < 0:
-        raise ValueError(f"counts holds a negative count ({smallest}): {counts.tolist()}")
-    if sum(send_sizes) > x_perm.shape[0]:
-        raise ValueError(f"counts sums to {sum(send_sizes)}, more than the {x_perm.shape[0]} "
+                         recv[:, local]])
+    send_sizes, recv_sizes, peer_flags = sizes.tolist()  # the one host sync
+    rank = dist.get_rank(group)
+    if peer_flags[rank] & _NEGATIVE:
+        raise ValueError(f"counts holds a negative count ({int(counts.min())}): {counts.tolist()}")
+    if peer_flags[rank] & _PAST_ROWS:
+        raise ValueError(f"counts sums to {int(counts.sum())}, more than the {x_perm.shape[0]} "
                          "rows of x_perm")
+    bad = [(src, flaw) for src, flaw in enumerate(peer_flags) if flaw]
+    if bad:
+        raise ValueError("counts of rank " + ", rank ".join(f"{src} hold {_flaws(flaw)}"
+                                                           for src, flaw in bad)
+                         + ": that rank raises too, so no rows are exchanged")
     received = x_perm.new_empty(sum(recv_sizes), x_perm.shape[1])
     received = all_to_all_single(received, x_perm[: sum(send_sizes)].contiguous(),
                                  output_split_sizes=recv_sizes, input_split_sizes=send_sizes,
@@ -98,7 +129,19 @@ def dispatch(x_perm: torch.Tensor, counts: torch.Tensor, group: object | None = 
 
 def combine(y_local: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
     """Send the expert outputs back: the inverse of :func:`dispatch`, ``(rows, H)`` in the
-    permuted layout of the sending rank (zero rows past what it sent)."""
+    permuted layout of the sending rank (zero rows past what it sent).
+
+    ``y_local`` must have one row per row ``dispatch`` returned, on its device (checked before
+    any communication, so a rank that fails here alone leaves its peers in the exchange)."""
+    if not isinstance(plan, DispatchPlan):
+        raise TypeError(f"plan is {type(plan).__name__}: expected the DispatchPlan of dispatch")
+    if not isinstance(y_local, torch.Tensor):
+        raise TypeError(f"y_local is {type(y_local).__name__}: expected a (rows, hidden) tensor")
+    if y_local.device != plan.inverse.device:
+        raise ValueError(f"y_local is on {y_local.device} but the plan is on {plan.inverse.device}")
+    if y_local.dim() != 2 or y_local.shape[0] != plan.inverse.numel():
+        raise ValueError(f"y_local is {tuple(y_local.shape)}: expected ({plan.inverse.numel()}, "
+                         "hidden), a row per row dispatch returned")
     back = y_local.index_select(0, plan.inverse)
     returned = y_local.new_empty(sum(plan.send_sizes), y_local.shape[1])
     returned = all_to_all_single(returned, back.contiguous(), output_split_sizes=plan.send_sizes,

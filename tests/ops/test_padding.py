@@ -242,6 +242,54 @@ def test_unpad_errors(yp, m_splits, padded, num_rows, exc, match):
         unpad_groups(yp, m_splits, padded, num_rows=num_rows)
 
 
+MAX_ROWS = 2**63 - 1
+
+
+@pytest.mark.parametrize("as_tensor", [False, True])
+def test_multiple_is_bounded_by_the_rows_a_tensor_holds(as_tensor):
+    """Padding 4 rows in 2 groups may take up to 4 + 2*(multiple-1) rows: the largest
+    multiple keeping that an int64 works (zero columns, so nothing is allocated), one more
+    is a ValueError naming multiple (not an overflow in the padded sizes)."""
+    largest = (MAX_ROWS - 4) // 2 + 1
+    splits = torch.tensor([1, 3]) if as_tensor else [1, 3]
+    for multiple in (2**100, 2**63, 2**62, largest + 1):
+        with pytest.raises(ValueError, match=f"multiple is {multiple}: padding 2 groups of 4 rows"):
+            pad_groups(torch.empty(4, 0), splits, multiple=multiple)
+    xp, padded = pad_groups(torch.empty(4, 0), splits, multiple=largest)
+    assert list(padded) == [largest, largest] and xp.shape == (2 * largest, 0)
+
+
+@pytest.mark.parametrize("as_tensor", [False, True])
+def test_groups_past_int32_rows(as_tensor):
+    """2**31 rows and more (zero columns: no memory): the host sizes are int64, not int32."""
+    sizes = [2**31, 3, 0, 5]
+    total = sum(sizes)
+    splits = torch.tensor(sizes) if as_tensor else sizes
+    xp, padded = pad_groups(torch.empty(total, 0), splits, multiple=4)
+    want = [round_up(size, 4) for size in sizes]
+    assert list(padded) == want and xp.shape == (sum(want), 0)
+    y = unpad_groups(xp, splits, padded)
+    assert y.shape == (total, 0)
+
+
+def test_unpad_checks_the_split_devices_before_reading_values():
+    """A split tensor on another device (meta: no values at all) is named before any read."""
+    meta = torch.tensor([1, 3], device="meta")
+    with pytest.raises(ValueError, match="m_splits is on meta but the input is on cpu"):
+        unpad_groups(torch.zeros(4, 2), meta, [2, 2])
+    with pytest.raises(ValueError, match="padded_splits is on meta but the input is on cpu"):
+        unpad_groups(torch.zeros(4, 2), [1, 3], meta)
+    with pytest.raises(TypeError, match="padded_splits has dtype torch.float32"):
+        unpad_groups(torch.zeros(4, 2), [-1, 3], torch.tensor([2.0, 2.0]))
+
+
+def test_unpad_sizes_past_a_tensor():
+    with pytest.raises(ValueError, match=f"m_splits sums to {2**64}, more rows than a tensor"):
+        unpad_groups(torch.zeros(4, 2), [2**63, 2**63], [2, 2])
+    with pytest.raises(ValueError, match=f"num_rows is {2**63}: must be <= {MAX_ROWS}"):
+        unpad_groups(torch.zeros(4, 2), [2, 2], [2, 2], num_rows=2**63)
+
+
 # --------------------------------------------------------------------------- CUDA
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

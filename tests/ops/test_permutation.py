@@ -235,6 +235,77 @@ def test_unpermute_errors(args, exc, match):
         unpermute(*args)
 
 
+MAX_ROWS = 2**63 - 1
+
+
+def test_multiple_is_bounded_by_the_rows_a_tensor_holds():
+    """The rows of 4 slots padded over 4 experts may reach 4 + 4*(multiple-1): a multiple
+    taking that past int64 is a ValueError naming it, not wrapped sizes and row indices."""
+    x, topk = torch.randn(4, 3), torch.arange(4)[:, None]
+    first_too_large = (MAX_ROWS - 4) // 4 + 2
+    for multiple in (2**62, 2**64, first_too_large):
+        with pytest.raises(ValueError, match=f"multiple is {multiple}: padding the groups of 4"):
+            permute(x, topk, 4, multiple)
+    multiple = 2**12
+    x_perm, m_splits, row_map = permute(x, topk, 4, multiple)
+    assert m_splits.tolist() == [multiple] * 4 and x_perm.shape == (4 * multiple, 3)
+    assert row_map[:, 0].tolist() == [e * multiple for e in range(4)]
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.int16, torch.uint8])
+def test_narrow_index_dtypes(dtype):
+    """Indices of any integer dtype are compared as int64: in their own dtype num_experts=200
+    wraps (int8) and -1 is 255 (uint8), so valid indices were reported as out of range."""
+    gen = torch.Generator().manual_seed(0)
+    high = min(200, torch.iinfo(dtype).max + 1)
+    topk = torch.randint(0, high, (16, 2), generator=gen)
+    if dtype != torch.uint8:
+        topk[::3, 1] = -1
+    x = torch.randn(16, 3, generator=gen, dtype=torch.float64)
+    want = permute(x, topk, 200, 4)
+    got = permute(x, topk.to(dtype), 200, 4)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    y = torch.randn(200, 3, generator=gen, dtype=torch.float64)
+    rows = torch.randperm(high, generator=gen)[:32].view(16, 2)  # distinct rows of y
+    assert torch.equal(unpermute(y, rows.to(dtype)), unpermute(y, rows))
+    bad = torch.full((16, 2), torch.iinfo(dtype).max, dtype=dtype)
+    with pytest.raises(ValueError, match=rf"is {torch.iinfo(dtype).max}: expert indices must be "
+                                         r"in \[-1, 99\]"):
+        permute(x, bad, 100)
+    with pytest.raises(ValueError, match=rf"row_map\[0, 0\] is {torch.iinfo(dtype).max}: entries"):
+        unpermute(torch.zeros(100, 3), bad)
+
+
+def test_compiled_fullgraph_matches_eager():
+    """permute and unpermute trace with fullgraph on CPU (their host-reading checks skipped,
+    out-of-range slots dropped): x_perm has the upper-bound row count, zero past the data."""
+    torch._dynamo.reset()
+
+    def step(x, topk, probs):
+        x_perm, m_splits, row_map = permute(x, topk, 4, 2)
+        return x_perm, m_splits, row_map, unpermute(x_perm * 3, row_map, probs)
+
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    gen = torch.Generator().manual_seed(0)
+    topk = random_routing(gen, 6, 2, 4)
+    results = []
+    for fn in (compiled, step):
+        x = torch.randn(6, 3, generator=torch.Generator().manual_seed(1), dtype=torch.float64,
+                        requires_grad=True)
+        probs = torch.rand(6, 2, generator=torch.Generator().manual_seed(2), dtype=torch.float64,
+                           requires_grad=True)
+        x_perm, m_splits, row_map, out = fn(x, topk, probs)
+        out.square().sum().backward()
+        results.append((x_perm.detach(), m_splits, row_map, out.detach(), x.grad, probs.grad))
+    (c_perm, *c_rest), (e_perm, *e_rest) = results
+    rows = e_perm.shape[0]
+    assert c_perm.shape[0] == topk.numel() + 4 * (2 - 1)
+    assert torch.equal(c_perm[:rows], e_perm) and not c_perm[rows:].any()
+    for a, b in zip(c_rest, e_rest):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
 # --------------------------------------------------------------------------- CUDA
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

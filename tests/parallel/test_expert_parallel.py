@@ -1,6 +1,7 @@
 """Expert parallelism on 2 CPU ranks (gloo) against a single-process reference (float32)."""
 
 import os
+from datetime import timedelta
 
 import pytest
 import torch
@@ -75,5 +76,56 @@ def test_dispatch_rejects_bad_counts():
         received, local_counts, plan = gl.parallel.dispatch(x, torch.tensor([2, 3]))
         assert torch.equal(received, x[:5]) and local_counts.tolist() == [2, 3]
         assert torch.equal(gl.parallel.combine(received, plan)[:5], x[:5])
+        with pytest.raises(ValueError, match=r"y_local is \(4, 4\): expected \(5, hidden\)"):
+            gl.parallel.combine(received[:4], plan)
+        with pytest.raises(TypeError, match="plan is tuple"):
+            gl.parallel.combine(received, (plan,))
     finally:
         dist.destroy_process_group()
+
+
+def _bad_counts_worker(rank, world, port, bad_rank, counts_of_bad_rank, match_bad):
+    """Every rank raises a ValueError when one rank's counts are bad (the others naming that
+    rank), and the group stays usable: no rank is left inside an exchange."""
+    os.environ.pop("TRITON_INTERPRET", None)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, timeout=timedelta(seconds=60))
+    try:
+        x = torch.arange(6 * 2, dtype=torch.float32).view(6, 2) + 100 * rank
+        good = torch.tensor([1, 2, 0, 3])
+        counts = torch.tensor(counts_of_bad_rank) if rank == bad_rank else good
+        match = match_bad if rank == bad_rank else f"counts of rank {bad_rank} hold"
+        with pytest.raises(ValueError, match=match):
+            gl.parallel.dispatch(x, counts)
+        received, local_counts, plan = gl.parallel.dispatch(x, good)
+        # each rank gets its 2 experts' rows from both ranks: counts (1, 2) or (0, 3) per rank
+        assert local_counts.tolist() == [2 * v for v in good.view(world, 2)[rank].tolist()]
+        assert torch.equal(gl.parallel.combine(received, plan), x)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("counts, match", [
+    ([1, 2, -1, 3], "negative count"),  # an expert of the peer: the peer receives the -1
+    ([-1, 2, 0, 3], "negative count"),  # an expert of its own: the peer receives good counts
+    ([4, 2, 0, 3], "sums to 9, more than the 6 rows of x_perm"),
+])
+def test_dispatch_bad_counts_on_one_rank_fail_on_every_rank(counts, match):
+    mp.spawn(_bad_counts_worker, args=(2, _free_port(), 1, counts, match), nprocs=2, join=True)
+
+
+def test_moe_checks_x_before_routing():
+    """An x of another dtype than the parameters is named (not the router's matmul error)."""
+    moe = gl.ExpertParallelMoE(H, FFN, E, TOP_K)
+    with pytest.raises(TypeError, match=r"x has dtype torch.bfloat16 but the parameters have "
+                                        r"dtype torch.float32"):
+        moe(torch.randn(3, H, dtype=torch.bfloat16))
+    with pytest.raises(TypeError, match="x has dtype torch.int64: expected a floating-point"):
+        moe(torch.ones(3, H, dtype=torch.int64))
+    with pytest.raises(TypeError, match="x is list"):
+        moe([[0.0] * H])
+    with pytest.raises(ValueError, match="x is on meta but the parameters are on cpu"):
+        moe(torch.randn(3, H, device="meta"))
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # autocast casts: any floating dtype
+        assert moe(torch.randn(3, H)).shape == (3, H)

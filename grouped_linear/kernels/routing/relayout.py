@@ -64,6 +64,8 @@ def relayout(src: torch.Tensor, src_ends: torch.Tensor, dst_ends: torch.Tensor,
     ``src_ends`` / ``dst_ends``: ``(G,)`` cumulative group ends of each layout, on
     ``src``'s device, non-decreasing and within each tensor's rows.
     """
+    if src.dim() == 2 and src.shape[1] == 0:  # no data to move (any row count)
+        return src.new_empty(num_dst_rows, 0)
     G = dst_ends.shape[0]
     if (not use_triton(src) or src.dim() != 2 or src.stride(-1) != 1 or src.shape[0] == 0
             or num_dst_rows == 0 or G > 4096 or src.is_complex()):  # Triton has no complex
