@@ -67,7 +67,7 @@ def test_dtype_and_device_mismatch(layer):
     with pytest.raises(TypeError, match=r"weight has dtype torch.float32 but x has dtype "
                                         r"torch.float64"):
         layer(torch.randn(6, K, dtype=torch.float64), [2, 2, 2])
-    with pytest.raises(TypeError, match=r"x must be a torch.Tensor, got ndarray"):
+    with pytest.raises(TypeError, match=r"x must be a torch.Tensor or a list of tensors, got ndarray"):
         import numpy as np
 
         layer(np.zeros((6, K)), [2, 2, 2])
@@ -83,7 +83,8 @@ def test_list_input_errors(layer):
         layer([torch.randn(2, K), torch.randn(2, K), torch.randn(1, K, dtype=torch.float64)])
     with pytest.raises(ValueError, match=r"m_splits=\[1, 2, 2\] disagrees .* \[2, 2, 1\]"):
         layer([torch.randn(2, K), torch.randn(2, K), torch.randn(1, K)], [1, 2, 2])
-    with pytest.raises(ValueError, match=r"m_splits has length 2 but num_gemms is 3"):
+    with pytest.raises(ValueError, match=r"x is a list of 2 tensors, expected one per group "
+                                         r"\(3 groups\)"):
         layer([torch.randn(2, K), torch.randn(2, K)])
 
 

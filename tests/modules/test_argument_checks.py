@@ -1,0 +1,95 @@
+"""Arguments checked by type before anything reads them, errors naming the argument (and not
+another), rejected calls changing nothing."""
+
+import pytest
+import torch
+
+import grouped_linear as gl
+from grouped_linear.recipes import Float8Blockwise, Float8Rowwise, Float8Tensorwise
+
+G, K, N = 3, 8, 4
+SIZES = [2, 0, 4]
+RECIPES = [None, Float8Rowwise(), Float8Tensorwise(), Float8Blockwise()]
+
+
+# --------------------------------------------------------------------------- bad inputs x
+BAD_X = {
+    "empty list": ([], ValueError, r"x is an empty list"),
+    "None": (None, TypeError, r"x must be a torch.Tensor or a list of tensors, got None"),
+    "str": ("abc", TypeError, r"x must be a torch.Tensor or a list of tensors, got 'abc'"),
+    "dict": ({}, TypeError, r"x must be a torch.Tensor or a list of tensors, got \{\} \(dict\)"),
+    "int": (3, TypeError, r"x must be a torch.Tensor or a list of tensors, got 3 \(int\)"),
+    "meta": (torch.empty(6, K, device="meta"), ValueError, r"x is on meta"),
+    "list of None": ([None, None, None], TypeError, r"x\[0\] must be a torch.Tensor, got None"),
+    "meta list": ([torch.empty(2, K, device="meta"), torch.empty(0, K, device="meta"),
+                   torch.empty(4, K, device="meta")], ValueError, r"x is on meta"),
+}
+
+
+def _filled_layer(recipe):
+    """A layer whose FP8 cache (for a recipe) holds the weight as it was before ``mul_``."""
+    layer = gl.GroupedLinear(G, K, N, recipe=recipe)
+    x = torch.randn(sum(SIZES), K)
+    first = layer(x, SIZES, is_first_microbatch=True)
+    with torch.no_grad():
+        layer.weight.mul_(3.0)
+    return layer, x, first
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: type(r).__name__)
+@pytest.mark.parametrize("first_microbatch", [None, True, False])
+@pytest.mark.parametrize("case", sorted(BAD_X))
+def test_bad_x_named_before_it_is_read_and_nothing_changes(recipe, first_microbatch, case):
+    x_bad, error, pattern = BAD_X[case]
+    layer, x, first = _filled_layer(recipe)
+    weight = layer.weight.detach().clone()
+    with pytest.raises(error, match=pattern):
+        layer(x_bad, SIZES, is_first_microbatch=first_microbatch)
+    assert torch.equal(layer.weight, weight)
+    if recipe is not None:  # the cache still holds the weight of the first call
+        assert torch.equal(layer(x, SIZES, is_first_microbatch=False), first)
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: type(r).__name__)
+@pytest.mark.parametrize("case", sorted(BAD_X))
+def test_bad_x_in_the_mlp_the_function_and_autocast(recipe, case):
+    x_bad, error, pattern = BAD_X[case]
+    with pytest.raises(error, match=pattern):
+        gl.GroupedMLP(G, K, 6, recipe=recipe)(x_bad, SIZES, is_first_microbatch=True)
+    with pytest.raises(error, match=pattern):
+        gl.grouped_linear(x_bad, torch.randn(G, N, K), None, SIZES, recipe=recipe)
+    with pytest.raises(error, match=pattern), gl.autocast(recipe):
+        gl.GroupedLinear(G, K, N)(x_bad, SIZES, is_first_microbatch=True)
+
+
+def test_meta_input_with_a_meta_layer_is_refused_by_its_device():
+    layer = gl.GroupedLinear(G, K, N, device="meta")
+    with pytest.raises(ValueError, match=r"x is on meta: expected a tensor on one of"):
+        layer(torch.empty(6, K, device="meta"), SIZES)
+
+
+def test_integer_input_is_refused_before_autocast_casts_it():
+    layer = gl.GroupedLinear(G, K, N)
+    with pytest.raises(TypeError, match=r"x has dtype torch.int64: expected a floating-point"):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            layer(torch.ones(6, K, dtype=torch.long), SIZES)
+    with pytest.raises(TypeError, match=r"weight has dtype torch.int32: expected a floating"):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            gl.grouped_linear(torch.ones(6, K), torch.ones(G, N, K, dtype=torch.int32), None,
+                              SIZES)
+
+
+@pytest.mark.parametrize("m_splits, error, pattern", [
+    (6, TypeError, r"m_splits must be None, a list of ints or an integer tensor giving the rows "
+                   r"of each tensor of the list x \(\[2, 0, 4\]\), got 6 \(int\)"),
+    ("2,0,4", TypeError, r"m_splits must be None, .* got '2,0,4' \(str\)"),
+    ([2, 1, 3], ValueError, r"m_splits=\[2, 1, 3\] disagrees with the sizes of the list x"),
+    (torch.tensor([2.0, 0.0, 4.0]), TypeError, r"m_splits has dtype torch.float32"),
+    (torch.tensor([[2, 0, 4]]), ValueError, r"m_splits has shape \(1, 3\)"),
+])
+def test_m_splits_with_a_list_input(m_splits, error, pattern):
+    pieces = [torch.randn(size, K) for size in SIZES]
+    with pytest.raises(error, match=pattern):
+        gl.GroupedLinear(G, K, N)(pieces, m_splits)
+    with pytest.raises(error, match=pattern):
+        gl.GroupedMLP(G, K, 6)(pieces, m_splits)
