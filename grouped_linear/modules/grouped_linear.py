@@ -224,7 +224,7 @@ class GroupedLinear(nn.Module):
             for weight in weights:
                 full = weight.new_empty(self.out_features, self.in_features) if sharded else weight
                 if self.init_method is not None:
-                    self.init_method(full)
+                    _apply_init_method(self.init_method, full)
                 else:
                     nn.init.kaiming_uniform_(full, a=math.sqrt(5))
                 if sharded:
@@ -371,6 +371,32 @@ class GroupedLinear(nn.Module):
         if self.tp.mode is not None:
             parts.append(f"parallel_mode={self.tp.mode!r}, tp_size={self.tp.size}")
         return ", ".join(parts)
+
+
+def _apply_init_method(init_method: Callable[[torch.Tensor], object], weight: torch.Tensor) -> None:
+    """Run ``init_method`` on one expert's ``weight``: it fills the tensor in place (and
+    returns it or ``None``) or returns a new floating-point tensor of the same shape, which is
+    copied in. Anything else raises, naming ``init_method``: the weight would stay as
+    ``torch.empty`` left it."""
+    result = init_method(weight)
+    if result is None or result is weight:
+        return
+    if not isinstance(result, torch.Tensor):
+        raise TypeError(
+            f"init_method returned {type(result).__name__}: expected None (the weight filled "
+            f"in place) or a tensor of shape {tuple(weight.shape)}"
+        )
+    if result.shape != weight.shape:
+        raise ValueError(
+            f"init_method returned a tensor of shape {tuple(result.shape)}: expected the "
+            f"weight's shape {tuple(weight.shape)}"
+        )
+    if not result.is_floating_point():
+        raise TypeError(
+            f"init_method returned a tensor of dtype {result.dtype}: expected a floating-point "
+            "tensor"
+        )
+    weight.copy_(result)
 
 
 def _remap_layout(state_dict: dict, prefix: str, name: str, num_groups: int, single: bool) -> None:

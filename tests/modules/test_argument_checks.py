@@ -1,5 +1,5 @@
 """Arguments checked by type before anything reads them, errors naming the argument (and not
-another), rejected calls changing nothing."""
+another), rejected calls changing nothing; ``init_method`` that returns its weight."""
 
 import pytest
 import torch
@@ -10,6 +10,70 @@ from grouped_linear.recipes import Float8Blockwise, Float8Rowwise, Float8Tensorw
 G, K, N = 3, 8, 4
 SIZES = [2, 0, 4]
 RECIPES = [None, Float8Rowwise(), Float8Tensorwise(), Float8Blockwise()]
+
+
+# --------------------------------------------------------------------------- init_method
+def _ones(weight: torch.Tensor) -> torch.Tensor:
+    return torch.ones_like(weight)
+
+
+@pytest.mark.parametrize("single", [True, False])
+def test_init_method_returning_a_tensor_sets_the_weight(single):
+    layer = gl.GroupedLinear(G, K, N, init_method=_ones, single_grouped_weight=single)
+    assert all(torch.equal(w, torch.ones(N, K)) for w in layer.weight_list())
+
+
+def test_init_method_result_is_cast_to_the_parameter_dtype():
+    layer = gl.GroupedLinear(G, K, N, params_dtype=torch.bfloat16,
+                             init_method=lambda w: torch.full(w.shape, 0.25, dtype=torch.float64))
+    assert layer.weight.dtype == torch.bfloat16
+    assert torch.equal(layer.weight, torch.full((G, N, K), 0.25, dtype=torch.bfloat16))
+
+
+def test_reset_parameters_uses_the_returned_tensor_again():
+    counter = iter(range(1, 100))
+
+    def numbered(weight: torch.Tensor) -> torch.Tensor:
+        return torch.full(weight.shape, float(next(counter)))
+
+    layer = gl.GroupedLinear(G, K, N, init_method=numbered)
+    with torch.no_grad():
+        layer.weight.zero_()
+    layer.reset_parameters()
+    for i, w in enumerate(layer.weight_list()):
+        assert torch.equal(w, torch.full((N, K), float(G + 1 + i)))
+
+
+def test_in_place_init_method_still_works():
+    layer = gl.GroupedLinear(G, K, N, init_method=lambda w: torch.nn.init.constant_(w, 2.0))
+    assert torch.equal(layer.weight, torch.full((G, N, K), 2.0))
+
+    def fill(weight: torch.Tensor) -> None:
+        weight.fill_(3.0)
+
+    layer = gl.GroupedLinear(G, K, N, init_method=fill)
+    assert torch.equal(layer.weight, torch.full((G, N, K), 3.0))
+
+
+def test_grouped_mlp_passes_the_returned_tensor_to_both_layers():
+    mlp = gl.GroupedMLP(G, K, 6, init_method=_ones)
+    assert torch.equal(mlp.fc1.weight, torch.ones(G, 12, K))
+    assert torch.equal(mlp.fc2.weight, torch.ones(G, K, 6))
+
+
+@pytest.mark.parametrize(
+    "init_method, error, pattern",
+    [
+        (lambda w: torch.ones(w.shape[0] + 1, w.shape[1]), ValueError,
+         r"init_method returned a tensor of shape \(5, 8\): expected the weight's shape \(4, 8\)"),
+        (lambda w: torch.ones(w.shape, dtype=torch.int64), TypeError,
+         r"init_method returned a tensor of dtype torch.int64"),
+        (lambda w: 1.0, TypeError, r"init_method returned float: expected None"),
+    ],
+)
+def test_init_method_with_an_unusable_result_raises(init_method, error, pattern):
+    with pytest.raises(error, match=pattern):
+        gl.GroupedLinear(G, K, N, init_method=init_method)
 
 
 # --------------------------------------------------------------------------- bad inputs x
