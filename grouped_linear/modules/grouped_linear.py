@@ -84,24 +84,7 @@ class GroupedLinear(nn.Module):
         tp_column_blocks: int = 1,
     ) -> None:
         super().__init__()
-        self.num_gemms = check_int("num_gemms", num_gemms)
-        self.in_features = check_int("in_features", in_features)
-        self.out_features = check_int("out_features", out_features)
-        check_backend(backend)
-        check_recipe(recipe)
-        self.tp = TensorParallel.create(parallel_mode, tp_size, tp_group, reduce_output,
-                                        check_int("tp_column_blocks", tp_column_blocks),
-                                        self.in_features, self.out_features)
-        if self.tp.mode == "row" and not self.tp.reduce_output and bias and not return_bias:
-            raise ValueError(
-                "reduce_output=False leaves the reduction to the caller, so the bias must be "
-                "added after it: use return_bias=True (or bias=False)"
-            )
-        if init_method is not None and not callable(init_method):
-            raise TypeError(f"init_method must be callable, got {init_method!r}")
-        if params_dtype is not None and (not isinstance(params_dtype, torch.dtype)
-                                         or not params_dtype.is_floating_point):
-            raise TypeError(f"params_dtype={params_dtype!r}: expected a floating-point torch.dtype")
+        # Every argument by type first, each error naming it; then what they mean together.
         flags = {"bias": bias, "return_bias": return_bias,
                  "single_grouped_weight": single_grouped_weight,
                  "single_grouped_bias": single_grouped_bias,
@@ -110,6 +93,25 @@ class GroupedLinear(nn.Module):
         for name, value in flags.items():
             if not isinstance(value, bool):
                 raise TypeError(f"{name} must be a bool, got {value!r}")
+        self.num_gemms = check_int("num_gemms", num_gemms)
+        self.in_features = check_int("in_features", in_features)
+        self.out_features = check_int("out_features", out_features)
+        tp_column_blocks = check_int("tp_column_blocks", tp_column_blocks)
+        if params_dtype is not None and (not isinstance(params_dtype, torch.dtype)
+                                         or not params_dtype.is_floating_point):
+            raise TypeError(f"params_dtype={params_dtype!r}: expected a floating-point torch.dtype")
+        device = _check_device(device)
+        if init_method is not None and not callable(init_method):
+            raise TypeError(f"init_method must be callable, got {init_method!r}")
+        check_backend(backend)
+        check_recipe(recipe)
+        self.tp = TensorParallel.create(parallel_mode, tp_size, tp_group, reduce_output,
+                                        tp_column_blocks, self.in_features, self.out_features)
+        if self.tp.mode == "row" and not self.tp.reduce_output and bias and not return_bias:
+            raise ValueError(
+                "reduce_output=False leaves the reduction to the caller, so the bias must be "
+                "added after it: use return_bias=True (or bias=False)"
+            )
         self.use_bias = bool(bias)
         self.return_bias = return_bias
         self.single_grouped_weight = single_grouped_weight
@@ -371,6 +373,18 @@ class GroupedLinear(nn.Module):
         if self.tp.mode is not None:
             parts.append(f"parallel_mode={self.tp.mode!r}, tp_size={self.tp.size}")
         return ", ".join(parts)
+
+
+def _check_device(device: object) -> torch.device | None:
+    """``device`` as a ``torch.device`` (``None`` stays), or an error naming it."""
+    if device is None:
+        return None
+    if isinstance(device, bool) or not isinstance(device, (str, int, torch.device)):
+        raise TypeError(f"device must be a torch.device, a str or an int, got {device!r}")
+    try:
+        return torch.device(device)
+    except (RuntimeError, ValueError):
+        raise ValueError(f"device={device!r} is not a device torch knows") from None
 
 
 def _apply_init_method(init_method: Callable[[torch.Tensor], object], weight: torch.Tensor) -> None:

@@ -157,3 +157,42 @@ def test_m_splits_with_a_list_input(m_splits, error, pattern):
         gl.GroupedLinear(G, K, N)(pieces, m_splits)
     with pytest.raises(error, match=pattern):
         gl.GroupedMLP(G, K, 6)(pieces, m_splits)
+
+
+# --------------------------------------------------------------------------- constructors
+@pytest.mark.parametrize(
+    "build, error, pattern",
+    [
+        (lambda: gl.GroupedMLP(G, K, 6, return_bias="yes"), TypeError,
+         r"return_bias must be a bool, got 'yes'"),
+        (lambda: gl.GroupedMLP(G, K, 6, reduce_output=0), TypeError,
+         r"reduce_output must be a bool, got 0"),
+        (lambda: gl.GroupedMLP(G, K, 6, tp_group="g"), TypeError,
+         r"tp_group must be None or a torch.distributed ProcessGroup, got 'g' of type str"),
+        (lambda: gl.GroupedMLP(G, K, 6, parallel_mode="column"), ValueError,
+         r"parallel_mode='column': GroupedMLP sets it itself"),
+        (lambda: gl.GroupedMLP(G, K, 6, tp_column_blocks=2), ValueError,
+         r"tp_column_blocks=2: GroupedMLP sets it itself"),
+        (lambda: gl.GroupedMLP(G, K, 5, tp_size=2), ValueError,
+         r"ffn_hidden_size=5 is not divisible by tp_size=2"),
+        (lambda: gl.GroupedMLP(G, K, 6, tp_size=2), ValueError,
+         r"tp_size=2 with tp_group=None needs an initialised torch.distributed"),
+        (lambda: gl.GroupedLinear(G, K, N, tp_group="g"), TypeError, r"tp_group must be None or"),
+        (lambda: gl.GroupedLinear(G, K, N, parallel_mode="column", tp_group="g"), TypeError,
+         r"tp_group must be None or a torch.distributed ProcessGroup, got 'g'"),
+        (lambda: gl.GroupedLinear(G, K, N, parallel_mode=["row"]), ValueError,
+         r"parallel_mode=\['row'\] is not one of"),
+        (lambda: gl.GroupedLinear(G, K, N, parallel_mode="row", reduce_output="no"), TypeError,
+         r"reduce_output must be a bool, got 'no'"),
+        (lambda: gl.GroupedLinear(G, K, N, tp_column_blocks=True), TypeError,
+         r"tp_column_blocks is True of type bool"),
+        (lambda: gl.GroupedLinear(G, K, N, device=2.5), TypeError,
+         r"device must be a torch.device, a str or an int, got 2.5"),
+        (lambda: gl.GroupedLinear(G, K, N, device="nowhere"), ValueError,
+         r"device='nowhere' is not a device torch knows"),
+        (lambda: gl.GroupedLinear(G, K, N, bias=1), TypeError, r"bias must be a bool, got 1"),
+    ],
+)
+def test_constructor_arguments_are_named(build, error, pattern):
+    with pytest.raises(error, match=pattern):
+        build()

@@ -20,7 +20,7 @@ G, K, N = 3, 8, 4
         ((G, K, N), {"parallel_mode": "diagonal"}, ValueError, r"parallel_mode='diagonal' is not"),
         ((G, K, N), {"tp_size": 2}, ValueError, r"tp_size=2 needs parallel_mode"),
         ((G, K, N), {"parallel_mode": "row", "tp_size": 2}, ValueError,
-         r"parallel_mode='row' with tp_size=2 needs an initialised torch.distributed"),
+         r"tp_size=2 with tp_group=None needs an initialised torch.distributed"),
         ((G, K, N), {"parallel_mode": "row", "reduce_output": False}, ValueError,
          r"reduce_output=False .* use return_bias=True"),
         ((G, K, N), {"init_method": 3}, TypeError, r"init_method must be callable, got 3"),
