@@ -328,21 +328,34 @@ class GroupedLinear(nn.Module):
         WeightGradSink.flush(self._pending_wgrads)
 
     # ------------------------------------------------------------------ state dict
+    def check_state_dict(self, state_dict: dict, prefix: str = "") -> None:
+        """Raise ``TypeError`` (not a tensor) or ``ValueError`` (another shape), naming the
+        entry, where an entry of ``state_dict`` under ``prefix`` that this layer would load
+        (from either weight and bias layout) does not fit its parameter; changes nothing.
+        Loading checks every entry this way before it copies any."""
+        G = self.num_gemms
+        for name, single in (("weight", self.single_grouped_weight),
+                             ("bias", self.single_grouped_bias)):
+            if name == "bias" and not self.use_bias:
+                continue
+            K, N = self.tp.local_features(self.in_features, self.out_features)
+            shape = (G, N, K) if name == "weight" else (G, N)
+            stacked = prefix + name
+            experts = [f"{prefix}{name}{i}" for i in range(G)]
+            if stacked in state_dict and (single or not any(k in state_dict for k in experts)):
+                _check_entry(stacked, state_dict[stacked], shape)
+            elif all(k in state_dict for k in experts) or not single:
+                for key in experts:
+                    if key in state_dict:
+                        _check_entry(key, state_dict[key], shape[1:])
+
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):
+        self.check_state_dict(state_dict, prefix)
         G = self.num_gemms
         _remap_layout(state_dict, prefix, "weight", G, self.single_grouped_weight)
         if self.use_bias:
             _remap_layout(state_dict, prefix, "bias", G, self.single_grouped_bias)
-        for name, param in self._parameters.items():
-            key = prefix + name
-            if param is not None and key in state_dict:
-                value = state_dict[key]
-                if not isinstance(value, torch.Tensor) or value.shape != param.shape:
-                    shape = tuple(value.shape) if isinstance(value, torch.Tensor) else value
-                    raise ValueError(
-                        f"state dict entry {key!r} has shape {shape}, expected {tuple(param.shape)}"
-                    )
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
                                       unexpected_keys, error_msgs)
         # A cached FP8 copy describes the weight before the load: re-quantize it in place
@@ -413,29 +426,28 @@ def _apply_init_method(init_method: Callable[[torch.Tensor], object], weight: to
     weight.copy_(result)
 
 
+def _check_entry(key: str, value: object, shape: tuple[int, ...]) -> None:
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(
+            f"state dict entry {key!r} is {type(value).__name__}: expected a tensor of shape "
+            f"{shape}"
+        )
+    if tuple(value.shape) != shape:
+        raise ValueError(
+            f"state dict entry {key!r} has shape {tuple(value.shape)}, expected {shape}"
+        )
+
+
 def _remap_layout(state_dict: dict, prefix: str, name: str, num_groups: int, single: bool) -> None:
-    """Rewrite ``name{i}`` keys into one stacked ``name`` key, or the reverse, in place."""
+    """Rewrite ``name{i}`` keys into one stacked ``name`` key, or the reverse, in place
+    (entries checked by :meth:`GroupedLinear.check_state_dict`)."""
     single_key = prefix + name
     expert_keys = [f"{prefix}{name}{i}" for i in range(num_groups)]
     if single and single_key not in state_dict and all(k in state_dict for k in expert_keys):
-        pieces = [state_dict[k] for k in expert_keys]
-        for key, piece in zip(expert_keys, pieces):
-            if not isinstance(piece, torch.Tensor):
-                raise ValueError(f"state dict entry {key!r} is {piece!r}, expected a tensor")
-        shapes = {tuple(p.shape) for p in pieces}
-        if len(shapes) != 1:
-            raise ValueError(f"state dict entries {expert_keys[0]!r}.. have mixed shapes {shapes}")
-        state_dict[single_key] = torch.stack(pieces)
+        state_dict[single_key] = torch.stack([state_dict[k] for k in expert_keys])
         for key in expert_keys:
             del state_dict[key]
     elif not single and single_key in state_dict and not any(k in state_dict for k in expert_keys):
-        stacked = state_dict[single_key]
-        if not isinstance(stacked, torch.Tensor) or stacked.dim() < 1 or stacked.shape[0] != num_groups:
-            shape = tuple(stacked.shape) if isinstance(stacked, torch.Tensor) else stacked
-            raise ValueError(
-                f"state dict entry {single_key!r} has shape {shape}: expected {num_groups} experts "
-                "along dimension 0"
-            )
-        for key, piece in zip(expert_keys, stacked.unbind(0)):
+        for key, piece in zip(expert_keys, state_dict[single_key].unbind(0)):
             state_dict[key] = piece
         del state_dict[single_key]

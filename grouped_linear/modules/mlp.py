@@ -187,6 +187,14 @@ class GroupedMLP(nn.Module):
         return _with_recomputed_input(self.fc2, h, lambda: activate(pre.detach()), splits,
                                       is_first_microbatch)
 
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):
+        # Both layers' entries checked before either loads: a rejected load changes neither.
+        self.fc1.check_state_dict(state_dict, prefix + "fc1.")
+        self.fc2.check_state_dict(state_dict, prefix + "fc2.")
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                      unexpected_keys, error_msgs)
+
     def backward_dw(self) -> None:
         """Run the delayed weight-gradient work of both layers (``delay_wgrad_compute``)."""
         self.fc2.backward_dw()

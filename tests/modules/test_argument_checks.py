@@ -1,6 +1,7 @@
 """Arguments checked by type before anything reads them, errors naming the argument (and not
 another), rejected calls changing nothing; ``init_method`` that returns its weight."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -196,3 +197,36 @@ def test_m_splits_with_a_list_input(m_splits, error, pattern):
 def test_constructor_arguments_are_named(build, error, pattern):
     with pytest.raises(error, match=pattern):
         build()
+
+
+# --------------------------------------------------------------------------- state dicts
+def test_state_dict_entry_of_another_type_names_the_key_and_the_type():
+    layer = gl.GroupedLinear(G, K, N)
+    state = layer.state_dict()
+    state["weight"] = np.ones((G, N, K))
+    with pytest.raises(TypeError) as raised:
+        layer.load_state_dict(state)
+    message = str(raised.value)
+    assert message == ("state dict entry 'weight' is ndarray: expected a tensor of shape "
+                       f"({G}, {N}, {K})")
+
+
+@pytest.mark.parametrize("single", [True, False])
+def test_state_dict_entries_checked_in_either_layout(single):
+    source = gl.GroupedLinear(G, K, N, single_grouped_weight=not single).state_dict()
+    key = "weight" if not single else "weight1"
+    source[key] = source[key][..., :-1]
+    want = (G, N, K) if key == "weight" else (N, K)
+    with pytest.raises(ValueError, match=rf"state dict entry '{key}' has shape .* expected "
+                                         rf"{tuple(want)}".replace("(", r"\(").replace(")", r"\)")):
+        gl.GroupedLinear(G, K, N, single_grouped_weight=single).load_state_dict(source)
+
+
+def test_rejected_mlp_state_dict_loads_neither_layer():
+    mlp = gl.GroupedMLP(G, K, 6)
+    before = {k: v.clone() for k, v in mlp.state_dict().items()}
+    state = {k: torch.zeros_like(v) for k, v in before.items()}
+    state["fc2.bias"] = torch.zeros(G + 1, K)
+    with pytest.raises(ValueError, match=r"state dict entry 'fc2.bias' has shape \(4, 8\)"):
+        mlp.load_state_dict(state)
+    assert all(torch.equal(v, before[k]) for k, v in mlp.state_dict().items())

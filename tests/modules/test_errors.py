@@ -150,7 +150,8 @@ def test_argument_errors_name_the_argument(build, error, pattern):
 def test_state_dict_entry_that_is_not_a_tensor():
     state = gl.GroupedLinear(2, K, N, single_grouped_weight=False).state_dict()
     state["weight1"] = None
-    with pytest.raises(ValueError, match="state dict entry 'weight1' is None, expected a tensor"):
+    with pytest.raises(TypeError, match=r"state dict entry 'weight1' is NoneType: expected a "
+                                        r"tensor of shape \(4, 8\)"):
         gl.GroupedLinear(2, K, N).load_state_dict(state)
 
 
