@@ -423,6 +423,8 @@ def _apply_init_method(init_method: Callable[[torch.Tensor], object], weight: to
             f"init_method returned a tensor of dtype {result.dtype}: expected a floating-point "
             "tensor"
         )
+    if result.untyped_storage().data_ptr() == weight.untyped_storage().data_ptr():
+        result = result.clone()  # a view of the weight itself (its transpose, say)
     weight.copy_(result)
 
 

@@ -56,6 +56,17 @@ def test_in_place_init_method_still_works():
     assert torch.equal(layer.weight, torch.full((G, N, K), 3.0))
 
 
+def test_init_method_returning_a_view_of_the_weight():
+    """A result that shares the weight's memory (its transpose) is copied in whole."""
+    def transposed_counts(weight: torch.Tensor) -> torch.Tensor:
+        weight.copy_(torch.arange(float(weight.numel())).view(weight.shape))
+        return weight.t()
+
+    layer = gl.GroupedLinear(G, K, K, init_method=transposed_counts)
+    want = torch.arange(float(K * K)).view(K, K).t()
+    assert all(torch.equal(w, want) for w in layer.weight_list())
+
+
 def test_grouped_mlp_passes_the_returned_tensor_to_both_layers():
     mlp = gl.GroupedMLP(G, K, 6, init_method=_ones)
     assert torch.equal(mlp.fc1.weight, torch.ones(G, 12, K))
