@@ -43,7 +43,8 @@ class GroupedLinear(nn.Module):
         params_dtype: parameter dtype (default: ``torch.get_default_dtype()``).
         device: parameter device; ``"meta"`` defers initialisation
             (``to_empty`` then ``reset_parameters``).
-        init_method: called once per expert on its ``(out, in)`` weight;
+        init_method: called once per expert on its ``(out, in)`` weight, which it fills in
+            place or whose values it returns (a floating-point tensor of that shape);
             default is ``nn.Linear``'s initialisation (fan-in = ``in_features``).
         delay_wgrad_compute: backward computes only the input gradient;
             :meth:`backward_dw` computes the weight and bias gradients.
