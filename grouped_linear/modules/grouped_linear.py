@@ -43,7 +43,8 @@ class GroupedLinear(nn.Module):
         params_dtype: parameter dtype (default: ``torch.get_default_dtype()``).
         device: parameter device; ``"meta"`` defers initialisation
             (``to_empty`` then ``reset_parameters``).
-        init_method: called once per expert on its ``(out, in)`` weight;
+        init_method: called once per expert on its ``(out, in)`` weight, which it fills in
+            place or whose values it returns (a floating-point tensor of that shape);
             default is ``nn.Linear``'s initialisation (fan-in = ``in_features``).
         delay_wgrad_compute: backward computes only the input gradient;
             :meth:`backward_dw` computes the weight and bias gradients.
@@ -84,24 +85,7 @@ class GroupedLinear(nn.Module):
         tp_column_blocks: int = 1,
     ) -> None:
         super().__init__()
-        self.num_gemms = check_int("num_gemms", num_gemms)
-        self.in_features = check_int("in_features", in_features)
-        self.out_features = check_int("out_features", out_features)
-        check_backend(backend)
-        check_recipe(recipe)
-        self.tp = TensorParallel.create(parallel_mode, tp_size, tp_group, reduce_output,
-                                        check_int("tp_column_blocks", tp_column_blocks),
-                                        self.in_features, self.out_features)
-        if self.tp.mode == "row" and not self.tp.reduce_output and bias and not return_bias:
-            raise ValueError(
-                "reduce_output=False leaves the reduction to the caller, so the bias must be "
-                "added after it: use return_bias=True (or bias=False)"
-            )
-        if init_method is not None and not callable(init_method):
-            raise TypeError(f"init_method must be callable, got {init_method!r}")
-        if params_dtype is not None and (not isinstance(params_dtype, torch.dtype)
-                                         or not params_dtype.is_floating_point):
-            raise TypeError(f"params_dtype={params_dtype!r}: expected a floating-point torch.dtype")
+        # Every argument by type first, each error naming it; then what they mean together.
         flags = {"bias": bias, "return_bias": return_bias,
                  "single_grouped_weight": single_grouped_weight,
                  "single_grouped_bias": single_grouped_bias,
@@ -110,6 +94,25 @@ class GroupedLinear(nn.Module):
         for name, value in flags.items():
             if not isinstance(value, bool):
                 raise TypeError(f"{name} must be a bool, got {value!r}")
+        self.num_gemms = check_int("num_gemms", num_gemms)
+        self.in_features = check_int("in_features", in_features)
+        self.out_features = check_int("out_features", out_features)
+        tp_column_blocks = check_int("tp_column_blocks", tp_column_blocks)
+        if params_dtype is not None and (not isinstance(params_dtype, torch.dtype)
+                                         or not params_dtype.is_floating_point):
+            raise TypeError(f"params_dtype={params_dtype!r}: expected a floating-point torch.dtype")
+        device = _check_device(device)
+        if init_method is not None and not callable(init_method):
+            raise TypeError(f"init_method must be callable, got {init_method!r}")
+        check_backend(backend)
+        check_recipe(recipe)
+        self.tp = TensorParallel.create(parallel_mode, tp_size, tp_group, reduce_output,
+                                        tp_column_blocks, self.in_features, self.out_features)
+        if self.tp.mode == "row" and not self.tp.reduce_output and bias and not return_bias:
+            raise ValueError(
+                "reduce_output=False leaves the reduction to the caller, so the bias must be "
+                "added after it: use return_bias=True (or bias=False)"
+            )
         self.use_bias = bool(bias)
         self.return_bias = return_bias
         self.single_grouped_weight = single_grouped_weight
@@ -224,7 +227,7 @@ class GroupedLinear(nn.Module):
             for weight in weights:
                 full = weight.new_empty(self.out_features, self.in_features) if sharded else weight
                 if self.init_method is not None:
-                    self.init_method(full)
+                    _apply_init_method(self.init_method, full)
                 else:
                     nn.init.kaiming_uniform_(full, a=math.sqrt(5))
                 if sharded:
@@ -327,21 +330,34 @@ class GroupedLinear(nn.Module):
         WeightGradSink.flush(self._pending_wgrads)
 
     # ------------------------------------------------------------------ state dict
+    def check_state_dict(self, state_dict: dict, prefix: str = "") -> None:
+        """Raise ``TypeError`` (not a tensor) or ``ValueError`` (another shape), naming the
+        entry, where an entry of ``state_dict`` under ``prefix`` that this layer would load
+        (from either weight and bias layout) does not fit its parameter; changes nothing.
+        Loading checks every entry this way before it copies any."""
+        G = self.num_gemms
+        for name, single in (("weight", self.single_grouped_weight),
+                             ("bias", self.single_grouped_bias)):
+            if name == "bias" and not self.use_bias:
+                continue
+            K, N = self.tp.local_features(self.in_features, self.out_features)
+            shape = (G, N, K) if name == "weight" else (G, N)
+            stacked = prefix + name
+            experts = [f"{prefix}{name}{i}" for i in range(G)]
+            if stacked in state_dict and (single or not any(k in state_dict for k in experts)):
+                _check_entry(stacked, state_dict[stacked], shape)
+            elif all(k in state_dict for k in experts) or not single:
+                for key in experts:
+                    if key in state_dict:
+                        _check_entry(key, state_dict[key], shape[1:])
+
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):
+        self.check_state_dict(state_dict, prefix)
         G = self.num_gemms
         _remap_layout(state_dict, prefix, "weight", G, self.single_grouped_weight)
         if self.use_bias:
             _remap_layout(state_dict, prefix, "bias", G, self.single_grouped_bias)
-        for name, param in self._parameters.items():
-            key = prefix + name
-            if param is not None and key in state_dict:
-                value = state_dict[key]
-                if not isinstance(value, torch.Tensor) or value.shape != param.shape:
-                    shape = tuple(value.shape) if isinstance(value, torch.Tensor) else value
-                    raise ValueError(
-                        f"state dict entry {key!r} has shape {shape}, expected {tuple(param.shape)}"
-                    )
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
                                       unexpected_keys, error_msgs)
         # A cached FP8 copy describes the weight before the load: re-quantize it in place
@@ -374,29 +390,68 @@ class GroupedLinear(nn.Module):
         return ", ".join(parts)
 
 
+def _check_device(device: object) -> torch.device | None:
+    """``device`` as a ``torch.device`` (``None`` stays), or an error naming it."""
+    if device is None:
+        return None
+    if isinstance(device, bool) or not isinstance(device, (str, int, torch.device)):
+        raise TypeError(f"device must be a torch.device, a str or an int, got {device!r}")
+    try:
+        return torch.device(device)
+    except (RuntimeError, ValueError):
+        raise ValueError(f"device={device!r} is not a device torch knows") from None
+
+
+def _apply_init_method(init_method: Callable[[torch.Tensor], object], weight: torch.Tensor) -> None:
+    """Run ``init_method`` on one expert's ``weight``: it fills the tensor in place (and
+    returns it or ``None``) or returns a new floating-point tensor of the same shape, which is
+    copied in. Anything else raises, naming ``init_method``: the weight would stay as
+    ``torch.empty`` left it."""
+    result = init_method(weight)
+    if result is None or result is weight:
+        return
+    if not isinstance(result, torch.Tensor):
+        raise TypeError(
+            f"init_method returned {type(result).__name__}: expected None (the weight filled "
+            f"in place) or a tensor of shape {tuple(weight.shape)}"
+        )
+    if result.shape != weight.shape:
+        raise ValueError(
+            f"init_method returned a tensor of shape {tuple(result.shape)}: expected the "
+            f"weight's shape {tuple(weight.shape)}"
+        )
+    if not result.is_floating_point():
+        raise TypeError(
+            f"init_method returned a tensor of dtype {result.dtype}: expected a floating-point "
+            "tensor"
+        )
+    if result.untyped_storage().data_ptr() == weight.untyped_storage().data_ptr():
+        result = result.clone()  # a view of the weight itself (its transpose, say)
+    weight.copy_(result)
+
+
+def _check_entry(key: str, value: object, shape: tuple[int, ...]) -> None:
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(
+            f"state dict entry {key!r} is {type(value).__name__}: expected a tensor of shape "
+            f"{shape}"
+        )
+    if tuple(value.shape) != shape:
+        raise ValueError(
+            f"state dict entry {key!r} has shape {tuple(value.shape)}, expected {shape}"
+        )
+
+
 def _remap_layout(state_dict: dict, prefix: str, name: str, num_groups: int, single: bool) -> None:
-    """Rewrite ``name{i}`` keys into one stacked ``name`` key, or the reverse, in place."""
+    """Rewrite ``name{i}`` keys into one stacked ``name`` key, or the reverse, in place
+    (entries checked by :meth:`GroupedLinear.check_state_dict`)."""
     single_key = prefix + name
     expert_keys = [f"{prefix}{name}{i}" for i in range(num_groups)]
     if single and single_key not in state_dict and all(k in state_dict for k in expert_keys):
-        pieces = [state_dict[k] for k in expert_keys]
-        for key, piece in zip(expert_keys, pieces):
-            if not isinstance(piece, torch.Tensor):
-                raise ValueError(f"state dict entry {key!r} is {piece!r}, expected a tensor")
-        shapes = {tuple(p.shape) for p in pieces}
-        if len(shapes) != 1:
-            raise ValueError(f"state dict entries {expert_keys[0]!r}.. have mixed shapes {shapes}")
-        state_dict[single_key] = torch.stack(pieces)
+        state_dict[single_key] = torch.stack([state_dict[k] for k in expert_keys])
         for key in expert_keys:
             del state_dict[key]
     elif not single and single_key in state_dict and not any(k in state_dict for k in expert_keys):
-        stacked = state_dict[single_key]
-        if not isinstance(stacked, torch.Tensor) or stacked.dim() < 1 or stacked.shape[0] != num_groups:
-            shape = tuple(stacked.shape) if isinstance(stacked, torch.Tensor) else stacked
-            raise ValueError(
-                f"state dict entry {single_key!r} has shape {shape}: expected {num_groups} experts "
-                "along dimension 0"
-            )
-        for key, piece in zip(expert_keys, stacked.unbind(0)):
+        for key, piece in zip(expert_keys, state_dict[single_key].unbind(0)):
             state_dict[key] = piece
         del state_dict[single_key]

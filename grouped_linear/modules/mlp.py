@@ -18,7 +18,7 @@ from ..ops.activation import bias_activation
 from ..ops.checks import check_int
 from ..ops.grouped_linear import split_rows
 from ..ops.splits import GroupSplits
-from ..parallel.tensor_parallel import check_tp_size
+from ..parallel.tensor_parallel import check_tp_group, check_tp_size
 from .grouped_linear import GroupedLinear
 
 __all__ = ["GroupedMLP", "ACTIVATIONS", "GATED_ACTIVATIONS"]
@@ -119,9 +119,18 @@ class GroupedMLP(nn.Module):
         ffn_hidden_size = check_int("ffn_hidden_size", ffn_hidden_size)
         if not isinstance(activation, str) or activation not in ACTIVATIONS:
             raise ValueError(f"activation={activation!r} is not one of {tuple(ACTIVATIONS)}")
-        tp_size = check_tp_size(grouped_linear_kwargs.get("tp_size", 1))
+        for name in ("return_bias", "reduce_output"):
+            value = grouped_linear_kwargs.get(name, name == "reduce_output")
+            if not isinstance(value, bool):
+                raise TypeError(f"{name} must be a bool, got {value!r}")
         if grouped_linear_kwargs.get("return_bias", False):
             raise ValueError("return_bias=True is not supported by GroupedMLP")
+        for name in ("parallel_mode", "tp_column_blocks"):
+            if name in grouped_linear_kwargs:
+                raise ValueError(f"{name}={grouped_linear_kwargs[name]!r}: GroupedMLP sets it "
+                                 "itself (fc1 column-parallel, fc2 row-parallel)")
+        tp_size = check_tp_size(grouped_linear_kwargs.get("tp_size", 1))
+        tp_group = check_tp_group(grouped_linear_kwargs.get("tp_group"))
         self.num_experts = num_experts
         self.hidden_size = hidden_size
         self.ffn_hidden_size = ffn_hidden_size
@@ -129,12 +138,13 @@ class GroupedMLP(nn.Module):
         gated = activation in GATED_ACTIVATIONS
         fc1_out = ffn_hidden_size * (2 if gated else 1)
         fc1_kwargs, fc2_kwargs = dict(grouped_linear_kwargs), dict(grouped_linear_kwargs)
-        if tp_size > 1 or grouped_linear_kwargs.get("tp_group"):
+        fc1_kwargs.pop("reduce_output", None)  # fc2's alone
+        if tp_size > 1 or tp_group is not None:
             # Tensor parallel MLP: fc1 by columns (gate and up sliced alike), fc2 by rows.
-            if grouped_linear_kwargs.get("parallel_mode") not in (None, "mlp"):
-                raise ValueError("GroupedMLP sets parallel_mode itself (fc1 column, fc2 row)")
+            if ffn_hidden_size % tp_size:
+                raise ValueError(f"ffn_hidden_size={ffn_hidden_size} is not divisible by "
+                                 f"tp_size={tp_size}")
             fc1_kwargs.update(parallel_mode="column", tp_column_blocks=2 if gated else 1)
-            fc1_kwargs.pop("reduce_output", None)
             fc2_kwargs.update(parallel_mode="row")
             if (grouped_linear_kwargs.get("reduce_output") is False
                     and grouped_linear_kwargs.get("bias", True)):
@@ -176,6 +186,14 @@ class GroupedMLP(nn.Module):
             return self.fc2(h, splits, is_first_microbatch=is_first_microbatch)
         return _with_recomputed_input(self.fc2, h, lambda: activate(pre.detach()), splits,
                                       is_first_microbatch)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):
+        # Both layers' entries checked before either loads: a rejected load changes neither.
+        self.fc1.check_state_dict(state_dict, prefix + "fc1.")
+        self.fc2.check_state_dict(state_dict, prefix + "fc2.")
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                      unexpected_keys, error_msgs)
 
     def backward_dw(self) -> None:
         """Run the delayed weight-gradient work of both layers (``delay_wgrad_compute``)."""

@@ -8,8 +8,10 @@ route             runs
 ================  ===============================================================
 ``triton``        this library's Triton grouped GEMMs (bias, tail and clamping fused)
 ``grouped``       the Gluon bf16/fp16 GEMMs on Hopper, torch's ``grouped_mm`` elsewhere
+                  (on CUDA at most :data:`TORCH_GROUPED_MAX_GROUPS` groups)
 ``loop``          one ``torch.matmul`` per group
-``fp8_scaled_mm`` FP8 rowwise/tensorwise on ``torch._scaled_grouped_mm`` (sm90)
+``fp8_scaled_mm`` FP8 rowwise/tensorwise on ``torch._scaled_grouped_mm`` (sm90, at most
+                  :data:`TORCH_GROUPED_MAX_GROUPS` groups)
 ``fp8_blockwise`` FP8 block scaling on this library's Gluon/Triton GEMMs
 ``fp8_emulated``  FP8 numerics as quantize -> dequantize in float32 (any device)
 ================  ===============================================================
@@ -30,11 +32,22 @@ from ..kernels.gemm.triton_gemm import LinearLaunches
 from ..recipes import Float8Blockwise, Float8Recipe, Float8Rowwise, Float8Tensorwise, check_recipe
 from .splits import SPLIT_DTYPES
 
-__all__ = ["BACKEND_CHOICES", "check_backend", "resolve_backend", "fp8_route", "choose_route",
-           "cached_verdict"]
+__all__ = ["BACKEND_CHOICES", "TORCH_GROUPED_MAX_GROUPS", "check_backend", "resolve_backend",
+           "fp8_route", "choose_route", "cached_verdict"]
 
 BACKEND_CHOICES = ("auto", "grouped", "loop", "triton")
 _TRITON_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+#: The most groups torch's CUDA grouped GEMMs take: its CUTLASS kernels behind ``grouped_mm``
+#: (bf16) and ``_scaled_grouped_mm`` check ``group_count < 1024``. The ``grouped`` route keeps
+#: to it on CUDA for every dtype and kernel (on Hopper the Gluon GEMMs hand the operands they
+#: do not take to torch's); torch's CPU grouped GEMM is a loop without the limit.
+TORCH_GROUPED_MAX_GROUPS = 1023
+
+
+def _torch_grouped_takes(device: torch.device, num_groups: int) -> bool:
+    """Whether torch's grouped GEMM takes ``num_groups`` groups on ``device``."""
+    return device.type != "cuda" or num_groups <= TORCH_GROUPED_MAX_GROUPS
 
 
 def check_backend(backend: object) -> str:
@@ -52,8 +65,9 @@ def resolve_backend(backend: str, device: torch.device, dtype: torch.dtype, in_f
     ``auto`` on CUDA, bf16/fp16: the Triton kernels up to
     :attr:`~grouped_linear._tuning.Tuning.triton_auto_max_rows` rows (one launch per GEMM,
     bias and tail fused, where launches dominate), the grouped GEMMs above (sync-free in
-    bf16). Everywhere else the per-group loop: on CPU torch's grouped GEMM is a slower loop;
-    for fp32 the loop honours ``torch.backends.cuda.matmul.allow_tf32``.
+    bf16); past :data:`TORCH_GROUPED_MAX_GROUPS` groups the Triton kernels at any row count,
+    past theirs the loop. Everywhere else the per-group loop: on CPU torch's grouped GEMM is
+    a slower loop; for fp32 the loop honours ``torch.backends.cuda.matmul.allow_tf32``.
     """
     check_backend(backend)
     if backend == "triton":
@@ -83,15 +97,24 @@ def resolve_backend(backend: str, device: torch.device, dtype: torch.dtype, in_f
                 f"{row_alignment} for {dtype} (16-byte rows); got in_features={in_features}, "
                 f"out_features={out_features}; use 'loop' or 'auto'"
             )
+        if not _torch_grouped_takes(device, num_groups):
+            raise ValueError(
+                f"backend='grouped' takes at most {TORCH_GROUPED_MAX_GROUPS} groups on CUDA "
+                f"(the limit of torch's grouped GEMM); got {num_groups} groups; use 'auto', "
+                f"'triton' (up to {triton_gemm.MAX_GROUPS} groups) or 'loop'"
+            )
         return backend
     if backend == "loop":
         return backend
     if device.type == "cuda" and dtype in (torch.bfloat16, torch.float16):
-        if (HAS_TRITON and num_rows <= _tuning.current().triton_auto_max_rows
-                and triton_gemm.fits(num_groups, in_features, out_features)):
+        triton_fits = HAS_TRITON and triton_gemm.fits(num_groups, in_features, out_features)
+        if triton_fits and num_rows <= _tuning.current().triton_auto_max_rows:
             return "triton"
-        if in_features % 8 == 0 and out_features % 8 == 0:
+        grouped_takes = _torch_grouped_takes(device, num_groups)
+        if grouped_takes and in_features % 8 == 0 and out_features % 8 == 0:
             return "grouped"
+        if triton_fits and not grouped_takes:
+            return "triton"  # more groups than torch's grouped GEMM takes
     return "loop"
 
 
@@ -109,7 +132,8 @@ def fp8_route(recipe: Float8Recipe, device: torch.device, dtype: torch.dtype, in
 
     * ``"fp8_blockwise"``: ``Float8Blockwise``, E4M3, bf16, a GPU with FP8 tensor cores;
     * ``"fp8_scaled_mm"``: ``Float8Rowwise``/``Float8Tensorwise``, bf16, sm90, features that
-      are multiples of 16, a format pair ``torch._scaled_grouped_mm`` takes;
+      are multiples of 16, a format pair and a group count (at most
+      :data:`TORCH_GROUPED_MAX_GROUPS`) ``torch._scaled_grouped_mm`` takes;
     * ``"fp8_emulated"``: everything else.
     """
     if (isinstance(recipe, Float8Blockwise) and recipe.fp8_format == "e4m3"
@@ -117,7 +141,7 @@ def fp8_route(recipe: Float8Recipe, device: torch.device, dtype: torch.dtype, in
             and triton_gemm.fits(num_groups, in_features, out_features)):
         return "fp8_blockwise"
     if (isinstance(recipe, (Float8Rowwise, Float8Tensorwise)) and dtype == torch.bfloat16
-            and fp8_torch_gemm.available(device)
+            and num_groups <= TORCH_GROUPED_MAX_GROUPS and fp8_torch_gemm.available(device)
             and fp8_torch_gemm.shapes_supported(in_features, out_features)
             and fp8_torch_gemm.gemm_accepts(recipe.gradient_dtype, recipe.forward_dtype,
                                             device.index if device.index is not None

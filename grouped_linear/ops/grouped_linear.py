@@ -27,7 +27,7 @@ from .fp8 import (
     Fp8WeightCache,
 )
 from .linear_function import CallConfig, run_linear
-from .splits import GroupSplits, debug_checks_enabled, normalize_splits
+from .splits import SPLIT_DTYPES, GroupSplits, debug_checks_enabled, normalize_splits
 from .weight_grad import WeightGradSink
 
 __all__ = ["grouped_linear", "apply_grouped_linear", "join_inputs", "split_rows",
@@ -46,6 +46,9 @@ class TensorParallelHooks(Protocol):
 
     def leave(self, out: torch.Tensor) -> torch.Tensor: ...
 
+
+# Where the input may live: the devices torch.autocast and the kernels know (not "meta").
+_DEVICE_TYPES = ("cpu", "cuda")
 
 # Call configurations of the plain call, one per route (device splits: a tail may exist).
 _PLAIN_CONFIGS = {name: CallConfig(name, True, None) for name in ("triton", "grouped", "loop")}
@@ -91,7 +94,7 @@ def apply_grouped_linear(
     if weight.dim() != 3:
         raise ValueError(f"weight has shape {tuple(weight.shape)}: expected (G, out, in)")
     num_groups, out_features, in_features = weight.shape
-    x, m_splits = join_inputs(x, m_splits, in_features, keep_list=True)
+    x, m_splits = join_inputs(x, m_splits, in_features, keep_list=True, num_groups=num_groups)
     pieces = x if isinstance(x, list) else None
     if pieces is not None:
         x = pieces[0]  # stands in for the input in the checks below
@@ -102,6 +105,17 @@ def apply_grouped_linear(
                 f"bias has shape {tuple(bias.shape)}, expected ({num_groups}, {out_features})"
             )
     device = x.device  # read once: every read builds a new torch.device
+    if device.type not in _DEVICE_TYPES:
+        raise ValueError(f"x is on {device}: expected a tensor on one of {_DEVICE_TYPES}")
+    # Devices and kinds of dtype before anything converts or reads a value (torch.autocast
+    # would cast an integer input silently).
+    for name, tensor in (("x", x), ("weight", weight), ("bias", bias)):
+        if tensor is None:
+            continue
+        if tensor.device != device:
+            raise ValueError(f"{name} is on {tensor.device} but x is on {device}")
+        if not tensor.is_floating_point():
+            raise TypeError(f"{name} has dtype {tensor.dtype}: expected a floating-point tensor")
     if torch.is_autocast_enabled(device.type):
         if pieces is not None:
             x, pieces = torch.cat(pieces), None
@@ -109,14 +123,10 @@ def apply_grouped_linear(
         x, weight = x.to(dtype), weight.to(dtype)
         bias = bias.to(dtype) if bias is not None else None
     dtype = x.dtype
-    if not x.is_floating_point():
-        raise TypeError(f"x has dtype {dtype}: expected a floating-point tensor")
     num_rows = x.shape[0] if pieces is None else sum(piece.shape[0] for piece in pieces)
     for name, tensor in (("weight", weight), ("bias", bias)):
         if tensor is None:
             continue
-        if tensor.device != device:
-            raise ValueError(f"{name} is on {tensor.device} but x is on {device}")
         if tensor.dtype != dtype:
             raise TypeError(
                 f"{name} has dtype {tensor.dtype} but x has dtype {dtype}: outside "
@@ -179,9 +189,16 @@ def _fp8(route: str, x: torch.Tensor, pieces: list[torch.Tensor] | None, weight:
     return Fp8EmulatedFunction.apply(x, weight, bias, splits.ends, config, cached)
 
 
-def _check_tensor(name: str, value: object) -> torch.Tensor:
+def _describe(value: object) -> str:
+    """``value`` for an error message: its repr where short, and its type."""
+    text = repr(value)
+    kind = type(value).__name__
+    return f"{text} ({kind})" if len(text) <= 40 and "\n" not in text else kind
+
+
+def _check_tensor(name: str, value: object, what: str = "a torch.Tensor") -> torch.Tensor:
     if not isinstance(value, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+        raise TypeError(f"{name} must be {what}, got {_describe(value)}")
     return value
 
 
@@ -191,14 +208,22 @@ def join_inputs(
     in_features: int,
     *,
     keep_list: bool = False,
+    num_groups: int | None = None,
 ) -> tuple[torch.Tensor | list[torch.Tensor], Sequence[int] | torch.Tensor | GroupSplits]:
-    """Check a tensor ``(M, in)`` or a per-group list of tensors ``(m_g, in)`` and return it
-    with its splits (a list's sizes where ``m_splits`` is ``None``); a list is concatenated
-    unless ``keep_list``."""
+    """Check a tensor ``(M, in)`` or a per-group list of tensors ``(m_g, in)`` (``num_groups``
+    of them, where given) and return it with its splits (a list's sizes where ``m_splits`` is
+    ``None``); a list is concatenated unless ``keep_list``.
+
+    With a list, ``m_splits`` is ``None``, a :class:`GroupSplits`, an integer tensor or a list
+    of ints; where its sizes can be read on the host they must be the pieces' row counts.
+    """
     if isinstance(x, (list, tuple)):
         pieces = [_check_tensor(f"x[{i}]", piece) for i, piece in enumerate(x)]
         if not pieces:
             raise ValueError("x is an empty list: expected one tensor per group")
+        if num_groups is not None and len(pieces) != num_groups:
+            raise ValueError(f"x is a list of {len(pieces)} tensors, expected one per group "
+                             f"({num_groups} groups)")
         for i, piece in enumerate(pieces):
             if piece.dim() != 2 or piece.shape[1] != in_features:
                 raise ValueError(
@@ -210,20 +235,29 @@ def join_inputs(
                     f"{pieces[0].dtype} on {pieces[0].device}"
                 )
         list_sizes = [piece.shape[0] for piece in pieces]
+        given = None  # the sizes m_splits gives on the host, where it gives them
         if m_splits is None:
             m_splits = list_sizes
         elif isinstance(m_splits, GroupSplits):
-            if m_splits.host_sizes is not None and list(m_splits.host_sizes) != list_sizes:
-                raise ValueError(f"m_splits={list(m_splits.host_sizes)} disagrees with the sizes "
-                                 f"of the list x: {list_sizes}")
-        elif not (isinstance(m_splits, torch.Tensor) and m_splits.device.type != "cpu"):
-            given = m_splits.tolist() if isinstance(m_splits, torch.Tensor) else list(m_splits)
-            if given != list_sizes:
-                raise ValueError(
-                    f"m_splits={given} disagrees with the sizes of the list x: {list_sizes}"
-                )
+            given = m_splits.host_sizes
+        elif isinstance(m_splits, torch.Tensor):
+            # Read only a CPU tensor normalize_splits takes; it rejects the others by name.
+            if (m_splits.device.type == "cpu" and m_splits.dtype in SPLIT_DTYPES
+                    and m_splits.dim() == 1):
+                given = m_splits.tolist()
+        elif isinstance(m_splits, (list, tuple)):
+            given = m_splits
+        else:
+            raise TypeError(
+                f"m_splits must be None, a list of ints or an integer tensor giving the rows of "
+                f"each tensor of the list x ({list_sizes}), got {_describe(m_splits)}"
+            )
+        if given is not None and list(given) != list_sizes:
+            raise ValueError(
+                f"m_splits={list(given)} disagrees with the sizes of the list x: {list_sizes}"
+            )
         return (pieces if keep_list else torch.cat(pieces)), m_splits
-    x = _check_tensor("x", x)
+    x = _check_tensor("x", x, "a torch.Tensor or a list of tensors")
     if x.dim() != 2:
         raise ValueError(f"x has shape {tuple(x.shape)}: expected a 2-D (rows, {in_features}) tensor")
     if x.shape[1] != in_features:
@@ -241,7 +275,7 @@ def split_rows(
 ) -> tuple[torch.Tensor, GroupSplits]:
     """``x`` as one ``(M, in)`` tensor and its splits normalised, for a block of layers over the
     same rows (``GroupedMLP``): each layer's call takes the :class:`GroupSplits` as it is."""
-    x, m_splits = join_inputs(x, m_splits, in_features)
+    x, m_splits = join_inputs(x, m_splits, in_features, num_groups=num_groups)
     return x, normalize_splits(m_splits, num_groups=num_groups, num_rows=x.shape[0],
                                device=x.device)
 

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-__all__ = ["TensorParallel", "check_tp_size", "copy_to_tp_region", "reduce_from_tp_region"]
+__all__ = ["TensorParallel", "check_tp_size", "check_tp_group", "copy_to_tp_region",
+           "reduce_from_tp_region"]
 
 
 def check_tp_size(size: object) -> int:
@@ -22,6 +23,19 @@ def check_tp_size(size: object) -> int:
     if isinstance(size, bool) or not isinstance(size, int) or size < 1:
         raise ValueError(f"tp_size={size!r} must be an int >= 1")
     return size
+
+
+def check_tp_group(group: object) -> object | None:
+    """``tp_group`` as given, or ``TypeError`` naming it when it is neither ``None`` nor a
+    ``torch.distributed`` process group."""
+    if group is None:
+        return None
+    if not dist.is_available() or not isinstance(group, dist.ProcessGroup):
+        raise TypeError(
+            f"tp_group must be None or a torch.distributed ProcessGroup, got {group!r} of type "
+            f"{type(group).__name__}"
+        )
+    return group
 
 
 MODES = (None, "column", "row")
@@ -44,18 +58,21 @@ class TensorParallel:
     def create(cls, mode: str | None, size: int, group: object | None, reduce_output: bool,
                column_chunks: int, in_features: int, out_features: int) -> TensorParallel:
         """Validate the constructor arguments of a layer and read the rank."""
-        if mode not in MODES:
+        if mode is not None and (not isinstance(mode, str) or mode not in MODES):
             raise ValueError(f"parallel_mode={mode!r} is not one of {MODES}")
         check_tp_size(size)
+        check_tp_group(group)
         if mode is None:
             if size != 1:
                 raise ValueError(f"tp_size={size} needs parallel_mode='column' or 'row'")
+            if group is not None:
+                raise ValueError(f"tp_group={group!r} needs parallel_mode='column' or 'row'")
             return cls()
         rank = 0
         if size > 1 or group is not None:
             if not dist.is_available() or not dist.is_initialized():
                 raise ValueError(
-                    f"parallel_mode={mode!r} with tp_size={size} needs an initialised "
+                    f"tp_size={size} with tp_group={group!r} needs an initialised "
                     "torch.distributed process group"
                 )
             world = dist.get_world_size(group)

@@ -239,3 +239,86 @@ def test_grouped_backend_runs_the_gluon_kernels_on_hopper(monkeypatch, dtype, wi
     w.requires_grad_(False)
     check(x, w, b, ["dgrad", "forward"])
     assert w.grad is None
+
+
+def _spread(rows: int, groups: int) -> list[int]:
+    """``rows`` spread over ``groups`` (most of them empty when groups outnumber rows)."""
+    sizes = [0] * groups
+    for i in range(rows):
+        sizes[(i * 7919) % groups] += 1
+    return sizes
+
+
+def _gathered_reference(x, w, b, sizes, grad_out):
+    """Float64 ``(y, dx, dW, db)`` on the CPU from each row's own group weight, gathered."""
+    x64, w64, b64 = (t.detach().double().cpu() for t in (x, w, b))
+    dy = grad_out.double().cpu()
+    groups = torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(sizes))
+    y = torch.einsum("mk,mnk->mn", x64, w64[groups]) + b64[groups]
+    dx = torch.einsum("mn,mnk->mk", dy, w64[groups])
+    dw = torch.zeros_like(w64).index_add_(0, groups, dy[:, :, None] * x64[:, None, :])
+    db = torch.zeros_like(b64).index_add_(0, groups, dy)
+    return y, dx, dw, db
+
+
+@pytest.mark.parametrize("groups", [1024, 1025, 4096, 65536])
+@pytest.mark.parametrize("rows", [1000, 8192])  # either side of triton_auto_max_rows
+@pytest.mark.parametrize("split_kind", ["list", "cuda"])
+def test_auto_takes_more_groups_than_torch_grouped_gemm(groups, rows, split_kind):
+    """torch's CUDA grouped GEMM refuses 1024 groups or more: ``auto`` runs the Triton
+    kernels up to their 4095 groups, the loop past them, and matches float64."""
+    Kc, Nc = 64, 32
+    sizes = _spread(rows, groups)
+    x = torch.randn(rows, Kc, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = (torch.randn(groups, Nc, Kc, device="cuda") / Kc ** 0.5).to(torch.bfloat16)
+    b = torch.randn(groups, Nc, device="cuda", dtype=torch.bfloat16)
+    w.requires_grad_()
+    b.requires_grad_()
+    splits = sizes if split_kind == "list" else torch.tensor(sizes, device="cuda")
+    y = gl.grouped_linear(x, w, b, splits)
+    grad_out = torch.randn_like(y)
+    y.backward(grad_out)
+    ref = _gathered_reference(x, w, b, sizes, grad_out)
+    for name, got, want in zip(("y", "dx", "dW", "db"), (y, x.grad, w.grad, b.grad), ref):
+        assert rel_err(got, want) < 1e-2, (name, rel_err(got, want))
+
+
+def test_grouped_backend_up_to_torch_group_limit():
+    """``backend="grouped"`` runs 1023 groups (the most torch's grouped GEMM takes; the Gluon
+    GEMMs on Hopper) and names its limit at 1024."""
+    G = 1023
+    sizes = _spread(8192, G)
+    x = torch.randn(8192, K, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = (torch.randn(G, N, K, device="cuda") / K ** 0.5).to(torch.bfloat16).requires_grad_()
+    b = torch.randn(G, N, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    splits = torch.tensor(sizes, device="cuda")
+    y = gl.grouped_linear(x, w, b, splits, backend="grouped")
+    grad_out = torch.randn_like(y)
+    y.backward(grad_out)
+    ref = reference_grads(x, w, b, sizes, grad_out)
+    for name, got, want in zip(("y", "dx", "dW", "db"), (y, x.grad, w.grad, b.grad), ref):
+        assert rel_err(got, want) < 1e-2, (name, rel_err(got, want))
+    more = torch.zeros(1024, N, K, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"backend='grouped' takes at most 1023 groups"):
+        gl.grouped_linear(x, more, None, torch.tensor(_spread(8192, 1024), device="cuda"),
+                          backend="grouped")
+
+
+@pytest.mark.parametrize("recipe", [gl.recipes.Float8Rowwise(), gl.recipes.Float8Blockwise()],
+                         ids=lambda r: type(r).__name__)
+def test_fp8_recipes_with_more_groups_than_torch_grouped_gemm(recipe):
+    """Rowwise past torch's FP8 grouped GEMM's groups runs the emulation, blockwise its own
+    kernels; both within the FP8 tolerance of float64."""
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("FP8 recipes need sm89+")
+    G, Kc, Nc = 1025, 128, 64
+    sizes = _spread(4000, G)
+    x = torch.randn(4000, Kc, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = (torch.randn(G, Nc, Kc, device="cuda") / 16).to(torch.bfloat16).requires_grad_()
+    b = torch.randn(G, Nc, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    y = gl.grouped_linear(x, w, b, torch.tensor(sizes, device="cuda"), recipe=recipe)
+    grad_out = torch.randn_like(y)
+    y.backward(grad_out)
+    ref = _gathered_reference(x, w, b, sizes, grad_out)
+    for name, got, want in zip(("y", "dx", "dW", "db"), (y, x.grad, w.grad, b.grad), ref):
+        assert rel_err(got, want) < 6e-2, (name, rel_err(got, want))

@@ -4,7 +4,13 @@ import pytest
 import torch
 
 from grouped_linear import _tuning
-from grouped_linear.ops.dispatch import choose_route, resolve_backend
+from grouped_linear.kernels.gemm import fp8_torch_gemm, triton_gemm
+from grouped_linear.ops.dispatch import (
+    TORCH_GROUPED_MAX_GROUPS,
+    choose_route,
+    fp8_route,
+    resolve_backend,
+)
 from grouped_linear.recipes import Float8Blockwise, Float8Rowwise, Float8Tensorwise
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")  # resolution only: nothing is placed
@@ -65,3 +71,48 @@ def test_a_rejected_fp8_call_leaves_the_weight_cache_as_it_was():
         layer(x, [5, 6], is_first_microbatch=True)
     assert torch.equal(layer(x, [4, 6], is_first_microbatch=False), first)
     assert not torch.equal(layer(x, [4, 6], is_first_microbatch=True), first)
+
+
+# --------------------------------------------------------------------------- group counts
+def _auto(rows: int, groups: int, features: int = 64) -> str:
+    return resolve_backend("auto", CUDA, torch.bfloat16, features, features, rows, groups)
+
+
+@pytest.mark.parametrize("groups", [1, 1023, 1024, 4095, 4096, 65536])
+@pytest.mark.parametrize("rows", [4096, 4097])
+def test_auto_takes_a_route_whose_gemms_take_the_group_count(groups, rows):
+    """torch's CUDA grouped GEMM takes at most 1023 groups and the Triton kernels 4095: past
+    the first ``auto`` runs the Triton kernels at any row count, past both the loop."""
+    if groups <= triton_gemm.MAX_GROUPS and (rows <= 4096 or groups > TORCH_GROUPED_MAX_GROUPS):
+        want = "triton"
+    elif groups <= TORCH_GROUPED_MAX_GROUPS:
+        want = "grouped"
+    else:
+        want = "loop"
+    assert _auto(rows, groups) == want
+    # features that are not multiples of 8: never the grouped GEMMs
+    assert _auto(rows, groups, 60) == (want if want != "grouped" else "loop")
+
+
+def test_grouped_backend_by_name_names_its_group_limit_on_cuda():
+    assert resolve_backend("grouped", CUDA, torch.bfloat16, 64, 64, 10, 1023) == "grouped"
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        with pytest.raises(ValueError, match=r"backend='grouped' takes at most 1023 groups on "
+                                             r"CUDA .* got 1024 groups"):
+            resolve_backend("grouped", CUDA, dtype, 64, 64, 10, 1024)
+    # torch's CPU grouped GEMM is a loop without the limit
+    assert resolve_backend("grouped", CPU, torch.float32, 64, 64, 10, 65536) == "grouped"
+    with pytest.raises(ValueError, match=r"backend='triton' takes at most 4095 groups"):
+        resolve_backend("triton", CUDA, torch.bfloat16, 64, 64, 10, 4096)
+
+
+def test_fp8_scaled_mm_only_within_torch_group_limit(monkeypatch):
+    """``torch._scaled_grouped_mm`` has the same limit: more groups run the emulation (the
+    recipe's numerics); the device's capabilities are faked, nothing runs."""
+    monkeypatch.setattr(fp8_torch_gemm, "available", lambda device: True)
+    monkeypatch.setattr(fp8_torch_gemm, "gemm_accepts", lambda *args: True)
+    cuda0 = torch.device("cuda", 0)
+    for recipe in (Float8Rowwise(), Float8Tensorwise()):
+        assert fp8_route(recipe, cuda0, torch.bfloat16, 64, 64, 1023) == "fp8_scaled_mm"
+        assert fp8_route(recipe, cuda0, torch.bfloat16, 64, 64, 1024) == "fp8_emulated"
+        assert fp8_route(recipe, cuda0, torch.bfloat16, 64, 64, 65536) == "fp8_emulated"

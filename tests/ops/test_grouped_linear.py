@@ -182,8 +182,9 @@ def test_triton_backend_limits():
     assert resolve_backend("auto", cuda, torch.bfloat16, 1024, 1024, 1024, 8) == "triton"
     # one expert of 2**32 weights: int32 offsets inside it would overflow
     assert resolve_backend("auto", cuda, torch.bfloat16, 2**16, 2**16, 1024, 8) == "grouped"
+    # past the Triton kernels' groups and torch's grouped GEMM's (1023 on CUDA): the loop
     assert resolve_backend("auto", cuda, torch.bfloat16, 64, 64, 1024,
-                           triton_gemm.MAX_GROUPS + 1) == "grouped"
+                           triton_gemm.MAX_GROUPS + 1) == "loop"
     with pytest.raises(ValueError, match="2\\*\\*31"):
         resolve_backend("triton", cuda, torch.bfloat16, 2**16, 2**16, 16, 8)
     with pytest.raises(ValueError, match="groups"):
@@ -266,3 +267,43 @@ def test_grouped_backend_rejects_unaligned_features():
         gl.grouped_linear(x, w, None, [5, 5], backend="grouped")
     # the default picks a backend that takes them
     assert gl.grouped_linear(x, w, None, [5, 5]).shape == (10, 8)
+
+
+def _gathered_reference(x, w, b, sizes, grad_out):
+    """Float64 ``(y, dx, dW, db)`` from each row's own group weight, gathered (no loop over
+    groups): an independent check for many groups."""
+    x64, w64, b64, dy = x.double(), w.double(), b.double(), grad_out.double()
+    groups = torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(sizes))
+    y = torch.einsum("mk,mnk->mn", x64, w64[groups]) + b64[groups]
+    dx = torch.einsum("mn,mnk->mk", dy, w64[groups])
+    dw = torch.zeros_like(w64).index_add_(0, groups, dy[:, :, None] * x64[:, None, :])
+    db = torch.zeros_like(b64).index_add_(0, groups, dy)
+    return y, dx, dw, db
+
+
+@pytest.mark.parametrize("backend, tensor_splits", [("auto", True), ("loop", False),
+                                                    ("grouped", False), ("grouped", True)])
+def test_65536_groups_on_cpu(monkeypatch, backend, tensor_splits):
+    """The most groups the layer is meant for, on every CPU backend that takes them (the
+    Triton kernels take 4095 and say so), against a gathered float64 reference. The Triton
+    interpreter is off: the bias kernels run their PyTorch references."""
+    G, K, N = 65536, 8, 8
+    sizes = [0] * G
+    for g in range(3, G, 97):
+        sizes[g] = 1 + g % 3
+    sizes[-1] = 2
+    M = sum(sizes)
+    x = torch.randn(M, K, requires_grad=True)
+    w = torch.randn(G, N, K, requires_grad=True)
+    b = torch.randn(G, N, requires_grad=True)
+    with pytest.raises(ValueError, match=r"backend='triton' takes at most 4095 groups"):
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+        gl.grouped_linear(x, w, b, sizes, backend="triton")
+    monkeypatch.delenv("TRITON_INTERPRET")
+    y = gl.grouped_linear(x, w, b, torch.tensor(sizes) if tensor_splits else sizes,
+                          backend=backend)
+    grad_out = torch.randn_like(y)
+    y.backward(grad_out)
+    for got, want in zip((y, x.grad, w.grad, b.grad),
+                         _gathered_reference(x.detach(), w.detach(), b.detach(), sizes, grad_out)):
+        assert rel_err(got, want) < 1e-5
