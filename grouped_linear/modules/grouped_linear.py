@@ -440,6 +440,8 @@ def _check_entry(key: str, value: object, shape: tuple[int, ...]) -> None:
         raise ValueError(
             f"state dict entry {key!r} has shape {tuple(value.shape)}, expected {shape}"
         )
+    if value.is_meta:
+        raise ValueError(f"state dict entry {key!r} is on the meta device: it holds no values")
 
 
 def _remap_layout(state_dict: dict, prefix: str, name: str, num_groups: int, single: bool) -> None:

@@ -49,11 +49,13 @@ class ExpertParallelMoE(nn.Module):
             raise ValueError(f"top_k={top_k} must be in [1, num_experts={num_experts}]")
         self.hidden_size, self.num_experts, self.top_k = hidden_size, num_experts, top_k
         self.num_local_experts = num_experts // self.ep_size
+        # the experts first: GroupedMLP checks params_dtype and device before the router
+        # uses them (registered after it, so the state dict keeps its order)
+        experts = GroupedMLP(self.num_local_experts, hidden_size, ffn_hidden_size, **mlp_kwargs)
         factory = {k: mlp_kwargs[k] for k in ("device",) if k in mlp_kwargs}
         self.router = nn.Linear(hidden_size, num_experts, bias=False,
                                 dtype=mlp_kwargs.get("params_dtype"), **factory)
-        self.experts = GroupedMLP(self.num_local_experts, hidden_size, ffn_hidden_size,
-                                  **mlp_kwargs)
+        self.experts = experts
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.forward_routed(x)[0]

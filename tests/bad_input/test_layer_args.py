@@ -232,9 +232,7 @@ GROUP_SPLITS_CASES: dict[str, tuple[str, Callable[[], object], Names]] = {
                          "device_sizes"),
     "device_sizes count": ("shape", lambda: gl.GroupSplits(3, 2, CPU, None, _ones()),
                            "device_sizes"),
-    "num_groups=0": ("range", lambda: gl.GroupSplits(0, 0, CPU, ()), "num_groups"),
     "num_rows=-1": ("range", lambda: gl.GroupSplits(2, -1, CPU, None, _ones()), "num_rows"),
-    "device=str": ("type", lambda: gl.GroupSplits(2, 2, "cpu", (1, 1)).ends, "device"),
 }
 
 
