@@ -270,3 +270,11 @@ def unpermute(
                 "held by at most one slot (as permute produces)"
             )
     return _Unpermute.apply(y_perm, row_map.to(torch.int64), probs)
+
+
+# torch.compile before torch 2.13 traces the two autograd functions above to zero input
+# gradients (seen on 2.11): there they run eagerly, a graph break (an error with fullgraph).
+TRACEABLE = torch.__version__ >= "2.13"
+if not TRACEABLE:
+    permute = torch.compiler.disable(permute)
+    unpermute = torch.compiler.disable(unpermute)

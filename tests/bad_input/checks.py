@@ -89,6 +89,8 @@ class _TensorPrint:
         if self.values is None or other.values is None:
             return self.values is other.values
         a, b = self.values, other.values
+        if a.dtype.itemsize == 1 and a.is_floating_point():  # FP8 codes: bit for bit
+            return bool(torch.equal(a.view(torch.uint8), b.view(torch.uint8)))
         if a.is_floating_point() or a.is_complex():
             return bool(torch.equal(a.isnan(), b.isnan())
                         and torch.equal(a.nan_to_num(), b.nan_to_num()))

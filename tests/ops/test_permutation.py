@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from grouped_linear.ops.permutation import permute, unpermute
+from grouped_linear.ops.permutation import TRACEABLE, permute, unpermute
 
 
 def ref_permute(x: torch.Tensor, topk: list[list[int]], num_experts: int, multiple: int):
@@ -277,16 +277,17 @@ def test_narrow_index_dtypes(dtype):
         unpermute(torch.zeros(100, 3), bad)
 
 
-def test_compiled_fullgraph_matches_eager():
+def test_compiled_matches_eager():
     """permute and unpermute trace with fullgraph on CPU (their host-reading checks skipped,
-    out-of-range slots dropped): x_perm has the upper-bound row count, zero past the data."""
+    out-of-range slots dropped): x_perm has the upper-bound row count, zero past the data.
+    Before torch 2.13 they are not traced (a graph break there), and give eager's values."""
     torch._dynamo.reset()
 
     def step(x, topk, probs):
         x_perm, m_splits, row_map = permute(x, topk, 4, 2)
         return x_perm, m_splits, row_map, unpermute(x_perm * 3, row_map, probs)
 
-    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    compiled = torch.compile(step, fullgraph=TRACEABLE, backend="aot_eager")
     gen = torch.Generator().manual_seed(0)
     topk = random_routing(gen, 6, 2, 4)
     results = []
@@ -300,7 +301,8 @@ def test_compiled_fullgraph_matches_eager():
         results.append((x_perm.detach(), m_splits, row_map, out.detach(), x.grad, probs.grad))
     (c_perm, *c_rest), (e_perm, *e_rest) = results
     rows = e_perm.shape[0]
-    assert c_perm.shape[0] == topk.numel() + 4 * (2 - 1)
+    if TRACEABLE:
+        assert c_perm.shape[0] == topk.numel() + 4 * (2 - 1)
     assert torch.equal(c_perm[:rows], e_perm) and not c_perm[rows:].any()
     for a, b in zip(c_rest, e_rest):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
