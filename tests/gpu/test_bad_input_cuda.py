@@ -4,8 +4,7 @@ more than 1,024 groups, and the FP8 weight cache after a refused call."""
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -14,6 +13,7 @@ import torch
 import grouped_linear as gl
 from tests.bad_input import reference
 from tests.bad_input.checks import Names, count, expect_rejected
+from tests.gpu.test_grouped_linear_cuda import no_host_sync
 from tests.reference import reference_grads, rel_err
 
 pytestmark = [
@@ -31,16 +31,6 @@ BAD_DEVICE_SIZES = {
     "short of the rows (a tail)": [5, 0, 3, 1],
 }
 ROWS = 20
-
-
-@contextlib.contextmanager
-def no_host_sync() -> Iterator[None]:
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        yield
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
 
 
 def clamped_sizes(values: list[int], rows: int) -> list[int]:

@@ -8,7 +8,7 @@ import torch
 import grouped_linear as gl
 from grouped_linear.kernels.gemm import gluon_gemm, gluon_wgrad
 from tests.hardware import sm90
-from tests.reference import reference_grads, rel_err
+from tests.reference import gathered_reference, reference_grads, rel_err
 
 pytestmark = [
     pytest.mark.gpu,
@@ -249,18 +249,6 @@ def _spread(rows: int, groups: int) -> list[int]:
     return sizes
 
 
-def _gathered_reference(x, w, b, sizes, grad_out):
-    """Float64 ``(y, dx, dW, db)`` on the CPU from each row's own group weight, gathered."""
-    x64, w64, b64 = (t.detach().double().cpu() for t in (x, w, b))
-    dy = grad_out.double().cpu()
-    groups = torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(sizes))
-    y = torch.einsum("mk,mnk->mn", x64, w64[groups]) + b64[groups]
-    dx = torch.einsum("mn,mnk->mk", dy, w64[groups])
-    dw = torch.zeros_like(w64).index_add_(0, groups, dy[:, :, None] * x64[:, None, :])
-    db = torch.zeros_like(b64).index_add_(0, groups, dy)
-    return y, dx, dw, db
-
-
 @pytest.mark.parametrize("groups", [1024, 1025, 4096, 65536])
 @pytest.mark.parametrize("rows", [1000, 8192])  # either side of triton_auto_max_rows
 @pytest.mark.parametrize("split_kind", ["list", "cuda"])
@@ -278,7 +266,7 @@ def test_auto_takes_more_groups_than_torch_grouped_gemm(groups, rows, split_kind
     y = gl.grouped_linear(x, w, b, splits)
     grad_out = torch.randn_like(y)
     y.backward(grad_out)
-    ref = _gathered_reference(x, w, b, sizes, grad_out)
+    ref = gathered_reference(x, w, b, sizes, grad_out)
     for name, got, want in zip(("y", "dx", "dW", "db"), (y, x.grad, w.grad, b.grad), ref):
         assert rel_err(got, want) < 1e-2, (name, rel_err(got, want))
 
@@ -319,6 +307,6 @@ def test_fp8_recipes_with_more_groups_than_torch_grouped_gemm(recipe):
     y = gl.grouped_linear(x, w, b, torch.tensor(sizes, device="cuda"), recipe=recipe)
     grad_out = torch.randn_like(y)
     y.backward(grad_out)
-    ref = _gathered_reference(x, w, b, sizes, grad_out)
+    ref = gathered_reference(x, w, b, sizes, grad_out)
     for name, got, want in zip(("y", "dx", "dW", "db"), (y, x.grad, w.grad, b.grad), ref):
         assert rel_err(got, want) < 6e-2, (name, rel_err(got, want))

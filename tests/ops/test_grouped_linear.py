@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import grouped_linear as gl
-from tests.reference import reference_grads, rel_err
+from tests.reference import gathered_reference, reference_grads, rel_err
 
 # The triton backend runs where Triton does: CUDA, else the CPU interpreter.
 TRITON_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -269,18 +269,6 @@ def test_grouped_backend_rejects_unaligned_features():
     assert gl.grouped_linear(x, w, None, [5, 5]).shape == (10, 8)
 
 
-def _gathered_reference(x, w, b, sizes, grad_out):
-    """Float64 ``(y, dx, dW, db)`` from each row's own group weight, gathered (no loop over
-    groups): an independent check for many groups."""
-    x64, w64, b64, dy = x.double(), w.double(), b.double(), grad_out.double()
-    groups = torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(sizes))
-    y = torch.einsum("mk,mnk->mn", x64, w64[groups]) + b64[groups]
-    dx = torch.einsum("mn,mnk->mk", dy, w64[groups])
-    dw = torch.zeros_like(w64).index_add_(0, groups, dy[:, :, None] * x64[:, None, :])
-    db = torch.zeros_like(b64).index_add_(0, groups, dy)
-    return y, dx, dw, db
-
-
 @pytest.mark.parametrize("backend, tensor_splits", [("auto", True), ("loop", False),
                                                     ("grouped", False), ("grouped", True)])
 def test_65536_groups_on_cpu(monkeypatch, backend, tensor_splits):
@@ -305,5 +293,5 @@ def test_65536_groups_on_cpu(monkeypatch, backend, tensor_splits):
     grad_out = torch.randn_like(y)
     y.backward(grad_out)
     for got, want in zip((y, x.grad, w.grad, b.grad),
-                         _gathered_reference(x.detach(), w.detach(), b.detach(), sizes, grad_out)):
+                         gathered_reference(x.detach(), w.detach(), b.detach(), sizes, grad_out)):
         assert rel_err(got, want) < 1e-5
