@@ -1,0 +1,109 @@
+"""grouped_linear as an experts implementation of Hugging Face ``transformers`` (5.x).
+
+transformers dispatches every MoE family's ``*Experts`` module through its
+``ExpertsInterface``: ``fn(module, hidden_states (T, H), top_k_index (T, k),
+top_k_weights (T, k)) -> (T, H)``, chosen by ``from_pretrained(...,
+experts_implementation=name)`` or ``model.set_experts_implementation(name)``.
+:func:`register` adds this library's entries; :func:`enable` switches a loaded model::
+
+    import grouped_linear.integrations.transformers as gl_hf
+    gl_hf.enable(model)                                   # bf16 / fp32
+    gl_hf.enable(model, recipe=gl.recipes.Float8Rowwise())  # FP8 GEMMs
+
+The entries run on the module's own parameters as they are stored (gate/up concatenated or
+interleaved, ``(E, out, in)`` or transposed ``(E, in, out)``, with or without biases, gated or
+not, a post-expert norm): no copy, checkpoint keys unchanged. Expert-parallel sentinels
+(indices ``>= num_experts``, another rank's experts) are dropped slots: no rows, zero output.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import recipes
+from ..ops.grouped_linear import grouped_linear
+from ..ops.permutation import permute, unpermute
+
+__all__ = ["NAME", "RECIPE_NAMES", "experts_forward", "register", "enable"]
+
+NAME = "grouped_linear"
+# Entries with an FP8 recipe of their own (the plain entry follows ``gl.autocast``).
+RECIPE_NAMES = {
+    "grouped_linear_fp8_rowwise": recipes.Float8Rowwise,
+    "grouped_linear_fp8_tensorwise": recipes.Float8Tensorwise,
+    "grouped_linear_fp8_blockwise": recipes.Float8Blockwise,
+}
+
+
+def _projection(module: torch.nn.Module, name: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The module's ``name`` weight as ``(E, out, in)`` (a view where stored transposed) and
+    its bias or ``None``."""
+    weight = getattr(module, name)
+    if module.is_transposed:
+        weight = weight.transpose(1, 2)
+    bias = getattr(module, name + "_bias") if module.has_bias else None
+    return weight, bias
+
+
+def experts_forward(module: torch.nn.Module, hidden_states: torch.Tensor,
+                    top_k_index: torch.Tensor, top_k_weights: torch.Tensor, *,
+                    recipe: recipes.Float8Recipe | None = None) -> torch.Tensor:
+    """One transformers experts module's forward: ``(T, H)`` tokens, ``(T, k)`` expert indices
+    and routing weights -> ``(T, H)``, the routing-weighted sum of each token's experts."""
+    num_experts = module.num_experts
+    if module._is_expert_parallel:  # another rank's experts: a dropped slot
+        top_k_index = torch.where(top_k_index < num_experts, top_k_index,
+                                  top_k_index.new_full((), -1))
+    rows, m_splits, row_map = permute(hidden_states, top_k_index, num_experts)
+    weight, bias = _projection(module, "gate_up_proj" if module.has_gate else "up_proj")
+    h = grouped_linear(rows, weight, bias, m_splits, recipe=recipe)
+    h = module._apply_gate(h) if module.has_gate else module.act_fn(h)
+    weight, bias = _projection(module, "down_proj")
+    out = grouped_linear(h, weight, bias, m_splits, recipe=recipe)
+    if module.has_post_expert_norm:
+        out = module.post_expert_norm(out)
+    return unpermute(out, row_map, top_k_weights).to(hidden_states.dtype)
+
+
+def _entry(recipe: recipes.Float8Recipe):
+    """The experts forward with ``recipe`` fixed (``gl.autocast`` does not change it)."""
+
+    def forward(module, hidden_states, top_k_index, top_k_weights):
+        return experts_forward(module, hidden_states, top_k_index, top_k_weights, recipe=recipe)
+
+    forward.__name__ = f"experts_forward_{type(recipe).__name__}"
+    return forward
+
+
+def register() -> None:
+    """Add ``"grouped_linear"`` and the FP8 entries of :data:`RECIPE_NAMES` to transformers'
+    ``ExpertsInterface`` (idempotent)."""
+    from transformers.integrations.moe import ExpertsInterface
+
+    ExpertsInterface.register(NAME, experts_forward)
+    for name, recipe_class in RECIPE_NAMES.items():
+        ExpertsInterface.register(name, _entry(recipe_class()))
+
+
+def enable(model: torch.nn.Module, recipe: recipes.Float8Recipe | None = None) -> torch.nn.Module:
+    """Register the entries and switch ``model`` (a transformers ``PreTrainedModel``) to them:
+    the plain entry without ``recipe`` (it follows ``gl.autocast``), else the entry of that
+    recipe (:data:`RECIPE_NAMES` for the default settings, ``"grouped_linear_<recipe>"`` for
+    others). Returns ``model``."""
+    if not hasattr(model, "set_experts_implementation"):
+        raise TypeError(
+            f"model is {type(model).__name__}: expected a transformers PreTrainedModel "
+            "(transformers 5 or later)"
+        )
+    recipe = recipes.check_recipe(recipe)
+    register()
+    name = NAME
+    if recipe is not None:
+        name = next((n for n, cls in RECIPE_NAMES.items() if recipe == cls()),
+                    f"grouped_linear_{recipe!r}")
+        if name not in RECIPE_NAMES:
+            from transformers.integrations.moe import ExpertsInterface
+
+            ExpertsInterface.register(name, _entry(recipe))
+    model.set_experts_implementation(name)
+    return model

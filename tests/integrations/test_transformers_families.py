@@ -1,0 +1,167 @@
+"""Every experts module of the installed transformers (found by scanning its modeling files
+for ``use_experts_implementation``, not by a list) against its own eager forward: outputs and
+every gradient in float64, the expert-parallel sentinel, no copy of the weights."""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.util
+import pathlib
+import re
+
+import pytest
+import torch
+from transformers.configuration_utils import PretrainedConfig
+
+import grouped_linear.integrations.transformers as gl_hf
+from tests.reference import rel_err
+
+_DECORATED = re.compile(r"@use_experts_implementation(?:\([^)]*\))?\s*\nclass (\w+)\(")
+# Config attributes shrunk to a tiny model, by the words their names contain.
+_SMALL = (("experts_per_tok", 2), ("top_k", 2), ("experts", 8), ("intermediate_size", 24),
+          ("hidden_size", 32), ("head_dim", 8), ("vocab_size", 64), ("hidden_layers", 1))
+_MAX_PARAMS = 1_000_000
+# float64 throughout; some families' eager paths round a piece through float32
+TOL = 1e-6
+
+
+def _experts_classes() -> list[tuple[str, str]]:
+    """``(module name, class name)`` of every decorated experts class."""
+    models = pathlib.Path(importlib.util.find_spec("transformers.models").origin).parent
+    found = []
+    for path in sorted(models.glob("*/modeling_*.py")):
+        for name in _DECORATED.findall(path.read_text()):
+            found.append((f"transformers.models.{path.parent.name}.{path.stem}", name))
+    return found
+
+
+def _shrink(config: PretrainedConfig) -> PretrainedConfig:
+    for key, value in list(vars(config).items()):
+        for word, small in _SMALL:
+            if word not in key:
+                continue
+            if value is None:  # an unset MoE size (the family's default is dense)
+                setattr(config, key, small)
+            elif isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                setattr(config, key, min(value, small))
+            elif isinstance(value, list) and all(isinstance(v, int) for v in value):
+                setattr(config, key, [min(v, small) for v in value])  # per modality
+            break
+    return config
+
+
+def _configs(module) -> list[PretrainedConfig]:
+    """Tiny configs of every config class the modeling module names, sub-configs included."""
+    classes = [obj for obj in vars(module).values()
+               if isinstance(obj, type) and issubclass(obj, PretrainedConfig)
+               and obj is not PretrainedConfig]
+    configs = []
+    for cls in classes:
+        try:
+            config = cls()
+        except Exception:  # noqa: BLE001 (configs that need arguments are skipped)
+            continue
+        configs.append(_shrink(config))
+        for sub in getattr(config, "sub_configs", {}):
+            value = getattr(config, sub, None)
+            if isinstance(value, PretrainedConfig):
+                configs.append(_shrink(value))
+    return configs
+
+
+@functools.cache
+def _build(module_name: str, class_name: str):
+    """A tiny float64 instance of the experts class, or the reason there is none."""
+    module = importlib.import_module(module_name)
+    cls = getattr(module, class_name)
+    for config in _configs(module):
+        # some families pass the expert width (one of several, per modality) explicitly
+        sizes = getattr(config, "moe_intermediate_size", None)
+        args = (sizes[0],) if isinstance(sizes, list) else ()
+        try:
+            with torch.device("meta"):
+                probe = cls(config, *args)
+        except Exception:  # noqa: BLE001 (a config of another part of the model)
+            continue
+        if not hasattr(probe, "num_experts"):
+            continue
+        if sum(p.numel() for p in probe.parameters()) > _MAX_PARAMS:
+            continue
+        torch.manual_seed(0)
+        experts = cls(config, *args).double()
+        with torch.no_grad():
+            for p in experts.parameters():
+                p.normal_(0, 0.2)
+        return experts
+    return None
+
+
+FAMILIES = _experts_classes()
+
+
+def test_the_scan_finds_the_families_the_integration_is_measured_on():
+    names = {cls for _, cls in FAMILIES}
+    assert {"Qwen3MoeExperts", "MixtralExperts", "OlmoeExperts", "DeepseekV3Experts",
+            "Qwen2MoeExperts", "GptOssExperts"} <= names
+    assert len(FAMILIES) >= 40
+
+
+def _run(experts, implementation, hidden, index, weights):
+    experts.config._experts_implementation = implementation
+    hidden = hidden.detach().requires_grad_()
+    weights = weights.detach().requires_grad_()
+    for p in experts.parameters():
+        p.grad = None
+    out = experts(hidden, index, weights)
+    out.backward(torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view_as(out))
+    grads = {name: p.grad.clone() for name, p in experts.named_parameters()}
+    return out.detach(), hidden.grad, weights.grad, grads
+
+
+def _inputs(experts, tokens=13, k=2, seed=1):
+    k = min(k, experts.num_experts)
+    generator = torch.Generator().manual_seed(seed)
+    hidden_size = next(p for n, p in experts.named_parameters() if "down_proj" in n)
+    hidden_size = hidden_size.shape[2] if experts.is_transposed else hidden_size.shape[1]
+    hidden = torch.randn(tokens, hidden_size, generator=generator, dtype=torch.float64)
+    index = torch.stack([torch.randperm(experts.num_experts, generator=generator)[:k]
+                         for _ in range(tokens)])
+    weights = torch.rand(tokens, k, generator=generator, dtype=torch.float64)
+    return hidden, index, weights
+
+
+@pytest.mark.parametrize("module_name, class_name", FAMILIES, ids=[c for _, c in FAMILIES])
+def test_matches_the_eager_experts(module_name, class_name):
+    gl_hf.register()
+    experts = _build(module_name, class_name)
+    assert experts is not None, "no tiny config builds this experts module"
+    hidden, index, weights = _inputs(experts)
+    want = _run(experts, "eager", hidden, index, weights)
+    got = _run(experts, gl_hf.NAME, hidden, index, weights)
+    for a, b in zip(got[:3], want[:3]):
+        assert rel_err(a, b) < TOL
+    assert got[3].keys() == want[3].keys()
+    for name in want[3]:
+        assert rel_err(got[3][name], want[3][name]) < TOL, name
+
+
+@pytest.mark.parametrize("module_name, class_name", FAMILIES[::7], ids=[c for _, c in FAMILIES[::7]])
+def test_expert_parallel_sentinels_are_dropped_slots(module_name, class_name):
+    """Indices ``>= num_experts`` (another rank's experts) contribute nothing: as the same
+    slot given weight zero."""
+    gl_hf.register()
+    experts = _build(module_name, class_name)
+    hidden, index, weights = _inputs(experts, seed=2)
+    foreign = torch.zeros_like(index, dtype=torch.bool)
+    foreign[::3, 0] = True
+    experts._is_expert_parallel = True
+    try:
+        got = _run(experts, gl_hf.NAME, hidden, torch.where(foreign, experts.num_experts + 3,
+                                                             index), weights)
+    finally:
+        experts._is_expert_parallel = False
+    want = _run(experts, "eager", hidden, index, weights.masked_fill(foreign, 0))
+    assert rel_err(got[0], want[0]) < TOL and rel_err(got[1], want[1]) < TOL
+    for name in want[3]:
+        assert rel_err(got[3][name], want[3][name]) < TOL, name

@@ -1,0 +1,130 @@
+"""Whole tiny transformers models with grouped_linear's experts: logits, gradients and
+optimizer steps against transformers' eager experts, one-line enabling, checkpoints."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+import grouped_linear as gl
+import grouped_linear.integrations.transformers as gl_hf
+from tests.reference import rel_err
+
+_TINY = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=8, intermediate_size=48,
+             num_experts_per_tok=2, max_position_embeddings=64)
+FAMILIES = {
+    "qwen3_moe": dict(num_experts=8, moe_intermediate_size=16),
+    "qwen2_moe": dict(num_experts=8, moe_intermediate_size=16,
+                      shared_expert_intermediate_size=16),
+    "mixtral": dict(num_local_experts=8),
+    "olmoe": dict(num_experts=8),
+    "deepseek_v3": dict(n_routed_experts=8, moe_intermediate_size=16, first_k_dense_replace=0,
+                        n_group=2, topk_group=1, q_lora_rank=16, kv_lora_rank=16,
+                        qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
+                        num_key_value_heads=4),
+    "gpt_oss": dict(num_local_experts=8, intermediate_size=16, layer_types=None),
+}
+
+
+def _model(family: str, dtype=torch.float64, implementation="eager"):
+    config = transformers.AutoConfig.for_model(family, **{**_TINY, **FAMILIES[family]})
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(
+        config, experts_implementation=implementation).to(dtype)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.1)
+    return model
+
+
+def _expert_grads(model):
+    return {n: p.grad.clone() for n, p in model.named_parameters()
+            if "experts" in n and p.grad is not None}
+
+
+def _loss(model, ids):
+    return model(ids, labels=ids).loss
+
+
+IDS = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(5))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_logits_and_expert_gradients_match_eager(family):
+    model = _model(family, torch.float32)
+    want_logits = model(IDS).logits.detach()
+    _loss(model, IDS).backward()
+    want = _expert_grads(model)
+    model.zero_grad()
+    assert gl_hf.enable(model) is model
+    assert model.config._experts_implementation == gl_hf.NAME
+    assert rel_err(model(IDS).logits, want_logits) < 1e-5
+    _loss(model, IDS).backward()
+    got = _expert_grads(model)
+    assert got.keys() == want.keys() and want
+    for name in want:
+        assert rel_err(got[name], want[name]) < 1e-4, name
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_five_sgd_steps_stay_in_step_with_eager(family):
+    models = [_model(family, torch.float64), _model(family, torch.float64)]
+    gl_hf.enable(models[1])
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in models]
+    for step in range(5):
+        ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(step))
+        for model, optimizer in zip(models, optimizers):
+            optimizer.zero_grad()
+            _loss(model, ids).backward()
+            optimizer.step()
+    for (name, a), (_, b) in zip(models[0].named_parameters(), models[1].named_parameters()):
+        assert rel_err(b, a) < 1e-5, name
+
+
+def test_from_pretrained_with_the_entry_and_a_round_trip_of_the_checkpoint(tmp_path):
+    model = _model("qwen3_moe", torch.float32)
+    keys = set(model.state_dict())
+    gl_hf.enable(model)
+    model.save_pretrained(tmp_path)
+    gl_hf.register()
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path, experts_implementation=gl_hf.NAME, dtype=torch.float32)
+    assert loaded.config._experts_implementation == gl_hf.NAME
+    assert set(loaded.state_dict()) == keys
+    assert rel_err(loaded(IDS).logits, model(IDS).logits) < 1e-6
+
+
+def test_fp8_entry_runs_the_recipe_and_stays_close():
+    model = _model("mixtral", torch.float32)
+    want = model(IDS).logits.detach()
+    gl_hf.enable(model, recipe=gl.recipes.Float8Rowwise())
+    assert model.config._experts_implementation == "grouped_linear_fp8_rowwise"
+    got = model(IDS).logits
+    error = rel_err(got, want)
+    assert 1e-6 < error < 6e-2  # quantized, within the FP8 bound
+    with gl.autocast(gl.recipes.Float8Blockwise()):  # the plain entry follows gl.autocast
+        gl_hf.enable(model)
+        assert 1e-6 < rel_err(model(IDS).logits, want) < 6e-2
+
+
+def test_gradient_checkpointing():
+    model = _model("olmoe", torch.float64)
+    _loss(model, IDS).backward()
+    want = _expert_grads(model)
+    model.zero_grad()
+    gl_hf.enable(model)
+    model.gradient_checkpointing_enable()
+    model.train()
+    _loss(model, IDS).backward()
+    got = _expert_grads(model)
+    for name in want:
+        assert rel_err(got[name], want[name]) < 1e-10, name
+
+
+def test_enable_rejects_what_is_not_a_transformers_model():
+    with pytest.raises(TypeError, match="model is Linear"):
+        gl_hf.enable(torch.nn.Linear(2, 2))
+    with pytest.raises((TypeError, ValueError), match="recipe"):
+        gl_hf.enable(_model("olmoe"), recipe="fp8")
