@@ -38,11 +38,12 @@ def build_parser() -> argparse.ArgumentParser:
         description="Time forward and forward+backward of grouped GEMMs on the packaged MoE "
         "shapes and print TFLOP/s per implementation (--suite gemm), or the pad/unpad and "
         "permute/unpermute ops against copy bandwidth and GroupedMLP against its GEMMs "
-        "(--suite layouts). On CPU the sizes are scaled down.",
+        "(--suite layouts), or transformers' experts modules by its grouped_mm and by this "
+        "library (--suite transformers). On CPU the sizes are scaled down.",
     )
-    bench.add_argument("--suite", choices=("gemm", "layouts"), default="gemm",
+    bench.add_argument("--suite", choices=("gemm", "layouts", "transformers"), default="gemm",
                        help="gemm: grouped GEMM TFLOP/s (default); layouts: layout ops' GB/s "
-                       "and GroupedMLP overhead")
+                       "and GroupedMLP overhead; transformers: its experts modules")
     bench.add_argument("--shapes", default=None,
                        help="comma-separated shape names from shapes.json (default: all; "
                        "--suite gemm only)")
@@ -118,6 +119,17 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         if given:
             raise SystemExit(f"{', '.join(given)}: for --suite gemm only")
         run_layouts_bench(device=args.device, json_path=args.json_path, reps=args.reps)
+        return 0
+    if args.suite == "transformers":
+        from .bench_transformers import run_transformers_bench
+
+        given = [flag for flag, value in (("--shapes", args.shapes), ("--plot", args.plot_path),
+                                          ("--dtype", args.dtype), ("--columns", args.columns))
+                 if value is not None]
+        if given:
+            raise SystemExit(f"{', '.join(given)}: not for --suite transformers")
+        run_transformers_bench(device=args.device, json_path=args.json_path, reps=args.reps,
+                               rounds=args.rounds)
         return 0
     from .bench import run_bench
 

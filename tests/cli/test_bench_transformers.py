@@ -1,0 +1,51 @@
+"""The transformers benchmark suite runs at tiny sizes on CPU and reports sane numbers."""
+
+import json
+import math
+
+import pytest
+
+from grouped_linear.cli.bench_transformers import (
+    BASELINE,
+    CASES,
+    Case,
+    render_transformers_table,
+    run_transformers_bench,
+)
+from grouped_linear.cli.main import main
+
+TINY = (Case("tiny_qwen3", "qwen3_moe", "Qwen3MoeExperts",
+             dict(hidden_size=128, moe_intermediate_size=64, num_experts=8), 512, 2),
+        Case("tiny_gpt_oss", "gpt_oss", "GptOssExperts",
+             dict(hidden_size=128, intermediate_size=128, num_local_experts=4), 512, 2))
+
+
+@pytest.fixture(autouse=True)
+def _plain_cpu_kernels(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+
+
+def test_every_case_and_column_is_reported(tmp_path, capsys):
+    path = tmp_path / "transformers.json"
+    report = run_transformers_bench(device="cpu", json_path=str(path), reps=1, rounds=1,
+                                    cases=TINY)
+    assert json.loads(path.read_text()) == report
+    assert [c["case"] for c in report["cases"]] == ["tiny_qwen3", "tiny_gpt_oss"]
+    for case in report["cases"]:
+        assert set(case["columns"]) == {BASELINE, "grouped_linear"}
+        assert case["columns"][BASELINE]["speedup"] == 1.0
+        for column in case["columns"].values():
+            assert math.isfinite(column["tflops"]) and column["tflops"] > 0
+            assert column["rel_diff"] < 1e-5  # float32 on CPU: the same function
+    out = capsys.readouterr().out
+    assert render_transformers_table(report) in out
+
+
+def test_the_cases_are_the_families_measured():
+    assert {c.experts_class for c in CASES} == {"Qwen3MoeExperts", "GptOssExperts",
+                                                "MixtralExperts", "DeepseekV3Experts"}
+
+
+def test_suite_refuses_gemm_only_options():
+    with pytest.raises(SystemExit, match="--shapes"):
+        main(["bench", "--suite", "transformers", "--shapes", "x"])
