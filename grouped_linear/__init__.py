@@ -7,6 +7,7 @@
 from . import parallel, recipes
 from .modules import ExpertParallelMoE, GroupedLinear, GroupedMLP
 from .ops import GroupSplits, grouped_linear
+from .ops.mlp import grouped_mlp
 from .ops.padding import pad_groups, unpad_groups
 from .ops.permutation import permute, unpermute
 from .recipes import autocast
@@ -20,6 +21,7 @@ __all__ = [
     "parallel",
     "GroupSplits",
     "grouped_linear",
+    "grouped_mlp",
     "pad_groups",
     "unpad_groups",
     "permute",

@@ -1,11 +1,19 @@
 """The expert MLP's activation with fc1's per-group bias folded in.
 
-``a = act(h + b[g])`` for non-gated activations and
-``a = act(h[:, :F] + b[g, :F]) * (h[:, F:] + b[g, F:])`` for gated ones (gate
-half first), where ``g`` is the row's group. Rows past ``ends[-1]`` give
-zero. One read of ``h`` and one write of ``a`` forward; backward recomputes
-from ``h`` (nothing else saved) in one read of ``h`` and ``grad_a`` and one
-write of ``grad_h``. A Triton kernel each way, the PyTorch reference beside it.
+With ``v = h + b[g]`` (``g`` the row's group), ``a = f(v)`` for the non-gated kinds and
+``a = f(gate) * up`` for the gated ones, where ``gate`` and ``up`` are the two halves of
+``v`` (``interleaved=False``: ``v[:, :F]`` then ``v[:, F:]``, the gate half first;
+``interleaved=True``: ``v[:, 0::2]`` and ``v[:, 1::2]``, gate and up alternating, as
+GPT-OSS stores them). ``f`` is SiLU (``swiglu``, ``silu``), tanh-GELU (``geglu``,
+``gelu``), exact erf-GELU (``geglu_erf``, ``gelu_erf``) or ReLU (``relu``).
+``gpt_oss_swiglu`` is GPT-OSS's gate: ``g = min(gate, limit)``,
+``u = clamp(up, -limit, limit)``, ``a = (u + 1) * g * sigmoid(alpha * g)``; its gradient
+is zero where a value was clamped (as torch's ``clamp``: a value at the limit passes).
+
+Rows past ``ends[-1]`` give zero. One read of ``h`` and one write of ``a`` forward; backward
+recomputes from ``h`` (nothing else saved) in one read of ``h`` and ``grad_a`` and one write
+of ``grad_h``, in ``h``'s column layout. Float32 math for every I/O dtype. A Triton kernel
+each way, the PyTorch reference beside it (float64 inputs run it in float64).
 """
 
 import torch
@@ -14,14 +22,21 @@ import torch.nn.functional as F
 from ._groups import row_group, row_groups
 from ._triton import cdiv, kernel, next_power_of_2, tl, triton, use_triton
 
-__all__ = ["ACTIVATION_KINDS", "GATED_KINDS", "bias_act_forward", "bias_act_backward",
-           "bias_act_reference", "bias_act_backward_reference"]
+__all__ = ["ACTIVATION_KINDS", "GATED_KINDS", "GPT_OSS_ALPHA", "GPT_OSS_LIMIT",
+           "bias_act_forward", "bias_act_backward", "bias_act_reference",
+           "bias_act_backward_reference"]
 
-ACTIVATION_KINDS = {"swiglu": 0, "geglu": 1, "silu": 0, "gelu": 1, "relu": 2}
-GATED_KINDS = ("swiglu", "geglu")
+# Each kind's function of the gate (or of the whole input), as the kernel numbers it.
+ACTIVATION_KINDS = {"swiglu": 0, "geglu": 1, "geglu_erf": 3, "gpt_oss_swiglu": 4,
+                    "silu": 0, "gelu": 1, "gelu_erf": 3, "relu": 2}
+GATED_KINDS = ("swiglu", "geglu", "geglu_erf", "gpt_oss_swiglu")
+GPT_OSS_ALPHA = 1.702
+GPT_OSS_LIMIT = 7.0
 
 _SQRT_2_OVER_PI = 0.7978845608028654
 _GELU_CUBIC = 0.044715
+_SQRT_HALF = 0.7071067811865476
+_INV_SQRT_2PI = 0.3989422804014327
 
 
 # --------------------------------------------------------------------------- reference
@@ -30,26 +45,9 @@ def _base_activation(kind: str, value: torch.Tensor) -> torch.Tensor:
         return F.silu(value)
     if kind in ("geglu", "gelu"):
         return F.gelu(value, approximate="tanh")
+    if kind in ("geglu_erf", "gelu_erf"):
+        return F.gelu(value)
     return F.relu(value)
-
-
-def bias_act_reference(h, bias, ends, kind, zero_tail):
-    """Differentiable plain-PyTorch form (float32 math, float64 for float64; output in ``h.dtype``)."""
-    compute = torch.float64 if h.dtype == torch.float64 else torch.float32
-    value = h.to(compute)
-    groups = row_groups(ends, h.shape[0])
-    in_group = (groups < ends.shape[0]).unsqueeze(1)
-    if bias is not None:
-        padded = torch.cat([bias.to(compute), bias.new_zeros(1, bias.shape[1], dtype=compute)])
-        value = value + padded.index_select(0, groups)
-    if kind in GATED_KINDS:
-        gate, up = value.chunk(2, dim=-1)
-        out = _base_activation(kind, gate) * up
-    else:
-        out = _base_activation(kind, value)
-    if zero_tail:
-        out = torch.where(in_group, out, torch.zeros((), dtype=out.dtype, device=out.device))
-    return out.to(h.dtype)
 
 
 def _base_activation_grad(kind: str, value: torch.Tensor) -> torch.Tensor:
@@ -61,24 +59,87 @@ def _base_activation_grad(kind: str, value: torch.Tensor) -> torch.Tensor:
         t = torch.tanh(inner)
         d_inner = _SQRT_2_OVER_PI * (1 + 3 * _GELU_CUBIC * value ** 2)
         return 0.5 * (1 + t) + 0.5 * value * (1 - t * t) * d_inner
+    if kind in ("geglu_erf", "gelu_erf"):
+        return (0.5 * (1 + torch.erf(value * _SQRT_HALF))
+                + value * _INV_SQRT_2PI * torch.exp(-0.5 * value * value))
     return (value > 0).to(value.dtype)
 
 
-def bias_act_backward_reference(grad_a, h, bias, ends, kind):
-    """The gradient with respect to ``h``, written out (no autograd: it also runs inside
-    custom ops, where autograd does not record). Rows past the last group get zero."""
+def _halves(value: torch.Tensor, interleaved: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(gate, up)`` of a gated input."""
+    if interleaved:
+        return value[:, 0::2], value[:, 1::2]
+    gate, up = value.chunk(2, dim=-1)
+    return gate, up
+
+
+def _join(gate: torch.Tensor, up: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """The inverse of :func:`_halves`."""
+    if interleaved:
+        return torch.stack((gate, up), dim=-1).flatten(1)
+    return torch.cat((gate, up), dim=-1)
+
+
+def _gated(kind: str, gate: torch.Tensor, up: torch.Tensor, alpha: float,
+           limit: float) -> torch.Tensor:
+    if kind == "gpt_oss_swiglu":
+        g = gate.clamp(max=limit)
+        return (up.clamp(-limit, limit) + 1) * g * torch.sigmoid(alpha * g)
+    return _base_activation(kind, gate) * up
+
+
+def _gated_grads(kind: str, gate: torch.Tensor, up: torch.Tensor, grad_a: torch.Tensor,
+                 alpha: float, limit: float) -> tuple[torch.Tensor, torch.Tensor]:
+    if kind == "gpt_oss_swiglu":
+        g = gate.clamp(max=limit)
+        s = torch.sigmoid(alpha * g)
+        zero = torch.zeros((), dtype=grad_a.dtype, device=grad_a.device)
+        grad_gate = grad_a * (up.clamp(-limit, limit) + 1) * (s + alpha * g * s * (1 - s))
+        return (torch.where(gate <= limit, grad_gate, zero),
+                torch.where((up >= -limit) & (up <= limit), grad_a * g * s, zero))
+    return grad_a * up * _base_activation_grad(kind, gate), grad_a * _base_activation(kind, gate)
+
+
+def _biased(h: torch.Tensor, bias: torch.Tensor | None, ends: torch.Tensor
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``h + bias[g]`` in the compute dtype, and the ``(M, 1)`` mask of rows in a group."""
     compute = torch.float64 if h.dtype == torch.float64 else torch.float32
-    groups = row_groups(ends, h.shape[0])
-    in_group = (groups < ends.shape[0]).unsqueeze(1)
     value = h.to(compute)
+    groups = row_groups(ends, h.shape[0])
     if bias is not None:
         padded = torch.cat([bias.to(compute), bias.new_zeros(1, bias.shape[1], dtype=compute)])
         value = value + padded.index_select(0, groups)
-    grad_a = torch.where(in_group, grad_a.to(compute), torch.zeros((), dtype=compute))
+    return value, (groups < ends.shape[0]).unsqueeze(1)
+
+
+def bias_act_reference(h: torch.Tensor, bias: torch.Tensor | None, ends: torch.Tensor,
+                       kind: str, zero_tail: bool, interleaved: bool = False,
+                       alpha: float = GPT_OSS_ALPHA, limit: float = GPT_OSS_LIMIT
+                       ) -> torch.Tensor:
+    """Differentiable plain-PyTorch form (float32 math, float64 for float64; output in
+    ``h.dtype``)."""
+    value, in_group = _biased(h, bias, ends)
     if kind in GATED_KINDS:
-        gate, up = value.chunk(2, dim=-1)
-        grad_h = torch.cat([grad_a * up * _base_activation_grad(kind, gate),
-                            grad_a * _base_activation(kind, gate)], dim=-1)
+        out = _gated(kind, *_halves(value, interleaved), alpha, limit)
+    else:
+        out = _base_activation(kind, value)
+    if zero_tail:
+        out = torch.where(in_group, out, torch.zeros((), dtype=out.dtype, device=out.device))
+    return out.to(h.dtype)
+
+
+def bias_act_backward_reference(grad_a: torch.Tensor, h: torch.Tensor,
+                                bias: torch.Tensor | None, ends: torch.Tensor, kind: str,
+                                interleaved: bool = False, alpha: float = GPT_OSS_ALPHA,
+                                limit: float = GPT_OSS_LIMIT) -> torch.Tensor:
+    """The gradient with respect to ``h``, written out (no autograd: it also runs inside
+    custom ops, where autograd does not record). Rows past the last group get zero."""
+    value, in_group = _biased(h, bias, ends)
+    grad_a = torch.where(in_group, grad_a.to(value.dtype),
+                         torch.zeros((), dtype=value.dtype, device=value.device))
+    if kind in GATED_KINDS:
+        gate, up = _halves(value, interleaved)
+        grad_h = _join(*_gated_grads(kind, gate, up, grad_a, alpha, limit), interleaved)
     else:
         grad_h = grad_a * _base_activation_grad(kind, value)
     return grad_h.to(h.dtype)
@@ -92,8 +153,10 @@ def _act(x, ACT: tl.constexpr):
     elif ACT == 1:
         inner = 0.7978845608028654 * (x + 0.044715 * x * x * x)
         return x * tl.sigmoid(2.0 * inner)  # 0.5 * x * (1 + tanh(inner))
-    else:
+    elif ACT == 2:
         return tl.maximum(x, 0.0)
+    else:
+        return 0.5 * x * (1.0 + tl.math.erf(x * 0.7071067811865476))
 
 
 @triton.jit
@@ -106,8 +169,41 @@ def _act_grad(x, ACT: tl.constexpr):
         t = 2.0 * tl.sigmoid(2.0 * inner) - 1.0
         d_inner = 0.7978845608028654 * (1.0 + 3.0 * 0.044715 * x * x)
         return 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * d_inner
-    else:
+    elif ACT == 2:
         return (x > 0.0).to(tl.float32)
+    else:
+        return (0.5 * (1.0 + tl.math.erf(x * 0.7071067811865476))
+                + x * 0.3989422804014327 * tl.exp(-0.5 * x * x))
+
+
+@triton.jit
+def _clamped(gate, up, limit):
+    """GPT-OSS's ``min(gate, limit)`` and ``clamp(up, -limit, limit)`` (NaN stays NaN)."""
+    g = tl.where(gate > limit, limit, gate)
+    u = tl.where(up > limit, limit, tl.where(up < -limit, -limit, up))
+    return g, u
+
+
+@triton.jit
+def _glu(gate, up, alpha, limit, ACT: tl.constexpr):
+    if ACT == 4:
+        g, u = _clamped(gate, up, limit)
+        return (u + 1.0) * g * tl.sigmoid(alpha * g)
+    else:
+        return _act(gate, ACT) * up
+
+
+@triton.jit
+def _glu_grads(gate, up, grad_a, alpha, limit, ACT: tl.constexpr):
+    if ACT == 4:
+        g, u = _clamped(gate, up, limit)
+        s = tl.sigmoid(alpha * g)
+        grad_gate = tl.where(gate <= limit,
+                             grad_a * (u + 1.0) * (s + alpha * g * s * (1.0 - s)), 0.0)
+        grad_up = tl.where((up >= -limit) & (up <= limit), grad_a * g * s, 0.0)
+        return grad_gate, grad_up
+    else:
+        return grad_a * up * _act_grad(gate, ACT), grad_a * _act(gate, ACT)
 
 
 @triton.jit
@@ -124,51 +220,63 @@ def _load_input(h_ptr, bias_ptr, rows, cols, groups, in_group, mask, stride_h, s
 @kernel
 @triton.jit
 def _bias_act_kernel(h_ptr, bias_ptr, ends_ptr, grad_a_ptr, out_ptr, M, F, G,
-                     stride_h, stride_bias, stride_grad_a, stride_out,
-                     HAS_BIAS: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr,
-                     BACKWARD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_G: tl.constexpr):
+                     stride_h, stride_bias, stride_grad_a, stride_out, alpha, limit,
+                     HAS_BIAS: tl.constexpr, GATED: tl.constexpr, INTERLEAVED: tl.constexpr,
+                     ACT: tl.constexpr, BACKWARD: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # output columns
     mask = (rows < M)[:, None] & (cols < F)[None, :]
     groups = row_group(ends_ptr, rows, G, BLOCK_G)
     in_group = groups < G
     keep = in_group[:, None]
-    gate = _load_input(h_ptr, bias_ptr, rows, cols, groups, in_group, mask, stride_h, stride_bias,
-                       HAS_BIAS)
-    out_rows = out_ptr + rows.to(tl.int64)[:, None] * stride_out + cols[None, :]
+    if INTERLEAVED:  # columns of the gate and up values in h (and in grad_h)
+        gate_cols = 2 * cols
+        up_cols = gate_cols + 1
+    else:
+        gate_cols = cols
+        up_cols = cols + F
+    gate = _load_input(h_ptr, bias_ptr, rows, gate_cols, groups, in_group, mask, stride_h,
+                       stride_bias, HAS_BIAS)
+    out_rows = out_ptr + rows.to(tl.int64)[:, None] * stride_out
     if not BACKWARD:
-        result = _act(gate, ACT)
         if GATED:
-            result *= _load_input(h_ptr, bias_ptr, rows, cols + F, groups, in_group, mask,
-                                  stride_h, stride_bias, HAS_BIAS)
-        tl.store(out_rows, tl.where(keep, result, 0.0).to(out_ptr.dtype.element_ty), mask=mask)
+            up = _load_input(h_ptr, bias_ptr, rows, up_cols, groups, in_group, mask, stride_h,
+                             stride_bias, HAS_BIAS)
+            result = _glu(gate, up, alpha, limit, ACT)
+        else:
+            result = _act(gate, ACT)
+        tl.store(out_rows + cols[None, :], tl.where(keep, result, 0.0).to(
+            out_ptr.dtype.element_ty), mask=mask)
     else:
         grad_a = tl.load(grad_a_ptr + rows.to(tl.int64)[:, None] * stride_grad_a + cols[None, :],
                          mask=mask, other=0.0).to(tl.float32)
         grad_a = tl.where(keep, grad_a, 0.0)
-        grad_gate = grad_a * _act_grad(gate, ACT)
         if GATED:
-            up = _load_input(h_ptr, bias_ptr, rows, cols + F, groups, in_group, mask, stride_h,
+            up = _load_input(h_ptr, bias_ptr, rows, up_cols, groups, in_group, mask, stride_h,
                              stride_bias, HAS_BIAS)
-            tl.store(out_rows + F, (grad_a * _act(gate, ACT)).to(out_ptr.dtype.element_ty),
+            grad_gate, grad_up = _glu_grads(gate, up, grad_a, alpha, limit, ACT)
+            tl.store(out_rows + up_cols[None, :], grad_up.to(out_ptr.dtype.element_ty),
                      mask=mask)
-            grad_gate *= up
-        tl.store(out_rows, grad_gate.to(out_ptr.dtype.element_ty), mask=mask)
+        else:
+            grad_gate = grad_a * _act_grad(gate, ACT)
+        tl.store(out_rows + gate_cols[None, :], grad_gate.to(out_ptr.dtype.element_ty),
+                 mask=mask)
 
 
-def _launch(h, bias, ends, kind, grad_a, out, width):
+def _launch(h, bias, ends, kind, interleaved, alpha, limit, grad_a, out, width):
     M = h.shape[0]
     G = ends.shape[0]
     block_m, block_n = 32, 64
     grid = (cdiv(M, block_m), cdiv(width, block_n))
+    gated = kind in GATED_KINDS
     _bias_act_kernel[grid](
         h, bias if bias is not None else h, ends, grad_a if grad_a is not None else h, out,
         M, width, G, h.stride(0), bias.stride(0) if bias is not None else 0,
-        grad_a.stride(0) if grad_a is not None else 0, out.stride(0),
-        HAS_BIAS=bias is not None, GATED=kind in GATED_KINDS, ACT=ACTIVATION_KINDS[kind],
-        BACKWARD=grad_a is not None, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_G=min(64, next_power_of_2(G)),
+        grad_a.stride(0) if grad_a is not None else 0, out.stride(0), float(alpha), float(limit),
+        HAS_BIAS=bias is not None, GATED=gated, INTERLEAVED=gated and interleaved,
+        ACT=ACTIVATION_KINDS[kind], BACKWARD=grad_a is not None, BLOCK_M=block_m,
+        BLOCK_N=block_n, BLOCK_G=min(64, next_power_of_2(G)),
     )
     return out
 
@@ -180,28 +288,35 @@ def _triton_ok(*tensors) -> bool:
 
 # --------------------------------------------------------------------------- public
 def bias_act_forward(h: torch.Tensor, bias: torch.Tensor | None, ends: torch.Tensor,
-                     kind: str, zero_tail: bool) -> torch.Tensor:
+                     kind: str, zero_tail: bool, interleaved: bool = False,
+                     alpha: float = GPT_OSS_ALPHA, limit: float = GPT_OSS_LIMIT
+                     ) -> torch.Tensor:
     """``(M, W)`` fc1 output (``W = 2F`` gated, else ``F``) -> ``(M, F)`` activation.
 
-    ``bias`` is ``(G, W)`` or ``None``; rows past ``ends[-1]`` give zero
-    (always in the Triton kernel; with ``zero_tail`` in the reference).
+    ``bias`` is ``(G, W)`` or ``None``, in ``h``'s column layout; rows past ``ends[-1]``
+    give zero (always in the Triton kernel; with ``zero_tail`` in the reference).
+    ``interleaved``: gate and up columns alternate (gated kinds); ``alpha``, ``limit``:
+    ``gpt_oss_swiglu``'s parameters (the other kinds ignore them).
     """
     width = h.shape[1] // 2 if kind in GATED_KINDS else h.shape[1]
     if h.shape[0] == 0 or not _triton_ok(h, bias):
         with torch.no_grad():
-            return bias_act_reference(h, bias, ends, kind, zero_tail)
+            return bias_act_reference(h, bias, ends, kind, zero_tail, interleaved, alpha, limit)
     out = torch.empty(h.shape[0], width, device=h.device, dtype=h.dtype)
-    return _launch(h, bias, ends, kind, None, out, width)
+    return _launch(h, bias, ends, kind, interleaved, alpha, limit, None, out, width)
 
 
 def bias_act_backward(grad_a: torch.Tensor, h: torch.Tensor, bias: torch.Tensor | None,
-                      ends: torch.Tensor, kind: str, zero_tail: bool) -> torch.Tensor:
+                      ends: torch.Tensor, kind: str, zero_tail: bool, interleaved: bool = False,
+                      alpha: float = GPT_OSS_ALPHA, limit: float = GPT_OSS_LIMIT
+                      ) -> torch.Tensor:
     """``(M, F)`` gradient of the activation -> ``(M, W)`` gradient of fc1's output.
 
     Recomputes from ``h`` (and ``bias``); rows past ``ends[-1]`` get zero.
     """
     width = h.shape[1] // 2 if kind in GATED_KINDS else h.shape[1]
     if h.shape[0] == 0 or not _triton_ok(h, bias, grad_a):
-        return bias_act_backward_reference(grad_a, h, bias, ends, kind)
+        return bias_act_backward_reference(grad_a, h, bias, ends, kind, interleaved, alpha,
+                                           limit)
     out = torch.empty_like(h)
-    return _launch(h, bias, ends, kind, grad_a, out, width)
+    return _launch(h, bias, ends, kind, interleaved, alpha, limit, grad_a, out, width)

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 try:
@@ -14,9 +12,10 @@ try:
 except ImportError:  # pragma: no cover - builds without distributed
     FSDPModule = None
 
-from ..ops.activation import bias_activation
+from ..ops.activation import ACTIVATIONS, GATED_ACTIVATIONS, check_activation
 from ..ops.checks import check_int
 from ..ops.grouped_linear import split_rows
+from ..ops.mlp import run_mlp
 from ..ops.splits import GroupSplits
 from ..parallel.tensor_parallel import check_tp_group, check_tp_size
 from .grouped_linear import GroupedLinear
@@ -24,71 +23,33 @@ from .grouped_linear import GroupedLinear
 __all__ = ["GroupedMLP", "ACTIVATIONS", "GATED_ACTIVATIONS"]
 
 
-def _swiglu(h: torch.Tensor) -> torch.Tensor:
-    gate, up = h.chunk(2, dim=-1)
-    return F.silu(gate) * up
-
-
-def _geglu(h: torch.Tensor) -> torch.Tensor:
-    gate, up = h.chunk(2, dim=-1)
-    return F.gelu(gate, approximate="tanh") * up
-
-
-ACTIVATIONS = {
-    "swiglu": _swiglu,
-    "geglu": _geglu,
-    "gelu": lambda h: F.gelu(h, approximate="tanh"),
-    "relu": F.relu,
-    "silu": F.silu,
-}
-GATED_ACTIVATIONS = ("swiglu", "geglu")
-
-
-class _Recompute:
-    """Stands in, among fc2's saved tensors, for its input until backward needs it."""
-
-
-def _with_recomputed_input(fc2: GroupedLinear, h: torch.Tensor, recompute, splits,
-                           is_first_microbatch) -> torch.Tensor:
-    """``fc2(h)`` where autograd saves no reference to ``h`` itself: when backward unpacks
-    it, ``recompute()`` builds it again (from fc1's output, which the activation's own
-    backward keeps anyway). The hooks hold ``h`` only weakly: autograd keeps them with
-    every tensor they packed."""
-    target = weakref.ref(h)
-
-    def pack(tensor):
-        return _Recompute() if tensor is target() else tensor
-
-    def unpack(saved):
-        if isinstance(saved, _Recompute):
-            with torch.no_grad():
-                return recompute()
-        return saved
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-        return fc2(h, splits, is_first_microbatch=is_first_microbatch)
-
-
 def _is_fully_sharded(module: nn.Module) -> bool:
     return FSDPModule is not None and isinstance(module, FSDPModule)
 
 
 class GroupedMLP(nn.Module):
-    r"""Per-expert MLP: ``fc2(act(fc1(x)))`` with ``G`` experts.
+    r"""Per-expert MLP: ``fc2(act(fc1(x)))`` with ``G`` experts; the module form of
+    :func:`~grouped_linear.grouped_mlp` on its own ``fc1`` and ``fc2`` layers.
 
-    For gated activations (``swiglu``, ``geglu``) ``fc1`` has
-    ``2 * ffn_hidden_size`` outputs, the gate half first:
-    ``act(h) = f(h[:, :F]) * h[:, F:]`` with ``f`` = SiLU or tanh-GELU.
+    For gated activations (``swiglu``, ``geglu``, ``geglu_erf``, ``gpt_oss_swiglu``) ``fc1``
+    has ``2 * ffn_hidden_size`` outputs, a gate and an up value per feature:
+    ``act(h) = f(gate) * up`` with ``f`` = SiLU, tanh-GELU or erf-GELU, or GPT-OSS's
+    ``(clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g)``, ``g = min(gate, limit)``.
 
     Args:
         num_experts: ``G``.
         hidden_size: model width ``H`` (fc1 input, fc2 output).
         ffn_hidden_size: expert width ``F``.
-        activation: one of ``swiglu``, ``geglu``, ``gelu`` (tanh), ``relu``, ``silu``.
+        activation: one of ``swiglu``, ``geglu`` (tanh GELU gate), ``geglu_erf``,
+            ``gpt_oss_swiglu``, ``gelu`` (tanh), ``gelu_erf``, ``relu``, ``silu``.
         recompute_activation: keep only fc1's output for backward and recompute the
             activation from it when fc2's weight gradient needs its input (saves an
             ``(M, F)`` tensor per call, costs one activation pass in backward). Eager
             only: under ``torch.compile`` the compiler decides what to recompute.
+        gate_up_order: where a gated activation finds gate and up among fc1's outputs:
+            ``"concatenated"`` (the gate half first) or ``"interleaved"`` (gate, up, gate,
+            up, ...).
+        alpha, limit: ``gpt_oss_swiglu``'s parameters (default 1.702 and 7.0); only with it.
         **grouped_linear_kwargs: passed to both ``fc1`` and ``fc2``
             (``bias``, ``params_dtype``, ``device``, ``backend``, ...). With
             ``tp_size``/``tp_group``, fc1 is column-parallel (gate and up halves
@@ -107,6 +68,10 @@ class GroupedMLP(nn.Module):
         ffn_hidden_size: int,
         activation: str = "swiglu",
         recompute_activation: bool = False,
+        *,
+        gate_up_order: str = "concatenated",
+        alpha: float | None = None,
+        limit: float | None = None,
         **grouped_linear_kwargs,
     ) -> None:
         super().__init__()
@@ -117,8 +82,7 @@ class GroupedMLP(nn.Module):
         num_experts = check_int("num_experts", num_experts)
         hidden_size = check_int("hidden_size", hidden_size)
         ffn_hidden_size = check_int("ffn_hidden_size", ffn_hidden_size)
-        if not isinstance(activation, str) or activation not in ACTIVATIONS:
-            raise ValueError(f"activation={activation!r} is not one of {tuple(ACTIVATIONS)}")
+        act = check_activation(activation, gate_up_order, {"alpha": alpha, "limit": limit})
         for name in ("return_bias", "reduce_output"):
             value = grouped_linear_kwargs.get(name, name == "reduce_output")
             if not isinstance(value, bool):
@@ -135,16 +99,23 @@ class GroupedMLP(nn.Module):
         self.hidden_size = hidden_size
         self.ffn_hidden_size = ffn_hidden_size
         self.activation = activation
-        gated = activation in GATED_ACTIVATIONS
+        self.gate_up_order = gate_up_order
+        gpt_oss = activation == "gpt_oss_swiglu"
+        self.alpha = act.alpha if gpt_oss else None
+        self.limit = act.limit if gpt_oss else None
+        self._act = act
+        gated = act.gated
         fc1_out = ffn_hidden_size * (2 if gated else 1)
         fc1_kwargs, fc2_kwargs = dict(grouped_linear_kwargs), dict(grouped_linear_kwargs)
         fc1_kwargs.pop("reduce_output", None)  # fc2's alone
         if tp_size > 1 or tp_group is not None:
-            # Tensor parallel MLP: fc1 by columns (gate and up sliced alike), fc2 by rows.
+            # Tensor parallel MLP: fc1 by columns (concatenated gate and up halves sliced
+            # alike; interleaved pairs stay whole in a contiguous slice), fc2 by rows.
             if ffn_hidden_size % tp_size:
                 raise ValueError(f"ffn_hidden_size={ffn_hidden_size} is not divisible by "
                                  f"tp_size={tp_size}")
-            fc1_kwargs.update(parallel_mode="column", tp_column_blocks=2 if gated else 1)
+            fc1_kwargs.update(parallel_mode="column",
+                              tp_column_blocks=2 if gated and not act.interleaved else 1)
             fc2_kwargs.update(parallel_mode="row")
             if (grouped_linear_kwargs.get("reduce_output") is False
                     and grouped_linear_kwargs.get("bias", True)):
@@ -163,29 +134,22 @@ class GroupedMLP(nn.Module):
         is_first_microbatch: bool | None = None,
     ) -> torch.Tensor:
         x, splits = split_rows(x, m_splits, self.hidden_size, self.num_experts)
-        if self.fc1.delay_wgrad_compute or _is_fully_sharded(self.fc1):
-            # fc1 adds its own bias: its gradient must wait for backward_dw, or the
-            # parameters are only gathered while fc1 itself runs (FSDP).
-            pre = self.fc1(x, splits, is_first_microbatch=is_first_microbatch, return_bias=False)
-            fc1_bias = None
+        # fc1 adds its own bias where its gradient must wait for backward_dw, or where the
+        # parameters are only gathered while fc1 itself runs (FSDP); else the activation does.
+        fc1_adds_bias = self.fc1.delay_wgrad_compute or _is_fully_sharded(self.fc1)
 
-            def activate(h):
-                return ACTIVATIONS[self.activation](h)
-        else:
-            pre, fc1_bias = self.fc1(x, splits, is_first_microbatch=is_first_microbatch,
-                                     return_bias=True)
-            if isinstance(fc1_bias, list):
-                fc1_bias = torch.stack(fc1_bias)
+        def fc1(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+            if fc1_adds_bias:
+                return self.fc1(rows, splits, is_first_microbatch=is_first_microbatch,
+                                return_bias=False), None
+            pre, bias = self.fc1(rows, splits, is_first_microbatch=is_first_microbatch,
+                                 return_bias=True)
+            return pre, (torch.stack(bias) if isinstance(bias, list) else bias)
 
-            def activate(h):
-                return bias_activation(h, fc1_bias, splits.ends, self.activation,
-                                       splits.may_have_tail)
-        h = activate(pre)
-        if not (self.recompute_activation and torch.is_grad_enabled()
-                and not torch.compiler.is_compiling()):
-            return self.fc2(h, splits, is_first_microbatch=is_first_microbatch)
-        return _with_recomputed_input(self.fc2, h, lambda: activate(pre.detach()), splits,
-                                      is_first_microbatch)
+        def fc2(a: torch.Tensor) -> torch.Tensor:
+            return self.fc2(a, splits, is_first_microbatch=is_first_microbatch)
+
+        return run_mlp(x, splits, fc1, fc2, self._act, recompute=self.recompute_activation)
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):
@@ -204,5 +168,7 @@ class GroupedMLP(nn.Module):
         return (
             f"num_experts={self.num_experts}, hidden_size={self.hidden_size}, "
             f"ffn_hidden_size={self.ffn_hidden_size}, activation={self.activation!r}"
+            + (", gate_up_order='interleaved'" if self._act.interleaved else "")
+            + (f", alpha={self.alpha}, limit={self.limit}" if self.alpha is not None else "")
             + (", recompute_activation=True" if self.recompute_activation else "")
         )

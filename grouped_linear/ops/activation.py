@@ -1,23 +1,91 @@
-"""Differentiable ``act(h + bias[g])``: the expert MLP's activation with fc1's bias folded in."""
+"""Differentiable ``act(h + bias[g])``: the expert MLP's activation with fc1's bias folded in,
+and the check of an activation's name, gate/up layout and parameters."""
 
 from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass
 
 import torch
 
 from ..kernels import activation as act_kernels
 from .steps import bias_grad_impl, bias_grad_op, compute_op, register_fake, step
 
-__all__ = ["bias_activation"]
+__all__ = ["ACTIVATIONS", "GATED_ACTIVATIONS", "GATE_UP_ORDERS", "Activation",
+           "check_activation", "bias_activation"]
+
+#: Every activation's name (see :mod:`grouped_linear.kernels.activation` for the formulas).
+ACTIVATIONS = tuple(act_kernels.ACTIVATION_KINDS)
+#: The gated ones: fc1 has ``2 * F`` outputs, a gate and an up value per feature.
+GATED_ACTIVATIONS = act_kernels.GATED_KINDS
+#: Where a gated activation finds its gate and up values among fc1's ``2 * F`` outputs.
+GATE_UP_ORDERS = ("concatenated", "interleaved")
+_PARAMETERS = {"gpt_oss_swiglu": ("alpha", "limit")}
+
+
+@dataclass(frozen=True)
+class Activation:
+    """A checked activation: its ``kind`` (a name of :data:`ACTIVATIONS`), whether gate and
+    up values alternate (``interleaved``) and ``gpt_oss_swiglu``'s ``alpha`` and ``limit``."""
+
+    kind: str
+    interleaved: bool = False
+    alpha: float = act_kernels.GPT_OSS_ALPHA
+    limit: float = act_kernels.GPT_OSS_LIMIT
+
+    @property
+    def gated(self) -> bool:
+        return self.kind in GATED_ACTIVATIONS
+
+
+def _real(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a real number, got {value!r} ({type(value).__name__})")
+    return float(value)
+
+
+def check_activation(activation: object, gate_up_order: object = "concatenated",
+                     params: dict[str, object] | None = None) -> Activation:
+    """``activation`` with its ``gate_up_order`` and parameters (``alpha`` and ``limit`` for
+    ``gpt_oss_swiglu``; a ``None`` value counts as not given), checked and resolved."""
+    if not isinstance(activation, str) or activation not in ACTIVATIONS:
+        raise ValueError(f"activation={activation!r} is not one of {ACTIVATIONS}")
+    if not isinstance(gate_up_order, str) or gate_up_order not in GATE_UP_ORDERS:
+        raise ValueError(f"gate_up_order={gate_up_order!r} is not one of {GATE_UP_ORDERS}")
+    if gate_up_order == "interleaved" and activation not in GATED_ACTIVATIONS:
+        raise ValueError(f"gate_up_order='interleaved' applies to the gated activations "
+                         f"{GATED_ACTIVATIONS}, not to activation={activation!r}")
+    given = {name: value for name, value in (params or {}).items() if value is not None}
+    allowed = _PARAMETERS.get(activation, ())
+    for name, value in given.items():
+        if name not in ("alpha", "limit"):
+            raise TypeError(f"unexpected keyword argument {name!r}: the activations' parameters "
+                            f"are alpha and limit (gpt_oss_swiglu)")
+        if name not in allowed:
+            raise ValueError(f"{name}={value!r} applies only to activation='gpt_oss_swiglu', "
+                             f"not to activation={activation!r}")
+    alpha = _real("alpha", given.get("alpha", act_kernels.GPT_OSS_ALPHA))
+    if not math.isfinite(alpha):
+        raise ValueError(f"alpha={alpha!r} must be finite")
+    limit = _real("limit", given.get("limit", act_kernels.GPT_OSS_LIMIT))
+    if not limit >= 0:
+        raise ValueError(f"limit={limit!r} must be >= 0 (inf: no clamping)")
+    return Activation(activation, gate_up_order == "interleaved", alpha, limit)
 
 
 def _forward_impl(h: torch.Tensor, bias: torch.Tensor | None, ends: torch.Tensor, kind: str,
-                  zero_tail: bool) -> torch.Tensor:
-    return act_kernels.bias_act_forward(h, bias, ends, kind, zero_tail)
+                  zero_tail: bool, interleaved: bool, alpha: float, limit: float
+                  ) -> torch.Tensor:
+    return act_kernels.bias_act_forward(h, bias, ends, kind, zero_tail, interleaved, alpha,
+                                        limit)
 
 
 def _backward_impl(grad_a: torch.Tensor, h: torch.Tensor, bias: torch.Tensor | None,
-                   ends: torch.Tensor, kind: str, zero_tail: bool) -> torch.Tensor:
-    return act_kernels.bias_act_backward(grad_a, h, bias, ends, kind, zero_tail)
+                   ends: torch.Tensor, kind: str, zero_tail: bool, interleaved: bool,
+                   alpha: float, limit: float) -> torch.Tensor:
+    return act_kernels.bias_act_backward(grad_a, h, bias, ends, kind, zero_tail, interleaved,
+                                         alpha, limit)
 
 
 _forward_op = compute_op("bias_act", _forward_impl)
@@ -25,28 +93,31 @@ _backward_op = compute_op("bias_act_backward", _backward_impl)
 
 
 @register_fake("bias_act")
-def _(h, bias, ends, kind, zero_tail):
-    width = h.shape[1] // 2 if kind in act_kernels.GATED_KINDS else h.shape[1]
+def _(h, bias, ends, kind, zero_tail, interleaved, alpha, limit):
+    width = h.shape[1] // 2 if kind in GATED_ACTIVATIONS else h.shape[1]
     return h.new_empty(h.shape[0], width)
 
 
 @register_fake("bias_act_backward")
-def _(grad_a, h, bias, ends, kind, zero_tail):
+def _(grad_a, h, bias, ends, kind, zero_tail, interleaved, alpha, limit):
     return torch.empty_like(h)
 
 
 class BiasActivationFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h, bias, ends, kind, zero_tail):
+    def forward(ctx, h, bias, ends, act: Activation, zero_tail):
         ctx.save_for_backward(h, bias, ends)
-        ctx.kind, ctx.zero_tail = kind, zero_tail
-        return step(_forward_op, _forward_impl)(h, bias, ends, kind, zero_tail)
+        ctx.act, ctx.zero_tail = act, zero_tail
+        return step(_forward_op, _forward_impl)(h, bias, ends, act.kind, zero_tail,
+                                                act.interleaved, act.alpha, act.limit)
 
     @staticmethod
     def backward(ctx, grad_a):
         h, bias, ends = ctx.saved_tensors
+        act: Activation = ctx.act
         grad_h = step(_backward_op, _backward_impl)(
-            grad_a.contiguous(), h, bias, ends, ctx.kind, ctx.zero_tail
+            grad_a.contiguous(), h, bias, ends, act.kind, ctx.zero_tail, act.interleaved,
+            act.alpha, act.limit
         )
         grad_bias = None
         if bias is not None and ctx.needs_input_grad[1]:
@@ -54,13 +125,14 @@ class BiasActivationFunction(torch.autograd.Function):
         return grad_h, grad_bias, None, None, None
 
 
-def bias_activation(h: torch.Tensor, bias: torch.Tensor | None, ends: torch.Tensor, kind: str,
-                    zero_tail: bool) -> torch.Tensor:
-    """``(M, W) -> (M, F)``: ``act(h + bias[g])`` per row group (gate half first if gated).
+def bias_activation(h: torch.Tensor, bias: torch.Tensor | None, ends: torch.Tensor,
+                    kind: str | Activation, zero_tail: bool) -> torch.Tensor:
+    """``(M, W) -> (M, F)``: ``act(h + bias[g])`` per row group.
 
-    ``bias``: ``(G, W)`` or ``None``; ``ends``: ``(G,)`` int32 cumulative group
-    ends on ``h``'s device; ``kind``: ``swiglu``, ``geglu``, ``gelu``, ``relu``, ``silu``.
+    ``bias``: ``(G, W)`` or ``None``, in ``h``'s column layout; ``ends``: ``(G,)`` int32
+    cumulative group ends on ``h``'s device; ``kind``: a name of :data:`ACTIVATIONS` (gate half
+    first if gated, ``gpt_oss_swiglu`` with its default parameters) or an
+    :class:`Activation` from :func:`check_activation`.
     """
-    if kind not in act_kernels.ACTIVATION_KINDS:
-        raise ValueError(f"activation={kind!r} is not one of {tuple(act_kernels.ACTIVATION_KINDS)}")
-    return BiasActivationFunction.apply(h, bias, ends, kind, zero_tail)
+    act = kind if isinstance(kind, Activation) else check_activation(kind)
+    return BiasActivationFunction.apply(h, bias, ends, act, zero_tail)

@@ -1,73 +1,170 @@
-"""The fused bias + activation kernels against their reference (CUDA, or the Triton interpreter)."""
+"""The fused bias + activation kernels (CUDA, or the Triton interpreter) and their PyTorch
+reference against float64 formulas written out here."""
+
+import math
 
 import pytest
 import torch
 
 from grouped_linear.kernels import activation as act
 from grouped_linear.kernels._triton import HAS_TRITON, use_triton
-from grouped_linear.ops.activation import bias_activation
 from tests.reference import rel_err
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-KINDS = ["swiglu", "geglu", "gelu", "relu", "silu"]
+GATED = ["swiglu", "geglu", "geglu_erf", "gpt_oss_swiglu"]
+PLAIN = ["gelu", "gelu_erf", "relu", "silu"]
+# (kind, interleaved): every gated kind in both layouts, the others in theirs
+CASES = [(k, False) for k in GATED + PLAIN] + [(k, True) for k in GATED]
+SIZES = (5, 0, 40, 3)
 
 
-def _case(kind, dtype, with_bias, sizes=(5, 0, 40, 3), tail=6, F=48):
+def f64(kind: str, value: torch.Tensor, alpha: float = 1.702, limit: float = 7.0,
+        interleaved: bool = False) -> torch.Tensor:
+    """The activation of ``value`` (``(rows, W)``, bias added), float64 formulas."""
+    def silu(v):
+        return v / (1 + torch.exp(-v))
+
+    def gelu_tanh(v):
+        return 0.5 * v * (1 + torch.tanh(math.sqrt(2 / math.pi) * (v + 0.044715 * v ** 3)))
+
+    def gelu_erf(v):
+        return 0.5 * v * (1 + torch.erf(v / math.sqrt(2)))
+
+    base = {"swiglu": silu, "silu": silu, "geglu": gelu_tanh, "gelu": gelu_tanh,
+            "geglu_erf": gelu_erf, "gelu_erf": gelu_erf,
+            "relu": lambda v: v * (v > 0)}  # gradient 0 at 0, as F.relu
+    if kind not in GATED:
+        return base[kind](value)
+    width = value.shape[1] // 2
+    if interleaved:
+        gate, up = value[:, 0::2], value[:, 1::2]
+    else:
+        gate, up = value[:, :width], value[:, width:]
+    if kind == "gpt_oss_swiglu":
+        g = gate.clamp(max=limit)
+        return (up.clamp(-limit, limit) + 1) * g / (1 + torch.exp(-alpha * g))
+    return base[kind](gate) * up
+
+
+def grouped_f64(kind, h, bias, sizes, interleaved=False, alpha=1.702, limit=7.0):
+    """Per group ``f64(h_g + bias_g)``; rows past the groups zero."""
+    outs, start = [], 0
+    for g, size in enumerate(sizes):
+        value = h[start:start + size] + (bias[g] if bias is not None else 0)
+        outs.append(f64(kind, value, alpha, limit, interleaved))
+        start += size
+    width = h.shape[1] // 2 if kind in GATED else h.shape[1]
+    return torch.cat(outs + [h.new_zeros(h.shape[0] - start, width)])
+
+
+def _case(kind, dtype, with_bias, sizes=SIZES, tail=6, F=24):
     G, M = len(sizes), sum(sizes) + tail
-    width = 2 * F if kind in act.GATED_KINDS else F
-    h = torch.randn(M, width, device=DEVICE, dtype=dtype) * 2
-    bias = torch.randn(G, width, device=DEVICE, dtype=dtype) if with_bias else None
-    offsets = torch.tensor(sizes, device=DEVICE).cumsum(0).to(torch.int32)
-    return h, bias, offsets, sum(sizes)
+    width = 2 * F if kind in GATED else F
+    h = (torch.randn(M, width, device=DEVICE) * 3).to(dtype)
+    bias = torch.randn(G, width, device=DEVICE).to(dtype) if with_bias else None
+    ends = torch.tensor(sizes, device=DEVICE).cumsum(0).to(torch.int32)
+    return h, bias, ends, sum(sizes)
+
+
+def _want(kind, h, bias, interleaved, grad_a, sizes=SIZES, **params):
+    """Float64 output and gradients (of h and bias) of :func:`grouped_f64`."""
+    h64 = h.detach().double().cpu().requires_grad_()
+    b64 = bias.detach().double().cpu().requires_grad_() if bias is not None else None
+    out = grouped_f64(kind, h64, b64, sizes, interleaved, **params)
+    grads = torch.autograd.grad(out, [h64] + ([b64] if b64 is not None else []),
+                                grad_a.double().cpu())
+    return out.detach(), grads[0]
+
+
+def test_kinds_cover_every_name():
+    assert set(act.ACTIVATION_KINDS) == set(GATED + PLAIN)
+    assert set(act.GATED_KINDS) == set(GATED)
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
-@pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind, interleaved", CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("with_bias", [True, False])
-def test_triton_matches_reference(kind, dtype, with_bias):
-    h, bias, offsets, head = _case(kind, dtype, with_bias)
+def test_triton_matches_float64(kind, interleaved, dtype, with_bias):
+    h, bias, ends, head = _case(kind, dtype, with_bias)
     assert use_triton(h)
-    out = act.bias_act_forward(h, bias, offsets, kind, True)
-    ref = act.bias_act_reference(h, bias, offsets, kind, True)
+    out = act.bias_act_forward(h, bias, ends, kind, True, interleaved)
+    grad_a = torch.randn(out.shape, device=DEVICE).to(dtype)
+    want, want_grad = _want(kind, h, bias, interleaved, grad_a)
     tol = 1e-5 if dtype == torch.float32 else 1e-2
-    assert out.dtype == dtype and rel_err(out, ref) < tol
+    assert out.dtype == dtype and out.shape == want.shape and rel_err(out, want) < tol
     assert torch.all(out[head:] == 0)
-    grad_a = torch.randn_like(out)
-    grad_h = act.bias_act_backward(grad_a, h, bias, offsets, kind, True)
-    leaf = h.detach().double().requires_grad_()
-    ref64 = act.bias_act_reference(leaf, bias.double() if bias is not None else None,
-                                   offsets, kind, True)
-    (want,) = torch.autograd.grad(ref64, leaf, grad_a.double())
-    assert rel_err(grad_h, want) < tol
+    grad_h = act.bias_act_backward(grad_a, h, bias, ends, kind, True, interleaved)
+    assert grad_h.dtype == dtype and rel_err(grad_h, want_grad) < tol
     assert torch.all(grad_h[head:] == 0)
 
 
-@pytest.mark.parametrize("kind", KINDS)
-def test_op_gradcheck_float64(kind):
-    h, bias, offsets, _ = _case(kind, torch.float64, True, sizes=(2, 0, 3), tail=0, F=3)
-    h.requires_grad_()
-    bias.requires_grad_()
-    if kind == "relu":  # keep away from the kink
-        with torch.no_grad():
-            h.add_(torch.sign(h) * 0.1)
-    assert torch.autograd.gradcheck(
-        lambda h, b: bias_activation(h, b, offsets, kind, False), (h, bias))
+@pytest.mark.parametrize("kind, interleaved", CASES)
+def test_reference_matches_float64(kind, interleaved):
+    h, bias, ends, head = _case(kind, torch.float64, True)
+    grad_a = torch.randn(h.shape[0], h.shape[1] // (2 if kind in GATED else 1),
+                         dtype=torch.float64, device=DEVICE)
+    want, want_grad = _want(kind, h, bias, interleaved, grad_a)
+    out = act.bias_act_forward(h, bias, ends, kind, True, interleaved)  # float64: reference
+    assert rel_err(out, want) < 1e-12
+    got = act.bias_act_backward(grad_a, h, bias, ends, kind, True, interleaved)
+    assert rel_err(got, want_grad) < 1e-12 and torch.all(got[head:] == 0)
 
 
-def test_op_rejects_unknown_kind():
-    h, bias, offsets, _ = _case("relu", torch.float32, False)
-    with pytest.raises(ValueError, match="activation='tanh'"):
-        bias_activation(h, bias, offsets, "tanh", False)
+def _boundary_input(limit: float, interleaved: bool, dtype: torch.dtype) -> torch.Tensor:
+    """Gate and up values at, just inside, just past and far past ``±limit`` (each gate
+    value against each up value)."""
+    step = 2 ** -6
+    values = torch.tensor([limit, -limit, limit - step, limit + step, -limit - step,
+                           -limit + step, 4 * limit, -4 * limit, 0.0, 1.0], dtype=torch.float64)
+    gate = values.repeat_interleave(len(values))
+    up = values.repeat(len(values))
+    h = torch.stack((gate, up), dim=-1) if interleaved else torch.stack((gate, up))
+    return h.reshape(1, -1).to(dtype).to(DEVICE)  # one row, F = 100
 
 
-@pytest.mark.parametrize("kind", KINDS)
-def test_written_out_backward_reference_matches_autograd(kind):
-    h, bias, offsets, head = _case(kind, torch.float64, True)
-    grad_a = torch.randn(h.shape[0], h.shape[1] // (2 if kind in act.GATED_KINDS else 1),
-                         dtype=torch.float64, device=h.device)
-    leaf = h.detach().requires_grad_()
-    (want,) = torch.autograd.grad(act.bias_act_reference(leaf, bias, offsets, kind, True), leaf,
-                                  grad_a)
-    got = act.bias_act_backward_reference(grad_a, h, bias, offsets, kind)
-    assert rel_err(got, want) < 1e-12 and torch.all(got[head:] == 0)
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("alpha, limit", [(1.702, 7.0), (0.5, 3.0)])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_gpt_oss_clamp_boundaries(interleaved, alpha, limit, dtype):
+    """Values exactly at ``±limit`` pass their gradient (as torch's clamp); past it the
+    gradient is zero; far past it the output is the clamped one. float64 runs the reference,
+    the others the Triton kernel where it can run."""
+    h = _boundary_input(limit, interleaved, dtype)
+    ends = torch.tensor([1], dtype=torch.int32, device=DEVICE)
+    params = {"alpha": alpha, "limit": limit}
+    out = act.bias_act_forward(h, None, ends, "gpt_oss_swiglu", True, interleaved, **params)
+    grad_a = torch.ones_like(out)
+    grad_h = act.bias_act_backward(grad_a, h, None, ends, "gpt_oss_swiglu", True, interleaved,
+                                   **params)
+    want, want_grad = _want("gpt_oss_swiglu", h, None, interleaved, grad_a, sizes=(1,),
+                            **params)
+    tol = {torch.float64: 1e-12, torch.float32: 1e-6, torch.bfloat16: 1e-2}[dtype]
+    assert rel_err(out, want) < tol and rel_err(grad_h, want_grad) < tol
+    h64 = h.double().cpu().reshape(-1, 2) if interleaved else h.double().cpu().reshape(2, -1).t()
+    gate, up = h64[:, 0], h64[:, 1]
+    grads = grad_h.double().cpu()
+    grads = grads.reshape(-1, 2) if interleaved else grads.reshape(2, -1).t()
+    assert torch.all(grads[gate > limit, 0] == 0) and torch.all(grads[up.abs() > limit, 1] == 0)
+    at_limit = (gate == limit) & (up.abs() < limit)
+    assert at_limit.any() and torch.all(grads[at_limit, 0] != 0)
+    up_at_limit = (up.abs() == limit) & (gate.abs() < limit) & (gate != 0)
+    assert up_at_limit.any() and torch.all(grads[up_at_limit, 1] != 0)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+@pytest.mark.parametrize("kind", GATED)
+def test_interleaved_is_the_concatenated_layout_permuted(kind):
+    """The same gate and up values in the two layouts give the same output, and gradients in
+    each layout's own column order."""
+    h, bias, ends, _ = _case(kind, torch.float32, True)
+    F = h.shape[1] // 2
+    order = torch.stack((torch.arange(F), torch.arange(F) + F), dim=-1).flatten().to(DEVICE)
+    h_int, bias_int = h[:, order].contiguous(), bias[:, order].contiguous()
+    out = act.bias_act_forward(h, bias, ends, kind, True, False)
+    out_int = act.bias_act_forward(h_int, bias_int, ends, kind, True, True)
+    torch.testing.assert_close(out_int, out, rtol=1e-6, atol=1e-6)
+    grad_a = torch.randn_like(out)
+    grad_h = act.bias_act_backward(grad_a, h, bias, ends, kind, True, False)
+    grad_int = act.bias_act_backward(grad_a, h_int, bias_int, ends, kind, True, True)
+    torch.testing.assert_close(grad_int, grad_h[:, order], rtol=1e-6, atol=1e-6)

@@ -2,55 +2,68 @@
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import grouped_linear as gl
+from tests.kernels.test_activation import CASES, GATED
+from tests.ops.test_mlp import reference
 from tests.reference import rel_err
 
 SIZES = [5, 0, 9, 2]
 
 
-def _reference(x, mlp, activation):
+def _reference(x, mlp, activation, interleaved=False, **params):
     w1, b1 = mlp.fc1.grouped_weight().double(), mlp.fc1.grouped_bias()
     w2, b2 = mlp.fc2.grouped_weight().double(), mlp.fc2.grouped_bias()
-    outs, start = [], 0
-    for g, size in enumerate(SIZES):
-        h = x[start:start + size].double() @ w1[g].t()
-        if b1 is not None:
-            h = h + b1[g].double()
-        F_ = mlp.ffn_hidden_size
-        if activation == "swiglu":
-            h = F.silu(h[:, :F_]) * h[:, F_:]
-        elif activation == "geglu":
-            h = F.gelu(h[:, :F_], approximate="tanh") * h[:, F_:]
-        elif activation == "gelu":
-            h = F.gelu(h, approximate="tanh")
-        else:
-            h = getattr(F, activation)(h)
-        y = h @ w2[g].t()
-        if b2 is not None:
-            y = y + b2[g].double()
-        outs.append(y)
-        start += size
-    return torch.cat(outs)
+    b1 = b1.double() if b1 is not None else None
+    b2 = b2.double() if b2 is not None else None
+    return reference(x.double(), w1, b1, w2, b2, SIZES, activation, interleaved, **params)
 
 
-@pytest.mark.parametrize("activation", ["swiglu", "geglu", "gelu", "relu", "silu"])
+@pytest.mark.parametrize("activation, interleaved", CASES)
 @pytest.mark.parametrize("bias", [True, False])
-def test_mlp_matches_reference(activation, bias):
-    mlp = gl.GroupedMLP(4, 8, 6, activation=activation, bias=bias, params_dtype=torch.float64)
-    gated = activation in ("swiglu", "geglu")
+def test_mlp_matches_reference(activation, interleaved, bias):
+    order = "interleaved" if interleaved else "concatenated"
+    mlp = gl.GroupedMLP(4, 8, 6, activation=activation, bias=bias, params_dtype=torch.float64,
+                        gate_up_order=order)
+    gated = activation in GATED
     assert mlp.fc1.weight.shape == (4, 12 if gated else 6, 8)
     assert mlp.fc2.weight.shape == (4, 8, 6)
     x = torch.randn(sum(SIZES), 8, dtype=torch.float64, requires_grad=True)
     y = mlp(x, SIZES)
     x_ref = x.detach().clone().requires_grad_()
-    ref = _reference(x_ref, mlp, activation)
+    ref = _reference(x_ref, mlp, activation, interleaved)
     assert rel_err(y, ref) < 1e-12
     g = torch.randn_like(y)
     y.backward(g)
     ref.backward(g)
     assert rel_err(x.grad, x_ref.grad) < 1e-12
+
+
+def test_mlp_is_grouped_mlp_on_its_layers():
+    mlp = gl.GroupedMLP(4, 8, 6, activation="gpt_oss_swiglu", gate_up_order="interleaved",
+                        alpha=1.2, limit=0.5)
+    assert (mlp.alpha, mlp.limit, mlp.gate_up_order) == (1.2, 0.5, "interleaved")
+    assert "gate_up_order='interleaved', alpha=1.2, limit=0.5" in repr(mlp)
+    x = torch.randn(sum(SIZES), 8) * 3
+    want = gl.grouped_mlp(x, mlp.fc1.weight, mlp.fc1.bias, mlp.fc2.weight, mlp.fc2.bias, SIZES,
+                          activation="gpt_oss_swiglu", gate_up_order="interleaved", alpha=1.2,
+                          limit=0.5)
+    torch.testing.assert_close(mlp(x, SIZES), want, rtol=0, atol=0)
+    assert rel_err(want, _reference(x, mlp, "gpt_oss_swiglu", True, alpha=1.2,
+                                    limit=0.5)) < 1e-5
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    ({"activation": "swiglu", "alpha": 1.0}, ValueError, r"alpha=1.0 applies only"),
+    ({"activation": "relu", "limit": 2.0}, ValueError, r"limit=2.0 applies only"),
+    ({"activation": "gelu", "gate_up_order": "interleaved"}, ValueError, r"gate_up_order"),
+    ({"gate_up_order": "up_first"}, ValueError, r"gate_up_order='up_first'"),
+    ({"activation": "gpt_oss_swiglu", "limit": "7"}, TypeError, r"limit must be"),
+    ({"activation": "gpt_oss_swiglu", "alpha": float("nan")}, ValueError, r"alpha=nan"),
+])
+def test_mlp_rejects_activation_arguments(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        gl.GroupedMLP(4, 8, 6, **kwargs)
 
 
 def test_mlp_kwargs_pass_to_both_layers_and_list_input():
@@ -62,9 +75,11 @@ def test_mlp_kwargs_pass_to_both_layers_and_list_input():
     assert rel_err(mlp(pieces), _reference(torch.cat(pieces), mlp, "swiglu")) < 1e-12
 
 
-def test_mlp_delayed_wgrad():
-    mlp = gl.GroupedMLP(4, 8, 6, delay_wgrad_compute=True, params_dtype=torch.float64)
-    ref_mlp = gl.GroupedMLP(4, 8, 6, params_dtype=torch.float64)
+@pytest.mark.parametrize("kwargs", [{}, {"activation": "gpt_oss_swiglu", "limit": 0.5,
+                                           "gate_up_order": "interleaved"}])
+def test_mlp_delayed_wgrad(kwargs):
+    mlp = gl.GroupedMLP(4, 8, 6, delay_wgrad_compute=True, params_dtype=torch.float64, **kwargs)
+    ref_mlp = gl.GroupedMLP(4, 8, 6, params_dtype=torch.float64, **kwargs)
     ref_mlp.load_state_dict(mlp.state_dict())
     x = torch.randn(sum(SIZES), 8, dtype=torch.float64)
     mlp(x, SIZES).sum().backward()
