@@ -18,10 +18,14 @@ not, a post-expert norm): no copy, checkpoint keys unchanged. Expert-parallel se
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from .. import recipes
+from ..kernels.activation import GATED_KINDS, bias_act_reference
 from ..ops.grouped_linear import grouped_linear
+from ..ops.mlp import grouped_mlp
 from ..ops.permutation import permute, unpermute
 
 __all__ = ["NAME", "RECIPE_NAMES", "experts_forward", "register", "enable"]
@@ -45,6 +49,45 @@ def _projection(module: torch.nn.Module, name: str) -> tuple[torch.Tensor, torch
     return weight, bias
 
 
+_NON_GATED = ("gelu", "gelu_erf", "relu", "silu")
+# The fused activation found for each experts module (probed once per module).
+_FUSED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _probe(module: torch.nn.Module) -> dict | None:
+    """The :func:`~grouped_linear.grouped_mlp` activation arguments that compute the module's
+    own gate (``_apply_gate``) or activation (``act_fn``), found by evaluating both on
+    float64 values spanning the clamps, or ``None`` (then the module's own runs unfused)."""
+    width = 16
+    values = torch.linspace(-12, 12, 4 * width, dtype=torch.float64).view(2, 2 * width)
+    ends = torch.tensor([2], dtype=torch.int32)
+    if module.has_gate:
+        with torch.no_grad():
+            want = module._apply_gate(values)
+        params = {"alpha": float(module.alpha), "limit": float(module.limit)} \
+            if hasattr(module, "alpha") and hasattr(module, "limit") else {}
+        candidates = [(kind, order, params if kind == "gpt_oss_swiglu" else {})
+                      for kind in GATED_KINDS for order in ("concatenated", "interleaved")
+                      if kind != "gpt_oss_swiglu" or params]
+    else:
+        values = values[:, :width]
+        with torch.no_grad():
+            want = module.act_fn(values)
+        candidates = [(kind, "concatenated", {}) for kind in _NON_GATED]
+    for kind, order, params in candidates:
+        got = bias_act_reference(values, None, ends, kind, False, order == "interleaved",
+                                 **params)
+        if got.shape == want.shape and torch.allclose(got, want, rtol=1e-12, atol=1e-12):
+            return {"activation": kind, "gate_up_order": order, **params}
+    return None
+
+
+def _fused_activation(module: torch.nn.Module) -> dict | None:
+    if module not in _FUSED:
+        _FUSED[module] = _probe(module)
+    return _FUSED[module]
+
+
 def experts_forward(module: torch.nn.Module, hidden_states: torch.Tensor,
                     top_k_index: torch.Tensor, top_k_weights: torch.Tensor, *,
                     recipe: recipes.Float8Recipe | None = None) -> torch.Tensor:
@@ -55,11 +98,15 @@ def experts_forward(module: torch.nn.Module, hidden_states: torch.Tensor,
         top_k_index = torch.where(top_k_index < num_experts, top_k_index,
                                   top_k_index.new_full((), -1))
     rows, m_splits, row_map = permute(hidden_states, top_k_index, num_experts)
-    weight, bias = _projection(module, "gate_up_proj" if module.has_gate else "up_proj")
-    h = grouped_linear(rows, weight, bias, m_splits, recipe=recipe)
-    h = module._apply_gate(h) if module.has_gate else module.act_fn(h)
-    weight, bias = _projection(module, "down_proj")
-    out = grouped_linear(h, weight, bias, m_splits, recipe=recipe)
+    w1, b1 = _projection(module, "gate_up_proj" if module.has_gate else "up_proj")
+    w2, b2 = _projection(module, "down_proj")
+    fused = _fused_activation(module)
+    if fused is not None:  # fc1, the bias and the activation in one pass, fc2
+        out = grouped_mlp(rows, w1, b1, w2, b2, m_splits, recipe=recipe, **fused)
+    else:  # a gate of the module's own
+        h = grouped_linear(rows, w1, b1, m_splits, recipe=recipe)
+        h = module._apply_gate(h) if module.has_gate else module.act_fn(h)
+        out = grouped_linear(h, w2, b2, m_splits, recipe=recipe)
     if module.has_post_expert_norm:
         out = module.post_expert_norm(out)
     return unpermute(out, row_map, top_k_weights).to(hidden_states.dtype)

@@ -165,3 +165,20 @@ def test_expert_parallel_sentinels_are_dropped_slots(module_name, class_name):
     assert rel_err(got[0], want[0]) < TOL and rel_err(got[1], want[1]) < TOL
     for name in want[3]:
         assert rel_err(got[3][name], want[3][name]) < TOL, name
+
+
+@pytest.mark.parametrize("class_name, activation, order", [
+    ("Qwen3MoeExperts", "swiglu", "concatenated"), ("MixtralExperts", "swiglu", "concatenated"),
+    ("OlmoeExperts", "swiglu", "concatenated"), ("DeepseekV3Experts", "swiglu", "concatenated"),
+    ("Qwen2MoeExperts", "swiglu", "concatenated"),
+    ("GptOssExperts", "gpt_oss_swiglu", "interleaved")])
+def test_the_measured_families_run_a_fused_activation(class_name, activation, order):
+    """Their gate is recognised as one of the library's fused activations (the families whose
+    gate is their own, a softcap or a squared ReLU, run it unfused and still match above)."""
+    module_name = next(m for m, c in FAMILIES if c == class_name)
+    fused = gl_hf._fused_activation(_build(module_name, class_name))
+    assert fused is not None
+    assert (fused["activation"], fused["gate_up_order"]) == (activation, order)
+    if activation == "gpt_oss_swiglu":
+        experts = _build(module_name, class_name)
+        assert (fused["alpha"], fused["limit"]) == (experts.alpha, experts.limit)
