@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+import grouped_linear as gl
 from grouped_linear import _tuning
 from grouped_linear.kernels.gemm import fp8_torch_gemm, triton_gemm
 from grouped_linear.ops.dispatch import (
@@ -12,6 +13,7 @@ from grouped_linear.ops.dispatch import (
     resolve_backend,
 )
 from grouped_linear.recipes import Float8Blockwise, Float8Rowwise, Float8Tensorwise
+from tests.reference import reference_grads, rel_err
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")  # resolution only: nothing is placed
 
@@ -21,6 +23,37 @@ def test_cpu_calls_take_the_loop_or_the_emulation():
     assert choose_route("grouped", None, CPU, torch.float32, 64, 32, 1000, 4) == "grouped"
     for recipe in (Float8Rowwise(), Float8Tensorwise(), Float8Blockwise()):
         assert choose_route("auto", recipe, CPU, torch.bfloat16, 64, 32, 1000, 4) == "fp8_emulated"
+
+
+def _strided_input(layout: str, rows: int, features: int) -> torch.Tensor:
+    """A ``(rows, features)`` fp32 input laid out as ``layout`` says."""
+    if layout == "transposed":
+        return torch.randn(features, rows).t()
+    if layout == "padded rows":  # 66 * 4 bytes between rows: not a multiple of 16
+        return torch.randn(rows, features + 2)[:, :features]
+    if layout == "every other row":
+        return torch.randn(2 * rows, features)[::2]
+    return torch.randn(features * rows + 1)[1:].view(rows, features)  # starts 4 bytes past 16
+
+
+@pytest.mark.parametrize("layout", ["transposed", "padded rows", "every other row",
+                                    "unaligned start"])
+@pytest.mark.parametrize("backend", ["grouped"])
+def test_the_grouped_gemm_takes_any_input_layout(backend, layout):
+    """torch's grouped GEMM refuses strides that are not 16-byte multiples; the grouped route
+    copies such operands, so every layout the loop takes it takes."""
+    torch.manual_seed(0)
+    sizes, features, out_features = [3, 0, 7], 64, 32
+    assert resolve_backend(backend, CPU, torch.float32, features, out_features, 10, 3) == "grouped"
+    x = _strided_input(layout, sum(sizes), features).requires_grad_()
+    weight = torch.randn(3, out_features, features, requires_grad=True)
+    bias = torch.randn(3, out_features, requires_grad=True)
+    grad = torch.randn(sum(sizes), out_features)
+    y = gl.grouped_linear(x, weight, bias, sizes, backend=backend)
+    y.backward(grad)
+    want = reference_grads(x, weight, bias, sizes, grad)
+    for got, ref in zip((y, x.grad, weight.grad, bias.grad), want):
+        assert rel_err(got, ref) < 1e-5
 
 
 def test_a_recipe_checks_the_backend_name_only():
@@ -59,8 +92,6 @@ def test_override_restores_on_error_and_rejects_unknown_names():
 def test_a_rejected_fp8_call_leaves_the_weight_cache_as_it_was():
     """Every argument is checked before the cache moves: a call with bad splits and
     ``is_first_microbatch=True`` raises without re-quantizing the cached weight."""
-    import grouped_linear as gl
-
     torch.manual_seed(0)
     layer = gl.GroupedLinear(2, 32, 16, recipe=Float8Rowwise())
     x = torch.randn(10, 32)
