@@ -18,11 +18,33 @@ from tests.reference import reference_grads, rel_err
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")  # resolution only: nothing is placed
 
 
-def test_cpu_calls_take_the_loop_or_the_emulation():
-    assert choose_route("auto", None, CPU, torch.float32, 64, 32, 1000, 4) == "loop"
-    assert choose_route("grouped", None, CPU, torch.float32, 64, 32, 1000, 4) == "grouped"
+@pytest.mark.parametrize("groups", [1, 128, 65536])
+@pytest.mark.parametrize("rows", [0, 4096, 1 << 20])
+@pytest.mark.parametrize("dtype, in_features, out_features, want", [
+    (torch.float32, 64, 32, "grouped"),
+    (torch.float32, 2048, 768, "grouped"),
+    (torch.float32, 62, 32, "loop"),  # rows of 248 bytes: torch's grouped GEMM refuses them
+    (torch.float32, 64, 30, "loop"),
+    (torch.float32, 0, 32, "loop"),  # zero width: no strides torch's grouped GEMM takes
+    (torch.float32, 64, 0, "loop"),
+    (torch.bfloat16, 64, 32, "loop"),  # the grouped route adds a bf16 bias in float32 copies
+    (torch.float16, 64, 32, "loop"),  # the grouped backend takes no fp16 on CPU
+    (torch.float64, 64, 32, "loop"),  # torch's grouped GEMM has no float64
+])
+def test_cpu_auto_takes_the_grouped_gemm_for_fp32_only(dtype, in_features, out_features, want,
+                                                       rows, groups):
+    """On CPU ``auto`` runs torch's grouped GEMM in fp32, whatever the rows and groups, and
+    the loop otherwise (benchmarks/cpu_backends.py); a recipe runs the emulation."""
+    assert choose_route("auto", None, CPU, dtype, in_features, out_features, rows,
+                        groups) == want
+    if want == "grouped":  # what auto picks, the backend asked for by name takes
+        assert resolve_backend("grouped", CPU, dtype, in_features, out_features, rows,
+                               groups) == "grouped"
+    assert choose_route("loop", None, CPU, dtype, in_features, out_features, rows,
+                        groups) == "loop"
     for recipe in (Float8Rowwise(), Float8Tensorwise(), Float8Blockwise()):
-        assert choose_route("auto", recipe, CPU, torch.bfloat16, 64, 32, 1000, 4) == "fp8_emulated"
+        assert choose_route("auto", recipe, CPU, torch.bfloat16, 64, 32, rows,
+                            groups) == "fp8_emulated"
 
 
 def _strided_input(layout: str, rows: int, features: int) -> torch.Tensor:
@@ -38,10 +60,10 @@ def _strided_input(layout: str, rows: int, features: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("layout", ["transposed", "padded rows", "every other row",
                                     "unaligned start"])
-@pytest.mark.parametrize("backend", ["grouped"])
+@pytest.mark.parametrize("backend", ["auto", "grouped"])
 def test_the_grouped_gemm_takes_any_input_layout(backend, layout):
     """torch's grouped GEMM refuses strides that are not 16-byte multiples; the grouped route
-    copies such operands, so every layout the loop takes it takes."""
+    (fp32 ``auto`` on CPU) copies such operands, so every layout the loop takes it takes."""
     torch.manual_seed(0)
     sizes, features, out_features = [3, 0, 7], 64, 32
     assert resolve_backend(backend, CPU, torch.float32, features, out_features, 10, 3) == "grouped"
