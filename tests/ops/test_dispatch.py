@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+import grouped_linear as gl
 from grouped_linear import _tuning
 from grouped_linear.kernels.gemm import fp8_torch_gemm, triton_gemm
 from grouped_linear.ops.dispatch import (
@@ -12,15 +13,69 @@ from grouped_linear.ops.dispatch import (
     resolve_backend,
 )
 from grouped_linear.recipes import Float8Blockwise, Float8Rowwise, Float8Tensorwise
+from tests.reference import reference_grads, rel_err
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")  # resolution only: nothing is placed
 
 
-def test_cpu_calls_take_the_loop_or_the_emulation():
-    assert choose_route("auto", None, CPU, torch.float32, 64, 32, 1000, 4) == "loop"
-    assert choose_route("grouped", None, CPU, torch.float32, 64, 32, 1000, 4) == "grouped"
+@pytest.mark.parametrize("groups", [1, 128, 65536])
+@pytest.mark.parametrize("rows", [0, 4096, 1 << 20])
+@pytest.mark.parametrize("dtype, in_features, out_features, want", [
+    (torch.float32, 64, 32, "grouped"),
+    (torch.float32, 2048, 768, "grouped"),
+    (torch.float32, 62, 32, "loop"),  # rows of 248 bytes: torch's grouped GEMM refuses them
+    (torch.float32, 64, 30, "loop"),
+    (torch.float32, 0, 32, "loop"),  # zero width: no strides torch's grouped GEMM takes
+    (torch.float32, 64, 0, "loop"),
+    (torch.bfloat16, 64, 32, "loop"),  # the grouped route adds a bf16 bias in float32 copies
+    (torch.float16, 64, 32, "loop"),  # the grouped backend takes no fp16 on CPU
+    (torch.float64, 64, 32, "loop"),  # torch's grouped GEMM has no float64
+])
+def test_cpu_auto_takes_the_grouped_gemm_for_fp32_only(dtype, in_features, out_features, want,
+                                                       rows, groups):
+    """On CPU ``auto`` runs torch's grouped GEMM in fp32, whatever the rows and groups, and
+    the loop otherwise (benchmarks/cpu_backends.py); a recipe runs the emulation."""
+    assert choose_route("auto", None, CPU, dtype, in_features, out_features, rows,
+                        groups) == want
+    if want == "grouped":  # what auto picks, the backend asked for by name takes
+        assert resolve_backend("grouped", CPU, dtype, in_features, out_features, rows,
+                               groups) == "grouped"
+    assert choose_route("loop", None, CPU, dtype, in_features, out_features, rows,
+                        groups) == "loop"
     for recipe in (Float8Rowwise(), Float8Tensorwise(), Float8Blockwise()):
-        assert choose_route("auto", recipe, CPU, torch.bfloat16, 64, 32, 1000, 4) == "fp8_emulated"
+        assert choose_route("auto", recipe, CPU, torch.bfloat16, 64, 32, rows,
+                            groups) == "fp8_emulated"
+
+
+def _strided_input(layout: str, rows: int, features: int) -> torch.Tensor:
+    """A ``(rows, features)`` fp32 input laid out as ``layout`` says."""
+    if layout == "transposed":
+        return torch.randn(features, rows).t()
+    if layout == "padded rows":  # 66 * 4 bytes between rows: not a multiple of 16
+        return torch.randn(rows, features + 2)[:, :features]
+    if layout == "every other row":
+        return torch.randn(2 * rows, features)[::2]
+    return torch.randn(features * rows + 1)[1:].view(rows, features)  # starts 4 bytes past 16
+
+
+@pytest.mark.parametrize("layout", ["transposed", "padded rows", "every other row",
+                                    "unaligned start"])
+@pytest.mark.parametrize("backend", ["auto", "grouped"])
+def test_the_grouped_gemm_takes_any_input_layout(backend, layout):
+    """torch's grouped GEMM refuses strides that are not 16-byte multiples; the grouped route
+    (fp32 ``auto`` on CPU) copies such operands, so every layout the loop takes it takes."""
+    torch.manual_seed(0)
+    sizes, features, out_features = [3, 0, 7], 64, 32
+    assert resolve_backend(backend, CPU, torch.float32, features, out_features, 10, 3) == "grouped"
+    x = _strided_input(layout, sum(sizes), features).requires_grad_()
+    weight = torch.randn(3, out_features, features, requires_grad=True)
+    bias = torch.randn(3, out_features, requires_grad=True)
+    grad = torch.randn(sum(sizes), out_features)
+    y = gl.grouped_linear(x, weight, bias, sizes, backend=backend)
+    y.backward(grad)
+    want = reference_grads(x, weight, bias, sizes, grad)
+    for got, ref in zip((y, x.grad, weight.grad, bias.grad), want):
+        assert rel_err(got, ref) < 1e-5
 
 
 def test_a_recipe_checks_the_backend_name_only():
@@ -59,8 +114,6 @@ def test_override_restores_on_error_and_rejects_unknown_names():
 def test_a_rejected_fp8_call_leaves_the_weight_cache_as_it_was():
     """Every argument is checked before the cache moves: a call with bad splits and
     ``is_first_microbatch=True`` raises without re-quantizing the cached weight."""
-    import grouped_linear as gl
-
     torch.manual_seed(0)
     layer = gl.GroupedLinear(2, 32, 16, recipe=Float8Rowwise())
     x = torch.randn(10, 32)

@@ -37,6 +37,19 @@ def loop_bounds(ends: torch.Tensor, host_ends: torch.Tensor | None) -> list[tupl
     return list(zip([0] + host[:-1], host))
 
 
+def _grouped_mm_layout(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or a contiguous copy where torch's grouped GEMM refuses its layout: it takes a
+    16-byte aligned start and, of the last two strides, one 1 and the other a multiple of
+    16 bytes that spans the row (a transposed or sliced input may have neither)."""
+    rows, cols = t.stride()[-2:]
+    alignment = 16 // t.element_size()
+    if t.data_ptr() % 16 == 0 and (
+            (cols == 1 and rows % alignment == 0 and rows >= max(1, t.shape[-1]))
+            or (rows == 1 and cols % alignment == 0 and cols >= max(1, t.shape[-2]))):
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
+
+
 def _loop_forward(x, weight, ends, host_ends, bias):
     bounds = loop_bounds(ends, host_ends)
     out = x.new_empty(x.shape[0], weight.shape[1])
@@ -84,7 +97,8 @@ def forward(
     if backend == "grouped":
         if bias is not None:
             raise ValueError("the grouped backend's GEMM takes no bias; add it afterwards")
-        return F.grouped_mm(x, weight.transpose(-2, -1), offs=ends)
+        return F.grouped_mm(_grouped_mm_layout(x), _grouped_mm_layout(weight).transpose(-2, -1),
+                            offs=ends)
     return _loop_forward(x, weight, ends, host_ends, bias)
 
 
@@ -99,7 +113,7 @@ def dgrad(
     if weight.shape[0] == 0:
         return grad_out.new_zeros(grad_out.shape[0], weight.shape[2])
     if backend == "grouped":
-        return F.grouped_mm(grad_out, weight, offs=ends)
+        return F.grouped_mm(_grouped_mm_layout(grad_out), _grouped_mm_layout(weight), offs=ends)
     return _loop_dgrad(grad_out, weight, ends, host_ends)
 
 
@@ -121,5 +135,5 @@ def wgrad(
     if num_groups == 0:
         return x.new_zeros(0, grad_out.shape[1], x.shape[1])
     if backend == "grouped":
-        return F.grouped_mm(grad_out.t(), x, offs=ends)
+        return F.grouped_mm(_grouped_mm_layout(grad_out.t()), _grouped_mm_layout(x), offs=ends)
     return _loop_wgrad(grad_out, x, ends, host_ends, num_groups)
