@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import operator
 import sys
+from collections.abc import Iterable
 
 import torch
 
-__all__ = ["MAX_ROWS", "check_int", "check_matrix", "is_bool"]
+__all__ = ["MAX_ROWS", "DEVICE_TYPES", "check_int", "check_matrix", "check_operands",
+           "check_tensor", "describe", "is_bool"]
 
 # The most rows a tensor dimension (and an int64 row index or cumulative sum) can hold.
 MAX_ROWS = 2**63 - 1
@@ -52,3 +54,38 @@ def check_matrix(x: object, name: str) -> torch.Tensor:
     if x.dim() != 2:
         raise ValueError(f"{name} has shape {tuple(x.shape)}: expected a 2-D tensor")
     return x
+
+
+DEVICE_TYPES = ("cpu", "cuda")
+
+
+def check_operands(x: torch.Tensor, tensors: Iterable[tuple[str, torch.Tensor | None]]
+                   ) -> torch.device:
+    """``x``'s device once it is CPU or CUDA and every named tensor (``None`` skipped) is a
+    floating-point tensor on it: ``ValueError`` (device) or ``TypeError`` (dtype) naming the
+    first that is not. Nothing reads a value."""
+    device = x.device  # read once: every read builds a new torch.device
+    if device.type not in DEVICE_TYPES:
+        raise ValueError(f"x is on {device}: expected a tensor on one of {DEVICE_TYPES}")
+    for name, tensor in tensors:
+        if tensor is None:
+            continue
+        if tensor.device != device:
+            raise ValueError(f"{name} is on {tensor.device} but x is on {device}")
+        if not tensor.is_floating_point():
+            raise TypeError(f"{name} has dtype {tensor.dtype}: expected a floating-point tensor")
+    return device
+
+
+def describe(value: object) -> str:
+    """``value`` for an error message: its repr where short, and its type."""
+    text = repr(value)
+    kind = type(value).__name__
+    return f"{text} ({kind})" if len(text) <= 40 and "\n" not in text else kind
+
+
+def check_tensor(name: str, value: object, what: str = "a torch.Tensor") -> torch.Tensor:
+    """``value`` if it is a tensor, else ``TypeError`` naming ``name`` and the value."""
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be {what}, got {describe(value)}")
+    return value

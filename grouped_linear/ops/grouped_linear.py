@@ -17,6 +17,7 @@ import torch
 from ..kernels.ends import group_ends
 from ..recipes import Float8Recipe, current_recipe
 from .bias_add import add_group_bias
+from .checks import check_operands, check_tensor, describe
 from .dispatch import cached_verdict, choose_route
 from .fast_path import apply_triton_linear, functorch_involved
 from .fp8 import (
@@ -48,7 +49,6 @@ class TensorParallelHooks(Protocol):
 
 
 # Where the input may live: the devices torch.autocast and the kernels know (not "meta").
-_DEVICE_TYPES = ("cpu", "cuda")
 
 # Call configurations of the plain call, one per route (device splits: a tail may exist).
 _PLAIN_CONFIGS = {name: CallConfig(name, True, None) for name in ("triton", "grouped", "loop")}
@@ -90,7 +90,7 @@ def apply_grouped_linear(
             return run_linear(x, weight, bias, None, group_ends(m_splits, x.shape[0]), None,
                               _PLAIN_CONFIGS[route])
 
-    weight = _check_tensor("weight", weight)
+    weight = check_tensor("weight", weight)
     if weight.dim() != 3:
         raise ValueError(f"weight has shape {tuple(weight.shape)}: expected (G, out, in)")
     num_groups, out_features, in_features = weight.shape
@@ -99,23 +99,14 @@ def apply_grouped_linear(
     if pieces is not None:
         x = pieces[0]  # stands in for the input in the checks below
     if bias is not None:
-        bias = _check_tensor("bias", bias)
+        bias = check_tensor("bias", bias)
         if bias.shape != (num_groups, out_features):
             raise ValueError(
                 f"bias has shape {tuple(bias.shape)}, expected ({num_groups}, {out_features})"
             )
-    device = x.device  # read once: every read builds a new torch.device
-    if device.type not in _DEVICE_TYPES:
-        raise ValueError(f"x is on {device}: expected a tensor on one of {_DEVICE_TYPES}")
     # Devices and kinds of dtype before anything converts or reads a value (torch.autocast
     # would cast an integer input silently).
-    for name, tensor in (("x", x), ("weight", weight), ("bias", bias)):
-        if tensor is None:
-            continue
-        if tensor.device != device:
-            raise ValueError(f"{name} is on {tensor.device} but x is on {device}")
-        if not tensor.is_floating_point():
-            raise TypeError(f"{name} has dtype {tensor.dtype}: expected a floating-point tensor")
+    device = check_operands(x, (("x", x), ("weight", weight), ("bias", bias)))
     if torch.is_autocast_enabled(device.type):
         if pieces is not None:
             x, pieces = torch.cat(pieces), None
@@ -189,19 +180,6 @@ def _fp8(route: str, x: torch.Tensor, pieces: list[torch.Tensor] | None, weight:
     return Fp8EmulatedFunction.apply(x, weight, bias, splits.ends, config, cached)
 
 
-def _describe(value: object) -> str:
-    """``value`` for an error message: its repr where short, and its type."""
-    text = repr(value)
-    kind = type(value).__name__
-    return f"{text} ({kind})" if len(text) <= 40 and "\n" not in text else kind
-
-
-def _check_tensor(name: str, value: object, what: str = "a torch.Tensor") -> torch.Tensor:
-    if not isinstance(value, torch.Tensor):
-        raise TypeError(f"{name} must be {what}, got {_describe(value)}")
-    return value
-
-
 def join_inputs(
     x: torch.Tensor | Sequence[torch.Tensor],
     m_splits: Sequence[int] | torch.Tensor | GroupSplits | None,
@@ -218,7 +196,7 @@ def join_inputs(
     of ints; where its sizes can be read on the host they must be the pieces' row counts.
     """
     if isinstance(x, (list, tuple)):
-        pieces = [_check_tensor(f"x[{i}]", piece) for i, piece in enumerate(x)]
+        pieces = [check_tensor(f"x[{i}]", piece) for i, piece in enumerate(x)]
         if not pieces:
             raise ValueError("x is an empty list: expected one tensor per group")
         if num_groups is not None and len(pieces) != num_groups:
@@ -250,14 +228,14 @@ def join_inputs(
         else:
             raise TypeError(
                 f"m_splits must be None, a list of ints or an integer tensor giving the rows of "
-                f"each tensor of the list x ({list_sizes}), got {_describe(m_splits)}"
+                f"each tensor of the list x ({list_sizes}), got {describe(m_splits)}"
             )
         if given is not None and list(given) != list_sizes:
             raise ValueError(
                 f"m_splits={list(given)} disagrees with the sizes of the list x: {list_sizes}"
             )
         return (pieces if keep_list else torch.cat(pieces)), m_splits
-    x = _check_tensor("x", x, "a torch.Tensor or a list of tensors")
+    x = check_tensor("x", x, "a torch.Tensor or a list of tensors")
     if x.dim() != 2:
         raise ValueError(f"x has shape {tuple(x.shape)}: expected a 2-D (rows, {in_features}) tensor")
     if x.shape[1] != in_features:

@@ -15,7 +15,8 @@ import torch
 
 from ..recipes import Float8Recipe, check_recipe
 from .activation import Activation, bias_activation, check_activation
-from .grouped_linear import _check_tensor, apply_grouped_linear, join_inputs
+from .checks import check_operands, check_tensor
+from .grouped_linear import apply_grouped_linear, join_inputs
 from .splits import GroupSplits, normalize_splits
 
 __all__ = ["grouped_mlp", "run_mlp"]
@@ -111,8 +112,8 @@ def grouped_mlp(
         ``(M, H)``; device splits summing to less than ``M`` leave the rows past them zero.
     """
     act = check_activation(activation, gate_up_order, activation_params)
-    w1 = _check_tensor("w1", w1)
-    w2 = _check_tensor("w2", w2)
+    w1 = check_tensor("w1", w1)
+    w2 = check_tensor("w2", w2)
     if w1.dim() != 3:
         raise ValueError(f"w1 has shape {tuple(w1.shape)}: expected (G, "
                          f"{'2F' if act.gated else 'F'}, H)")
@@ -127,25 +128,15 @@ def grouped_mlp(
             f"{act.kind!r} needs w1 of shape (G, {'2F' if act.gated else 'F'}, H) = "
             f"{(num_groups, 2 * ffn if act.gated else ffn, hidden)}")
     if b1 is not None:
-        _check_shape("b1", _check_tensor("b1", b1), (num_groups, width), "(G, w1.shape[1])")
+        _check_shape("b1", check_tensor("b1", b1), (num_groups, width), "(G, w1.shape[1])")
     if b2 is not None:
-        _check_shape("b2", _check_tensor("b2", b2), (num_groups, hidden), "(G, H)")
+        _check_shape("b2", check_tensor("b2", b2), (num_groups, hidden), "(G, H)")
     recipe = check_recipe(recipe)
     x, m_splits = join_inputs(x, m_splits, hidden, num_groups=num_groups)
-    device = x.device
-    if device.type not in ("cpu", "cuda"):
-        raise ValueError(f"x is on {device}: expected a tensor on cpu or cuda")
-    if not x.is_floating_point():
-        raise TypeError(f"x has dtype {x.dtype}: expected a floating-point tensor")
+    device = check_operands(x, (("x", x), ("w1", w1), ("b1", b1), ("w2", w2), ("b2", b2)))
     autocast = torch.is_autocast_enabled(device.type)
     for name, tensor in (("w1", w1), ("b1", b1), ("w2", w2), ("b2", b2)):
-        if tensor is None:
-            continue
-        if tensor.device != device:
-            raise ValueError(f"{name} is on {tensor.device} but x is on {device}")
-        if not tensor.is_floating_point():
-            raise TypeError(f"{name} has dtype {tensor.dtype}: expected a floating-point tensor")
-        if not autocast and tensor.dtype != x.dtype:
+        if tensor is not None and not autocast and tensor.dtype != x.dtype:
             raise TypeError(f"{name} has dtype {tensor.dtype} but x has dtype {x.dtype}: "
                             "outside torch.autocast the input and weight dtypes must match")
     splits = normalize_splits(m_splits, num_groups=num_groups, num_rows=x.shape[0],
