@@ -18,8 +18,6 @@ not, a post-expert norm): no copy, checkpoint keys unchanged. Expert-parallel se
 
 from __future__ import annotations
 
-import weakref
-
 import torch
 
 from .. import recipes
@@ -50,8 +48,9 @@ def _projection(module: torch.nn.Module, name: str) -> tuple[torch.Tensor, torch
 
 
 _NON_GATED = ("gelu", "gelu_erf", "relu", "silu")
-# The fused activation found for each experts module (probed once per module).
-_FUSED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# Where an experts module keeps the fused activation found for its gate (probed once).
+_ATTRIBUTE = "_grouped_linear_activation"
+_UNSET = object()
 
 
 def _probe(module: torch.nn.Module) -> dict | None:
@@ -82,10 +81,18 @@ def _probe(module: torch.nn.Module) -> dict | None:
     return None
 
 
+@torch.compiler.disable
+def _probed(module: torch.nn.Module) -> dict | None:
+    fused = _probe(module)
+    setattr(module, _ATTRIBUTE, fused)
+    return fused
+
+
 def _fused_activation(module: torch.nn.Module) -> dict | None:
-    if module not in _FUSED:
-        _FUSED[module] = _probe(module)
-    return _FUSED[module]
+    """The module's fused activation arguments (probed on its first call, eagerly; a model
+    switched by :func:`enable` has them before it is compiled)."""
+    fused = getattr(module, _ATTRIBUTE, _UNSET)
+    return _probed(module) if fused is _UNSET else fused
 
 
 def experts_forward(module: torch.nn.Module, hidden_states: torch.Tensor,
@@ -144,6 +151,9 @@ def enable(model: torch.nn.Module, recipe: recipes.Float8Recipe | None = None) -
         )
     recipe = recipes.check_recipe(recipe)
     register()
+    for module in model.modules():  # probe every gate now, outside any compiled region
+        if hasattr(module, "_is_expert_parallel") and hasattr(module, "num_experts"):
+            _fused_activation(module)
     name = NAME
     if recipe is not None:
         name = next((n for n, cls in RECIPE_NAMES.items() if recipe == cls()),

@@ -3,6 +3,11 @@ optimizer steps against transformers' eager experts, one-line enabling, checkpoi
 
 from __future__ import annotations
 
+import os
+import pathlib
+import subprocess
+import sys
+
 import pytest
 import torch
 import transformers
@@ -128,3 +133,35 @@ def test_enable_rejects_what_is_not_a_transformers_model():
         gl_hf.enable(torch.nn.Linear(2, 2))
     with pytest.raises((TypeError, ValueError), match="recipe"):
         gl_hf.enable(_model("olmoe"), recipe="fp8")
+
+
+def compiled_matches_eager() -> None:
+    """A tiny Qwen3-MoE model with the entry, compiled: no graph break, eager's logits and
+    expert gradients (the gates are probed by enable(), outside the compiled region)."""
+    import torch._dynamo.utils
+
+    model = _model("qwen3_moe", torch.float32)
+    want = model(IDS).logits.detach()
+    _loss(model, IDS).backward()
+    want_grads = _expert_grads(model)
+    model.zero_grad()
+    gl_hf.enable(model)
+    torch._dynamo.utils.counters.clear()
+    out = torch.compile(model, backend="aot_eager")(IDS, labels=IDS)
+    out.loss.backward()
+    assert not torch._dynamo.utils.counters["graph_break"]
+    assert rel_err(out.logits, want) < 1e-5
+    for name, grad in _expert_grads(model).items():
+        assert rel_err(grad, want_grads[name]) < 1e-4, name
+
+
+def test_torch_compile_of_the_model_without_graph_breaks():
+    """Run in a child process without TRITON_INTERPRET, as users run on CPU: dynamo cannot
+    trace Triton's interpreter, which the rest of the suite runs kernels under."""
+    root = pathlib.Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    child = subprocess.run(
+        [sys.executable, "-c", "from tests.integrations.test_transformers_models import "
+         "compiled_matches_eager as check; check()"],
+        cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert child.returncode == 0, child.stderr[-3000:]
