@@ -105,6 +105,26 @@ def _check_mlp(rank):
     torch.testing.assert_close(tp.fc2.weight.grad, ref.fc2.weight.grad[:, :, gate], **TOL)
 
 
+def _check_interleaved_mlp(rank):
+    """Gate and up interleaved (GPT-OSS's layout): each rank's contiguous slice of fc1 holds
+    whole (gate, up) pairs, and its fc2 slice the matching columns."""
+    kwargs = dict(activation="gpt_oss_swiglu", gate_up_order="interleaved", limit=1.5,
+                  params_dtype=torch.float64)
+    ref, tp = _pair(lambda: gl.GroupedMLP(G, K, 2 * F, **kwargs),
+                    lambda: gl.GroupedMLP(G, K, 2 * F, tp_size=2, **kwargs))
+    x = torch.randn(8, K, dtype=torch.float64, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_()
+    tp(x, SIZES).sum().backward()
+    y_ref = ref(x_ref, SIZES)
+    y_ref.sum().backward()
+    torch.testing.assert_close(tp(x, SIZES), y_ref, **TOL)
+    torch.testing.assert_close(x.grad, x_ref.grad, **TOL)
+    rows = slice(rank * 2 * F, (rank + 1) * 2 * F)
+    torch.testing.assert_close(tp.fc1.weight.grad, ref.fc1.weight.grad[:, rows], **TOL)
+    torch.testing.assert_close(tp.fc2.weight.grad,
+                               ref.fc2.weight.grad[:, :, rank * F:(rank + 1) * F], **TOL)
+
+
 def _worker(rank, world, port):
     os.environ.pop("TRITON_INTERPRET", None)  # plain PyTorch paths: fast and exact on CPU
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
@@ -113,6 +133,7 @@ def _worker(rank, world, port):
         _check_column(rank)
         _check_row(rank)
         _check_mlp(rank)
+        _check_interleaved_mlp(rank)
         dist.barrier()  # neither rank tears down while the other still talks
     finally:
         dist.destroy_process_group()
