@@ -10,8 +10,8 @@ import torch
 
 from ._triton import kernel, next_power_of_2, tl, triton, use_triton
 
-__all__ = ["ends_dtype", "group_starts", "group_ends", "group_ends_reference", "aligned_ends",
-           "aligned_ends_reference"]
+__all__ = ["ends_dtype", "group_starts", "group_sizes", "group_ends", "group_ends_reference",
+           "aligned_ends", "aligned_ends_reference"]
 
 _MAX_TRITON_GROUPS = 8192
 _INT32_MAX = 2**31 - 1
@@ -54,8 +54,13 @@ def group_ends(splits: torch.Tensor, num_rows: int) -> torch.Tensor:
     return ends
 
 
+def group_sizes(ends: torch.Tensor) -> torch.Tensor:
+    """``(G,)`` cumulative group ends -> the ``(G,)`` group sizes, in ``ends``' dtype."""
+    return torch.diff(ends, prepend=ends.new_zeros(1))
+
+
 def aligned_ends_reference(ends: torch.Tensor, align: int) -> torch.Tensor:
-    sizes = torch.diff(ends.to(torch.int64), prepend=ends.new_zeros(1, dtype=torch.int64))
+    sizes = group_sizes(ends.to(torch.int64))
     return ((sizes + align - 1) // align * align).cumsum(0).to(torch.int32)
 
 

@@ -20,6 +20,7 @@ from collections.abc import Callable
 import torch
 
 from ..kernels import bias as bias_kernels
+from ..kernels.ends import group_sizes
 from ..kernels.gemm import gluon_gemm, gluon_wgrad, torch_gemm, triton_gemm
 
 __all__ = [
@@ -79,7 +80,7 @@ def forward_impl(
         return torch_gemm.forward(x, weight, ends, host_ends, backend, bias.to(x.dtype))
     if x.is_cuda and triton_gemm.fits(weight.shape[0], weight.shape[2], weight.shape[1]):
         # torch's grouped GEMM stores only the input dtype: the Triton GEMM adds the bias
-        return triton_gemm.forward(x, weight, bias, torch.diff(ends, prepend=ends.new_zeros(1)))
+        return triton_gemm.forward(x, weight, bias, group_sizes(ends))
     out = torch_gemm.forward(x.float(), weight.float(), ends, host_ends, backend)
     return bias_kernels.bias_epilogue_(out, bias, ends, zero_tail).to(x.dtype)
 

@@ -209,8 +209,7 @@ def route_weight_grads(sink: WeightGradSink | None, need_w: bool, need_b: bool,
         if later_w or later_b:
             sink.defer(lambda: compute(later_w, later_b,
                                        sink.weight_grad_dtype() if later_w else None), reads)
-        return compute(now_w, now_b, None) if now_w or now_b else (None, None)
-    if later_w:  # fused into main_grad now
+    elif later_w:  # fused into main_grad now
         grad_w, grad_b = compute(True, now_b, sink.weight_grad_dtype())
         sink.accept_weight_grad(grad_w)
         return None, grad_b

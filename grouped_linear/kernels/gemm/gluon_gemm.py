@@ -49,6 +49,7 @@ from .._gluon import (
     warpgroup_mma_wait,
 )
 from .._triton import cdiv, next_power_of_2, sm_count
+from ..ends import group_sizes
 
 __all__ = ["MMConfig", "MM_CONFIG", "supported", "grouped_mm", "grouped_mm_reference"]
 
@@ -262,7 +263,7 @@ def grouped_mm_reference(a: torch.Tensor, weight: torch.Tensor, ends: torch.Tens
                          transposed_weight: bool = False) -> torch.Tensor:
     """:func:`grouped_mm` in plain PyTorch: a per-group matmul in float32 (float64 for
     float64 input), rows past the groups zero."""
-    sizes = torch.diff(ends.to(torch.int64), prepend=ends.new_zeros(1, dtype=torch.int64))
+    sizes = group_sizes(ends.to(torch.int64))
     acc_dtype = torch.float64 if a.dtype == torch.float64 else torch.float32
     width = weight.shape[2] if transposed_weight else weight.shape[1]
     out = torch.zeros(a.shape[0], width, device=a.device, dtype=acc_dtype)

@@ -29,6 +29,7 @@ import torch
 
 from ... import _tuning
 from ...kernels import bias as bias_kernels
+from ...kernels.ends import group_sizes
 from ...kernels.gemm import fp8_torch_gemm, fp8_triton_gemm
 from ...kernels.quantize import common, folded, groups, rows, transposed
 from ...recipes import Float8Recipe, Float8Rowwise, Float8Tensorwise
@@ -142,7 +143,7 @@ class Fp8ScaledMMFunction(torch.autograd.Function):
                     x, ends, recipe.forward_dtype, pow2, x_scale, align=align,
                     data_ends=aligned)
             if triton_wgrad:  # 128-token group blocks, one factor per (group, column)
-                sizes = torch.diff(ends, prepend=ends.new_zeros(1))
+                sizes = group_sizes(ends)
                 return fp8_triton_gemm.blockwise_wgrad(dy_t, dy_t_inv, x_t, x_t_inv, sizes,
                                                        grad_out.shape[0], out_dtype,
                                                        group_scales=True)
