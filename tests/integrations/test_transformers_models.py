@@ -14,34 +14,8 @@ import transformers
 
 import grouped_linear as gl
 import grouped_linear.integrations.transformers as gl_hf
+from tests.integrations.tiny_models import FAMILIES, tiny_model
 from tests.reference import rel_err
-
-_TINY = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, head_dim=8, intermediate_size=48,
-             num_experts_per_tok=2, max_position_embeddings=64)
-FAMILIES = {
-    "qwen3_moe": dict(num_experts=8, moe_intermediate_size=16),
-    "qwen2_moe": dict(num_experts=8, moe_intermediate_size=16,
-                      shared_expert_intermediate_size=16),
-    "mixtral": dict(num_local_experts=8),
-    "olmoe": dict(num_experts=8),
-    "deepseek_v3": dict(n_routed_experts=8, moe_intermediate_size=16, first_k_dense_replace=0,
-                        n_group=2, topk_group=1, q_lora_rank=16, kv_lora_rank=16,
-                        qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
-                        num_key_value_heads=4),
-    "gpt_oss": dict(num_local_experts=8, intermediate_size=16, layer_types=None),
-}
-
-
-def _model(family: str, dtype=torch.float64, implementation="eager"):
-    config = transformers.AutoConfig.for_model(family, **{**_TINY, **FAMILIES[family]})
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(
-        config, experts_implementation=implementation).to(dtype)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.1)
-    return model
 
 
 def _expert_grads(model):
@@ -58,7 +32,7 @@ IDS = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(5))
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_logits_and_expert_gradients_match_eager(family):
-    model = _model(family, torch.float32)
+    model = tiny_model(family, torch.float32)
     want_logits = model(IDS).logits.detach()
     _loss(model, IDS).backward()
     want = _expert_grads(model)
@@ -75,7 +49,7 @@ def test_logits_and_expert_gradients_match_eager(family):
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
 def test_five_sgd_steps_stay_in_step_with_eager(family):
-    models = [_model(family, torch.float64), _model(family, torch.float64)]
+    models = [tiny_model(family, torch.float64), tiny_model(family, torch.float64)]
     gl_hf.enable(models[1])
     optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in models]
     for step in range(5):
@@ -89,7 +63,7 @@ def test_five_sgd_steps_stay_in_step_with_eager(family):
 
 
 def test_from_pretrained_with_the_entry_and_a_round_trip_of_the_checkpoint(tmp_path):
-    model = _model("qwen3_moe", torch.float32)
+    model = tiny_model("qwen3_moe", torch.float32)
     keys = set(model.state_dict())
     gl_hf.enable(model)
     model.save_pretrained(tmp_path)
@@ -102,7 +76,7 @@ def test_from_pretrained_with_the_entry_and_a_round_trip_of_the_checkpoint(tmp_p
 
 
 def test_fp8_entry_runs_the_recipe_and_stays_close():
-    model = _model("mixtral", torch.float32)
+    model = tiny_model("mixtral", torch.float32)
     want = model(IDS).logits.detach()
     gl_hf.enable(model, recipe=gl.recipes.Float8Rowwise())
     assert model.config._experts_implementation == "grouped_linear_fp8_rowwise"
@@ -115,7 +89,7 @@ def test_fp8_entry_runs_the_recipe_and_stays_close():
 
 
 def test_gradient_checkpointing():
-    model = _model("olmoe", torch.float64)
+    model = tiny_model("olmoe", torch.float64)
     _loss(model, IDS).backward()
     want = _expert_grads(model)
     model.zero_grad()
@@ -132,7 +106,7 @@ def test_enable_rejects_what_is_not_a_transformers_model():
     with pytest.raises(TypeError, match="model is Linear"):
         gl_hf.enable(torch.nn.Linear(2, 2))
     with pytest.raises((TypeError, ValueError), match="recipe"):
-        gl_hf.enable(_model("olmoe"), recipe="fp8")
+        gl_hf.enable(tiny_model("olmoe"), recipe="fp8")
 
 
 def compiled_matches_eager() -> None:
@@ -140,7 +114,7 @@ def compiled_matches_eager() -> None:
     expert gradients (the gates are probed by enable(), outside the compiled region)."""
     import torch._dynamo.utils
 
-    model = _model("qwen3_moe", torch.float32)
+    model = tiny_model("qwen3_moe", torch.float32)
     want = model(IDS).logits.detach()
     _loss(model, IDS).backward()
     want_grads = _expert_grads(model)

@@ -1,0 +1,37 @@
+"""Tiny random transformers causal-LM models of the MoE families the integration is
+measured on, shared by the CPU and the CUDA tests."""
+
+from __future__ import annotations
+
+import torch
+import transformers
+
+TINY = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=8, intermediate_size=48,
+            num_experts_per_tok=2, max_position_embeddings=64)
+FAMILIES = {
+    "qwen3_moe": dict(num_experts=8, moe_intermediate_size=16),
+    "qwen2_moe": dict(num_experts=8, moe_intermediate_size=16,
+                      shared_expert_intermediate_size=16),
+    "mixtral": dict(num_local_experts=8),
+    "olmoe": dict(num_experts=8),
+    "deepseek_v3": dict(n_routed_experts=8, moe_intermediate_size=16, first_k_dense_replace=0,
+                        n_group=2, topk_group=1, q_lora_rank=16, kv_lora_rank=16,
+                        qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
+                        num_key_value_heads=4),
+    "gpt_oss": dict(num_local_experts=8, intermediate_size=16, layer_types=None),
+}
+
+
+def tiny_model(family: str, dtype: torch.dtype = torch.float64, implementation: str = "eager",
+               **sizes) -> transformers.PreTrainedModel:
+    """A 2-layer model of ``family`` (``sizes`` override the tiny config) with weights drawn
+    from N(0, 0.1), in ``dtype``."""
+    config = transformers.AutoConfig.for_model(family, **{**TINY, **FAMILIES[family], **sizes})
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(
+        config, experts_implementation=implementation).to(dtype)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.1)
+    return model
