@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..kernels.gemm.gluon_gemm import is_input_major
 from .fast_path import functorch_involved, records_graph
 from .steps import (
     bias_grad_impl,
@@ -91,9 +92,12 @@ class GroupedLinearFunction(torch.autograd.Function):
                     grad_out, x, sizes, want_b, weight_dtype)
                 return _asked_grads(grad_w, grad_b, want_w, want_b, bias_dtype)
             if want_w:  # the bias gradient beside the weight's, from one kernel where it can
+                input_major = is_input_major(weight)
                 grad_w, grad_b = step(weight_grads_op, weight_grads_impl)(
                     grad_out, x, ends, host_ends, config.route, want_b,
-                    bias_dtype if want_b else x.dtype, weight_dtype)
+                    bias_dtype if want_b else x.dtype, weight_dtype, input_major)
+                if input_major:  # computed as the weight is stored
+                    grad_w = grad_w.transpose(1, 2)
                 return grad_w, (grad_b if want_b else None)
             return None, step(bias_grad_op, bias_grad_impl)(grad_out, ends, bias_dtype)
 

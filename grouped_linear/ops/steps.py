@@ -112,11 +112,19 @@ def weight_grads_impl(
     with_bias: bool,
     bias_dtype: torch.dtype,
     weight_dtype: torch.dtype,
+    input_major: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(G, N, K)`` weight gradient in ``weight_dtype`` (``x``'s, or float32 for an fp32
     ``main_grad``) and, with ``with_bias``, the ``(G, N)`` bias gradient in ``bias_dtype``
     (else an empty tensor): from one kernel where the Gluon weight gradient takes the
-    operands, else torch's GEMM and the bias reduction pass."""
+    operands, else torch's GEMM and the bias reduction pass. With ``input_major`` (a
+    weight stored ``(G, K, N)``) the weight gradient comes in that layout, ``x^T @ dy`` per
+    group, so that it lands in the parameter without a copy."""
+    if input_major:
+        grad_wt, _ = weight_grads_impl(x, grad_out, ends, host_ends, backend, False, x.dtype,
+                                       weight_dtype)
+        grad_b = bias_kernels.bias_grad(grad_out, ends, bias_dtype) if with_bias else None
+        return grad_wt, (grad_b if grad_b is not None else grad_wt.new_empty(0))
     if (backend == "grouped" and bias_dtype in gluon_wgrad.BIAS_DTYPES
             and weight_dtype in (x.dtype, torch.float32)
             and gluon_wgrad.supported(grad_out, x, ends.shape[0])):
@@ -171,8 +179,11 @@ def _(grad_out, weight, sizes, ends, host_ends, backend, zero_tail):
 
 
 @register_fake("weight_grads")
-def _(grad_out, x, ends, host_ends, backend, with_bias, bias_dtype, weight_dtype):
-    grad_w = x.new_empty(ends.shape[0], grad_out.shape[1], x.shape[1], dtype=weight_dtype)
+def _(grad_out, x, ends, host_ends, backend, with_bias, bias_dtype, weight_dtype,
+      input_major=False):
+    shape = (grad_out.shape[1], x.shape[1])
+    grad_w = x.new_empty(ends.shape[0], *(shape[::-1] if input_major else shape),
+                         dtype=weight_dtype)
     grad_b = x.new_empty((ends.shape[0], grad_out.shape[1]) if with_bias else (0,),
                          dtype=bias_dtype)
     return grad_w, grad_b

@@ -21,7 +21,8 @@ pytestmark = [
 ]
 CUDA = torch.device("cuda")
 # Sizes at which the Gluon and Triton GEMMs run (not the tiny CPU sizes).
-SIZES = dict(hidden_size=256, intermediate_size=384, moe_intermediate_size=128)
+SIZES = dict(hidden_size=256, intermediate_size=384, moe_intermediate_size=128, head_dim=64,
+             std=0.02)
 IDS = torch.randint(0, 64, (4, 96), generator=torch.Generator().manual_seed(3))
 
 
@@ -33,9 +34,11 @@ def _no_tf32():
     torch.backends.cuda.matmul.allow_tf32 = previous
 
 
-def _logits_and_expert_grads(model):
+def _logits_and_expert_grads(model, run=None):
+    """Logits and expert-weight gradients of one step of ``model`` (run by ``run``, e.g. its
+    compiled form, when given)."""
     model.zero_grad()
-    out = model(IDS.to(CUDA), labels=IDS.to(CUDA))
+    out = (run or model)(IDS.to(CUDA), labels=IDS.to(CUDA))
     out.loss.backward()
     grads = {n: p.grad.float() for n, p in model.named_parameters()
              if "experts" in n and p.grad is not None}
@@ -44,6 +47,8 @@ def _logits_and_expert_grads(model):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_bf16_is_no_further_from_fp32_than_transformers_bf16(family):
+    """A whole bf16 model (attention, norms, router and experts in bf16): logits and expert
+    gradients no further from the fp32 model's than with transformers' own bf16 experts."""
     model = tiny_model(family, torch.float32, **SIZES).to(CUDA)
     want_logits, want_grads = _logits_and_expert_grads(model)
     model = model.to(torch.bfloat16)
@@ -53,12 +58,12 @@ def test_bf16_is_no_further_from_fp32_than_transformers_bf16(family):
     ours_logits, ours_grads = _logits_and_expert_grads(model)
     theirs = rel_err(theirs_logits, want_logits)
     ours = rel_err(ours_logits, want_logits)
-    assert ours < 1e-2 and ours <= 1.1 * theirs + 1e-4, (ours, theirs)
+    assert ours <= 1.25 * theirs + 1e-3, (ours, theirs)
     assert ours_grads.keys() == want_grads.keys() and want_grads
     for name, want in want_grads.items():
         theirs = rel_err(theirs_grads[name], want)
         ours = rel_err(ours_grads[name], want)
-        assert ours < 2e-2 and ours <= 1.25 * theirs + 1e-3, (name, ours, theirs)
+        assert ours <= 1.25 * theirs + 1e-3, (name, ours, theirs)
 
 
 def _experts(family, experts_class, dtype, **config):
@@ -118,22 +123,25 @@ def test_experts_modules_in_bf16_match_float64(family, expert_parallel):
     want = _forward_backward(experts, "eager", hidden.double(), index,
                              weights.double().masked_fill(foreign, 0), grad.double())
     experts = experts.to(CUDA, torch.bfloat16)
+    inputs = (hidden.to(CUDA, torch.bfloat16), index.to(CUDA),
+              weights.to(CUDA, torch.bfloat16), grad.to(CUDA, torch.bfloat16))
+    theirs = _forward_backward(experts, "grouped_mm", inputs[0], inputs[1],
+                               inputs[2].masked_fill(foreign.to(CUDA), 0), inputs[3])
     experts._is_expert_parallel = expert_parallel
     index = torch.where(foreign, experts.num_experts + 1, index)
-    got = _forward_backward(experts, gl_hf.NAME, hidden.to(CUDA, torch.bfloat16),
-                            index.to(CUDA), weights.to(CUDA, torch.bfloat16),
-                            grad.to(CUDA, torch.bfloat16))
+    got = _forward_backward(experts, gl_hf.NAME, inputs[0], index.to(CUDA), *inputs[2:])
     assert len(got) == len(want)
-    for a, b in zip(got, want):
+    for a, b, c in zip(got, want, theirs):
         assert a.dtype == torch.bfloat16 and rel_err(a, b) < 1e-2
+        assert rel_err(a, b) <= 1.1 * rel_err(c, b) + 1e-4  # transformers' own bf16
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or not fp8_torch_gemm.available(CUDA),
                     reason="needs the FP8 grouped GEMM (sm90)")
 @pytest.mark.parametrize("name", gl_hf.RECIPE_NAMES)
 def test_fp8_entries_stay_within_the_fp8_bound(name):
-    """Each FP8 entry: the block's output within 6e-2 of float64, its input and weight
-    gradients within 1e-1 (two FP8 GEMMs in a chain), and not the bf16 result."""
+    """Each FP8 entry: the block's output, its input and weight gradients within 1.2e-1 of
+    float64 (two FP8 GEMMs in a chain, each within 6e-2), and not the bf16 result."""
     gl_hf.register()
     experts = _experts("mixtral", "MixtralExperts", torch.float64, hidden_size=512,
                        intermediate_size=768, num_local_experts=8)
@@ -145,31 +153,31 @@ def test_fp8_entries_stay_within_the_fp8_bound(name):
               weights.to(CUDA, torch.bfloat16), grad.to(CUDA, torch.bfloat16))
     bf16 = _forward_backward(experts, gl_hf.NAME, *inputs)
     got = _forward_backward(experts, name, *inputs)
-    assert rel_err(got[0], want[0]) < 6e-2
     assert rel_err(got[0], bf16[0]) > 1e-3  # the recipe ran
-    for a, b in zip(got[1:], want[1:]):
-        assert rel_err(a, b) < 1e-1
+    for a, b in zip(got, want):
+        assert rel_err(a, b) < 1.2e-1
 
 
 def test_compiled_model_matches_eager():
-    """torch.compile (inductor) of a bf16 Qwen3-MoE model with the entry: the eager entry's
-    logits and expert gradients; no graph break where dynamo traces the permutation."""
+    """torch.compile (inductor) of a bf16 Qwen3-MoE model with the entry: logits and expert
+    gradients as close to the fp32 model's as eager bf16's; no graph break where dynamo
+    traces the permutation."""
     import torch._dynamo.utils
 
-    model = tiny_model("qwen3_moe", torch.bfloat16, **SIZES).to(CUDA)
-    gl_hf.enable(model)
+    model = tiny_model("qwen3_moe", torch.float32, **SIZES).to(CUDA)
     want_logits, want_grads = _logits_and_expert_grads(model)
+    model = model.to(torch.bfloat16)
+    gl_hf.enable(model)
+    eager_logits, eager_grads = _logits_and_expert_grads(model)
     torch._dynamo.utils.counters.clear()
-    compiled = torch.compile(model)
-    model.zero_grad()
-    out = compiled(IDS.to(CUDA), labels=IDS.to(CUDA))
-    out.loss.backward()
+    compiled_logits, compiled_grads = _logits_and_expert_grads(model, torch.compile(model))
     if TRACEABLE:
         assert not torch._dynamo.utils.counters["graph_break"]
-    assert rel_err(out.logits, want_logits) < 1e-2
+    eager = rel_err(eager_logits, want_logits)
+    assert rel_err(compiled_logits, want_logits) <= 1.25 * eager + 1e-3
     for name, want in want_grads.items():
-        got = dict(model.named_parameters())[name].grad
-        assert rel_err(got, want) < 2e-2, name
+        eager = rel_err(eager_grads[name], want)
+        assert rel_err(compiled_grads[name], want) <= 1.25 * eager + 1e-3, name
 
 
 def test_the_autocast_recipe_reaches_the_plain_entry():

@@ -24,14 +24,14 @@ FAMILIES = {
 
 
 def tiny_model(family: str, dtype: torch.dtype = torch.float64, implementation: str = "eager",
-               **sizes) -> transformers.PreTrainedModel:
+               std: float = 0.1, **sizes) -> transformers.PreTrainedModel:
     """A 2-layer model of ``family`` (``sizes`` override the tiny config) with weights drawn
-    from N(0, 0.1), in ``dtype``."""
+    from N(0, ``std``), in ``dtype``."""
     config = transformers.AutoConfig.for_model(family, **{**TINY, **FAMILIES[family], **sizes})
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(
         config, experts_implementation=implementation).to(dtype)
     with torch.no_grad():
         for p in model.parameters():
-            p.normal_(0, 0.1)
+            p.normal_(0, std)
     return model

@@ -295,3 +295,28 @@ def test_65536_groups_on_cpu(monkeypatch, backend, tensor_splits):
     for got, want in zip((y, x.grad, w.grad, b.grad),
                          gathered_reference(x.detach(), w.detach(), b.detach(), sizes, grad_out)):
         assert rel_err(got, want) < 1e-5
+
+
+@pytest.mark.parametrize("backend", ["loop", "grouped", "triton"])
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_a_weight_stored_input_major_gets_its_gradient_in_its_own_layout(backend, with_bias):
+    """``weight`` the transposed view of a ``(G, K, N)`` parameter (checkpoints that store
+    experts input-major): the parameter's gradient is the float64 reference's, transposed,
+    and arrives contiguous like the parameter."""
+    sizes = SPLIT_CASES["random_with_zeros"]
+    G, K, N = len(sizes), 24, 40
+    dtype = torch.float32
+    device = TRITON_DEVICE if backend == "triton" else "cpu"
+    stored = torch.randn(G, K, N, dtype=dtype, device=device, requires_grad=True)
+    bias = torch.randn(G, N, dtype=dtype, device=device, requires_grad=True) \
+        if with_bias else None
+    x = torch.randn(sum(sizes), K, dtype=dtype, device=device, requires_grad=True)
+    y = gl.grouped_linear(x, stored.transpose(1, 2), bias, sizes, backend=backend)
+    grad_out = torch.randn_like(y)
+    y.backward(grad_out)
+    ref = reference_grads(x, stored.transpose(1, 2), bias, sizes, grad_out)
+    assert stored.grad.is_contiguous() and stored.grad.shape == (G, K, N)
+    assert rel_err(stored.grad.transpose(1, 2), ref[2]) < TOL[dtype]
+    assert rel_err(y, ref[0]) < TOL[dtype] and rel_err(x.grad, ref[1]) < TOL[dtype]
+    if with_bias:
+        assert rel_err(bias.grad, ref[3]) < TOL[dtype]

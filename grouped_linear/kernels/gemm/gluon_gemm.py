@@ -51,7 +51,8 @@ from .._gluon import (
 from .._triton import cdiv, next_power_of_2, sm_count
 from ..ends import group_sizes
 
-__all__ = ["MMConfig", "MM_CONFIG", "supported", "grouped_mm", "grouped_mm_reference"]
+__all__ = ["MMConfig", "MM_CONFIG", "is_input_major", "supported", "grouped_mm",
+           "grouped_mm_reference"]
 
 
 class MMConfig(NamedTuple):
@@ -192,15 +193,31 @@ def _mm_kernel(a_desc, b_desc, out_desc, bias_ptr, out_ptr, ends_ptr, M, W, R, G
 DTYPES = (torch.bfloat16, torch.float16)  # the operand dtypes the bf16/fp16 kernels take
 
 
+def is_input_major(weight: torch.Tensor) -> bool:
+    """Whether ``weight`` ``(G, N, K)`` is the transposed view of a contiguous ``(G, K, N)``
+    tensor (a layer stored input-major, as some checkpoints keep their experts)."""
+    return not weight.is_contiguous() and weight.transpose(1, 2).is_contiguous()
+
+
+def _stored(weight: torch.Tensor, transposed_weight: bool) -> tuple[torch.Tensor, bool]:
+    """The weight as the kernel reads it: a transposed view of a contiguous tensor is that
+    tensor, read in the other mode (``a @ weight[g]^T`` of the view is ``a @ stored[g]``)."""
+    if is_input_major(weight):
+        return weight.transpose(1, 2), not transposed_weight
+    return weight, transposed_weight
+
+
 def supported(a: torch.Tensor, weight: torch.Tensor, transposed_weight: bool = False,
               config: MMConfig = MM_CONFIG) -> bool:
-    """Whether :func:`grouped_mm` takes these operands: CUDA sm90, bf16 or fp16, both
-    contiguous, rows whose byte strides TMA can describe (multiples of 16), TMA row
-    coordinates within int32, at least ``STAGES - 1`` blocks of reduction per tile, and for
-    the dgrad a reduction that splits into whole blocks (a block never reads the next
-    group's weight rows)."""
+    """Whether :func:`grouped_mm` takes these operands: CUDA sm90, bf16 or fp16, ``a``
+    contiguous, ``weight`` contiguous or the transposed view of a contiguous tensor, rows
+    whose byte strides TMA can describe (multiples of 16), TMA row coordinates within
+    int32, at least ``STAGES - 1`` blocks of reduction per tile, and where the weight is
+    read along its rows (the dgrad of a contiguous weight) a reduction in whole blocks (a
+    block never reads the next group's weight rows)."""
     if not (HAS_GLUON and a.is_cuda and a.dim() == 2 and weight.dim() == 3):
         return False
+    weight, transposed_weight = _stored(weight, transposed_weight)
     config = MMConfig(*config)
     block_k, stages = config.block_k, config.stages
     reduction = a.shape[1]
@@ -224,11 +241,14 @@ def grouped_mm(a: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor,
     ``bias`` ``(G, N)`` if given); with ``transposed_weight`` ``R = N``, ``W = K``
     (``a @ weight[g]``, the dgrad). ``ends``: ``(G,)`` non-decreasing cumulative group ends
     on the device (clamped to ``[0, M]`` in the kernel; rows past the last end come out
-    zero). Needs :func:`supported` operands; ``config``: the launch shape.
+    zero). ``weight`` may be the ``transpose(1, 2)`` view of a contiguous ``(G, K, N)``
+    tensor (a layer stored input-major): its tiles are then read in the other order, with
+    no copy. Needs :func:`supported` operands; ``config``: the launch shape.
     """
     M, R = a.shape
     G = weight.shape[0]
     width = weight.shape[2] if transposed_weight else weight.shape[1]
+    weight, transposed_weight = _stored(weight, transposed_weight)
     out = a.new_empty(M, width)
     if M == 0 or width == 0:
         return out

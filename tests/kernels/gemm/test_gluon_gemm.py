@@ -145,3 +145,25 @@ def test_rows_and_columns_past_two_to_the_31_elements():
     tail = slice(M - 256, M)
     want = x[tail].double() @ weight[0].double().T + bias[0].double()
     assert rel_err(got[tail], want) < BF16_TOL
+
+
+@pytest.mark.gpu
+@sm90
+@pytest.mark.parametrize("gemm", ["forward with bias", "dgrad"])
+def test_a_weight_stored_input_major_is_read_in_place(gemm):
+    """``weight`` the ``transpose(1, 2)`` view of a contiguous ``(G, K, N)`` tensor (a layer
+    stored input-major): taken as it is and equal to the contiguous weight's result."""
+    torch.manual_seed(4)
+    sizes, K, N = [700, 0, 45, 1300], 1024, 640
+    stored = torch.randn(len(sizes), K, N, device="cuda", dtype=torch.bfloat16)
+    weight = stored.transpose(1, 2)
+    assert not weight.is_contiguous()
+    transposed = gemm == "dgrad"
+    x = torch.randn(sum(sizes) + 5, N if transposed else K, device="cuda", dtype=torch.bfloat16)
+    bias = None if transposed else torch.randn(len(sizes), N, device="cuda", dtype=torch.bfloat16)
+    ends = torch.tensor(sizes, device="cuda").cumsum(0).to(torch.int32)
+    assert bg.supported(x, weight, transposed)
+    got = bg.grouped_mm(x, weight, ends, bias, transposed_weight=transposed)
+    assert rel_err(got, _float64_reference(x, weight, sizes, bias, transposed)) < BF16_TOL
+    want = bg.grouped_mm(x, weight.contiguous(), ends, bias, transposed_weight=transposed)
+    assert rel_err(got, want) < 1e-3
