@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from ._groups import row_group, row_groups
 from ._triton import cdiv, kernel, next_power_of_2, tl, triton, use_triton
 
-__all__ = ["ACTIVATION_KINDS", "GATED_KINDS", "GPT_OSS_ALPHA", "GPT_OSS_LIMIT",
+__all__ = ["ACTIVATION_KINDS", "ACT_CONFIG", "GATED_KINDS", "GPT_OSS_ALPHA", "GPT_OSS_LIMIT",
            "bias_act_forward", "bias_act_backward", "bias_act_reference",
            "bias_act_backward_reference"]
 
@@ -230,19 +230,21 @@ def _bias_act_kernel(h_ptr, bias_ptr, ends_ptr, grad_a_ptr, out_ptr, M, F, G,
     groups = row_group(ends_ptr, rows, G, BLOCK_G)
     in_group = groups < G
     keep = in_group[:, None]
-    if INTERLEAVED:  # columns of the gate and up values in h (and in grad_h)
-        gate_cols = 2 * cols
-        up_cols = gate_cols + 1
-    else:
-        gate_cols = cols
-        up_cols = cols + F
-    gate = _load_input(h_ptr, bias_ptr, rows, gate_cols, groups, in_group, mask, stride_h,
-                       stride_bias, HAS_BIAS)
     out_rows = out_ptr + rows.to(tl.int64)[:, None] * stride_out
+    if INTERLEAVED:  # one contiguous (BLOCK_M, 2 * BLOCK_N) tile of h, split into gate, up
+        pair_cols = tl.program_id(1) * (2 * BLOCK_N) + tl.arange(0, 2 * BLOCK_N)
+        pair_mask = (rows < M)[:, None] & (pair_cols < 2 * F)[None, :]
+        pairs = _load_input(h_ptr, bias_ptr, rows, pair_cols, groups, in_group, pair_mask,
+                            stride_h, stride_bias, HAS_BIAS)
+        gate, up = tl.split(tl.reshape(pairs, (BLOCK_M, BLOCK_N, 2)))
+    else:
+        gate = _load_input(h_ptr, bias_ptr, rows, cols, groups, in_group, mask, stride_h,
+                           stride_bias, HAS_BIAS)
+        if GATED:
+            up = _load_input(h_ptr, bias_ptr, rows, cols + F, groups, in_group, mask,
+                             stride_h, stride_bias, HAS_BIAS)
     if not BACKWARD:
         if GATED:
-            up = _load_input(h_ptr, bias_ptr, rows, up_cols, groups, in_group, mask, stride_h,
-                             stride_bias, HAS_BIAS)
             result = _glu(gate, up, alpha, limit, ACT)
         else:
             result = _act(gate, ACT)
@@ -253,21 +255,29 @@ def _bias_act_kernel(h_ptr, bias_ptr, ends_ptr, grad_a_ptr, out_ptr, M, F, G,
                          mask=mask, other=0.0).to(tl.float32)
         grad_a = tl.where(keep, grad_a, 0.0)
         if GATED:
-            up = _load_input(h_ptr, bias_ptr, rows, up_cols, groups, in_group, mask, stride_h,
-                             stride_bias, HAS_BIAS)
             grad_gate, grad_up = _glu_grads(gate, up, grad_a, alpha, limit, ACT)
-            tl.store(out_rows + up_cols[None, :], grad_up.to(out_ptr.dtype.element_ty),
-                     mask=mask)
+            if INTERLEAVED:  # gate and up gradients joined back into h's column order
+                grad_h = tl.reshape(tl.join(grad_gate, grad_up), (BLOCK_M, 2 * BLOCK_N))
+                tl.store(out_rows + pair_cols[None, :], grad_h.to(out_ptr.dtype.element_ty),
+                         mask=pair_mask)
+            else:
+                tl.store(out_rows + cols[None, :], grad_gate.to(out_ptr.dtype.element_ty),
+                         mask=mask)
+                tl.store(out_rows + (cols + F)[None, :], grad_up.to(out_ptr.dtype.element_ty),
+                         mask=mask)
         else:
-            grad_gate = grad_a * _act_grad(gate, ACT)
-        tl.store(out_rows + gate_cols[None, :], grad_gate.to(out_ptr.dtype.element_ty),
-                 mask=mask)
+            tl.store(out_rows + cols[None, :], (grad_a * _act_grad(gate, ACT)).to(
+                out_ptr.dtype.element_ty), mask=mask)
+
+
+# Launch shape: (rows, output columns, warps) per program.
+ACT_CONFIG = (32, 64, 4)
 
 
 def _launch(h, bias, ends, kind, interleaved, alpha, limit, grad_a, out, width):
     M = h.shape[0]
     G = ends.shape[0]
-    block_m, block_n = 32, 64
+    block_m, block_n, warps = ACT_CONFIG
     grid = (cdiv(M, block_m), cdiv(width, block_n))
     gated = kind in GATED_KINDS
     _bias_act_kernel[grid](
@@ -276,7 +286,7 @@ def _launch(h, bias, ends, kind, interleaved, alpha, limit, grad_a, out, width):
         grad_a.stride(0) if grad_a is not None else 0, out.stride(0), float(alpha), float(limit),
         HAS_BIAS=bias is not None, GATED=gated, INTERLEAVED=gated and interleaved,
         ACT=ACTIVATION_KINDS[kind], BACKWARD=grad_a is not None, BLOCK_M=block_m,
-        BLOCK_N=block_n, BLOCK_G=min(64, next_power_of_2(G)),
+        BLOCK_N=block_n, BLOCK_G=min(64, next_power_of_2(G)), num_warps=warps,
     )
     return out
 

@@ -23,6 +23,7 @@ import tempfile
 import pytest
 import torch
 
+from grouped_linear.kernels import activation as act
 from grouped_linear.kernels._gluon import HAS_GLUON
 from grouped_linear.kernels._triton import HAS_TRITON
 from grouped_linear.kernels.gemm import fp8_gluon_gemm as gg
@@ -198,6 +199,14 @@ CASES = {
                    "BLOCK_H": layout.SLOT_DOTS_CONFIG[1]}, layout.SLOT_DOTS_CONFIG[2]),
     "slot map": (layout._slot_of_row_kernel, {"map_ptr": "*i64", "slot_ptr": "*i64"},
                  {"BLOCK": 1024}, 4),
+    **{f"bias activation, {order} {way}": (
+        act._bias_act_kernel, {p: "*bf16" for p in ("h_ptr", "bias_ptr", "grad_a_ptr", "out_ptr")}
+        | {"ends_ptr": "*i32"},
+        {"HAS_BIAS": True, "GATED": True, "INTERLEAVED": order == "interleaved",
+         "ACT": act.ACTIVATION_KINDS["gpt_oss_swiglu"], "BACKWARD": way == "backward",
+         **dict(zip(("BLOCK_M", "BLOCK_N"), act.ACT_CONFIG[:2])), "BLOCK_G": 32},
+        act.ACT_CONFIG[2]) for order in ("interleaved", "concatenated")
+       for way in ("forward", "backward")},
     "gather rows": (layout._gather_rows_kernel,
                        {"src_ptr": "*bf16", "dst_ptr": "*bf16", "index_ptr": "*i64"},
                        {"HAS_SCALE": True, "BLOCK_R": 16, "BLOCK_H": 256}, 4),
@@ -206,7 +215,10 @@ CASES = {
 PIPELINED = {"fp8 mm blockwise", "fp8 blockwise wgrad", "fp8 group-scaled wgrad",
              "bf16 mm", "bf16 wgrad"}
 # Streaming kernels whose bf16 loads must stay 16-byte vectors (one read at copy speed).
-VECTOR_LOADS = {"rows", "rows of pieces", "rows, scale per group", "group amax"}
+VECTOR_LOADS = {"rows", "rows of pieces", "rows, scale per group", "group amax",
+                "bias activation, interleaved forward", "bias activation, interleaved backward",
+                "bias activation, concatenated forward",
+                "bias activation, concatenated backward"}
 
 
 def _compile_gluon(kernel, pointers, constants, num_warps, maxnreg=None):
