@@ -7,7 +7,8 @@ multiply the output gradient's columns instead (row ``r`` of group ``g`` times
 ``factors[g]``), and the product is quantized per row as usual. One program walks a run of
 consecutive rows, finds their groups from the group ends, keeps the group's factor row in
 registers while the group stays the same, and reads each gradient row once (the whole row
-is one block). The plain-PyTorch reference is :func:`quantize_rows_folded_reference`.
+is one block; a wider row is read twice, in blocks). The plain-PyTorch reference is
+:func:`quantize_rows_folded_reference`.
 """
 
 from __future__ import annotations
@@ -28,6 +29,9 @@ __all__ = ["ColumnFactors", "quantize_rows_folded", "quantize_rows_folded_refere
 # (0.88 of copy; the plain rows kernel 0.192), 0.219-0.238 ms for 8-32 rows on 8 warps.
 FOLDED_CONFIG = (16, 1024)
 MAX_BLOCK_C = 16384
+# Wider rows (Mixtral's fc1 gradient: 28672 columns) go in blocks of this many columns, read
+# twice: the amax pass, then the scaling pass from L2.
+WIDE_BLOCK_C = 8192
 
 
 @dataclass(frozen=True)
@@ -58,14 +62,23 @@ def quantize_rows_folded_reference(t: torch.Tensor, column_factors: ColumnFactor
     return quantize_rows_reference(column_factors.apply(t), fp8_dtype, power_of_two)
 
 
+@triton.jit
+def _folded_block(t_ptr, factors_ptr, row, group, cols, live, C, stride_t):
+    """Columns ``cols`` of row ``row`` times its group's factors, in float32."""
+    mask = (cols < C) & live
+    values = tl.load(t_ptr + row * stride_t + cols, mask=mask, other=0.0).to(tl.float32)
+    return values * tl.load(factors_ptr + group * C + cols, mask=mask, other=0.0)
+
+
 @kernel
 @triton.jit
 def _quantize_rows_folded_kernel(t_ptr, factors_ptr, ends_ptr, q_ptr, inv_ptr, R, C, G,
                                  stride_t, stride_q, FP8_MAX: tl.constexpr, POW2: tl.constexpr,
                                  ROWS: tl.constexpr, BLOCK_C: tl.constexpr,
-                                 BLOCK_G: tl.constexpr):
-    """Rows ``[program * ROWS, program * ROWS + ROWS)``, each one block of ``BLOCK_C >= C``;
-    the rows' groups are found from the ends, once for the whole run."""
+                                 BLOCK_G: tl.constexpr, WIDE: tl.constexpr = False):
+    """Rows ``[program * ROWS, program * ROWS + ROWS)``, each one block of ``BLOCK_C >= C``
+    (``WIDE``: several blocks, read twice); the rows' groups are found from the ends, once
+    for the whole run."""
     cols = tl.arange(0, BLOCK_C)
     col_mask = cols < C
     first = tl.program_id(0).to(tl.int64) * ROWS
@@ -77,15 +90,29 @@ def _quantize_rows_folded_kernel(t_ptr, factors_ptr, ends_ptr, q_ptr, inv_ptr, R
         row = first + i
         live = row < R
         group = tl.sum(tl.where(slots == i, groups, 0), axis=0)
-        if group != held:  # a group boundary inside the run: fetch its factors
-            held = group
-            factors = tl.load(factors_ptr + group * C + cols, mask=col_mask, other=0.0)
-        mask = col_mask & live
-        values = tl.load(t_ptr + row * stride_t + cols, mask=mask, other=0.0).to(tl.float32)
-        values *= factors
-        scale = amax_to_scale(tl.max(tl.abs(values), axis=0), FP8_MAX, POW2)
-        scaled = tl.clamp(values * scale, -FP8_MAX, FP8_MAX)
-        tl.store(q_ptr + row * stride_q + cols, scaled.to(q_ptr.dtype.element_ty), mask=mask)
+        if WIDE:  # the row in blocks: its amax, then the blocks again (from L2), scaled
+            amax = tl.zeros([BLOCK_C], tl.float32)
+            for c0 in range(0, C, BLOCK_C):
+                values = _folded_block(t_ptr, factors_ptr, row, group, c0 + cols, live, C,
+                                       stride_t)
+                amax = tl.maximum(amax, tl.abs(values))
+            scale = amax_to_scale(tl.max(amax, axis=0), FP8_MAX, POW2)
+            for c0 in range(0, C, BLOCK_C):
+                values = _folded_block(t_ptr, factors_ptr, row, group, c0 + cols, live, C,
+                                       stride_t)
+                scaled = tl.clamp(values * scale, -FP8_MAX, FP8_MAX)
+                tl.store(q_ptr + row * stride_q + c0 + cols, scaled.to(q_ptr.dtype.element_ty),
+                         mask=(c0 + cols < C) & live)
+        else:
+            if group != held:  # a group boundary inside the run: fetch its factors
+                held = group
+                factors = tl.load(factors_ptr + group * C + cols, mask=col_mask, other=0.0)
+            mask = col_mask & live
+            values = tl.load(t_ptr + row * stride_t + cols, mask=mask, other=0.0).to(tl.float32)
+            values *= factors
+            scale = amax_to_scale(tl.max(tl.abs(values), axis=0), FP8_MAX, POW2)
+            scaled = tl.clamp(values * scale, -FP8_MAX, FP8_MAX)
+            tl.store(q_ptr + row * stride_q + cols, scaled.to(q_ptr.dtype.element_ty), mask=mask)
         tl.store(inv_ptr + row, 1.0 / scale, mask=live)
 
 
@@ -93,7 +120,8 @@ def quantize_rows_folded(t: torch.Tensor, column_factors: ColumnFactors, fp8_dty
                          power_of_two: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """``(R, C)`` -> FP8 ``(R, C)``: row ``r`` of group ``g`` is ``t[r] * factors[g]``,
     scaled by its own amax; and the ``(R,)`` float32 dequantization factors. One read of
-    ``t`` on GPUs for rows of up to ``MAX_BLOCK_C`` columns (the reference beyond)."""
+    ``t`` on GPUs for rows of up to ``MAX_BLOCK_C`` columns, two (the second mostly from
+    L2) beyond."""
     R, C = t.shape
     factors = column_factors.factors
     if factors.dim() != 2 or factors.shape[1] != C or factors.shape[0] == 0:
@@ -106,16 +134,19 @@ def quantize_rows_folded(t: torch.Tensor, column_factors: ColumnFactors, fp8_dty
         raise ValueError(f"ends has shape {tuple(column_factors.ends.shape)}, expected "
                          f"({factors.shape[0]},): one row end per factor row")
     block_c = next_power_of_2(max(C, 16))
-    if not use_triton(t) or t.stride(-1) != 1 or R == 0 or block_c > MAX_BLOCK_C:
+    if not use_triton(t) or t.stride(-1) != 1 or R == 0:
         return quantize_rows_folded_reference(t, column_factors, fp8_dtype, power_of_two)
     data = fp8_buffer((R, C), t.device, fp8_dtype)
     inv = torch.empty(R, device=t.device, dtype=torch.float32)
     rows, columns_per_warp = FOLDED_CONFIG
+    wide = block_c > MAX_BLOCK_C
+    if wide:
+        block_c = WIDE_BLOCK_C
     warps = min(16, max(2, block_c // columns_per_warp))
     _quantize_rows_folded_kernel[(cdiv(R, rows),)](
         t, factors, column_factors.ends, data, inv, R, C, factors.shape[0], t.stride(0),
         data.stride(0), FP8_MAX=torch.finfo(fp8_dtype).max, POW2=power_of_two, ROWS=rows,
-        BLOCK_C=block_c, BLOCK_G=min(256, next_power_of_2(factors.shape[0])),
+        BLOCK_C=block_c, BLOCK_G=min(256, next_power_of_2(factors.shape[0])), WIDE=wide,
         num_warps=warps,
     )
     return finish(data, fp8_dtype), inv

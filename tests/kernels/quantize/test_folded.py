@@ -37,3 +37,21 @@ def test_rows_with_column_factors(sizes, tail, pow2):
     with pytest.raises(ValueError, match="ends has shape"):
         qf.quantize_rows_folded(t, qf.ColumnFactors(column_factors.factors, offsets[:-1], M),
                                 E4M3, pow2)
+
+
+@pytest.mark.parametrize("pow2", [False, True])
+def test_rows_wider_than_one_block(monkeypatch, pow2):
+    """Rows past ``MAX_BLOCK_C`` columns are read in blocks, twice, by the kernel (no
+    fallback): codes and factors as the reference's (small sizes, the limits lowered)."""
+    monkeypatch.setattr(qf, "MAX_BLOCK_C", 64)
+    monkeypatch.setattr(qf, "WIDE_BLOCK_C", 32)
+    sizes, tail, C = [5, 0, 20, 3], 3, 150
+    M = sum(sizes) + tail
+    t = (torch.randn(M, C) * torch.logspace(-2, 2, C)).to(torch.bfloat16).to(DEVICE)
+    ends = torch.tensor(sizes, device=DEVICE).cumsum(0).to(torch.int32)
+    factors = (torch.rand(len(sizes), C) + 0.5).to(DEVICE)
+    column_factors = qf.ColumnFactors.of_groups(factors, ends, M)
+    ref_data, ref_inv = qf.quantize_rows_folded_reference(t, column_factors, E4M3, pow2)
+    monkeypatch.setattr(qf, "quantize_rows_folded_reference", None)  # the kernel must run
+    data, inv = qf.quantize_rows_folded(t, column_factors, E4M3, pow2)
+    assert torch.allclose(inv, ref_inv, rtol=1e-6) and codes_close(data, ref_data)
