@@ -150,6 +150,9 @@ CASES = {
                           {"FP8_MAX": FP8_MAX, "POW2": False, "ROWS": qf.FOLDED_CONFIG[0],
                            "BLOCK_C": qf.WIDE_BLOCK_C, "BLOCK_G": 16, "WIDE": True},
                           qf.WIDE_BLOCK_C // qf.FOLDED_CONFIG[1]),
+    "columns scaled": (qf._scale_columns_kernel, {"t_ptr": "*bf16", "q_ptr": F8},
+                       {"FP8_MAX": FP8_MAX, "BLOCK_R": qf.SCALE_COLUMNS_CONFIG[0],
+                        "BLOCK_C": qf.SCALE_COLUMNS_CONFIG[1]}, qf.SCALE_COLUMNS_CONFIG[2]),
     "byte transpose": (tp._transpose_kernel, {"src_ptr": "*u8", "dst_ptr": "*u8"},
                       {"BLOCK_R": tp.TRANSPOSE_CONFIG[0], "BLOCK_C": tp.TRANSPOSE_CONFIG[1]},
                       tp.TRANSPOSE_CONFIG[2]),
@@ -220,7 +223,7 @@ CASES = {
 PIPELINED = {"fp8 mm blockwise", "fp8 blockwise wgrad", "fp8 group-scaled wgrad",
              "bf16 mm", "bf16 wgrad"}
 # Streaming kernels whose bf16 loads must stay 16-byte vectors (one read at copy speed).
-VECTOR_LOADS = {"rows", "rows of pieces", "rows, scale per group", "group amax",
+VECTOR_LOADS = {"rows", "rows of pieces", "columns scaled", "rows, scale per group", "group amax",
                 "bias activation, interleaved forward", "bias activation, interleaved backward",
                 "bias activation, concatenated forward",
                 "bias activation, concatenated backward"}

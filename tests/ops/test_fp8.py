@@ -5,7 +5,7 @@ import torch
 
 import grouped_linear as gl
 from grouped_linear.recipes import Float8Rowwise, Float8Tensorwise
-from tests.reference import reference_grads, rel_err
+from tests.reference import codes_close, reference_grads, rel_err
 
 RECIPES = [Float8Rowwise(), Float8Tensorwise(), Float8Rowwise(fp8_format="hybrid"),
            Float8Tensorwise(power_of_two_scales=True)]
@@ -170,3 +170,29 @@ def test_loading_a_state_dict_refreshes_the_cache():
     layer(x, [5, 7], is_first_microbatch=True)
     layer.load_state_dict(other.state_dict())
     assert torch.equal(layer(x, [5, 7], is_first_microbatch=False), other(x, [5, 7]))
+
+
+@pytest.mark.parametrize("route, recipe", [
+    ("fp8_scaled_mm", Float8Rowwise()), ("fp8_scaled_mm", Float8Tensorwise()),
+    ("fp8_scaled_mm", Float8Rowwise(power_of_two_scales=True)),
+    ("fp8_blockwise", gl.recipes.Float8Blockwise())])
+def test_a_weight_stored_input_major_quantizes_as_its_contiguous_copy(route, recipe):
+    """The FP8 weight of the transposed view of a ``(G, K, N)`` tensor (written in that
+    layout, without a copy of the weight): every buffer that of the contiguous ``(G, N, K)``
+    copy (factors to float32 rounding, codes up to a rounding tie: the per-channel scales
+    are divided in torch here, in the rows kernel there)."""
+    from grouped_linear.ops.fp8 import Fp8Weight
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    stored = (torch.randn(3, 136, 200) * torch.logspace(-2, 2, 200)).to(torch.bfloat16)
+    stored = stored.to(device)
+    stored[1, :, 7] = 0  # a channel of zeros
+    view = stored.transpose(1, 2)
+    got = Fp8Weight(view, recipe, route).buffers()
+    want = Fp8Weight(view.contiguous(), recipe, route).buffers()
+    for a, b in zip(got, want):
+        assert a.shape == b.shape and a.dtype == b.dtype
+        if a.dtype == torch.float32:
+            assert torch.allclose(a, b, rtol=1e-6, atol=0)
+        else:
+            assert codes_close(a.contiguous(), b.contiguous())

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 import torch
 
 from ...kernels import bias as bias_kernels
-from ...kernels.quantize import blocks, common, emulate, groups, rows
+from ...kernels.gemm.gluon_gemm import is_input_major
+from ...kernels.quantize import blocks, common, emulate, folded, groups, rows
 from ...kernels.quantize.transpose import transpose_groups
 from ...recipes import Float8Blockwise, Float8Recipe, Float8Rowwise, Float8Tensorwise
 from ..weight_grad import WeightGradSink, route_weight_grads
@@ -48,12 +49,35 @@ def _scaled_mm_weight(weight: torch.Tensor, recipe: Float8Recipe) -> tuple[torch
     per-output-channel factors the dgrad folds into the gradient instead)."""
     pow2, fp8 = recipe.power_of_two_scales, recipe.forward_dtype
     G, N, K = weight.shape
+    if is_input_major(weight) and N and K:
+        return _scaled_mm_weight_input_major(weight.transpose(1, 2), recipe)
     if isinstance(recipe, Float8Tensorwise):  # the dgrad's factors come with the scales
         group_scale, dgrad_inv = groups.weight_group_scales(weight, fp8, pow2, inv_width=K)
     else:
         group_scale, dgrad_inv = None, common.unit_factors((G, K), weight.device)
     forward_data, forward_inv = rows.quantize_weight_rows(weight, fp8, pow2, group_scale)
     return forward_data, forward_inv, transpose_groups(forward_data), dgrad_inv
+
+
+def _scaled_mm_weight_input_major(stored: torch.Tensor, recipe: Float8Recipe
+                                  ) -> tuple[torch.Tensor, ...]:
+    """:func:`_scaled_mm_weight` of the weight stored contiguous as ``(G, K, N)``: its FP8
+    codes are written in that layout (the dgrad's operand) in one pass, without a copy of
+    the weight, and transposed for the forward (one byte each way)."""
+    pow2, fp8 = recipe.power_of_two_scales, recipe.forward_dtype
+    G, K, N = stored.shape
+    if isinstance(recipe, Float8Tensorwise):
+        group_scale, dgrad_inv = groups.weight_group_scales(stored, fp8, pow2, inv_width=K)
+        codes, _ = rows.quantize_rows(stored.view(G * K, N), fp8, pow2, group_scale,
+                                      group_rows=K)
+        forward_inv = dgrad_inv[:, :1].expand(G, N).contiguous()
+    else:  # each output channel n: its amax over the K rows of its column
+        amax = torch.maximum(stored.amax(dim=1), -stored.amin(dim=1))
+        scale = common.scale_from_amax(amax, fp8, pow2)
+        codes = folded.scale_columns(stored.view(G * K, N), scale, K, fp8)
+        forward_inv, dgrad_inv = 1.0 / scale, common.unit_factors((G, K), stored.device)
+    dgrad_data = codes.view(G, K, N)
+    return transpose_groups(dgrad_data), forward_inv, dgrad_data, dgrad_inv
 
 
 class Fp8Weight:

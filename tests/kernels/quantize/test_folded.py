@@ -55,3 +55,17 @@ def test_rows_wider_than_one_block(monkeypatch, pow2):
     monkeypatch.setattr(qf, "quantize_rows_folded_reference", None)  # the kernel must run
     data, inv = qf.quantize_rows_folded(t, column_factors, E4M3, pow2)
     assert torch.allclose(inv, ref_inv, rtol=1e-6) and codes_close(data, ref_data)
+
+
+def test_scale_columns_matches_its_reference():
+    """Rows times their group's column scales, saturated to FP8 (no per-row scale): the
+    kernel against the reference and the dequantized codes against the float64 product."""
+    G, K, N = 3, 40, 70
+    t = (torch.randn(G * K, N) * 3).to(torch.bfloat16).to(DEVICE)
+    scale = (torch.rand(G, N) * 200).to(DEVICE)
+    data = qf.scale_columns(t, scale, K, E4M3)
+    ref = qf.scale_columns_reference(t, scale, K, E4M3)
+    assert data.dtype == E4M3 and codes_close(data, ref)
+    want = t.double() * scale.double().repeat_interleave(K, dim=0)
+    fp8_max = torch.finfo(E4M3).max
+    assert rel_err(data.double(), want.clamp(-fp8_max, fp8_max)) < 0.04
