@@ -21,8 +21,13 @@ pytestmark = [
 ]
 CUDA = torch.device("cuda")
 # Sizes at which the Gluon and Triton GEMMs run (not the tiny CPU sizes).
-SIZES = dict(hidden_size=256, intermediate_size=384, moe_intermediate_size=128, head_dim=64,
-             std=0.02)
+SIZES = dict(hidden_size=256, intermediate_size=384, moe_intermediate_size=128, std=0.02)
+
+
+def _sizes(family: str) -> dict:
+    """SIZES with as many heads as the tiny head size needs (DeepSeek-V3's attention has
+    head sizes of its own)."""
+    return {**SIZES, "num_attention_heads": 4 if family == "deepseek_v3" else 32}
 IDS = torch.randint(0, 64, (4, 96), generator=torch.Generator().manual_seed(3))
 
 
@@ -38,7 +43,7 @@ def _logits_and_expert_grads(model, run=None):
     """Logits and expert-weight gradients of one step of ``model`` (run by ``run``, e.g. its
     compiled form, when given)."""
     model.zero_grad()
-    out = (run or model)(IDS.to(CUDA), labels=IDS.to(CUDA))
+    out = (model if run is None else run)(IDS.to(CUDA), labels=IDS.to(CUDA))
     out.loss.backward()
     grads = {n: p.grad.float() for n, p in model.named_parameters()
              if "experts" in n and p.grad is not None}
@@ -49,7 +54,7 @@ def _logits_and_expert_grads(model, run=None):
 def test_bf16_is_no_further_from_fp32_than_transformers_bf16(family):
     """A whole bf16 model (attention, norms, router and experts in bf16): logits and expert
     gradients no further from the fp32 model's than with transformers' own bf16 experts."""
-    model = tiny_model(family, torch.float32, **SIZES).to(CUDA)
+    model = tiny_model(family, torch.float32, **_sizes(family)).to(CUDA)
     want_logits, want_grads = _logits_and_expert_grads(model)
     model = model.to(torch.bfloat16)
     model.set_experts_implementation("grouped_mm")
@@ -164,7 +169,7 @@ def test_compiled_model_matches_eager():
     traces the permutation."""
     import torch._dynamo.utils
 
-    model = tiny_model("qwen3_moe", torch.float32, **SIZES).to(CUDA)
+    model = tiny_model("qwen3_moe", torch.float32, **_sizes("qwen3_moe")).to(CUDA)
     want_logits, want_grads = _logits_and_expert_grads(model)
     model = model.to(torch.bfloat16)
     gl_hf.enable(model)
@@ -181,12 +186,21 @@ def test_compiled_model_matches_eager():
 
 
 def test_the_autocast_recipe_reaches_the_plain_entry():
+    """The plain entry under ``gl.autocast(Float8Rowwise())`` computes what the rowwise
+    entry does, bit for bit, and not the bf16 result."""
     if not fp8_torch_gemm.available(CUDA):
         pytest.skip("needs the FP8 grouped GEMM (sm90)")
-    model = tiny_model("mixtral", torch.bfloat16, **SIZES).to(CUDA)
-    gl_hf.enable(model)
+    gl_hf.register()
+    experts = _experts("mixtral", "MixtralExperts", torch.float32, hidden_size=512,
+                       intermediate_size=768, num_local_experts=8).to(CUDA, torch.bfloat16)
+    hidden, index, weights, _ = _routing(1024, 8, 2, 512, torch.Generator().manual_seed(6))
+    inputs = (hidden.to(CUDA, torch.bfloat16), index.to(CUDA), weights.to(CUDA, torch.bfloat16))
     with torch.no_grad():
-        plain = model(IDS.to(CUDA)).logits.float()
+        experts.config._experts_implementation = gl_hf.NAME
+        plain = experts(*inputs)
         with gl.autocast(gl.recipes.Float8Rowwise()):
-            fp8 = model(IDS.to(CUDA)).logits.float()
-    assert 1e-3 < rel_err(fp8, plain) < 6e-2
+            autocast = experts(*inputs)
+        experts.config._experts_implementation = "grouped_linear_fp8_rowwise"
+        rowwise = experts(*inputs)
+    assert torch.equal(autocast, rowwise)
+    assert rel_err(autocast, plain) > 1e-2
