@@ -24,16 +24,20 @@ test: lint
 
 # On a CUDA machine whose python3 already has torch and triton (no venv, no installs):
 # every test that touches CUDA (tests/cli, tests/modules and tests/parallel are CPU-only
-# and run in `make test`), in three pytest processes at once (the GPU has room; about
-# 3.5 minutes instead of 8). `make bench` prints the tables of BENCHMARKS.md.
-GPU_TEST_GROUPS := tests/gpu tests/kernels "tests/ops tests/test_recipes.py"
+# and run in `make test`), in five pytest processes at once (the GPU has room). The
+# transformers tests need transformers importable (README, Development). `make bench`
+# prints the tables of BENCHMARKS.md.
+GPU_HEAVY := tests/gpu/test_bad_input_cuda.py tests/gpu/test_transformers_cuda.py tests/gpu/test_fp8_cuda.py
+GPU_TEST_GROUPS := "tests/gpu $(addprefix --ignore=,$(GPU_HEAVY))" tests/gpu/test_bad_input_cuda.py \
+	"tests/gpu/test_transformers_cuda.py tests/gpu/test_fp8_cuda.py" tests/kernels \
+	"tests/ops tests/test_recipes.py"
 GPU_TEST_LOGS ?= /tmp/grouped_linear-test-gpu
 
 test-gpu:
 	@mkdir -p $(GPU_TEST_LOGS); rm -f $(GPU_TEST_LOGS)/*.log; status=0; pids=""; i=0; \
 	for group in $(GPU_TEST_GROUPS); do \
 		i=$$((i + 1)); \
-		$(PYTHON) -m pytest -q -rf -p no:cacheprovider $$group > $(GPU_TEST_LOGS)/$$i.log 2>&1 & \
+		$(PYTHON) -m pytest -q -rf --durations=8 -p no:cacheprovider $$group > $(GPU_TEST_LOGS)/$$i.log 2>&1 & \
 		pids="$$pids $$!"; \
 	done; \
 	for pid in $$pids; do wait $$pid || status=1; done; \
