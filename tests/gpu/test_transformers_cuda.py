@@ -52,8 +52,12 @@ def _logits_and_expert_grads(model, run=None):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_bf16_is_no_further_from_fp32_than_transformers_bf16(family):
-    """A whole bf16 model (attention, norms, router and experts in bf16): logits and expert
-    gradients no further from the fp32 model's than with transformers' own bf16 experts."""
+    """A whole bf16 model (attention, norms, router and experts in bf16): logits no further
+    from the fp32 model's than with transformers' own bf16 experts, expert gradients within
+    twice theirs. In a whole model, rounding decides a few routing choices of the later
+    layers, differently for any two implementations, and each such token moves its experts'
+    gradients: the like-for-like gradient comparison is the experts module's, with the
+    routing fixed (below)."""
     model = tiny_model(family, torch.float32, **_sizes(family)).to(CUDA)
     want_logits, want_grads = _logits_and_expert_grads(model)
     model = model.to(torch.bfloat16)
@@ -68,7 +72,7 @@ def test_bf16_is_no_further_from_fp32_than_transformers_bf16(family):
     for name, want in want_grads.items():
         theirs = rel_err(theirs_grads[name], want)
         ours = rel_err(ours_grads[name], want)
-        assert ours <= 1.25 * theirs + 1e-3, (name, ours, theirs)
+        assert ours <= 2 * theirs + 1e-3, (name, ours, theirs)
 
 
 def _experts(family, experts_class, dtype, **config):
