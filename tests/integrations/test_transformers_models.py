@@ -88,6 +88,28 @@ def test_fp8_entry_runs_the_recipe_and_stays_close():
         assert 1e-6 < rel_err(model(IDS).logits, want) < 6e-2
 
 
+def test_fp8_entry_follows_the_optimizer_updates():
+    """After optimizer steps the FP8 entry computes from the updated weights: the trained
+    model's logits equal those of a fresh model given its weights (nothing quantized from
+    the old weights is reused)."""
+    recipe = gl.recipes.Float8Rowwise()
+    model = tiny_model("qwen3_moe", torch.float32)
+    gl_hf.enable(model, recipe=recipe)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    before = model(IDS).logits.detach()
+    for _ in range(2):
+        optimizer.zero_grad()
+        _loss(model, IDS).backward()
+        optimizer.step()
+    fresh = tiny_model("qwen3_moe", torch.float32)
+    fresh.load_state_dict(model.state_dict())
+    gl_hf.enable(fresh, recipe=recipe)
+    with torch.no_grad():
+        after, want = model(IDS).logits, fresh(IDS).logits
+    assert rel_err(after, before) > 1e-3  # the steps changed the model
+    assert torch.equal(after, want)
+
+
 def test_gradient_checkpointing():
     model = tiny_model("olmoe", torch.float64)
     _loss(model, IDS).backward()
