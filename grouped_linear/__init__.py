@@ -7,6 +7,7 @@
 from . import parallel, recipes
 from .modules import ExpertParallelMoE, GroupedLinear, GroupedMLP
 from .ops import GroupSplits, grouped_linear
+from .ops.chunks import sort_chunks_by_index
 from .ops.mlp import grouped_mlp
 from .ops.padding import pad_groups, unpad_groups
 from .ops.permutation import permute, unpermute
@@ -26,6 +27,7 @@ __all__ = [
     "unpad_groups",
     "permute",
     "unpermute",
+    "sort_chunks_by_index",
     "recipes",
     "autocast",
     "__version__",
