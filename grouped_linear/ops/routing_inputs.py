@@ -152,7 +152,7 @@ def slot_experts(routing: torch.Tensor, num_experts: int) -> torch.Tensor:
     if routing.dtype == torch.bool:
         experts = torch.arange(num_experts, device=routing.device, dtype=torch.int64)
         return torch.where(routing, experts, -1)
-    wide = routing.reshape(routing.shape[0], -1).to(torch.int64)
+    wide = (routing if routing.dim() == 2 else routing.unsqueeze(1)).to(torch.int64)
     return torch.where((wide >= 0) & (wide < num_experts), wide, -1)
 
 
