@@ -15,7 +15,6 @@ A slot is one entry of the ``(T, k)`` indices: slot ``s = t*k + j``. A routing m
 from __future__ import annotations
 
 import math
-from fractions import Fraction
 
 import torch
 
@@ -88,7 +87,7 @@ def check_num_out_tokens(num_out_tokens: object, slots: int, multiple: int) -> i
 def check_capacity(capacity: object, tokens: int, k: int, num_experts: int, is_map: bool
                    ) -> int | None:
     """The per-expert capacity: an int ``>= 1`` as given, or for a float factor ``f > 0``
-    ``ceil(f * T * k / E)`` computed exactly (in rationals); ``None`` for no limit."""
+    ``ceil(f * T * k / E)`` computed exactly (in integers); ``None`` for no limit."""
     if capacity is None:
         return None
     if isinstance(capacity, float) and not is_bool(capacity):
@@ -99,7 +98,8 @@ def check_capacity(capacity: object, tokens: int, k: int, num_experts: int, is_m
             raise ValueError(f"capacity is {capacity!r}, a capacity factor, but topk_indices is "
                              "a routing map, whose k is not known without reading it: pass "
                              "the capacity as an int, ceil(factor * T * k / E)")
-        return math.ceil(Fraction(capacity) * (tokens * k) / num_experts)
+        numerator, denominator = capacity.as_integer_ratio()  # exact: no rounding
+        return -(-numerator * tokens * k // (denominator * num_experts))
     try:
         return check_int("capacity", capacity, minimum=1)
     except TypeError:

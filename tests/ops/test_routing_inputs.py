@@ -316,14 +316,21 @@ def test_round_trip(tokens, k, num_experts, form, capacity, policy, pad, num_out
     torch.testing.assert_close(out, kept_weight[:, None] * x, rtol=1e-12, atol=1e-12)
 
 
-def test_compiled_matches_eager():
-    """Capacity by probability, traced whole on CPU: the rows are the upper bound
-    min(T*k, E*capacity), zero past the data; values and gradients as eager's."""
+@pytest.mark.parametrize("options, bound", [
+    ({"capacity": 2}, 10),
+    ({"capacity": 1.25, "drop_policy": "position"}, 39),  # 5 experts of ceil(1.25*13*3/5) = 10
+    ({"capacity": 3, "pad_to_capacity": True}, 15),
+    ({"num_out_tokens": 17}, 17),
+])
+def test_compiled_matches_eager(options, bound):
+    """Each option traced whole on CPU: the rows are the upper bound (min(T*k, E*capacity,
+    num_out_tokens), or E*capacity when padded to it), zero past the data; values and
+    gradients as eager's."""
     torch._dynamo.reset()
     x0, topk, p0 = routing_case(8)
 
     def step(x, probs):
-        x_perm, m_splits, row_map, permuted = permute(x, topk, 5, probs=probs, capacity=2)
+        x_perm, m_splits, row_map, permuted = permute(x, topk, 5, probs=probs, **options)
         return x_perm, m_splits, row_map, permuted, unpermute(x_perm * 3, row_map, probs)
 
     compiled = torch.compile(step, fullgraph=TRACEABLE, backend="aot_eager")
@@ -337,7 +344,7 @@ def test_compiled_matches_eager():
     (c_perm, c_probs, *c_rest), (e_perm, e_probs, *e_rest) = results
     rows = e_perm.shape[0]
     if TRACEABLE:
-        assert c_perm.shape[0] == min(topk.numel(), 5 * 2)
+        assert c_perm.shape[0] == bound
     assert torch.equal(c_perm[:rows], e_perm) and not c_perm[rows:].any()
     assert torch.equal(c_probs[:rows], e_probs) and not c_probs[rows:].any()
     for a, b in zip(c_rest, e_rest, strict=True):
