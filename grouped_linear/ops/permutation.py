@@ -165,9 +165,9 @@ def permute(
             result has a fourth entry, the permuted probabilities.
         num_out_tokens: optional int in ``[0, T*k]``: only the first
             ``num_out_tokens`` slots of the expert-sorted order (the layout's order
-            below, after any capacity drop) are kept, the rest dropped; ``N`` is then
-            at most ``num_out_tokens`` (on CUDA exactly ``min(num_out_tokens, ...)``
-            of the bound below). Needs ``multiple=1`` (ValueError otherwise).
+            below, after any capacity drop) are kept, the rest dropped (TE's
+            ``num_out_tokens``); ``N`` is then at most ``num_out_tokens`` (the bound
+            below on CUDA). Needs ``multiple=1`` (ValueError otherwise).
         capacity: optional per-expert limit: an int ``>= 1``, or a float factor
             ``f > 0`` giving ``ceil(f * T * k / E)`` (computed exactly; index routing
             only, as a map's ``k`` is not known without reading it). Each expert
