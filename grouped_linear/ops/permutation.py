@@ -16,6 +16,7 @@ import torch
 
 from grouped_linear.kernels.routing import routing_map as routing
 from grouped_linear.kernels.routing import rows as row_kernels
+from grouped_linear.ops import routing_inputs as inputs
 from grouped_linear.ops.checks import MAX_ROWS, check_int, check_matrix
 from grouped_linear.ops.splits import SPLIT_DTYPES, debug_checks_enabled
 
@@ -134,97 +135,167 @@ def permute(
     topk_indices: torch.Tensor,
     num_experts: int,
     multiple: int = 1,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    *,
+    probs: torch.Tensor | None = None,
+    num_out_tokens: int | None = None,
+    capacity: int | float | None = None,
+    drop_policy: str = "probs",
+    pad_to_capacity: bool = False,
+) -> tuple[torch.Tensor, ...]:
     """Group the routed copies of the tokens by expert.
 
     Args:
         x: ``(T, H)`` token rows.
-        topk_indices: ``(T, k)`` integer tensor (any integer dtype; its values
-            are compared as int64) on ``x``'s device: the expert of slot
-            ``(t, j)``, or ``-1`` to drop that slot. On CPU any other value
-            outside ``[0, num_experts)`` is a ValueError; on CUDA, and while
-            ``torch.compile`` traces, such slots are dropped (on CUDA checked
-            only with ``GROUPED_LINEAR_DEBUG=1``, which syncs).
+        topk_indices: the routing, on ``x``'s device, in one of three forms:
+
+            - ``(T, k)`` integer tensor (any integer dtype; its values are compared
+              as int64): the expert of slot ``(t, j)``, or ``-1`` to drop that slot.
+              On CPU any other value outside ``[0, num_experts)`` is a ValueError; on
+              CUDA, and while ``torch.compile`` traces, such slots are dropped (on
+              CUDA checked only with ``GROUPED_LINEAR_DEBUG=1``, which syncs).
+            - ``(T,)`` integer tensor: top-1 indices, taken as ``(T, 1)``.
+            - ``(T, E)`` bool routing map (``E = num_experts``): slot ``(t, e)`` is
+              expert ``e`` where set, dropped elsewhere (so ``k = E``).
         num_experts: ``E >= 1``.
         multiple: every expert's group is padded with zero rows to a multiple
             of this: an int >= 1 with ``T*k + E*(multiple-1)`` within a tensor
             dimension (``2**63 - 1``).
+        probs: optional floating routing probabilities of ``topk_indices``' shape
+            (``(T, k)``, ``(T,)`` or dense ``(T, E)`` for a map). When given, the
+            result has a fourth entry, the permuted probabilities.
+        num_out_tokens: optional int in ``[0, T*k]``: only the first
+            ``num_out_tokens`` slots of the expert-sorted order (the layout's order
+            below, after any capacity drop) are kept, the rest dropped (TE's
+            ``num_out_tokens``); ``N`` is then at most ``num_out_tokens`` (the bound
+            below on CUDA). Needs ``multiple=1`` (ValueError otherwise).
+        capacity: optional per-expert limit: an int ``>= 1``, or a float factor
+            ``f > 0`` giving ``ceil(f * T * k / E)`` (computed exactly; index routing
+            only, as a map's ``k`` is not known without reading it). Each expert
+            keeps at most ``capacity`` slots, the others are dropped.
+        drop_policy: which slots an expert over capacity keeps: ``"probs"`` (the
+            default; needs ``probs``) the highest-probability ones, ties to the lower
+            slot ``t*k + j``; ``"position"`` the earliest slots ``t*k + j``.
+        pad_to_capacity: with a ``capacity``, pad every group to exactly
+            ``capacity`` rows (``capacity`` must be a multiple of ``multiple``):
+            ``N = E * capacity`` on every device.
 
     Returns:
-        ``(x_perm, m_splits, row_map)``:
+        ``(x_perm, m_splits, row_map)``, and ``permuted_probs`` after them when
+        ``probs`` is given:
 
         - ``x_perm`` ``(N, H)``: the rows of the routed slots, expert by expert
           in expert order, slots in ascending order ``t*k + j`` within an
           expert, each group followed by its zero padding rows. On CPU
           ``N = sum(m_splits)``; on CUDA nothing synchronizes and ``N`` is the
-          upper bound ``T*k + E*(multiple-1)``, rows past the data being zero
+          upper bound ``min(T*k, E*capacity, num_out_tokens) + E*(multiple-1)``
+          (the terms of the options given), rows past the data being zero
           (so too on CPU while ``torch.compile`` traces: nothing is read on the host).
         - ``m_splits`` ``(E,)`` int64 on ``x``'s device: the padded group sizes.
-        - ``row_map`` ``(T, k)`` int64: the row of ``x_perm`` holding slot
-          ``(t, j)``, or ``-1`` for a dropped slot.
+        - ``row_map`` int64 of the routing's shape (``(T, k)``, ``(T, 1)`` for
+          top-1, ``(T, E)`` for a map): the row of ``x_perm`` holding each slot, or
+          ``-1`` for a dropped slot.
+        - ``permuted_probs`` ``(N,)`` in ``probs``' dtype: each row's slot
+          probability, 0 in padding rows; differentiable in ``probs`` (a scatter
+          into unique rows, its gradient a gather: deterministic).
 
     Differentiable in ``x``: ``grad_x[t] = sum_j grad_x_perm[row_map[t, j]]``
     (a gather, summed in float32 for half dtypes).
     """
     x = check_matrix(x, "x")
-    topk_indices = _check_integer_matrix(topk_indices, "topk_indices")
-    if topk_indices.device != x.device:
-        raise ValueError(f"topk_indices is on {topk_indices.device} but x is on {x.device}")
-    if topk_indices.shape[0] != x.shape[0]:
-        raise ValueError(
-            f"topk_indices has {topk_indices.shape[0]} rows but x has {x.shape[0]} "
-            "(expected one row of expert indices per token)"
-        )
+    topk_indices = inputs.check_routing(topk_indices, x.shape[0], x.device)
     num_experts = check_int("num_experts", num_experts)
     multiple = check_int("multiple", multiple)
+    is_map = topk_indices.dtype == torch.bool
+    if is_map and topk_indices.shape[1] != num_experts:
+        raise ValueError(
+            f"topk_indices is a bool routing map of shape {tuple(topk_indices.shape)}: "
+            f"expected (T, num_experts) = ({x.shape[0]}, {num_experts})"
+        )
+    probs = inputs.check_probs(probs, topk_indices, x.device)
+    tokens = topk_indices.shape[0]
+    k = topk_indices.shape[1] if topk_indices.dim() == 2 else 1
+    slots = tokens * k
+    num_out_tokens = inputs.check_num_out_tokens(num_out_tokens, slots, multiple)
+    capacity = inputs.check_capacity(capacity, tokens, k, num_experts, is_map)
+    drop_policy = inputs.check_drop_policy(drop_policy, capacity, probs)
+    padded = inputs.check_pad_to_capacity(pad_to_capacity, capacity, num_experts, multiple)
     # The upper bound of the rows, and with it every padded size and row index, is an int64.
-    num_rows = topk_indices.numel() + num_experts * (multiple - 1)
+    num_rows = slots + num_experts * (multiple - 1)
     if num_rows > MAX_ROWS:
         raise ValueError(
             f"multiple is {multiple}: padding the groups of {num_experts} experts to it may take "
             f"up to {num_rows} rows, more than a tensor holds ({MAX_ROWS})"
         )
     exact = x.device.type == "cpu" and _host_checks()
-    if _host_checks() and (exact or debug_checks_enabled()):
+    if not is_map and _host_checks() and (exact or debug_checks_enabled()):
         _check_range(
-            topk_indices,
+            topk_indices.view(tokens, k),
             num_experts,
             "topk_indices",
             f"expert indices must be in [-1, {num_experts - 1}] (num_experts={num_experts})",
         )
 
     with torch.no_grad():
-        if exact:  # exact size: N = sum(m_splits), read on the host
+        experts = topk_indices
+        if is_map or topk_indices.dim() == 1 or capacity is not None or num_out_tokens is not None:
+            experts = inputs.slot_experts(topk_indices, num_experts)
+        kept = slots  # the most slots kept: the rows of the layout before padding
+        if capacity is not None:
+            kept = min(kept, num_experts * capacity)
+        if num_out_tokens is not None:
+            kept = min(kept, num_out_tokens)
+        if capacity is not None:
+            priority = probs.detach() if drop_policy == "probs" else None
+            experts = inputs.drop_over_capacity(experts, num_experts, capacity, priority)
+        if num_out_tokens is not None:
+            experts = inputs.keep_first(experts, num_experts, num_out_tokens)
+        num_rows = kept + num_experts * (multiple - 1)
+        if padded:
+            m_splits, row_map, token_of_row, counts = inputs.capacity_layout(
+                experts, num_experts, capacity)
+        elif exact:  # exact size: N = sum(m_splits), read on the host
             m_splits, row_map, token_of_row, counts = routing.routing_map_reference(
-                topk_indices, num_experts, multiple, None)
+                experts, num_experts, multiple, None)
         elif x.device.type == "cpu":  # traced: no host read, N is the upper bound
             m_splits, row_map, token_of_row, counts = routing.routing_map_reference(
-                topk_indices, num_experts, multiple, num_rows)
+                experts, num_experts, multiple, num_rows)
         else:  # one kernel, no sync: N is the upper bound
             m_splits, row_map, token_of_row, counts = routing.routing_map(
-                topk_indices, num_experts, multiple, num_rows)
+                experts, num_experts, multiple, num_rows)
 
     x_perm = _PermuteRows.apply(x, token_of_row, row_map, m_splits, counts)
-    return x_perm, m_splits, row_map
+    if probs is None:
+        return x_perm, m_splits, row_map
+    return x_perm, m_splits, row_map, inputs.permute_probs(probs, row_map, x_perm.shape[0])
 
 
 def unpermute(
     y_perm: torch.Tensor,
     row_map: torch.Tensor,
     probs: torch.Tensor | None = None,
+    *,
+    topk_indices: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Combine the expert outputs back into token order.
 
     Args:
         y_perm: ``(N, H)`` rows in the layout :func:`permute` produced.
-        row_map: ``(T, k)`` integer tensor from :func:`permute`: the row of
-            ``y_perm`` of slot ``(t, j)``, ``-1`` for a dropped slot (any
-            integer dtype; compared as int64). Its non-negative entries must be
-            distinct (checked on CPU). On CPU entries outside ``[-1, N)`` are a
-            ValueError; on CUDA, and while ``torch.compile`` traces (nothing is
-            read on the host then), they count as dropped.
-        probs: optional ``(T, k)`` floating weights (e.g. the router's top-k
-            probabilities); ``None`` means a plain sum.
+        row_map: ``(T, k)`` integer tensor from :func:`permute` (``(T, E)`` when
+            it routed a bool map, ``(T, 1)`` for top-1): the row of ``y_perm`` of
+            slot ``(t, j)``, ``-1`` for a dropped slot (any integer dtype; compared
+            as int64). Its non-negative entries must be distinct (checked on CPU).
+            On CPU entries outside ``[-1, N)`` are a ValueError; on CUDA, and while
+            ``torch.compile`` traces (nothing is read on the host then), they count
+            as dropped.
+        probs: optional floating weights (e.g. the router's probabilities);
+            ``None`` means a plain sum. Either one per slot, of ``row_map``'s shape
+            (dense ``(T, E)`` for a map's ``(T, E)`` row map; ``(T,)`` for a
+            ``(T, 1)`` top-1 row map), or, with ``topk_indices``, dense ``(T, E)``
+            probabilities gathered at each slot's expert.
+        topk_indices: the routing given to :func:`permute` (``(T, k)``, ``(T,)`` or
+            a bool ``(T, E)`` map), used only to gather dense ``(T, E)`` ``probs``:
+            slot ``(t, j)`` weighs ``probs[t, topk_indices[t, j]]``. On CPU an index
+            outside ``[-1, E)`` is a ValueError; on CUDA its slot weighs 0.
 
     Returns:
         ``(T, H)`` in ``y_perm``'s dtype:
@@ -243,18 +314,24 @@ def unpermute(
     row_map = _check_integer_matrix(row_map, "row_map")
     if row_map.device != y_perm.device:
         raise ValueError(f"row_map is on {row_map.device} but y_perm is on {y_perm.device}")
+    experts = None
     if probs is not None:
         if not isinstance(probs, torch.Tensor):
             raise TypeError(f"probs is {type(probs).__name__}: expected a torch.Tensor or None")
         if not probs.is_floating_point():
             raise TypeError(f"probs has dtype {probs.dtype}: expected a floating-point tensor")
-        if probs.shape != row_map.shape:
-            raise ValueError(
-                f"probs has shape {tuple(probs.shape)} but row_map has shape "
-                f"{tuple(row_map.shape)}: expected one weight per slot"
-            )
         if probs.device != y_perm.device:
             raise ValueError(f"probs is on {probs.device} but y_perm is on {y_perm.device}")
+        if topk_indices is not None:
+            experts = _check_dense_routing(topk_indices, probs, row_map, y_perm.device)
+        elif probs.shape == row_map.shape[:1] and row_map.shape[1:] == (1,):
+            probs = probs.unsqueeze(1)  # top-1: one weight per token
+        elif probs.shape != row_map.shape:
+            raise ValueError(
+                f"probs has shape {tuple(probs.shape)} but row_map has shape "
+                f"{tuple(row_map.shape)}: expected one weight per slot (dense (T, E) probs "
+                "of (T, k) index routing need topk_indices to be gathered)"
+            )
     num_rows = y_perm.shape[0]
     if _host_checks() and (y_perm.device.type == "cpu" or debug_checks_enabled()):
         _check_range(
@@ -269,7 +346,38 @@ def unpermute(
                 "row_map has repeated non-negative entries: each row of y_perm may be "
                 "held by at most one slot (as permute produces)"
             )
+        if experts is not None and topk_indices.dtype != torch.bool:
+            high = probs.shape[1]
+            _check_range(topk_indices.view(row_map.shape), high, "topk_indices",
+                         f"expert indices must be in [-1, {high - 1}] (probs has {high} columns)")
+    if experts is not None:
+        probs = inputs.gather_dense_probs(probs, inputs.slot_experts(topk_indices, probs.shape[1]))
     return _Unpermute.apply(y_perm, row_map.to(torch.int64), probs)
+
+
+def _check_dense_routing(topk_indices: object, probs: torch.Tensor, row_map: torch.Tensor,
+                         device: torch.device) -> torch.Tensor:
+    """``topk_indices`` once it is a routing of ``row_map``'s slots and ``probs`` is dense
+    ``(T, E)`` (a map's ``E`` its column count)."""
+    tokens = row_map.shape[0]
+    topk_indices = inputs.check_routing(topk_indices, tokens, device, against="row_map")
+    slot_shape = topk_indices.shape if topk_indices.dim() == 2 else (tokens, 1)
+    if tuple(slot_shape) != tuple(row_map.shape):
+        raise ValueError(
+            f"topk_indices has shape {tuple(topk_indices.shape)} but row_map has shape "
+            f"{tuple(row_map.shape)}: expected the routing permute was given"
+        )
+    if probs.dim() != 2 or probs.shape[0] != tokens:
+        raise ValueError(
+            f"probs has shape {tuple(probs.shape)}: with topk_indices, expected dense "
+            f"probabilities (T, E) with T = {tokens}"
+        )
+    if topk_indices.dtype == torch.bool and probs.shape != topk_indices.shape:
+        raise ValueError(
+            f"probs has shape {tuple(probs.shape)} but the routing map topk_indices has shape "
+            f"{tuple(topk_indices.shape)}: expected the same (T, E)"
+        )
+    return topk_indices
 
 
 # torch.compile before torch 2.13 traces the two autograd functions above to zero input

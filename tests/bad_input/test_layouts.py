@@ -109,8 +109,8 @@ PERMUTE_CASES: dict[str, Case] = {
         "dtype", lambda: gl.permute(_x(4), _topk() > 0, 3), "topk_indices", None),
     "topk_indices on meta": (
         "device", lambda: gl.permute(_x(4), _topk().to("meta"), 3), "topk_indices", None),
-    "topk_indices 1-D": (
-        "shape", lambda: gl.permute(_x(4), _topk()[:, 0], 3), "topk_indices", None),
+    "topk_indices 1-D rows": (
+        "shape", lambda: gl.permute(_x(5), _topk()[:, 0], 3), ("topk_indices", "x"), None),
     "topk_indices 3-D": (
         "shape", lambda: gl.permute(_x(4), _topk()[..., None], 3), "topk_indices", None),
     "topk_indices rows": (
