@@ -167,10 +167,11 @@ def grouped_mlp(
             FP8 recipe, for both GEMMs.
         gate_up_order: ``"concatenated"`` (gate rows of ``w1`` first, then up) or
             ``"interleaved"`` (gate, up, gate, up, ...: GPT-OSS's layout); gated only.
-        probs: ``None`` or one routing probability per row (permuted rows, as
-            :func:`~grouped_linear.permute` returns them): ``(M,)``, or ``x``'s leading shape
-            for an N-D ``x``; float16, bfloat16, float32 or float64 on ``x``'s device.
-            Differentiable.
+        probs: ``None`` or one routing probability per row of ``x`` (the permuted rows:
+            e.g. the ``(T, k)`` router probabilities scattered to the rows
+            :func:`~grouped_linear.permute`'s ``row_map`` gives, padding rows 0):
+            ``(M,)``, or ``x``'s leading shape for an N-D ``x``; float16, bfloat16, float32
+            or float64 on ``x``'s device. Differentiable.
         probs_on: ``"activation"``: ``y = (probs[:, None] * act(...)) @ w2^T + b2``, fused
             into the activation; ``"input"``: fc1 reads ``probs[:, None] * x`` (in float32,
             rounded to ``x``'s dtype; fc1's bias is not scaled), Megatron-Core's
