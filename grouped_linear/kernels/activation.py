@@ -10,6 +10,12 @@ GPT-OSS stores them). ``f`` is SiLU (``swiglu``, ``silu``), tanh-GELU (``geglu``
 ``u = clamp(up, -limit, limit)``, ``a = (u + 1) * g * sigmoid(alpha * g)``; its gradient
 is zero where a value was clamped (as torch's ``clamp``: a value at the limit passes).
 
+With ``probs`` (one routing probability per row, ``(M,)``) the output is ``probs[:, None] * a``
+(Megatron-Core's weighted activation): one more load per row. Its backward also gives the
+gradient of ``probs``, ``sum over columns of a * grad_a`` per row, from the same pass: each
+program stores the partial sum over its columns, and a ``(M, column programs)`` float32 sum
+follows (deterministic, no atomics).
+
 Rows past ``ends[-1]`` give zero. One read of ``h`` and one write of ``a`` forward; backward
 recomputes from ``h`` (nothing else saved) in one read of ``h`` and ``grad_a`` and one write
 of ``grad_h``, in ``h``'s column layout. Float32 math for every I/O dtype. A Triton kernel
@@ -112,17 +118,23 @@ def _biased(h: torch.Tensor, bias: torch.Tensor | None, ends: torch.Tensor
     return value, (groups < ends.shape[0]).unsqueeze(1)
 
 
+def _activated(value: torch.Tensor, kind: str, interleaved: bool, alpha: float,
+               limit: float) -> torch.Tensor:
+    if kind in GATED_KINDS:
+        return _gated(kind, *_halves(value, interleaved), alpha, limit)
+    return _base_activation(kind, value)
+
+
 def bias_act_reference(h: torch.Tensor, bias: torch.Tensor | None, ends: torch.Tensor,
                        kind: str, zero_tail: bool, interleaved: bool = False,
-                       alpha: float = GPT_OSS_ALPHA, limit: float = GPT_OSS_LIMIT
-                       ) -> torch.Tensor:
+                       alpha: float = GPT_OSS_ALPHA, limit: float = GPT_OSS_LIMIT,
+                       probs: torch.Tensor | None = None) -> torch.Tensor:
     """Differentiable plain-PyTorch form (float32 math, float64 for float64; output in
-    ``h.dtype``)."""
+    ``h.dtype``); with ``probs``, each row scaled by its ``(M,)`` probability."""
     value, in_group = _biased(h, bias, ends)
-    if kind in GATED_KINDS:
-        out = _gated(kind, *_halves(value, interleaved), alpha, limit)
-    else:
-        out = _base_activation(kind, value)
+    out = _activated(value, kind, interleaved, alpha, limit)
+    if probs is not None:
+        out = out * probs.to(out.dtype).unsqueeze(1)
     if zero_tail:
         out = torch.where(in_group, out, torch.zeros((), dtype=out.dtype, device=out.device))
     return out.to(h.dtype)
@@ -131,18 +143,27 @@ def bias_act_reference(h: torch.Tensor, bias: torch.Tensor | None, ends: torch.T
 def bias_act_backward_reference(grad_a: torch.Tensor, h: torch.Tensor,
                                 bias: torch.Tensor | None, ends: torch.Tensor, kind: str,
                                 interleaved: bool = False, alpha: float = GPT_OSS_ALPHA,
-                                limit: float = GPT_OSS_LIMIT) -> torch.Tensor:
-    """The gradient with respect to ``h``, written out (no autograd: it also runs inside
-    custom ops, where autograd does not record). Rows past the last group get zero."""
+                                limit: float = GPT_OSS_LIMIT, probs: torch.Tensor | None = None,
+                                probs_grad: bool = False
+                                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The gradients with respect to ``h`` and (with ``probs_grad``) ``probs``, written out (no
+    autograd: it also runs inside custom ops, where autograd does not record). Rows past the
+    last group get zero."""
     value, in_group = _biased(h, bias, ends)
     grad_a = torch.where(in_group, grad_a.to(value.dtype),
                          torch.zeros((), dtype=value.dtype, device=value.device))
+    grad_probs = None
+    if probs is not None:
+        if probs_grad:
+            act = _activated(value, kind, interleaved, alpha, limit)
+            grad_probs = (act * grad_a).sum(1).to(probs.dtype)
+        grad_a = grad_a * probs.to(value.dtype).unsqueeze(1)
     if kind in GATED_KINDS:
         gate, up = _halves(value, interleaved)
         grad_h = _join(*_gated_grads(kind, gate, up, grad_a, alpha, limit), interleaved)
     else:
         grad_h = grad_a * _base_activation_grad(kind, value)
-    return grad_h.to(h.dtype)
+    return grad_h.to(h.dtype), grad_probs
 
 
 # --------------------------------------------------------------------------- Triton
@@ -219,11 +240,12 @@ def _load_input(h_ptr, bias_ptr, rows, cols, groups, in_group, mask, stride_h, s
 
 @kernel
 @triton.jit
-def _bias_act_kernel(h_ptr, bias_ptr, ends_ptr, grad_a_ptr, out_ptr, M, F, G,
-                     stride_h, stride_bias, stride_grad_a, stride_out, alpha, limit,
+def _bias_act_kernel(h_ptr, bias_ptr, ends_ptr, grad_a_ptr, out_ptr, probs_ptr, partials_ptr,
+                     M, F, G, stride_h, stride_bias, stride_grad_a, stride_out, alpha, limit,
                      HAS_BIAS: tl.constexpr, GATED: tl.constexpr, INTERLEAVED: tl.constexpr,
-                     ACT: tl.constexpr, BACKWARD: tl.constexpr, BLOCK_M: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr):
+                     ACT: tl.constexpr, BACKWARD: tl.constexpr, HAS_PROBS: tl.constexpr,
+                     PROBS_GRAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_G: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # output columns
     mask = (rows < M)[:, None] & (cols < F)[None, :]
@@ -243,17 +265,30 @@ def _bias_act_kernel(h_ptr, bias_ptr, ends_ptr, grad_a_ptr, out_ptr, M, F, G,
         if GATED:
             up = _load_input(h_ptr, bias_ptr, rows, cols + F, groups, in_group, mask,
                              stride_h, stride_bias, HAS_BIAS)
+    if HAS_PROBS:  # one probability per row, as a (BLOCK_M, 1) column
+        probs = tl.load(probs_ptr + rows, mask=rows < M, other=0.0).to(tl.float32)[:, None]
     if not BACKWARD:
         if GATED:
             result = _glu(gate, up, alpha, limit, ACT)
         else:
             result = _act(gate, ACT)
+        if HAS_PROBS:
+            result = result * probs
         tl.store(out_rows + cols[None, :], tl.where(keep, result, 0.0).to(
             out_ptr.dtype.element_ty), mask=mask)
     else:
         grad_a = tl.load(grad_a_ptr + rows.to(tl.int64)[:, None] * stride_grad_a + cols[None, :],
                          mask=mask, other=0.0).to(tl.float32)
         grad_a = tl.where(keep, grad_a, 0.0)
+        if HAS_PROBS:
+            if PROBS_GRAD:  # this program's columns of sum(act * grad_a) per row
+                if GATED:
+                    value = _glu(gate, up, alpha, limit, ACT)
+                else:
+                    value = _act(gate, ACT)
+                tl.store(partials_ptr + rows.to(tl.int64) * tl.num_programs(1)
+                         + tl.program_id(1), tl.sum(value * grad_a, axis=1), mask=rows < M)
+            grad_a = grad_a * probs
         if GATED:
             grad_gate, grad_up = _glu_grads(gate, up, grad_a, alpha, limit, ACT)
             if INTERLEAVED:  # gate and up gradients joined back into h's column order
@@ -274,7 +309,10 @@ def _bias_act_kernel(h_ptr, bias_ptr, ends_ptr, grad_a_ptr, out_ptr, M, F, G,
 ACT_CONFIG = (32, 64, 4)
 
 
-def _launch(h, bias, ends, kind, interleaved, alpha, limit, grad_a, out, width):
+def _launch(h: torch.Tensor, bias: torch.Tensor | None, ends: torch.Tensor, kind: str,
+            interleaved: bool, alpha: float, limit: float, grad_a: torch.Tensor | None,
+            out: torch.Tensor, width: int, probs: torch.Tensor | None = None,
+            partials: torch.Tensor | None = None) -> torch.Tensor:
     M = h.shape[0]
     G = ends.shape[0]
     block_m, block_n, warps = ACT_CONFIG
@@ -282,16 +320,18 @@ def _launch(h, bias, ends, kind, interleaved, alpha, limit, grad_a, out, width):
     gated = kind in GATED_KINDS
     _bias_act_kernel[grid](
         h, bias if bias is not None else h, ends, grad_a if grad_a is not None else h, out,
+        probs if probs is not None else h, partials if partials is not None else out,
         M, width, G, h.stride(0), bias.stride(0) if bias is not None else 0,
         grad_a.stride(0) if grad_a is not None else 0, out.stride(0), float(alpha), float(limit),
         HAS_BIAS=bias is not None, GATED=gated, INTERLEAVED=gated and interleaved,
-        ACT=ACTIVATION_KINDS[kind], BACKWARD=grad_a is not None, BLOCK_M=block_m,
-        BLOCK_N=block_n, BLOCK_G=min(64, next_power_of_2(G)), num_warps=warps,
+        ACT=ACTIVATION_KINDS[kind], BACKWARD=grad_a is not None, HAS_PROBS=probs is not None,
+        PROBS_GRAD=partials is not None, BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_G=min(64, next_power_of_2(G)), num_warps=warps,
     )
     return out
 
 
-def _triton_ok(*tensors) -> bool:
+def _triton_ok(*tensors: torch.Tensor | None) -> bool:
     return use_triton(tensors[0]) and all(
         t is None or (t.dtype != torch.float64 and t.stride(-1) == 1) for t in tensors)
 
@@ -299,34 +339,44 @@ def _triton_ok(*tensors) -> bool:
 # --------------------------------------------------------------------------- public
 def bias_act_forward(h: torch.Tensor, bias: torch.Tensor | None, ends: torch.Tensor,
                      kind: str, zero_tail: bool, interleaved: bool = False,
-                     alpha: float = GPT_OSS_ALPHA, limit: float = GPT_OSS_LIMIT
-                     ) -> torch.Tensor:
+                     alpha: float = GPT_OSS_ALPHA, limit: float = GPT_OSS_LIMIT,
+                     probs: torch.Tensor | None = None) -> torch.Tensor:
     """``(M, W)`` fc1 output (``W = 2F`` gated, else ``F``) -> ``(M, F)`` activation.
 
     ``bias`` is ``(G, W)`` or ``None``, in ``h``'s column layout; rows past ``ends[-1]``
     give zero (always in the Triton kernel; with ``zero_tail`` in the reference).
     ``interleaved``: gate and up columns alternate (gated kinds); ``alpha``, ``limit``:
-    ``gpt_oss_swiglu``'s parameters (the other kinds ignore them).
+    ``gpt_oss_swiglu``'s parameters (the other kinds ignore them); ``probs``: ``(M,)``
+    contiguous, each row's factor (any floating dtype) or ``None``.
     """
     width = h.shape[1] // 2 if kind in GATED_KINDS else h.shape[1]
-    if h.shape[0] == 0 or not _triton_ok(h, bias):
+    if h.shape[0] == 0 or not _triton_ok(h, bias, probs):
         with torch.no_grad():
-            return bias_act_reference(h, bias, ends, kind, zero_tail, interleaved, alpha, limit)
+            return bias_act_reference(h, bias, ends, kind, zero_tail, interleaved, alpha, limit,
+                                      probs)
     out = torch.empty(h.shape[0], width, device=h.device, dtype=h.dtype)
-    return _launch(h, bias, ends, kind, interleaved, alpha, limit, None, out, width)
+    return _launch(h, bias, ends, kind, interleaved, alpha, limit, None, out, width, probs)
 
 
 def bias_act_backward(grad_a: torch.Tensor, h: torch.Tensor, bias: torch.Tensor | None,
                       ends: torch.Tensor, kind: str, zero_tail: bool, interleaved: bool = False,
-                      alpha: float = GPT_OSS_ALPHA, limit: float = GPT_OSS_LIMIT
-                      ) -> torch.Tensor:
-    """``(M, F)`` gradient of the activation -> ``(M, W)`` gradient of fc1's output.
+                      alpha: float = GPT_OSS_ALPHA, limit: float = GPT_OSS_LIMIT,
+                      probs: torch.Tensor | None = None, probs_grad: bool = False
+                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(M, F)`` gradient of the activation -> ``(M, W)`` gradient of fc1's output, and with
+    ``probs_grad`` the ``(M,)`` gradient of ``probs`` in its dtype (else ``None``).
 
     Recomputes from ``h`` (and ``bias``); rows past ``ends[-1]`` get zero.
     """
     width = h.shape[1] // 2 if kind in GATED_KINDS else h.shape[1]
-    if h.shape[0] == 0 or not _triton_ok(h, bias, grad_a):
+    probs_grad = probs_grad and probs is not None
+    if h.shape[0] == 0 or not _triton_ok(h, bias, grad_a, probs):
         return bias_act_backward_reference(grad_a, h, bias, ends, kind, interleaved, alpha,
-                                           limit)
+                                           limit, probs, probs_grad)
     out = torch.empty_like(h)
-    return _launch(h, bias, ends, kind, interleaved, alpha, limit, grad_a, out, width)
+    partials = None
+    if probs_grad:
+        partials = torch.empty(h.shape[0], cdiv(width, ACT_CONFIG[1]), device=h.device,
+                               dtype=torch.float32)
+    _launch(h, bias, ends, kind, interleaved, alpha, limit, grad_a, out, width, probs, partials)
+    return out, (partials.sum(1).to(probs.dtype) if partials is not None else None)

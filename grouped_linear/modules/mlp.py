@@ -15,7 +15,7 @@ except ImportError:  # pragma: no cover - builds without distributed
 from ..ops.activation import ACTIVATIONS, GATED_ACTIVATIONS, check_activation
 from ..ops.checks import check_int
 from ..ops.grouped_linear import split_rows
-from ..ops.mlp import run_mlp
+from ..ops.mlp import check_probs, check_probs_on, flatten_rows, run_mlp
 from ..ops.splits import GroupSplits
 from ..parallel.tensor_parallel import check_tp_group, check_tp_size
 from .grouped_linear import GroupedLinear
@@ -50,15 +50,21 @@ class GroupedMLP(nn.Module):
             ``"concatenated"`` (the gate half first) or ``"interleaved"`` (gate, up, gate,
             up, ...).
         alpha, limit: ``gpt_oss_swiglu``'s parameters (default 1.702 and 7.0); only with it.
+        probs_on: where ``forward``'s ``probs`` (routing probabilities, one per row) apply:
+            ``"activation"`` (the activation's output rows, fused into the activation) or
+            ``"input"`` (the input rows before fc1, fc1's bias unscaled: Megatron-Core's
+            ``moe_apply_probs_on_input``); see :func:`~grouped_linear.grouped_mlp`.
         **grouped_linear_kwargs: passed to both ``fc1`` and ``fc2``
             (``bias``, ``params_dtype``, ``device``, ``backend``, ...). With
             ``tp_size``/``tp_group``, fc1 is column-parallel (gate and up halves
             sliced alike) and fc2 row-parallel (``reduce_output`` applies to fc2).
 
     Shape:
-        - Input: ``(M, H)`` or a list of ``G`` tensors ``(m_i, H)``; ``m_splits`` as
+        - Input: ``(M, H)``, ``(..., H)`` (the leading dimensions flattened into the ``M``
+          rows ``m_splits`` counts) or a list of ``G`` tensors ``(m_i, H)``; ``m_splits`` as
           for :class:`GroupedLinear`.
-        - Output: ``(M, H)``.
+        - ``probs``: ``(M,)`` or the input's leading shape, or ``None``.
+        - Output: ``(M, H)`` (``(..., H)`` for an N-D input).
     """
 
     def __init__(
@@ -72,6 +78,7 @@ class GroupedMLP(nn.Module):
         gate_up_order: str = "concatenated",
         alpha: float | None = None,
         limit: float | None = None,
+        probs_on: str = "activation",
         **grouped_linear_kwargs,
     ) -> None:
         super().__init__()
@@ -83,6 +90,7 @@ class GroupedMLP(nn.Module):
         hidden_size = check_int("hidden_size", hidden_size)
         ffn_hidden_size = check_int("ffn_hidden_size", ffn_hidden_size)
         act = check_activation(activation, gate_up_order, {"alpha": alpha, "limit": limit})
+        check_probs_on(probs_on)
         for name in ("return_bias", "reduce_output"):
             value = grouped_linear_kwargs.get(name, name == "reduce_output")
             if not isinstance(value, bool):
@@ -100,6 +108,7 @@ class GroupedMLP(nn.Module):
         self.ffn_hidden_size = ffn_hidden_size
         self.activation = activation
         self.gate_up_order = gate_up_order
+        self.probs_on = probs_on
         gpt_oss = activation == "gpt_oss_swiglu"
         self.alpha = act.alpha if gpt_oss else None
         self.limit = act.limit if gpt_oss else None
@@ -130,10 +139,15 @@ class GroupedMLP(nn.Module):
         self,
         x: torch.Tensor | Sequence[torch.Tensor],
         m_splits: Sequence[int] | torch.Tensor | GroupSplits | None = None,
+        probs: torch.Tensor | None = None,
         *,
         is_first_microbatch: bool | None = None,
     ) -> torch.Tensor:
+        """``probs``: ``None`` or one routing probability per row, applied where
+        :attr:`probs_on` says."""
+        x, leading = flatten_rows(x, self.hidden_size)
         x, splits = split_rows(x, m_splits, self.hidden_size, self.num_experts)
+        probs = check_probs(probs, self.probs_on, x, leading)
         # fc1 adds its own bias where its gradient must wait for backward_dw, or where the
         # parameters are only gathered while fc1 itself runs (FSDP); else the activation does.
         fc1_adds_bias = self.fc1.delay_wgrad_compute or _is_fully_sharded(self.fc1)
@@ -149,7 +163,9 @@ class GroupedMLP(nn.Module):
         def fc2(a: torch.Tensor) -> torch.Tensor:
             return self.fc2(a, splits, is_first_microbatch=is_first_microbatch)
 
-        return run_mlp(x, splits, fc1, fc2, self._act, recompute=self.recompute_activation)
+        y = run_mlp(x, splits, fc1, fc2, self._act, recompute=self.recompute_activation,
+                    probs=probs, probs_on=self.probs_on)
+        return y.reshape(*leading, self.hidden_size) if leading is not None else y
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):
@@ -171,4 +187,5 @@ class GroupedMLP(nn.Module):
             + (", gate_up_order='interleaved'" if self._act.interleaved else "")
             + (f", alpha={self.alpha}, limit={self.limit}" if self.alpha is not None else "")
             + (", recompute_activation=True" if self.recompute_activation else "")
+            + (f", probs_on={self.probs_on!r}" if self.probs_on != "activation" else "")
         )

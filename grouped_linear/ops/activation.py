@@ -1,5 +1,6 @@
-"""Differentiable ``act(h + bias[g])``: the expert MLP's activation with fc1's bias folded in,
-and the check of an activation's name, gate/up layout and parameters."""
+"""Differentiable ``act(h + bias[g])`` (times each row's routing probability, where given): the
+expert MLP's activation with fc1's bias folded in, and the check of an activation's name,
+gate/up layout and parameters."""
 
 from __future__ import annotations
 
@@ -75,17 +76,21 @@ def check_activation(activation: object, gate_up_order: object = "concatenated",
 
 
 def _forward_impl(h: torch.Tensor, bias: torch.Tensor | None, ends: torch.Tensor, kind: str,
-                  zero_tail: bool, interleaved: bool, alpha: float, limit: float
-                  ) -> torch.Tensor:
+                  zero_tail: bool, interleaved: bool, alpha: float, limit: float,
+                  probs: torch.Tensor | None) -> torch.Tensor:
     return act_kernels.bias_act_forward(h, bias, ends, kind, zero_tail, interleaved, alpha,
-                                        limit)
+                                        limit, probs)
 
 
 def _backward_impl(grad_a: torch.Tensor, h: torch.Tensor, bias: torch.Tensor | None,
                    ends: torch.Tensor, kind: str, zero_tail: bool, interleaved: bool,
-                   alpha: float, limit: float) -> torch.Tensor:
-    return act_kernels.bias_act_backward(grad_a, h, bias, ends, kind, zero_tail, interleaved,
-                                         alpha, limit)
+                   alpha: float, limit: float, probs: torch.Tensor | None, probs_grad: bool
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gradients of ``h`` and of ``probs`` (an empty tensor where not asked for: an
+    operator returns tensors only)."""
+    grad_h, grad_probs = act_kernels.bias_act_backward(
+        grad_a, h, bias, ends, kind, zero_tail, interleaved, alpha, limit, probs, probs_grad)
+    return grad_h, (grad_probs if grad_probs is not None else h.new_empty(0))
 
 
 _forward_op = compute_op("bias_act", _forward_impl)
@@ -93,46 +98,51 @@ _backward_op = compute_op("bias_act_backward", _backward_impl)
 
 
 @register_fake("bias_act")
-def _(h, bias, ends, kind, zero_tail, interleaved, alpha, limit):
+def _(h, bias, ends, kind, zero_tail, interleaved, alpha, limit, probs):
     width = h.shape[1] // 2 if kind in GATED_ACTIVATIONS else h.shape[1]
     return h.new_empty(h.shape[0], width)
 
 
 @register_fake("bias_act_backward")
-def _(grad_a, h, bias, ends, kind, zero_tail, interleaved, alpha, limit):
-    return torch.empty_like(h)
+def _(grad_a, h, bias, ends, kind, zero_tail, interleaved, alpha, limit, probs, probs_grad):
+    grad_probs = probs.new_empty(h.shape[0]) if probs is not None and probs_grad else None
+    return torch.empty_like(h), (grad_probs if grad_probs is not None else h.new_empty(0))
 
 
 class BiasActivationFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h, bias, ends, act: Activation, zero_tail):
-        ctx.save_for_backward(h, bias, ends)
+    def forward(ctx, h, bias, ends, act: Activation, zero_tail, probs):
+        ctx.save_for_backward(h, bias, ends, probs)
         ctx.act, ctx.zero_tail = act, zero_tail
         return step(_forward_op, _forward_impl)(h, bias, ends, act.kind, zero_tail,
-                                                act.interleaved, act.alpha, act.limit)
+                                                act.interleaved, act.alpha, act.limit, probs)
 
     @staticmethod
     def backward(ctx, grad_a):
-        h, bias, ends = ctx.saved_tensors
+        h, bias, ends, probs = ctx.saved_tensors
         act: Activation = ctx.act
-        grad_h = step(_backward_op, _backward_impl)(
+        probs_grad = probs is not None and ctx.needs_input_grad[5]
+        grad_h, grad_probs = step(_backward_op, _backward_impl)(
             grad_a.contiguous(), h, bias, ends, act.kind, ctx.zero_tail, act.interleaved,
-            act.alpha, act.limit
+            act.alpha, act.limit, probs, probs_grad
         )
         grad_bias = None
         if bias is not None and ctx.needs_input_grad[1]:
             grad_bias = step(bias_grad_op, bias_grad_impl)(grad_h, ends, bias.dtype)
-        return grad_h, grad_bias, None, None, None
+        return grad_h, grad_bias, None, None, None, (grad_probs if probs_grad else None)
 
 
 def bias_activation(h: torch.Tensor, bias: torch.Tensor | None, ends: torch.Tensor,
-                    kind: str | Activation, zero_tail: bool) -> torch.Tensor:
-    """``(M, W) -> (M, F)``: ``act(h + bias[g])`` per row group.
+                    kind: str | Activation, zero_tail: bool,
+                    probs: torch.Tensor | None = None) -> torch.Tensor:
+    """``(M, W) -> (M, F)``: ``act(h + bias[g])`` per row group, each row times its
+    ``probs`` value where given.
 
     ``bias``: ``(G, W)`` or ``None``, in ``h``'s column layout; ``ends``: ``(G,)`` int32
     cumulative group ends on ``h``'s device; ``kind``: a name of :data:`ACTIVATIONS` (gate half
     first if gated, ``gpt_oss_swiglu`` with its default parameters) or an
-    :class:`Activation` from :func:`check_activation`.
+    :class:`Activation` from :func:`check_activation`; ``probs``: ``(M,)`` contiguous
+    floating-point on ``h``'s device, or ``None`` (checked by the callers).
     """
     act = kind if isinstance(kind, Activation) else check_activation(kind)
-    return BiasActivationFunction.apply(h, bias, ends, act, zero_tail)
+    return BiasActivationFunction.apply(h, bias, ends, act, zero_tail, probs)

@@ -4,6 +4,10 @@ block it shares with :class:`~grouped_linear.modules.GroupedMLP` (:func:`run_mlp
 fc1 runs without its bias, the bias is folded into the fused activation
 (:func:`~.activation.bias_activation`), fc2 adds its own; the splits are normalised once and
 every step takes the :class:`~.splits.GroupSplits` as it is.
+
+Routing probabilities (``probs``, one per row) enter as Megatron-Core's two conventions:
+``probs_on="activation"`` scales the activation's output rows inside the fused activation,
+``probs_on="input"`` scales the input rows before fc1 (fc1's bias unscaled).
 """
 
 from __future__ import annotations
@@ -19,7 +23,12 @@ from .checks import check_operands, check_tensor
 from .grouped_linear import apply_grouped_linear, join_inputs
 from .splits import GroupSplits, normalize_splits
 
-__all__ = ["grouped_mlp", "run_mlp"]
+__all__ = ["PROBS_ON", "PROBS_DTYPES", "check_probs", "check_probs_on", "flatten_rows",
+           "grouped_mlp", "run_mlp"]
+
+#: Where the routing probabilities apply: the activation's output, or fc1's input.
+PROBS_ON = ("activation", "input")
+PROBS_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 #: fc1 of a block: its output without the bias, and the ``(G, W)`` bias to fold into the
 #: activation (``None`` where there is none, or where fc1 added it itself).
@@ -52,20 +61,71 @@ def _with_recomputed_input(fc2: Fc2, a: torch.Tensor,
         return fc2(a)
 
 
+def flatten_rows(x: torch.Tensor | Sequence[torch.Tensor], hidden: int
+                 ) -> tuple[torch.Tensor | Sequence[torch.Tensor], torch.Size | None]:
+    """An ``(..., H)`` tensor of more than two dimensions as its ``(rows, H)`` view and its
+    leading shape; anything else as it is, with ``None`` (checked where it is used)."""
+    if not isinstance(x, torch.Tensor) or x.dim() <= 2:
+        return x, None
+    if x.shape[-1] != hidden:
+        raise ValueError(f"x has {x.shape[-1]} features (shape {tuple(x.shape)}), "
+                         f"expected {hidden}")
+    return x.flatten(0, -2), x.shape[:-1]
+
+
+def check_probs_on(probs_on: object) -> str:
+    """``probs_on`` if it is one of :data:`PROBS_ON`, else ``ValueError`` naming it."""
+    if not isinstance(probs_on, str) or probs_on not in PROBS_ON:
+        raise ValueError(f"probs_on={probs_on!r} is not one of {PROBS_ON}")
+    return probs_on
+
+
+def check_probs(probs: object, probs_on: object, x: torch.Tensor,
+                leading: torch.Size | None = None) -> torch.Tensor | None:
+    """``probs`` as a contiguous ``(M,)`` tensor for the ``(M, H)`` rows ``x`` (given as
+    ``(M,)`` or as ``leading``, the shape of the rows of an N-D input), or ``None``; checks
+    ``probs_on`` too. Type, dtype and device are checked before the shape; nothing is read."""
+    check_probs_on(probs_on)
+    if probs is None:
+        return None
+    probs = check_tensor("probs", probs, "a torch.Tensor or None")
+    if probs.dtype not in PROBS_DTYPES:
+        raise TypeError(f"probs has dtype {probs.dtype}: expected one of {PROBS_DTYPES}")
+    if probs.device != x.device:
+        raise ValueError(f"probs is on {probs.device} but x is on {x.device}")
+    shapes = [(x.shape[0],)] + ([tuple(leading)] if leading is not None else [])
+    if tuple(probs.shape) not in shapes:
+        raise ValueError(f"probs has shape {tuple(probs.shape)}: expected one probability per "
+                         f"row of x, of shape {' or '.join(map(str, shapes))}")
+    return probs.reshape(-1).contiguous()
+
+
+def _scale_rows(x: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+    """``probs[:, None] * x`` in float32 (float64 where either is), rounded to ``x.dtype``."""
+    compute = torch.float64 if torch.float64 in (x.dtype, probs.dtype) else torch.float32
+    return (x.to(compute) * probs.to(compute).unsqueeze(1)).to(x.dtype)
+
+
 def run_mlp(x: torch.Tensor, splits: GroupSplits, fc1: Fc1, fc2: Fc2, act: Activation, *,
-            recompute: bool = False) -> torch.Tensor:
-    """``fc2(act(fc1(x) + b1[g]))`` over the rows of ``splits``. With ``recompute``, fc2's
-    input is not kept for backward but rebuilt from fc1's output (eager only: under
-    ``torch.compile`` the compiler decides what to recompute)."""
+            recompute: bool = False, probs: torch.Tensor | None = None,
+            probs_on: str = "activation") -> torch.Tensor:
+    """``fc2(act(fc1(x) + b1[g]))`` over the rows of ``splits``; with ``probs`` (``(M,)``,
+    checked by :func:`check_probs`) each row's activation output (``probs_on="activation"``)
+    or input (``"input"``) times its probability. With ``recompute``, fc2's input is not kept
+    for backward but rebuilt from fc1's output (eager only: under ``torch.compile`` the
+    compiler decides what to recompute)."""
+    if probs is not None and probs_on == "input":
+        x, probs = _scale_rows(x, probs), None
     pre, bias = fc1(x)
 
-    def activate(h: torch.Tensor) -> torch.Tensor:
-        return bias_activation(h, bias, splits.ends, act, splits.may_have_tail)
+    def activate(h: torch.Tensor, p: torch.Tensor | None) -> torch.Tensor:
+        return bias_activation(h, bias, splits.ends, act, splits.may_have_tail, p)
 
-    a = activate(pre)
+    a = activate(pre, probs)
     if not (recompute and torch.is_grad_enabled() and not torch.compiler.is_compiling()):
         return fc2(a)
-    return _with_recomputed_input(fc2, a, lambda: activate(pre.detach()))
+    kept = probs.detach() if probs is not None else None
+    return _with_recomputed_input(fc2, a, lambda: activate(pre.detach(), kept))
 
 
 def _check_shape(name: str, tensor: torch.Tensor | None, expected: tuple[int, ...],
@@ -85,13 +145,16 @@ def grouped_mlp(
     activation: str = "swiglu",
     recipe: Float8Recipe | None = None,
     gate_up_order: str = "concatenated",
+    probs: torch.Tensor | None = None,
+    probs_on: str = "activation",
     **activation_params: float,
 ) -> torch.Tensor:
     """The expert MLP on given weights: per group ``g``,
     ``y = act(x @ w1[g]^T + b1[g]) @ w2[g]^T + b2[g]``.
 
     Args:
-        x: ``(M, H)``, or a list of ``G`` tensors ``(m_g, H)``.
+        x: ``(M, H)`` or ``(..., H)`` (the leading dimensions flattened into the ``M`` rows
+            that ``m_splits`` counts), or a list of ``G`` tensors ``(m_g, H)``.
         w1: ``(G, 2F, H)`` for a gated activation, else ``(G, F, H)``. A transposed view (of
             a ``(G, H, 2F)`` tensor) is read as it lies.
         b1: ``(G, 2F)`` / ``(G, F)`` or ``None``, in ``w1``'s row order.
@@ -104,12 +167,22 @@ def grouped_mlp(
             FP8 recipe, for both GEMMs.
         gate_up_order: ``"concatenated"`` (gate rows of ``w1`` first, then up) or
             ``"interleaved"`` (gate, up, gate, up, ...: GPT-OSS's layout); gated only.
+        probs: ``None`` or one routing probability per row of ``x`` (the permuted rows:
+            e.g. the ``(T, k)`` router probabilities scattered to the rows
+            :func:`~grouped_linear.permute`'s ``row_map`` gives, padding rows 0):
+            ``(M,)``, or ``x``'s leading shape for an N-D ``x``; float16, bfloat16, float32
+            or float64 on ``x``'s device. Differentiable.
+        probs_on: ``"activation"``: ``y = (probs[:, None] * act(...)) @ w2^T + b2``, fused
+            into the activation; ``"input"``: fc1 reads ``probs[:, None] * x`` (in float32,
+            rounded to ``x``'s dtype; fc1's bias is not scaled), Megatron-Core's
+            ``moe_apply_probs_on_input``.
         **activation_params: ``alpha`` (default 1.702) and ``limit`` (7.0) of
             ``gpt_oss_swiglu``: ``g = min(gate, limit)``,
             ``act = (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g)``.
 
     Returns:
-        ``(M, H)``; device splits summing to less than ``M`` leave the rows past them zero.
+        ``(M, H)`` (``(..., H)`` for an N-D ``x``); device splits summing to less than ``M``
+        leave the rows past them zero.
     """
     act = check_activation(activation, gate_up_order, activation_params)
     w1 = check_tensor("w1", w1)
@@ -132,6 +205,7 @@ def grouped_mlp(
     if b2 is not None:
         _check_shape("b2", check_tensor("b2", b2), (num_groups, hidden), "(G, H)")
     recipe = check_recipe(recipe)
+    x, leading = flatten_rows(x, hidden)
     x, m_splits = join_inputs(x, m_splits, hidden, num_groups=num_groups)
     device = check_operands(x, (("x", x), ("w1", w1), ("b1", b1), ("w2", w2), ("b2", b2)))
     autocast = torch.is_autocast_enabled(device.type)
@@ -139,6 +213,7 @@ def grouped_mlp(
         if tensor is not None and not autocast and tensor.dtype != x.dtype:
             raise TypeError(f"{name} has dtype {tensor.dtype} but x has dtype {x.dtype}: "
                             "outside torch.autocast the input and weight dtypes must match")
+    probs = check_probs(probs, probs_on, x, leading)
     splits = normalize_splits(m_splits, num_groups=num_groups, num_rows=x.shape[0],
                               device=device)
 
@@ -148,4 +223,5 @@ def grouped_mlp(
     def fc2(a: torch.Tensor) -> torch.Tensor:
         return apply_grouped_linear(a, w2, b2, splits, recipe=recipe)
 
-    return run_mlp(x, splits, fc1, fc2, act)
+    y = run_mlp(x, splits, fc1, fc2, act, probs=probs, probs_on=probs_on)
+    return y.reshape(*leading, hidden) if leading is not None else y

@@ -94,7 +94,7 @@ def test_triton_matches_float64(kind, interleaved, dtype, with_bias):
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     assert out.dtype == dtype and out.shape == want.shape and rel_err(out, want) < tol
     assert torch.all(out[head:] == 0)
-    grad_h = act.bias_act_backward(grad_a, h, bias, ends, kind, True, interleaved)
+    grad_h, _ = act.bias_act_backward(grad_a, h, bias, ends, kind, True, interleaved)
     assert grad_h.dtype == dtype and rel_err(grad_h, want_grad) < tol
     assert torch.all(grad_h[head:] == 0)
 
@@ -107,7 +107,7 @@ def test_reference_matches_float64(kind, interleaved):
     want, want_grad = _want(kind, h, bias, interleaved, grad_a)
     out = act.bias_act_forward(h, bias, ends, kind, True, interleaved)  # float64: reference
     assert rel_err(out, want) < 1e-12
-    got = act.bias_act_backward(grad_a, h, bias, ends, kind, True, interleaved)
+    got, _ = act.bias_act_backward(grad_a, h, bias, ends, kind, True, interleaved)
     assert rel_err(got, want_grad) < 1e-12 and torch.all(got[head:] == 0)
 
 
@@ -135,7 +135,7 @@ def test_gpt_oss_clamp_boundaries(interleaved, alpha, limit, dtype):
     params = {"alpha": alpha, "limit": limit}
     out = act.bias_act_forward(h, None, ends, "gpt_oss_swiglu", True, interleaved, **params)
     grad_a = torch.ones_like(out)
-    grad_h = act.bias_act_backward(grad_a, h, None, ends, "gpt_oss_swiglu", True, interleaved,
+    grad_h, _ = act.bias_act_backward(grad_a, h, None, ends, "gpt_oss_swiglu", True, interleaved,
                                    **params)
     want, want_grad = _want("gpt_oss_swiglu", h, None, interleaved, grad_a, sizes=(1,),
                             **params)
@@ -165,6 +165,86 @@ def test_interleaved_is_the_concatenated_layout_permuted(kind):
     out_int = act.bias_act_forward(h_int, bias_int, ends, kind, True, True)
     torch.testing.assert_close(out_int, out, rtol=1e-6, atol=1e-6)
     grad_a = torch.randn_like(out)
-    grad_h = act.bias_act_backward(grad_a, h, bias, ends, kind, True, False)
-    grad_int = act.bias_act_backward(grad_a, h_int, bias_int, ends, kind, True, True)
+    grad_h, _ = act.bias_act_backward(grad_a, h, bias, ends, kind, True, False)
+    grad_int, _ = act.bias_act_backward(grad_a, h_int, bias_int, ends, kind, True, True)
     torch.testing.assert_close(grad_int, grad_h[:, order], rtol=1e-6, atol=1e-6)
+
+
+# --------------------------------------------------------------------------- routing probs
+def _want_probs(kind, h, bias, probs, interleaved, grad_a, sizes=SIZES):
+    """Float64 ``probs[:, None] * grouped_f64(...)`` and its gradients of ``h`` and ``probs``."""
+    h64 = h.detach().double().cpu().requires_grad_()
+    p64 = probs.detach().double().cpu().requires_grad_()
+    b64 = bias.detach().double().cpu() if bias is not None else None
+    out = p64.unsqueeze(1) * grouped_f64(kind, h64, b64, sizes, interleaved)
+    grad_h, grad_p = torch.autograd.grad(out, [h64, p64], grad_a.double().cpu())
+    return out.detach(), grad_h, grad_p
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+@pytest.mark.parametrize("kind, interleaved", CASES)
+@pytest.mark.parametrize("dtype, probs_dtype", [(torch.float32, torch.float32),
+                                                (torch.bfloat16, torch.float32),
+                                                (torch.bfloat16, torch.bfloat16)])
+def test_triton_probs_match_float64_and_reference(kind, interleaved, dtype, probs_dtype):
+    """The kernel with a probability per row (F = 200: four column programs, one partly
+    masked) against the float64 formulas and the PyTorch reference; rows past the groups
+    get zero, their probability gradient too."""
+    h, bias, ends, head = _case(kind, dtype, True, F=200)
+    probs = torch.rand(h.shape[0], device=DEVICE).to(probs_dtype)
+    assert use_triton(h)
+    out = act.bias_act_forward(h, bias, ends, kind, True, interleaved, probs=probs)
+    grad_a = torch.randn(out.shape, device=DEVICE).to(dtype)
+    grad_h, grad_p = act.bias_act_backward(grad_a, h, bias, ends, kind, True, interleaved,
+                                           probs=probs, probs_grad=True)
+    want, want_h, want_p = _want_probs(kind, h, bias, probs, interleaved, grad_a)
+    tol = 1e-5 if dtype == torch.float32 and probs_dtype == torch.float32 else 1e-2
+    assert out.dtype == dtype and rel_err(out, want) < tol and torch.all(out[head:] == 0)
+    assert grad_h.dtype == dtype and rel_err(grad_h, want_h) < tol
+    assert grad_p.dtype == probs_dtype and grad_p.shape == probs.shape
+    assert rel_err(grad_p, want_p) < tol and torch.all(grad_p[head:] == 0)
+    ref = act.bias_act_reference(h, bias, ends, kind, True, interleaved, probs=probs)
+    ref_h, ref_p = act.bias_act_backward_reference(grad_a, h, bias, ends, kind, interleaved,
+                                                   probs=probs, probs_grad=True)
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    assert rel_err(out, ref) < tol and rel_err(grad_h, ref_h) < tol
+    assert rel_err(grad_p, ref_p) < tol
+    # Without probs_grad the same gradient of h, and no probability gradient.
+    again, none = act.bias_act_backward(grad_a, h, bias, ends, kind, True, interleaved,
+                                        probs=probs)
+    assert none is None and torch.equal(again, grad_h)
+
+
+@pytest.mark.parametrize("kind, interleaved", CASES)
+def test_reference_probs_match_float64(kind, interleaved):
+    h, bias, ends, _ = _case(kind, torch.float64, True)
+    probs = torch.rand(h.shape[0], dtype=torch.float64, device=DEVICE)
+    grad_a = torch.randn(h.shape[0], h.shape[1] // (2 if kind in GATED else 1),
+                         dtype=torch.float64, device=DEVICE)
+    want, want_h, want_p = _want_probs(kind, h, bias, probs, interleaved, grad_a)
+    out = act.bias_act_forward(h, bias, ends, kind, True, interleaved, probs=probs)
+    grad_h, grad_p = act.bias_act_backward(grad_a, h, bias, ends, kind, True, interleaved,
+                                           probs=probs, probs_grad=True)
+    assert rel_err(out, want) < 1e-12 and rel_err(grad_h, want_h) < 1e-12
+    assert rel_err(grad_p, want_p) < 1e-12
+
+
+@pytest.mark.parametrize("kind, interleaved", CASES)
+def test_probs_gradcheck_float64(kind, interleaved):
+    """The written-out backward (h, bias and probs), rows past the groups included."""
+    from grouped_linear.ops.activation import bias_activation, check_activation
+
+    torch.manual_seed(5)
+    params = {"alpha": 0.8, "limit": 1.5} if kind == "gpt_oss_swiglu" else {}
+    activation = check_activation(kind, "interleaved" if interleaved else "concatenated",
+                                  params)
+    sizes = (2, 0, 3)
+    h, bias, ends, _ = _case(kind, torch.float64, True, sizes=sizes, tail=2, F=3)
+    with torch.no_grad():  # away from the kinks (finite differences straddle them)
+        rows = torch.tensor([0, 0, 2, 2, 2], device=DEVICE)
+        for kink in {"relu": (0.0,), "gpt_oss_swiglu": (-1.5, 1.5)}.get(kind, ()):
+            h[:5] += ((h[:5] + bias[rows] - kink).abs() < 0.1) * 0.3
+    probs = torch.rand(h.shape[0], dtype=torch.float64, device=DEVICE)
+    inputs = tuple(t.requires_grad_() for t in (h, bias, probs))
+    assert torch.autograd.gradcheck(
+        lambda h, b, p: bias_activation(h, b, ends, activation, True, probs=p), inputs)

@@ -207,13 +207,16 @@ CASES = {
                    "BLOCK_H": layout.SLOT_DOTS_CONFIG[1]}, layout.SLOT_DOTS_CONFIG[2]),
     "slot map": (layout._slot_of_row_kernel, {"map_ptr": "*i64", "slot_ptr": "*i64"},
                  {"BLOCK": 1024}, 4),
-    **{f"bias activation, {order} {way}": (
+    # "weighted": float32 routing probabilities per row (Megatron-Core's), and in backward
+    # their gradient's partial sums.
+    **{f"bias activation, {'weighted ' if probs else ''}{order} {way}": (
         act._bias_act_kernel, {p: "*bf16" for p in ("h_ptr", "bias_ptr", "grad_a_ptr", "out_ptr")}
-        | {"ends_ptr": "*i32"},
+        | {"ends_ptr": "*i32", "probs_ptr": "*fp32", "partials_ptr": "*fp32"},
         {"HAS_BIAS": True, "GATED": True, "INTERLEAVED": order == "interleaved",
          "ACT": act.ACTIVATION_KINDS["gpt_oss_swiglu"], "BACKWARD": way == "backward",
+         "HAS_PROBS": probs, "PROBS_GRAD": probs and way == "backward",
          **dict(zip(("BLOCK_M", "BLOCK_N"), act.ACT_CONFIG[:2])), "BLOCK_G": 32},
-        act.ACT_CONFIG[2]) for order in ("interleaved", "concatenated")
+        act.ACT_CONFIG[2]) for probs in (False, True) for order in ("interleaved", "concatenated")
        for way in ("forward", "backward")},
     "gather rows": (layout._gather_rows_kernel,
                        {"src_ptr": "*bf16", "dst_ptr": "*bf16", "index_ptr": "*i64"},
@@ -226,7 +229,9 @@ PIPELINED = {"fp8 mm blockwise", "fp8 blockwise wgrad", "fp8 group-scaled wgrad"
 VECTOR_LOADS = {"rows", "rows of pieces", "columns scaled", "rows, scale per group", "group amax",
                 "bias activation, interleaved forward", "bias activation, interleaved backward",
                 "bias activation, concatenated forward",
-                "bias activation, concatenated backward"}
+                "bias activation, concatenated backward"} | {
+    f"bias activation, weighted {order} {way}" for order in ("interleaved", "concatenated")
+    for way in ("forward", "backward")}
 
 
 def _compile_gluon(kernel, pointers, constants, num_warps, maxnreg=None):

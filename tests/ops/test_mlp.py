@@ -29,14 +29,23 @@ def _weights(kind, bias, dtype=torch.float32, transposed=False):
     return w1, b1, w2, b2, (w1, w2)
 
 
-def reference(x, w1, b1, w2, b2, sizes, kind, interleaved=False, **params):
-    """Float64, one group at a time, the activation from the formulas of the kernel tests."""
+def reference(x, w1, b1, w2, b2, sizes, kind, interleaved=False, probs=None,
+              probs_on="activation", **params):
+    """Float64, one group at a time, the activation from the formulas of the kernel tests;
+    ``probs`` (``(M,)``) scale the rows of the activation's output or of the input."""
     outs, start = [], 0
     for g, size in enumerate(sizes):
-        h = x[start:start + size] @ w1[g].t()
+        rows = x[start:start + size]
+        p = probs[start:start + size].unsqueeze(1) if probs is not None else None
+        if p is not None and probs_on == "input":
+            rows = p * rows
+        h = rows @ w1[g].t()
         if b1 is not None:
             h = h + b1[g]
-        y = f64(kind, h, interleaved=interleaved, **params) @ w2[g].t()
+        a = f64(kind, h, interleaved=interleaved, **params)
+        if p is not None and probs_on == "activation":
+            a = p * a
+        y = a @ w2[g].t()
         outs.append(y + b2[g] if b2 is not None else y)
         start += size
     return torch.cat(outs)
@@ -172,7 +181,120 @@ def _bad(**changes):
     (_bad(), {"alpha": 1.0}, ValueError, r"alpha=1.0 applies only"),
     (_bad(), {"backend": "loop"}, TypeError, r"'backend'"),
     (_bad(), {"recipe": "fp8"}, ValueError, r"recipe='fp8'"),
+    (_bad(), {"probs": [0.5] * sum(SIZES)}, TypeError, r"probs must be a torch.Tensor"),
+    (_bad(), {"probs": torch.ones(sum(SIZES), dtype=torch.int64)}, TypeError,
+     r"probs has dtype torch.int64"),
+    (_bad(), {"probs": torch.ones(sum(SIZES), dtype=torch.float8_e4m3fn)}, TypeError,
+     r"probs has dtype torch.float8_e4m3fn"),
+    (_bad(), {"probs": torch.ones(sum(SIZES), device="meta")}, ValueError,
+     r"probs is on meta"),
+    (_bad(), {"probs": torch.ones(sum(SIZES) + 1)}, ValueError, r"probs has shape \(9,\)"),
+    (_bad(), {"probs": torch.ones(sum(SIZES), 1)}, ValueError, r"probs has shape \(8, 1\)"),
+    (_bad(x=torch.randn(2, 4, H)), {"probs": torch.ones(4, 2)}, ValueError,
+     r"probs has shape \(4, 2\).*\(8,\) or \(2, 4\)"),
+    (_bad(), {"probs_on": "output"}, ValueError, r"probs_on='output'"),
+    (_bad(), {"probs_on": None, "probs": torch.ones(sum(SIZES))}, ValueError, r"probs_on=None"),
+    (_bad(x=torch.randn(2, 4, H + 1)), {}, ValueError, r"x has 9 features \(shape \(2, 4, 9\)\)"),
 ])
 def test_rejects_bad_input(call, kwargs, error, match):
     with pytest.raises(error, match=match):
         call(**kwargs)
+
+
+# --------------------------------------------------------------------------- routing probs
+@pytest.mark.parametrize("probs_on", ["activation", "input"])
+@pytest.mark.parametrize("kind, interleaved", CASES)
+def test_probs_match_float64_reference(kind, interleaved, probs_on):
+    """Both conventions against the unfused float64 computation (``x * p -> fc1 -> act ->
+    fc2`` and ``act * p``), gradients of ``x``, ``probs``, weights and biases included."""
+    torch.manual_seed(6)
+    w1, b1, w2, b2, leaves = _weights(kind, True)
+    x = torch.randn(sum(SIZES), H, requires_grad=True)
+    probs = torch.rand(sum(SIZES), requires_grad=True)
+    order = "interleaved" if interleaved else "concatenated"
+    y = gl.grouped_mlp(x, w1, b1, w2, b2, SIZES, activation=kind, gate_up_order=order,
+                       probs=probs, probs_on=probs_on)
+    refs = _f64_leaves(x, w1, b1, w2, b2, probs)
+    want = reference(*refs[:5], SIZES, kind, interleaved, probs=refs[5], probs_on=probs_on)
+    assert y.dtype == x.dtype and rel_err(y, want) < 1e-5
+    grad = torch.randn(y.shape, dtype=torch.float64)
+    y.backward(grad.float())
+    want.backward(grad)
+    got = [x.grad, *[p.grad for p in leaves], b1.grad, b2.grad, probs.grad]
+    for name, g, w in zip(["x", "w1", "w2", "b1", "b2", "probs"], got,
+                          [refs[i].grad for i in (0, 1, 3, 2, 4, 5)], strict=True):
+        assert g.shape == w.shape and rel_err(g, w) < 1e-5, name
+    # Scaling the activation or the input are different computations (fc1's bias unscaled).
+    other = "input" if probs_on == "activation" else "activation"
+    assert rel_err(want, reference(*refs[:5], SIZES, kind, interleaved, probs=refs[5],
+                                   probs_on=other)) > 1e-3
+
+
+@pytest.mark.parametrize("probs_on", ["activation", "input"])
+def test_probs_gradcheck_float64(probs_on):
+    torch.manual_seed(7)
+    w1, b1, w2, b2, _ = _weights("swiglu", True, dtype=torch.float64)
+    x = torch.randn(sum(SIZES), H, dtype=torch.float64, requires_grad=True)
+    probs = torch.rand(sum(SIZES), dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(
+        lambda x, p, w1, b1: gl.grouped_mlp(x, w1, b1, w2, b2, SIZES, probs=p,
+                                            probs_on=probs_on), (x, probs, w1, b1))
+
+
+@pytest.mark.parametrize("probs_on", ["activation", "input"])
+@pytest.mark.parametrize("probs_shape", ["flat", "leading"])
+def test_nd_input_is_the_flattened_call(probs_on, probs_shape):
+    """``(2, 4, H)`` rows equal the ``(8, H)`` call, probs given flat or in the leading
+    shape; the gradients come back in the callers' shapes."""
+    torch.manual_seed(8)
+    w1, b1, w2, b2, _ = _weights("geglu", True)
+    x = torch.randn(2, 4, H, requires_grad=True)
+    probs = torch.rand(2, 4, requires_grad=True)
+    x_flat = x.detach().reshape(8, H).requires_grad_()
+    probs_flat = probs.detach().reshape(8).requires_grad_()
+    given = probs if probs_shape == "leading" else probs.reshape(8)
+    y = gl.grouped_mlp(x, w1, b1, w2, b2, SIZES, activation="geglu", probs=given,
+                       probs_on=probs_on)
+    want = gl.grouped_mlp(x_flat, w1, b1, w2, b2, SIZES, activation="geglu", probs=probs_flat,
+                          probs_on=probs_on)
+    assert y.shape == (2, 4, H)
+    torch.testing.assert_close(y.reshape(8, H), want, rtol=0, atol=0)
+    grad = torch.randn(8, H)
+    y.backward(grad.reshape(2, 4, H))
+    want.backward(grad)
+    assert x.grad.shape == x.shape and probs.grad.shape == probs.shape
+    torch.testing.assert_close(x.grad.reshape(8, H), x_flat.grad, rtol=0, atol=0)
+    torch.testing.assert_close(probs.grad.reshape(8), probs_flat.grad, rtol=0, atol=0)
+    plain = gl.grouped_mlp(x.detach().reshape(8, 1, H), w1, b1, w2, b2, SIZES,
+                           activation="geglu")
+    assert plain.shape == (8, 1, H)
+    torch.testing.assert_close(plain.reshape(8, H), gl.grouped_mlp(
+        x_flat.detach(), w1, b1, w2, b2, SIZES, activation="geglu"), rtol=0, atol=0)
+
+
+def test_probs_list_input_bf16_and_compile():
+    """A list input takes probs over its concatenated rows; bf16 rows with float32 probs;
+    ``torch.compile`` (fullgraph) gives eager's output and probability gradient."""
+    torch.manual_seed(9)
+    w1, b1, w2, b2, _ = _weights("swiglu", True, dtype=torch.bfloat16)
+    pieces = [torch.randn(s, H, dtype=torch.bfloat16) for s in SIZES]
+    probs = torch.rand(sum(SIZES))
+    y = gl.grouped_mlp(pieces, w1, b1, w2, b2, None, probs=probs)
+    refs = _f64_leaves(torch.cat(pieces), w1, b1, w2, b2, probs)
+    want = reference(*refs[:5], SIZES, "swiglu", probs=refs[5])
+    assert y.dtype == torch.bfloat16 and rel_err(y, want) < 2e-2
+    torch._dynamo.reset()
+    x = torch.cat(pieces).float()
+    w1, b1, w2, b2 = (t.detach().float() for t in (w1, b1, w2, b2))
+
+    def mlp(x, p, splits):
+        return gl.grouped_mlp(x, w1, b1, w2, b2, splits, probs=p)
+
+    eager_p = probs.clone().requires_grad_()
+    compiled_p = probs.clone().requires_grad_()
+    eager = mlp(x, eager_p, SIZES)
+    compiled = torch.compile(mlp, fullgraph=True)(x, compiled_p, torch.tensor(SIZES))
+    torch.testing.assert_close(compiled, eager, rtol=1e-6, atol=1e-6)
+    eager.sum().backward()
+    compiled.sum().backward()
+    torch.testing.assert_close(compiled_p.grad, eager_p.grad, rtol=1e-6, atol=1e-6)
