@@ -168,8 +168,8 @@ def grouped_mlp(
         gate_up_order: ``"concatenated"`` (gate rows of ``w1`` first, then up) or
             ``"interleaved"`` (gate, up, gate, up, ...: GPT-OSS's layout); gated only.
         probs: ``None`` or one routing probability per row of ``x`` (the permuted rows:
-            e.g. the ``(T, k)`` router probabilities scattered to the rows
-            :func:`~grouped_linear.permute`'s ``row_map`` gives, padding rows 0):
+            e.g. the ``permuted_probs`` :func:`~grouped_linear.permute` returns when given
+            the router's probabilities, padding rows 0):
             ``(M,)``, or ``x``'s leading shape for an N-D ``x``; float16, bfloat16, float32
             or float64 on ``x``'s device. Differentiable.
         probs_on: ``"activation"``: ``y = (probs[:, None] * act(...)) @ w2^T + b2``, fused
