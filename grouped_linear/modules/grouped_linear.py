@@ -56,9 +56,11 @@ class GroupedLinear(nn.Module):
             or an FP8 recipe (:mod:`grouped_linear.recipes`); it wins over ``gl.autocast``.
 
     Shape:
-        - Input: ``(M, in_features)`` or a list of ``G`` tensors ``(m_i, in_features)``;
-          ``m_splits``: ``G`` ints or an integer tensor ``(G,)`` on any device.
-        - Output: ``(M, out_features)``.
+        - Input: ``(..., in_features)`` (``M`` rows: the leading dims flattened, in order)
+          or a list of ``G`` tensors ``(m_i, in_features)``; ``m_splits``: ``G`` ints or an
+          integer tensor ``(G,)`` on any device, counting the ``M`` rows.
+        - Output: ``(..., out_features)``, the input's leading dims (``(M, out_features)``
+          for a list).
     """
 
     def __init__(
@@ -277,6 +279,9 @@ class GroupedLinear(nn.Module):
             bias = params.get("bias") if self.single_grouped_bias else None
             if bias is None:
                 bias = self.grouped_bias()
+        leading = None  # the leading dims of an N-D input, its rows flattened into one
+        if isinstance(x, torch.Tensor) and x.dim() != 2:
+            x, leading = self._flatten_input(x)
         sink = None
         if self.delay_wgrad_compute or self.fuse_wgrad_accumulation:
             sink = self._weight_grad_sink()
@@ -285,11 +290,26 @@ class GroupedLinear(nn.Module):
             weight_cache=self._fp8_weights, is_first_microbatch=is_first_microbatch,
             tp=self._tp_hooks,
         )
+        if leading is not None:
+            out = out.reshape(*leading, out.shape[-1])
         if not return_bias:
             return out
         if not self.use_bias:
             return out, None
         return out, (self.bias if self.single_grouped_bias else self.bias_list())
+
+    def _flatten_input(self, x: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
+        """``x`` ``(..., in)`` as ``(rows, in)`` (a view where its strides allow) and its leading
+        dims; a 0-D or 1-D ``x`` raises, naming it."""
+        K = self.tp.local_features(self.in_features, self.out_features)[0]
+        if x.dim() < 2:
+            raise ValueError(
+                f"x has shape {tuple(x.shape)}: expected (..., {K}), its rows in the leading "
+                "dims (at least one)"
+            )
+        if x.shape[-1] != K:
+            raise ValueError(f"x has {x.shape[-1]} features (shape {tuple(x.shape)}), expected {K}")
+        return x.reshape(-1, K), tuple(x.shape[:-1])
 
     def _weight_grad_sink(self) -> WeightGradSink | None:
         """Where this call's parameter gradients go under ``delay_wgrad_compute`` or
