@@ -132,17 +132,19 @@ class GroupedLinear(nn.Module):
         factory = {"device": device, "dtype": params_dtype or torch.get_default_dtype()}
         G = self.num_gemms
         K, N = self.tp.local_features(self.in_features, self.out_features)
+        # Registered weights before biases, per-expert ones interleaved as TransformerEngine
+        # registers them (weight0, bias0, weight1, bias1, ...): the order of parameters(),
+        # of the state dict and of optimizer states.
         if single_grouped_weight:
             self.weight = nn.Parameter(torch.empty(G, N, K, **factory))
-        else:
-            for i in range(G):
+        expert_biases = self.use_bias and not single_grouped_bias
+        for i in range(G):
+            if not single_grouped_weight:
                 self.register_parameter(f"weight{i}", nn.Parameter(torch.empty(N, K, **factory)))
+            if expert_biases:
+                self.register_parameter(f"bias{i}", nn.Parameter(torch.empty(N, **factory)))
         if self.use_bias and single_grouped_bias:
             self.bias = nn.Parameter(torch.empty(G, N, **factory))
-        elif self.use_bias:
-            self.register_parameter("bias", None)
-            for i in range(G):
-                self.register_parameter(f"bias{i}", nn.Parameter(torch.empty(N, **factory)))
         else:
             self.register_parameter("bias", None)
         self.reset_parameters()
