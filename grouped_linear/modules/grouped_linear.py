@@ -49,7 +49,15 @@ class GroupedLinear(nn.Module):
         delay_wgrad_compute: backward computes only the input gradient;
             :meth:`backward_dw` computes the weight and bias gradients.
         fuse_wgrad_accumulation: add weight gradients into ``param.main_grad``
-            (allocated by the caller) instead of ``.grad``.
+            (allocated by the caller) instead of ``.grad``. Megatron-Core's attributes on
+            a weight parameter (``bool``, read when the forward runs, absent meaning
+            ``False``) are honoured as TransformerEngine does: ``overwrite_main_grad``
+            copies the gradient into ``main_grad`` instead of adding it;
+            ``zero_out_wgrad`` hands autograd a zero weight gradient (``.grad`` zeros);
+            where the parameter carries ``grad_added_to_main_grad`` (Megatron's DDP adds
+            it) the backward sets it ``True`` and hands autograd an uninitialised
+            placeholder, which DDP's hook drops; otherwise autograd gets ``None``
+            (``.grad`` untouched). See :mod:`grouped_linear.ops.weight_grad`.
         backend: ``"auto"``, ``"grouped"`` (torch's grouped GEMM), ``"loop"``
             (one matmul per group) or ``"triton"`` (this library's kernels).
         recipe: ``None`` (the input dtype, or an enclosing ``gl.autocast``'s recipe)
@@ -333,7 +341,8 @@ class GroupedLinear(nn.Module):
         """Compute the weight and bias gradients of every pending backward, oldest first.
 
         Only does work with ``delay_wgrad_compute=True``; gradients accumulate
-        into ``.grad`` (or ``main_grad`` with ``fuse_wgrad_accumulation``). Every pending
+        into ``.grad`` (or ``main_grad`` with ``fuse_wgrad_accumulation``, copied there where
+        the weight's ``overwrite_main_grad`` was set at the forward). Every pending
         entry is checked first (``main_grad`` present, the inputs it reads not changed in place
         since its backward): a call that raises leaves them all pending.
         Not with ``fully_shard`` (FSDP2): it swaps the parameters back to their shards and
