@@ -49,16 +49,26 @@ class GroupedLinear(nn.Module):
         delay_wgrad_compute: backward computes only the input gradient;
             :meth:`backward_dw` computes the weight and bias gradients.
         fuse_wgrad_accumulation: add weight gradients into ``param.main_grad``
-            (allocated by the caller) instead of ``.grad``.
+            (allocated by the caller) instead of ``.grad``. Megatron-Core's attributes on
+            a weight parameter (``bool``, read when the forward runs, absent meaning
+            ``False``) are honoured as TransformerEngine does: ``overwrite_main_grad``
+            copies the gradient into ``main_grad`` instead of adding it;
+            ``zero_out_wgrad`` hands autograd a zero weight gradient (``.grad`` zeros);
+            where the parameter carries ``grad_added_to_main_grad`` (Megatron's DDP adds
+            it) the backward sets it ``True`` and hands autograd an uninitialised
+            placeholder, which DDP's hook drops; otherwise autograd gets ``None``
+            (``.grad`` untouched). See :mod:`grouped_linear.ops.weight_grad`.
         backend: ``"auto"``, ``"grouped"`` (torch's grouped GEMM), ``"loop"``
             (one matmul per group) or ``"triton"`` (this library's kernels).
         recipe: ``None`` (the input dtype, or an enclosing ``gl.autocast``'s recipe)
             or an FP8 recipe (:mod:`grouped_linear.recipes`); it wins over ``gl.autocast``.
 
     Shape:
-        - Input: ``(M, in_features)`` or a list of ``G`` tensors ``(m_i, in_features)``;
-          ``m_splits``: ``G`` ints or an integer tensor ``(G,)`` on any device.
-        - Output: ``(M, out_features)``.
+        - Input: ``(..., in_features)`` (``M`` rows: the leading dims flattened, in order)
+          or a list of ``G`` tensors ``(m_i, in_features)``; ``m_splits``: ``G`` ints or an
+          integer tensor ``(G,)`` on any device, counting the ``M`` rows.
+        - Output: ``(..., out_features)``, the input's leading dims (``(M, out_features)``
+          for a list).
     """
 
     def __init__(
@@ -130,17 +140,19 @@ class GroupedLinear(nn.Module):
         factory = {"device": device, "dtype": params_dtype or torch.get_default_dtype()}
         G = self.num_gemms
         K, N = self.tp.local_features(self.in_features, self.out_features)
+        # Registered weights before biases, per-expert ones interleaved as TransformerEngine
+        # registers them (weight0, bias0, weight1, bias1, ...): the order of parameters(),
+        # of the state dict and of optimizer states.
         if single_grouped_weight:
             self.weight = nn.Parameter(torch.empty(G, N, K, **factory))
-        else:
-            for i in range(G):
+        expert_biases = self.use_bias and not single_grouped_bias
+        for i in range(G):
+            if not single_grouped_weight:
                 self.register_parameter(f"weight{i}", nn.Parameter(torch.empty(N, K, **factory)))
+            if expert_biases:
+                self.register_parameter(f"bias{i}", nn.Parameter(torch.empty(N, **factory)))
         if self.use_bias and single_grouped_bias:
             self.bias = nn.Parameter(torch.empty(G, N, **factory))
-        elif self.use_bias:
-            self.register_parameter("bias", None)
-            for i in range(G):
-                self.register_parameter(f"bias{i}", nn.Parameter(torch.empty(N, **factory)))
         else:
             self.register_parameter("bias", None)
         self.reset_parameters()
@@ -277,6 +289,9 @@ class GroupedLinear(nn.Module):
             bias = params.get("bias") if self.single_grouped_bias else None
             if bias is None:
                 bias = self.grouped_bias()
+        leading = None  # the leading dims of an N-D input, its rows flattened into one
+        if isinstance(x, torch.Tensor) and x.dim() != 2:
+            x, leading = self._flatten_input(x)
         sink = None
         if self.delay_wgrad_compute or self.fuse_wgrad_accumulation:
             sink = self._weight_grad_sink()
@@ -285,11 +300,26 @@ class GroupedLinear(nn.Module):
             weight_cache=self._fp8_weights, is_first_microbatch=is_first_microbatch,
             tp=self._tp_hooks,
         )
+        if leading is not None:
+            out = out.reshape(*leading, out.shape[-1])
         if not return_bias:
             return out
         if not self.use_bias:
             return out, None
         return out, (self.bias if self.single_grouped_bias else self.bias_list())
+
+    def _flatten_input(self, x: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
+        """``x`` ``(..., in)`` as ``(rows, in)`` (a view where its strides allow) and its leading
+        dims; a 0-D or 1-D ``x`` raises, naming it."""
+        K = self.tp.local_features(self.in_features, self.out_features)[0]
+        if x.dim() < 2:
+            raise ValueError(
+                f"x has shape {tuple(x.shape)}: expected (..., {K}), its rows in the leading "
+                "dims (at least one)"
+            )
+        if x.shape[-1] != K:
+            raise ValueError(f"x has {x.shape[-1]} features (shape {tuple(x.shape)}), expected {K}")
+        return x.reshape(-1, K), tuple(x.shape[:-1])
 
     def _weight_grad_sink(self) -> WeightGradSink | None:
         """Where this call's parameter gradients go under ``delay_wgrad_compute`` or
@@ -311,7 +341,8 @@ class GroupedLinear(nn.Module):
         """Compute the weight and bias gradients of every pending backward, oldest first.
 
         Only does work with ``delay_wgrad_compute=True``; gradients accumulate
-        into ``.grad`` (or ``main_grad`` with ``fuse_wgrad_accumulation``). Every pending
+        into ``.grad`` (or ``main_grad`` with ``fuse_wgrad_accumulation``, copied there where
+        the weight's ``overwrite_main_grad`` was set at the forward). Every pending
         entry is checked first (``main_grad`` present, the inputs it reads not changed in place
         since its backward): a call that raises leaves them all pending.
         Not with ``fully_shard`` (FSDP2): it swaps the parameters back to their shards and

@@ -6,6 +6,23 @@ use ``delay_wgrad_compute`` (gradients computed later, in ``backward_dw``) or
 Megatron-Core expects). The functional form uses none and gets its gradients from autograd
 as usual.
 
+With ``main_grad`` fusion three attributes the caller (Megatron-Core's DDP) sets on a weight
+parameter are honoured as TransformerEngine honours them, each read with ``getattr(param,
+name, False)`` when the forward runs and required to be a ``bool``:
+
+* ``overwrite_main_grad``: the weight gradient is copied into ``main_grad`` instead of added
+  (each per-expert weight by its own attribute; with ``delay_wgrad_compute``, when
+  ``backward_dw`` computes it);
+* ``zero_out_wgrad``: autograd receives a zero tensor for the weight, so ``.grad`` holds
+  zeros (with per-expert weights: zeros for all of them where any asks);
+* ``grad_added_to_main_grad``: where the parameter carries it (Megatron-Core's DDP adds it),
+  the backward sets it to ``True`` and, without ``zero_out_wgrad``, autograd receives an
+  uninitialised placeholder of the weight's shape, as TransformerEngine's ``get_dummy_wgrad``
+  hands it: DDP's hook on the gradient accumulator finds a ``.grad`` (it asserts one under
+  ``overlap_grad_reduce``), skips it because of the flag and drops it. Parameters without the
+  attribute get ``None``: ``.grad`` is left as it was (the accumulator node still runs, with
+  its hooks). Per-expert weights of which only some carry it get zeros.
+
 The sink writes only what the running backward pass asks for: an input-only pass
 (``torch.autograd.grad(y, x)``, ``y.backward(inputs=[x])``) leaves the parameters alone, and
 ``torch.autograd.grad`` over a parameter gets that gradient back from autograd. A weight
@@ -22,7 +39,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch.autograd.graph import get_gradient_edge
 
-__all__ = ["WeightGradSink", "check_main_grad", "route_weight_grads"]
+__all__ = ["WeightGradSink", "check_main_grad", "main_grad_flags", "route_weight_grads"]
 
 GradPair = tuple[torch.Tensor | None, torch.Tensor | None]
 # ``compute(want_weight, want_bias, weight_dtype)``: the gradients asked for, the weight's in
@@ -56,6 +73,19 @@ def check_main_grad(params: Sequence[torch.nn.Parameter], names: Sequence[str]) 
                 f"{name}.main_grad overlaps itself in memory (strides {main_grad.stride()}, "
                 "e.g. an expanded tensor): gradients are added into it in place"
             )
+
+
+def main_grad_flags(params: Sequence[torch.nn.Parameter], names: Sequence[str],
+                    flag: str) -> list[bool]:
+    """``getattr(param, flag, False)`` of each parameter; ``TypeError`` naming the first one
+    whose attribute is not a ``bool``."""
+    values = []
+    for param, name in zip(params, names):
+        value = getattr(param, flag, False)
+        if not isinstance(value, bool):
+            raise TypeError(f"{name}.{flag} must be a bool, got {value!r}")
+        values.append(value)
+    return values
 
 
 def _accumulate_grad(param: torch.Tensor, grad: torch.Tensor) -> None:
@@ -102,7 +132,8 @@ class WeightGradSink:
         biases: likewise ``[bias]`` ``(G, N)`` or ``G`` parameters ``(N,)``, or ``None``.
         weight_names: names for error messages, parallel to ``weights``.
         delay: defer both gradients to :meth:`flush` (``backward_dw``).
-        fuse_main_grad: add weight gradients into ``param.main_grad``.
+        fuse_main_grad: add weight gradients into ``param.main_grad`` (or copy them where
+            ``param.overwrite_main_grad``; see the module docstring for the attributes read).
         queue: the layer's queue of deferred gradients.
     """
 
@@ -122,6 +153,18 @@ class WeightGradSink:
         self.delay = delay
         self.fuse_main_grad = fuse_main_grad
         self.queue = queue
+        self.overwrite = [False] * len(self.weights)
+        self.flagged: list[torch.nn.Parameter] = []  # those carrying grad_added_to_main_grad
+        self.placeholder = None  # what autograd receives for a weight fused into main_grad
+        if fuse_main_grad:
+            names = self.weight_names
+            self.overwrite = main_grad_flags(self.weights, names, "overwrite_main_grad")
+            zero_out = main_grad_flags(self.weights, names, "zero_out_wgrad")
+            self.flagged = [w for w in self.weights if hasattr(w, "grad_added_to_main_grad")]
+            if any(zero_out) or 0 < len(self.flagged) < len(self.weights):
+                self.placeholder = "zeros"
+            elif self.flagged:
+                self.placeholder = "empty"
 
     def weight_grad_dtype(self) -> torch.dtype | None:
         """The dtype the weight gradient is computed in: ``main_grad``'s when fused into it
@@ -138,12 +181,28 @@ class WeightGradSink:
         pieces = self._pieces(self.weights, grad_w)
         if self.fuse_main_grad:
             check_main_grad(self.weights, self.weight_names)
-            for param, piece in zip(self.weights, pieces):
-                param.main_grad.add_(piece)
-                param.grad_added_to_main_grad = True
+            for param, piece, overwrite in zip(self.weights, pieces, self.overwrite):
+                if overwrite:
+                    param.main_grad.copy_(piece)
+                else:
+                    param.main_grad.add_(piece)
         else:
             for param, piece in zip(self.weights, pieces):
                 _accumulate_grad(param, piece)
+
+    def fused_weight_grad(self) -> torch.Tensor | None:
+        """What autograd receives for the weight when its gradient goes into ``main_grad``
+        (now, or in ``backward_dw``): zeros, an uninitialised placeholder or ``None``, of the
+        ``(G, N, K)`` weight the autograd function took; marks ``grad_added_to_main_grad``
+        where the parameters carry it."""
+        for param in self.flagged:
+            param.grad_added_to_main_grad = True
+        if self.placeholder is None:
+            return None
+        first = self.weights[0]
+        shape = first.shape if first.dim() == 3 else (len(self.weights), *first.shape)
+        make = torch.zeros if self.placeholder == "zeros" else torch.empty
+        return make(shape, dtype=first.dtype, device=first.device)
 
     @torch.no_grad()
     def accept_bias_grad(self, grad_b: torch.Tensor) -> None:
@@ -186,9 +245,10 @@ def route_weight_grads(sink: WeightGradSink | None, need_w: bool, need_b: bool,
 
     No sink: compute what is needed now and hand it to autograd. With a sink, only what the
     running backward pass reaches: delayed, queued for ``backward_dw`` (returned as
-    ``None``); ``main_grad`` fusion, the weight gradient added into ``main_grad`` now in its
-    dtype and the bias gradient returned. Gradients ``torch.autograd.grad`` asks for go back
-    to autograd either way.
+    ``None``); ``main_grad`` fusion, the weight gradient added into (or copied to)
+    ``main_grad`` now in its dtype and the bias gradient returned. A weight gradient bound for
+    ``main_grad``, now or later, returns :meth:`WeightGradSink.fused_weight_grad`. Gradients
+    ``torch.autograd.grad`` asks for go back to autograd either way.
     """
     if not (need_w or need_b):
         return None, None
@@ -209,8 +269,12 @@ def route_weight_grads(sink: WeightGradSink | None, need_w: bool, need_b: bool,
         if later_w or later_b:
             sink.defer(lambda: compute(later_w, later_b,
                                        sink.weight_grad_dtype() if later_w else None), reads)
+        grad_w, grad_b = compute(now_w, now_b, None) if now_w or now_b else (None, None)
     elif later_w:  # fused into main_grad now
         grad_w, grad_b = compute(True, now_b, sink.weight_grad_dtype())
         sink.accept_weight_grad(grad_w)
-        return None, grad_b
-    return compute(now_w, now_b, None) if now_w or now_b else (None, None)
+    else:
+        return compute(now_w, now_b, None) if now_w or now_b else (None, None)
+    if later_w and sink.fuse_main_grad:
+        grad_w = sink.fused_weight_grad()
+    return grad_w, grad_b

@@ -55,12 +55,14 @@ def layer():
         ((6, K), "2,2,2", TypeError, r"m_splits is str"),
         ((6, K), None, ValueError, r"m_splits is required"),
         ((6, K + 1), [2, 2, 2], ValueError, r"x has 9 features \(shape \(6, 9\)\), expected 8"),
-        ((6, K, 1), [2, 2, 2], ValueError, r"x has shape \(6, 8, 1\)"),
+        ((6, K, 1), [2, 2, 2], ValueError, r"x has 1 features \(shape \(6, 8, 1\)\), expected 8"),
+        ((), [2, 2, 2], ValueError, r"x has shape \(\): expected \(\.\.\., 8\)"),
+        ((6 * K,), [2, 2, 2], ValueError, r"x has shape \(48,\): expected \(\.\.\., 8\)"),
     ],
 )
 def test_forward_errors(layer, x_shape, m_splits, error, pattern):
     with pytest.raises(error, match=pattern):
-        layer(torch.randn(*x_shape), m_splits)
+        layer(torch.randn(x_shape), m_splits)
 
 
 def test_dtype_and_device_mismatch(layer):

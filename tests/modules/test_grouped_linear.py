@@ -116,6 +116,48 @@ def test_state_dict_cross_load(src_single):
     assert torch.equal(src(x, SIZES), dst(x, SIZES))
 
 
+def _expected_order(single_weight, single_bias, bias):
+    """Weights before biases; per-expert ones interleaved expert by expert."""
+    weights = ["weight"] if single_weight else [f"weight{i}" for i in range(G)]
+    biases = (["bias"] if single_bias else [f"bias{i}" for i in range(G)]) if bias else []
+    if single_weight or single_bias or not bias:
+        return weights + biases
+    return [name for pair in zip(weights, biases) for name in pair]
+
+
+LAYOUTS = [(w, b) for w in (True, False) for b in (True, False)]
+
+
+@pytest.mark.parametrize("single_weight, single_bias", LAYOUTS)
+@pytest.mark.parametrize("bias", [True, False])
+def test_registration_order(single_weight, single_bias, bias):
+    layer = _layer(single_grouped_weight=single_weight, single_grouped_bias=single_bias,
+                   bias=bias)
+    want = _expected_order(single_weight, single_bias, bias)
+    assert [name for name, _ in layer.named_parameters()] == want
+    assert list(layer.state_dict()) == want
+    if not (single_weight or single_bias or not bias):
+        assert want[:4] == ["weight0", "bias0", "weight1", "bias1"]
+
+
+@pytest.mark.parametrize("src_layout", LAYOUTS)
+@pytest.mark.parametrize("dst_layout", LAYOUTS)
+def test_state_dict_loads_across_every_layout(src_layout, dst_layout):
+    torch.manual_seed(5)
+    src = gl.GroupedLinear(G, K, N, params_dtype=torch.float64,
+                           single_grouped_weight=src_layout[0], single_grouped_bias=src_layout[1])
+    dst = _layer(single_grouped_weight=dst_layout[0], single_grouped_bias=dst_layout[1])
+    state = src.state_dict()
+    # Any key order loads: the weights-then-biases order of earlier versions as well.
+    state = {key: state[key] for key in sorted(state, key=lambda k: not k.startswith("weight"))}
+    result = dst.load_state_dict(state)
+    assert not result.missing_keys and not result.unexpected_keys
+    assert torch.equal(dst.grouped_weight(), src.grouped_weight())
+    assert torch.equal(dst.grouped_bias(), src.grouped_bias())
+    x = torch.randn(sum(SIZES), K, dtype=torch.float64)
+    assert torch.equal(src(x, SIZES), dst(x, SIZES))
+
+
 def test_state_dict_cross_load_nested_prefix():
     src = torch.nn.Sequential(_layer(single_grouped_weight=False, single_grouped_bias=False))
     dst = torch.nn.Sequential(gl.GroupedLinear(G, K, N, params_dtype=torch.float64))
@@ -190,7 +232,8 @@ def test_fused_main_grad_accumulation(single, delay):
     ref = reference_grads(x, w, b, SIZES, g)
     main = weights[0].main_grad if single else torch.stack([p.main_grad for p in weights])
     assert rel_err(main - 0.5, ref[2]) < 1e-12
-    assert all(p.grad is None and p.grad_added_to_main_grad for p in weights)
+    # Plain parameters: .grad untouched, no attribute added (Megatron-style ones carry it).
+    assert all(p.grad is None and not hasattr(p, "grad_added_to_main_grad") for p in weights)
     assert rel_err(layer.bias.grad, ref[3]) < 1e-12
 
 

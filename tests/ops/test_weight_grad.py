@@ -233,3 +233,152 @@ def test_an_overlapping_main_grad_is_rejected_before_anything_runs():
     with pytest.raises(ValueError, match=r"weight\.main_grad overlaps"):
         layer(torch.randn(M, K, dtype=torch.float64), SIZES)
     assert _same_snapshot(before, _params_snapshot(layer))
+
+
+# ------------------------------------------------ Megatron-Core's attributes on the weights
+def _two_steps(layer, dtype, device, recipe_tol=None):
+    """Two forward+backward passes (``backward_dw`` after both); their float64 references."""
+    w, b = layer.grouped_weight().detach(), layer.grouped_bias().detach()
+    refs = []
+    for _ in range(2):
+        x = torch.randn(M, K, device=device).to(dtype)
+        g = torch.randn(M, N, device=device).to(dtype)
+        layer(x, SIZES).backward(g)
+        refs.append(reference_grads(x, w, b, SIZES, g))
+    layer.backward_dw()
+    return refs
+
+
+@pytest.mark.parametrize("backend", BACKENDS + ["fp8"])
+@pytest.mark.parametrize("single", [True, False])
+@pytest.mark.parametrize("delay", [False, True])
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_overwrite_main_grad_keeps_only_the_last_gradient(backend, single, delay, overwrite):
+    fp8 = backend == "fp8"
+    dtype = torch.bfloat16 if fp8 else _dtype(backend)
+    layer = (gl.GroupedLinear(G, K, N, params_dtype=dtype, recipe=Float8Rowwise(),
+                              single_grouped_weight=single, delay_wgrad_compute=delay,
+                              fuse_wgrad_accumulation=True) if fp8 else
+             _layer(backend, single_grouped_weight=single, delay_wgrad_compute=delay,
+                    fuse_wgrad_accumulation=True))
+    device = "cpu" if fp8 else _device(backend)
+    main_dtype = torch.float32 if fp8 else dtype
+    start = torch.randn(G, N, K, dtype=main_dtype, device=device)
+    for p, piece in zip(_weights(layer), start if not single else [start]):
+        p.main_grad = piece.clone().reshape(p.shape)
+        p.overwrite_main_grad = overwrite
+    refs = _two_steps(layer, dtype, device)
+    want = refs[1][2] if overwrite else start.double().cpu() + refs[0][2] + refs[1][2]
+    tol = 6e-2 if fp8 else _tol(backend)
+    assert rel_err(_main_grad(layer), want) < tol
+    assert all(p.grad is None for p in _weights(layer))
+    assert rel_err(layer.bias.grad, refs[0][3] + refs[1][3]) < tol  # the bias accumulates
+
+
+@pytest.mark.parametrize("delay", [False, True])
+def test_each_expert_weight_follows_its_own_overwrite_main_grad(delay):
+    layer = _layer(single_grouped_weight=False, delay_wgrad_compute=delay,
+                   fuse_wgrad_accumulation=True)
+    _give_main_grads(layer, torch.float64)
+    _weights(layer)[2].overwrite_main_grad = True
+    refs = _two_steps(layer, torch.float64, "cpu")
+    total = refs[0][2] + refs[1][2]
+    for i, p in enumerate(_weights(layer)):
+        assert rel_err(p.main_grad, refs[1][2][i] if i == 2 else total[i]) < 1e-12
+
+
+def _record_autograd_grads(weights):
+    """What autograd hands each weight (tensor hooks see it before it is accumulated)."""
+    seen = {i: [] for i in range(len(weights))}
+    for i, p in enumerate(weights):
+        p.register_hook(lambda grad, i=i: seen[i].append(None if grad is None else grad.clone()))
+    return seen
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("single", [True, False])
+@pytest.mark.parametrize("delay", [False, True])
+def test_zero_out_wgrad_hands_autograd_zeros(backend, single, delay):
+    layer = _layer(backend, single_grouped_weight=single, delay_wgrad_compute=delay,
+                   fuse_wgrad_accumulation=True)
+    _give_main_grads(layer, _dtype(backend))
+    for p in _weights(layer):
+        p.zero_out_wgrad = True
+    seen = _record_autograd_grads(_weights(layer))
+    refs = _two_steps(layer, _dtype(backend), _device(backend))
+    for i, p in enumerate(_weights(layer)):
+        assert len(seen[i]) == 2
+        assert all(g.shape == p.shape and g.dtype == p.dtype and not g.any() for g in seen[i])
+        assert p.grad is not None and p.grad.shape == p.shape and not p.grad.any()
+        assert not hasattr(p, "grad_added_to_main_grad")
+    assert rel_err(_main_grad(layer), refs[0][2] + refs[1][2]) < _tol(backend)
+
+
+@pytest.mark.parametrize("single", [True, False])
+def test_without_the_attributes_autograd_gets_no_weight_gradient(single):
+    layer = _layer(single_grouped_weight=single, fuse_wgrad_accumulation=True)
+    _give_main_grads(layer, torch.float64)
+    seen = _record_autograd_grads(_weights(layer))
+    refs = _two_steps(layer, torch.float64, "cpu")
+    assert all(grads in ([], [None, None]) for grads in seen.values())
+    assert all(p.grad is None for p in _weights(layer))
+    assert rel_err(_main_grad(layer), refs[0][2] + refs[1][2]) < 1e-12
+
+
+def _megatron_ddp_hooks(weights, calls, accumulators):
+    """Megatron-Core DDP's hook on each weight's gradient accumulator (overlap_grad_reduce):
+    a ``.grad`` must be there; it is added into ``main_grad`` unless the layer already wrote
+    there (or zero_out_wgrad asks), then dropped."""
+    for p in weights:
+        p.grad_added_to_main_grad = False
+
+        def hook(*_, p=p):
+            assert p.grad is not None
+            calls.append((p.grad.shape, p.grad.dtype, p.grad_added_to_main_grad))
+            if not p.grad_added_to_main_grad or getattr(p, "zero_out_wgrad", False):
+                p.main_grad.add_(p.grad)
+            p.grad = None
+        accumulator = p.expand_as(p).grad_fn.next_functions[0][0]
+        accumulator.register_hook(hook)
+        accumulators.append(accumulator)  # kept alive, as DDP keeps them
+
+
+@pytest.mark.parametrize("single", [True, False])
+@pytest.mark.parametrize("delay", [False, True])
+@pytest.mark.parametrize("zero_out", [False, True])
+def test_megatron_ddp_hooks_find_a_placeholder_and_skip_it(single, delay, zero_out):
+    layer = _layer(single_grouped_weight=single, delay_wgrad_compute=delay,
+                   fuse_wgrad_accumulation=True)
+    _give_main_grads(layer, torch.float64)
+    calls, accumulators = [], []
+    _megatron_ddp_hooks(_weights(layer), calls, accumulators)
+    for p in _weights(layer):
+        p.zero_out_wgrad = zero_out
+    refs = _two_steps(layer, torch.float64, "cpu")
+    assert calls == [(p.shape, p.dtype, True) for _ in range(2) for p in _weights(layer)]
+    assert all(p.grad_added_to_main_grad and p.grad is None for p in _weights(layer))
+    assert rel_err(_main_grad(layer), refs[0][2] + refs[1][2]) < 1e-12
+
+
+def test_experts_of_which_only_some_carry_the_flag_get_zeros():
+    layer = _layer(single_grouped_weight=False, fuse_wgrad_accumulation=True)
+    _give_main_grads(layer, torch.float64)
+    _weights(layer)[0].grad_added_to_main_grad = False
+    _two_steps(layer, torch.float64, "cpu")
+    assert _weights(layer)[0].grad_added_to_main_grad
+    assert not any(hasattr(p, "grad_added_to_main_grad") for p in _weights(layer)[1:])
+    assert all(p.grad is not None and not p.grad.any() for p in _weights(layer))
+
+
+@pytest.mark.parametrize("flag", ["overwrite_main_grad", "zero_out_wgrad"])
+@pytest.mark.parametrize("single", [True, False])
+def test_a_flag_that_is_not_a_bool_is_rejected_before_anything_runs(flag, single):
+    layer = _layer(single_grouped_weight=single, delay_wgrad_compute=True,
+                   fuse_wgrad_accumulation=True)
+    _give_main_grads(layer, torch.float64)
+    setattr(_weights(layer)[-1], flag, 1)
+    name = "weight" if single else f"weight{G - 1}"
+    before = _params_snapshot(layer)
+    with pytest.raises(TypeError, match=rf"{name}\.{flag} must be a bool, got 1"):
+        layer(torch.randn(M, K, dtype=torch.float64), SIZES)
+    assert _same_snapshot(before, _params_snapshot(layer)) and not layer._pending_wgrads
