@@ -8,11 +8,17 @@ from collections.abc import Iterable
 
 import torch
 
-__all__ = ["MAX_ROWS", "DEVICE_TYPES", "check_int", "check_matrix", "check_operands",
+__all__ = ["MAX_ROWS", "DEVICE_TYPES", "check_int", "host_checks", "check_matrix", "check_operands",
            "check_tensor", "describe", "is_bool"]
 
 # The most rows a tensor dimension (and an int64 row index or cumulative sum) can hold.
 MAX_ROWS = 2**63 - 1
+
+
+def host_checks() -> bool:
+    """Whether checks that read tensor values on the host run: not while ``torch.compile``
+    traces (the kernels then treat out-of-range entries as dropped instead)."""
+    return not torch.compiler.is_compiling()
 
 
 def is_bool(value: object) -> bool:

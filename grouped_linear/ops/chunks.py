@@ -14,7 +14,13 @@ from collections.abc import Sequence
 import torch
 
 from grouped_linear.kernels.routing import rows as row_kernels
-from grouped_linear.ops.checks import check_matrix, check_operands, check_tensor, is_bool
+from grouped_linear.ops.checks import (
+    check_matrix,
+    check_operands,
+    check_tensor,
+    host_checks,
+    is_bool,
+)
 from grouped_linear.ops.permutation import TRACEABLE
 from grouped_linear.ops.splits import (
     SPLIT_DTYPES,
@@ -140,10 +146,6 @@ def _on_device(values: Chunks, host_values: list[int] | None,
     return torch.tensor(host_values, dtype=torch.int64).to(device, non_blocking=True)
 
 
-def _host_checks() -> bool:
-    """Whether values of host tensors are read: not while torch.compile traces."""
-    return not torch.compiler.is_compiling()
-
 
 def sort_chunks_by_index(
     x: torch.Tensor,
@@ -199,13 +201,13 @@ def sort_chunks_by_index(
     host_sizes = host_index = None
     if isinstance(split_sizes, (list, tuple)):
         host_sizes = host_split_sizes(split_sizes, "split_sizes")
-    elif _host_checks() and (split_sizes.device.type == "cpu" or debug_checks_enabled()):
+    elif host_checks() and (split_sizes.device.type == "cpu" or debug_checks_enabled()):
         host_sizes = host_split_sizes(split_sizes.tolist(), "split_sizes")
     if host_sizes is not None:
         _check_sizes(host_sizes, num_rows)
     if isinstance(sorted_index, (list, tuple)):
         host_index = _index_values(sorted_index)
-    elif _host_checks() and (sorted_index.device.type == "cpu" or debug_checks_enabled()):
+    elif host_checks() and (sorted_index.device.type == "cpu" or debug_checks_enabled()):
         host_index = sorted_index.tolist()
     if host_index is not None:
         _check_permutation(host_index)

@@ -17,7 +17,7 @@ import torch
 from grouped_linear.kernels.routing import routing_map as routing
 from grouped_linear.kernels.routing import rows as row_kernels
 from grouped_linear.ops import routing_inputs as inputs
-from grouped_linear.ops.checks import MAX_ROWS, check_int, check_matrix
+from grouped_linear.ops.checks import MAX_ROWS, check_int, check_matrix, host_checks
 from grouped_linear.ops.splits import SPLIT_DTYPES, debug_checks_enabled
 
 __all__ = ["permute", "unpermute"]
@@ -111,11 +111,6 @@ def _check_integer_matrix(t: object, name: str) -> torch.Tensor:
         raise ValueError(f"{name} has shape {tuple(t.shape)}: expected a 2-D tensor (T, k)")
     return t
 
-
-def _host_checks() -> bool:
-    """Whether the checks that read index values on the host run: not while torch.compile
-    traces (the kernels treat out-of-range entries as dropped slots instead)."""
-    return not torch.compiler.is_compiling()
 
 
 def _check_range(values: torch.Tensor, high: int, name: str, allowed: str) -> None:
@@ -226,8 +221,8 @@ def permute(
             f"multiple is {multiple}: padding the groups of {num_experts} experts to it may take "
             f"up to {num_rows} rows, more than a tensor holds ({MAX_ROWS})"
         )
-    exact = x.device.type == "cpu" and _host_checks()
-    if not is_map and _host_checks() and (exact or debug_checks_enabled()):
+    exact = x.device.type == "cpu" and host_checks()
+    if not is_map and host_checks() and (exact or debug_checks_enabled()):
         _check_range(
             topk_indices.view(tokens, k),
             num_experts,
@@ -333,7 +328,7 @@ def unpermute(
                 "of (T, k) index routing need topk_indices to be gathered)"
             )
     num_rows = y_perm.shape[0]
-    if _host_checks() and (y_perm.device.type == "cpu" or debug_checks_enabled()):
+    if host_checks() and (y_perm.device.type == "cpu" or debug_checks_enabled()):
         _check_range(
             row_map,
             num_rows,
