@@ -62,6 +62,8 @@ class GroupedLinear(nn.Module):
             (one matmul per group) or ``"triton"`` (this library's kernels).
         recipe: ``None`` (the input dtype, or an enclosing ``gl.autocast``'s recipe)
             or an FP8 recipe (:mod:`grouped_linear.recipes`); it wins over ``gl.autocast``.
+        save_original_input: with an FP8 recipe, backward keeps the input and quantizes it
+            again instead of keeping its FP8 copy (as TransformerEngine's flag).
 
     Shape:
         - Input: ``(..., in_features)`` (``M`` rows: the leading dims flattened, in order)
@@ -88,6 +90,7 @@ class GroupedLinear(nn.Module):
         fuse_wgrad_accumulation: bool = False,
         backend: str = "auto",
         recipe: object | None = None,
+        save_original_input: bool = False,
         parallel_mode: str | None = None,
         tp_size: int = 1,
         tp_group: object | None = None,
@@ -100,7 +103,8 @@ class GroupedLinear(nn.Module):
                  "single_grouped_weight": single_grouped_weight,
                  "single_grouped_bias": single_grouped_bias,
                  "delay_wgrad_compute": delay_wgrad_compute,
-                 "fuse_wgrad_accumulation": fuse_wgrad_accumulation, "reduce_output": reduce_output}
+                 "fuse_wgrad_accumulation": fuse_wgrad_accumulation, "reduce_output": reduce_output,
+                 "save_original_input": save_original_input}
         for name, value in flags.items():
             if not isinstance(value, bool):
                 raise TypeError(f"{name} must be a bool, got {value!r}")
@@ -132,6 +136,7 @@ class GroupedLinear(nn.Module):
         self.fuse_wgrad_accumulation = fuse_wgrad_accumulation
         self.backend = backend
         self.recipe = recipe
+        self.save_original_input = save_original_input
         self._pending_wgrads: deque = deque()
         self._fp8_weights = Fp8WeightCache()
         # What the op needs of tensor parallelism: nothing on one rank.
@@ -298,7 +303,7 @@ class GroupedLinear(nn.Module):
         out = apply_grouped_linear(
             x, weight, bias, m_splits, backend=self.backend, recipe=self.recipe, sink=sink,
             weight_cache=self._fp8_weights, is_first_microbatch=is_first_microbatch,
-            tp=self._tp_hooks,
+            tp=self._tp_hooks, save_original_input=self.save_original_input,
         )
         if leading is not None:
             out = out.reshape(*leading, out.shape[-1])

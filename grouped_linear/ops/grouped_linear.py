@@ -66,6 +66,7 @@ def apply_grouped_linear(
     weight_cache: Fp8WeightCache | None = None,
     is_first_microbatch: bool | None = None,
     tp: TensorParallelHooks | None = None,
+    save_original_input: bool = False,
 ) -> torch.Tensor:
     """:func:`grouped_linear` with what a module adds: ``sink`` (its gradient routing),
     ``weight_cache`` with ``is_first_microbatch`` (its FP8 weight across microbatches:
@@ -76,6 +77,8 @@ def apply_grouped_linear(
     """
     if is_first_microbatch is not None and is_first_microbatch.__class__ is not bool:
         raise TypeError(f"is_first_microbatch must be None or a bool, got {is_first_microbatch!r}")
+    if save_original_input.__class__ is not bool:
+        raise TypeError(f"save_original_input must be a bool, got {save_original_input!r}")
     if recipe is None:
         recipe = current_recipe()
     if recipe is None and sink is None and tp is None:
@@ -142,8 +145,8 @@ def apply_grouped_linear(
         cached = None
         if weight_cache is not None and is_first_microbatch is not None:
             cached = weight_cache.get(weight, recipe, route, refresh=is_first_microbatch)
-        out = _fp8(route, x, pieces, weight, bias, splits, Fp8Config(recipe, splits.may_have_tail,
-                                                                     sink), cached)
+        config = Fp8Config(recipe, splits.may_have_tail, sink, save_original_input)
+        out = _fp8(route, x, pieces, weight, bias, splits, config, cached)
     if tp is not None:
         out = tp.leave(out)
     if bias_after is not None:
@@ -266,6 +269,7 @@ def grouped_linear(
     *,
     recipe: object | None = None,
     backend: str = "auto",
+    save_original_input: bool = False,
 ) -> torch.Tensor:
     """Grouped linear map: ``y[rows of g] = x[rows of g] @ weight[g]^T + bias[g]``.
 
@@ -282,8 +286,12 @@ def grouped_linear(
         backend: ``"auto"``, ``"grouped"``, ``"loop"`` or ``"triton"``, for
             high-precision compute (FP8 recipes choose their GEMMs by device and dtype:
             :func:`~grouped_linear.ops.dispatch.fp8_route`).
+        save_original_input: with an FP8 recipe, backward keeps ``x`` as given and
+            quantizes it again for the weight gradient, instead of keeping its FP8 copy
+            (TransformerEngine's flag of that name; no effect without a recipe).
 
     Returns:
         ``(M, out)`` tensor.
     """
-    return apply_grouped_linear(x, weight, bias, m_splits, backend=backend, recipe=recipe)
+    return apply_grouped_linear(x, weight, bias, m_splits, backend=backend, recipe=recipe,
+                                save_original_input=save_original_input)

@@ -247,3 +247,46 @@ def test_list_input_is_quantized_piece_by_piece(recipe, monkeypatch):
     ref = reference_grads(x, w, b, SIZES, grad_out)
     for got, want in zip(results[1], ref, strict=True):
         assert rel_err(got, want) < _tolerance(recipe)
+
+
+def _saved_by(fn):
+    """The tensors autograd saves while ``fn()`` runs, and ``fn``'s result."""
+    saved = []
+
+    def pack(t):
+        saved.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return saved, out
+
+
+@pytest.mark.parametrize("recipe", DEVICE_RECIPES)
+def test_save_original_input_keeps_x_and_no_fp8_copy_of_it(recipe):
+    """``save_original_input=True``: backward keeps ``x`` itself (no FP8 copy of its rows);
+    the output is the default's bit for bit, the input gradient too (the dgrad does not
+    read x), and the weight gradient within the FP8 bound of float64."""
+    torch.manual_seed(8)
+    sizes = [300, 0, 200, 57]
+    M = sum(sizes)
+    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = (torch.randn(len(sizes), N, K, device="cuda") / 16).to(torch.bfloat16).requires_grad_()
+    splits = torch.tensor(sizes, device="cuda")
+    grad_out = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
+    results = {}
+    for keep in (False, True):
+        saved, y = _saved_by(lambda keep=keep: gl.grouped_linear(
+            x, w, None, splits, recipe=recipe, save_original_input=keep))
+        x.grad = w.grad = None
+        y.backward(grad_out)
+        fp8_rows = [t for t in saved if t.dtype.itemsize == 1 and t.shape[-1] in (K, M)
+                    and t.numel() >= M * K]
+        keeps_x = any(t.data_ptr() == x.data_ptr() and t.shape == x.shape
+                      and t.dtype == x.dtype for t in saved)
+        results[keep] = (y.detach(), x.grad, w.grad, keeps_x, fp8_rows)
+    assert results[True][3] and not results[True][4]
+    assert torch.equal(results[True][0], results[False][0])
+    assert torch.equal(results[True][1], results[False][1])
+    want = reference_grads(x, w, None, sizes, grad_out)[2]
+    assert rel_err(results[True][2], want) < _tolerance(recipe)

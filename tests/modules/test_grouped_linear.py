@@ -293,3 +293,29 @@ def test_triton_backward_in_one_launch_or_deferred_gives_the_same_gradients(bias
     ref = reference_grads(x, layers[0].weight, layers[0].bias, SIZES, grad_out)
     for got, want in zip(grads[0], ref[1:], strict=False):
         assert rel_err(got, want) < 1e-5
+
+
+def test_save_original_input_reaches_the_layers_and_keeps_the_emulated_numerics():
+    """``save_original_input`` is a bool kept on the layer (and on GroupedMLP's fc1 and fc2);
+    on CPU (the FP8 emulation keeps ``x`` anyway) the step is the default's bit for bit; a
+    non-bool is refused naming it."""
+    torch.manual_seed(3)
+    recipe = gl.recipes.Float8Rowwise()
+    grads = []
+    for keep in (False, True):
+        torch.manual_seed(4)
+        layer = gl.GroupedLinear(3, 16, 24, recipe=recipe, save_original_input=keep)
+        assert layer.save_original_input is keep
+        x = torch.randn(20, 16, requires_grad=True, generator=torch.Generator().manual_seed(5))
+        y = layer(x, [7, 0, 13])
+        y.backward(torch.ones_like(y))
+        grads.append((y.detach(), x.grad, layer.weight.grad))
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)
+    mlp = gl.GroupedMLP(2, 16, 8, save_original_input=True)
+    assert mlp.fc1.save_original_input and mlp.fc2.save_original_input
+    with pytest.raises(TypeError, match="save_original_input must be a bool, got 1"):
+        gl.GroupedLinear(2, 4, 4, save_original_input=1)
+    weight = torch.randn(2, 4, 4)
+    with pytest.raises(TypeError, match="save_original_input must be a bool, got 'yes'"):
+        gl.grouped_linear(torch.randn(3, 4), weight, None, [1, 2], save_original_input="yes")

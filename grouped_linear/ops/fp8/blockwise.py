@@ -70,7 +70,7 @@ class Fp8BlockwiseFunction(torch.autograd.Function):
         recipe = config.recipe
         pow2 = recipe.power_of_two_scales
         x_blocks = (None, None)
-        if weight_grad_ahead:  # both layouts from one read (docs/design.md)
+        if weight_grad_ahead and not config.save_original_input:  # both layouts, one read
             (x_data, x_inv), x_blocks = _both_layouts(x, sizes, recipe.forward_dtype, pow2)
         else:
             x_data, x_inv = blocks.quantize_row_tiles(x, recipe.forward_dtype, pow2)

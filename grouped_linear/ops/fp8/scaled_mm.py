@@ -45,11 +45,12 @@ def _group_scales(t: torch.Tensor, ends: torch.Tensor, fp8_dtype: torch.dtype,
     return groups.group_amax_scales(t, ends, fp8_dtype, recipe.power_of_two_scales)
 
 
-def _folds_x(recipe: Float8Recipe) -> bool:
+def _folds_x(config: Fp8Config) -> bool:
     """Whether the wgrad takes the forward's FP8 ``x`` with its per-token factors moved onto
     ``dy`` (rowwise: ``dW_g = sum_m (dy[m] * x_inv[m])^T x_codes[m]``, the tokens being the
-    reduced dimension), instead of quantizing ``x`` again along the tokens."""
-    return isinstance(recipe, Float8Rowwise)
+    reduced dimension), instead of quantizing ``x`` again along the tokens (tensorwise, and
+    rowwise with ``save_original_input``)."""
+    return isinstance(config.recipe, Float8Rowwise) and not config.save_original_input
 
 
 def _piece_scales(pieces: tuple[torch.Tensor, ...], fp8_dtype: torch.dtype,
@@ -92,8 +93,9 @@ class Fp8ScaledMMFunction(torch.autograd.Function):
         out = fp8_torch_gemm.forward(x_data, x_inv, w.forward_data, w.forward_inv, ends, dtype)
         out = bias_kernels.bias_epilogue_(out, bias, ends, config.zero_tail)
         # Rowwise: the wgrad reads the forward's FP8 rows, so they are what is saved (half
-        # the bytes of x); tensorwise quantizes x again along the tokens.
-        saved = (x_data, x_inv) if _folds_x(recipe) else (x, None, *pieces)
+        # the bytes of x); tensorwise (and save_original_input) quantizes x again along the
+        # tokens.
+        saved = (x_data, x_inv) if _folds_x(config) else (x, None, *pieces)
         ctx.save_for_backward(weight, ends, w.dgrad_data, w.dgrad_inv, w.dgrad_fold, x_scale,
                               *saved)
         ctx.piece_sizes = [piece.shape[0] for piece in pieces]

@@ -26,11 +26,13 @@ __all__ = ["Fp8Config", "Fp8Weight", "Fp8WeightCache", "quantize_weight_emulated
 @dataclass(frozen=True)
 class Fp8Config:
     """``recipe``; ``zero_tail``: rows past the groups may exist and get zeros; ``sink``: where
-    the parameters' gradients go (``None``: to autograd)."""
+    the parameters' gradients go (``None``: to autograd); ``save_original_input``: backward
+    keeps the input as given and quantizes it again, instead of keeping an FP8 copy."""
 
     recipe: Float8Recipe
     zero_tail: bool
     sink: WeightGradSink | None
+    save_original_input: bool = False
 
 
 def quantize_weight_emulated(weight: torch.Tensor, recipe: Float8Recipe) -> torch.Tensor:
