@@ -18,6 +18,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.nn.functional import all_to_all_single
 
+from ..ops.chunks import sort_chunks_by_index
+
 __all__ = ["DispatchPlan", "dispatch", "combine"]
 
 
@@ -28,16 +30,19 @@ class DispatchPlan:
     Attributes:
         send_sizes: rows sent to each rank (host ints).
         recv_sizes: rows received from each rank (host ints).
-        order: ``(R,)`` gather index that regroups the received rows by local expert.
-        inverse: ``(R,)`` gather index that undoes ``order``.
+        chunk_sizes: ``(ep * E_local,)`` rows of each received chunk, in the order they
+            arrive (source rank by source rank, local expert by local expert).
+        order: ``(ep * E_local,)`` the chunks in local-expert order (chunk ``r * E_local + e``
+            at position ``e * ep + r``), as :func:`~grouped_linear.sort_chunks_by_index`
+            takes it.
         num_rows: rows of the permuted input (``gl.permute`` may add a zero tail).
         group: the process group.
     """
 
     send_sizes: list[int]
     recv_sizes: list[int]
+    chunk_sizes: torch.Tensor
     order: torch.Tensor
-    inverse: torch.Tensor
     num_rows: int
     group: object | None
 
@@ -118,13 +123,12 @@ def dispatch(x_perm: torch.Tensor, counts: torch.Tensor, group: object | None = 
     received = all_to_all_single(received, x_perm[: sum(send_sizes)].contiguous(),
                                  output_split_sizes=recv_sizes, input_split_sizes=send_sizes,
                                  group=group)
-    expert_of_row = torch.arange(local, device=counts.device).repeat(ep).repeat_interleave(
-        recv_counts, output_size=received.shape[0])
-    order = torch.sort(expert_of_row, stable=True).indices
-    inverse = torch.empty_like(order)
-    inverse[order] = torch.arange(order.numel(), device=order.device)
-    plan = DispatchPlan(send_sizes, recv_sizes, order, inverse, x_perm.shape[0], group)
-    return received.index_select(0, order), recv_counts.view(ep, local).sum(0), plan
+    # The received chunks arrive source rank by source rank: one gather regroups them by
+    # local expert.
+    order = torch.arange(ep * local, device=counts.device).view(ep, local).t().reshape(-1)
+    plan = DispatchPlan(send_sizes, recv_sizes, recv_counts, order, x_perm.shape[0], group)
+    by_expert = sort_chunks_by_index(received, recv_counts, order)
+    return by_expert, recv_counts.view(ep, local).sum(0), plan
 
 
 def combine(y_local: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
@@ -137,12 +141,15 @@ def combine(y_local: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
         raise TypeError(f"plan is {type(plan).__name__}: expected the DispatchPlan of dispatch")
     if not isinstance(y_local, torch.Tensor):
         raise TypeError(f"y_local is {type(y_local).__name__}: expected a (rows, hidden) tensor")
-    if y_local.device != plan.inverse.device:
-        raise ValueError(f"y_local is on {y_local.device} but the plan is on {plan.inverse.device}")
-    if y_local.dim() != 2 or y_local.shape[0] != plan.inverse.numel():
-        raise ValueError(f"y_local is {tuple(y_local.shape)}: expected ({plan.inverse.numel()}, "
+    if y_local.device != plan.order.device:
+        raise ValueError(f"y_local is on {y_local.device} but the plan is on {plan.order.device}")
+    received = sum(plan.recv_sizes)
+    if y_local.dim() != 2 or y_local.shape[0] != received:
+        raise ValueError(f"y_local is {tuple(y_local.shape)}: expected ({received}, "
                          "hidden), a row per row dispatch returned")
-    back = y_local.index_select(0, plan.inverse)
+    # The chunks back in arrival order: the inverse permutation of the chunks.
+    back = sort_chunks_by_index(y_local, plan.chunk_sizes.index_select(0, plan.order),
+                                torch.argsort(plan.order))
     returned = y_local.new_empty(sum(plan.send_sizes), y_local.shape[1])
     returned = all_to_all_single(returned, back.contiguous(), output_split_sizes=plan.send_sizes,
                                  input_split_sizes=plan.recv_sizes, group=plan.group)
