@@ -19,8 +19,16 @@ and 131072 routed rows), float32 on CPU at tiny sizes (a smoke test only):
    pad_groups (128)      ``(M + P) * H * e``         ``2 * M * H * e`` (an unpad)
    unpad_groups          ``2 * M * H * e``           ``(M + P) * H * e`` (a pad)
    permute (1 and 16)    ``(T + N) * H * e``         ``(M + T) * H * e`` (k-way sum)
+   permute (map)         ``(T + N) * H * e``         ``(M + T) * H * e``
+   permute (capacity)    ``(T + N) * H * e``         ``(N + T) * H * e``
    unpermute             ``(M + T) * H * e``         ``(T + N) * H * e`` (weighted gather)
+   sort_chunks           ``2 * M * H * e``           ``2 * M * H * e``
    ====================  ==========================  ==========================
+
+   ``permute (map)`` takes the same routing as a boolean ``(T, 64)`` map; ``permute
+   (capacity)`` a capacity factor of 1 (``ceil(T*8/64)`` slots per expert, the rest dropped
+   by probability; ``N`` the kept rows); ``sort_chunks`` reorders the ``M`` routed rows'
+   64 expert chunks into a random order.
 
    The bytes an op must move: every input row it needs read once (``permute`` and
    ``unpermute``'s backward read each token's row once, though k slots use it) and every
@@ -123,12 +131,23 @@ def _case_ops(hidden: int, rows: int, dev: torch.device, dtype: torch.dtype) -> 
                    lambda: gl.permute(x_tok, indices, NUM_EXPERTS, multiple=multiple)[0],
                    x_tok, lambda n: (tokens + n, m + tokens))
 
+    routing_map = torch.zeros(tokens, NUM_EXPERTS, dtype=torch.bool, device=dev)
+    routing_map.scatter_(1, indices, True)
+    chunk_order = torch.randperm(NUM_EXPERTS, device=dev)
+    chunk_sizes = torch.tensor(counts, device=dev)
     return [
         _Op(f"pad_groups({PAD_MULTIPLE})",
             lambda: gl.pad_groups(x, counts, multiple=PAD_MULTIPLE)[0], x, lambda n: (m + n, 2 * m)),
         _Op("unpad_groups", lambda: gl.unpad_groups(yp, counts, padded), yp,
             lambda n: (2 * m, m + p)),
         *(permute_op(k) for k in PERMUTE_MULTIPLES),
+        _Op("permute(map)", lambda: gl.permute(x_tok, routing_map, NUM_EXPERTS)[0], x_tok,
+            lambda n: (tokens + n, m + tokens)),
+        _Op("permute(capacity)", lambda: gl.permute(x_tok, indices, NUM_EXPERTS, probs=probs,
+                                                    capacity=1.0)[0],
+            x_tok, lambda n: (tokens + n, n + tokens)),
+        _Op("sort_chunks", lambda: gl.sort_chunks_by_index(x, chunk_sizes, chunk_order), x,
+            lambda n: (2 * m, 2 * m)),
         _Op("unpermute", lambda: gl.unpermute(y_perm, row_map, probs), y_perm,
             lambda n: (m + n, tokens + n_unperm)),
         # the router's gradient: each slot's row dotted with its token's gradient row

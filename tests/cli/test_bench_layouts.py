@@ -30,8 +30,8 @@ def test_layouts_suite_reports_every_op_both_directions(tmp_path, capsys):
     assert _positive(report["copy_gbps"])
 
     ops = ["pad_groups(128)", "unpad_groups",
-           *(f"permute(multiple={m})" for m in PERMUTE_MULTIPLES), "unpermute",
-           "unpermute (probs grad)"]
+           *(f"permute(multiple={m})" for m in PERMUTE_MULTIPLES), "permute(map)",
+           "permute(capacity)", "sort_chunks", "unpermute", "unpermute (probs grad)"]
     assert sorted({(r["op"], r["direction"]) for r in report["rows"]}) == sorted(
         (op, d) for op in ops for d in ("fwd", "bwd"))
     for row in report["rows"]:
