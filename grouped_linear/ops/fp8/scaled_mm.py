@@ -121,6 +121,7 @@ class Fp8ScaledMMFunction(torch.autograd.Function):
             else:
                 dy_data, dy_inv = _quantize_tokens(grad_out, ends, fp8_grad, recipe, dy_scale)
             grad_x = fp8_torch_gemm.dgrad(dy_data, dy_inv, wt_data, wt_inv, ends, dtype)
+            del dy_data, dy_inv  # freed before the weight gradient quantizes dy again
             if config.zero_tail:
                 grad_x = bias_kernels.zero_tail_(grad_x, ends)
 
