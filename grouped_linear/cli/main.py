@@ -57,9 +57,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="compute dtype (default: bf16 on CUDA, fp32 on CPU; --suite gemm only)")
     bench.add_argument("--reps", type=int, default=5,
                        help="timed repetitions per case on CPU (default: 5)")
-    bench.add_argument("--rounds", type=int, default=1,
-                       help="measure each shape's columns this many times in alternation and "
-                       "report the median (gemm suite; default: 1)")
+    bench.add_argument("--rounds", type=int, default=None,
+                       help="measure each case's columns this many times in alternation and "
+                       "report the median (gemm suite, default 1; transformers suite, "
+                       "default 3)")
     bench.add_argument("--columns", default=None,
                        help="comma-separated columns to measure (gemm suite; default: all "
                        "available)")
@@ -107,14 +108,14 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         return 0
     if args.reps < 1:
         raise SystemExit(f"--reps must be >= 1, got {args.reps}")
-    if args.rounds < 1:
+    if args.rounds is not None and args.rounds < 1:
         parser.error(f"--rounds must be >= 1, got {args.rounds}")
     if args.suite == "layouts":
         from .bench_layouts import run_layouts_bench
 
         given = [flag for flag, value in (("--shapes", args.shapes), ("--plot", args.plot_path),
                                           ("--dtype", args.dtype), ("--columns", args.columns),
-                                          ("--rounds", args.rounds if args.rounds != 1 else None))
+                                          ("--rounds", args.rounds))
                  if value is not None]
         if given:
             raise SystemExit(f"{', '.join(given)}: for --suite gemm only")
@@ -129,7 +130,7 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         if given:
             raise SystemExit(f"{', '.join(given)}: not for --suite transformers")
         run_transformers_bench(device=args.device, json_path=args.json_path, reps=args.reps,
-                               rounds=args.rounds)
+                               rounds=3 if args.rounds is None else args.rounds)
         return 0
     from .bench import run_bench
 
@@ -141,6 +142,6 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         plot_path=args.plot_path,
         reps=args.reps,
         columns=_names("--columns", args.columns, parser),
-        rounds=args.rounds,
+        rounds=1 if args.rounds is None else args.rounds,
     )
     return 0

@@ -49,3 +49,15 @@ def test_the_cases_are_the_families_measured():
 def test_suite_refuses_gemm_only_options():
     with pytest.raises(SystemExit, match="--shapes"):
         main(["bench", "--suite", "transformers", "--shapes", "x"])
+
+
+@pytest.mark.parametrize("argv, rounds", [([], 3), (["--rounds", "5"], 5)])
+def test_the_command_runs_three_alternating_rounds_unless_told(monkeypatch, argv, rounds):
+    """``bench --suite transformers`` measures three alternating rounds by default (the
+    gemm suite one), or ``--rounds``."""
+    import grouped_linear.cli.bench_transformers as suite
+
+    seen = {}
+    monkeypatch.setattr(suite, "run_transformers_bench", lambda **kwargs: seen.update(kwargs))
+    assert main(["bench", "--suite", "transformers", "--device", "cpu", *argv]) == 0
+    assert seen["rounds"] == rounds
