@@ -12,7 +12,7 @@ from torch import nn
 from ..ops.checks import check_int
 from ..ops.dispatch import check_backend
 from ..ops.fp8 import Fp8WeightCache
-from ..ops.grouped_linear import apply_grouped_linear
+from ..ops.grouped_linear import apply_grouped_linear, flatten_rows
 from ..ops.weight_grad import WeightGradSink, check_main_grad
 from ..parallel.tensor_parallel import TensorParallel
 from ..recipes import check_recipe
@@ -296,7 +296,11 @@ class GroupedLinear(nn.Module):
                 bias = self.grouped_bias()
         leading = None  # the leading dims of an N-D input, its rows flattened into one
         if isinstance(x, torch.Tensor) and x.dim() != 2:
-            x, leading = self._flatten_input(x)
+            K = self.tp.local_features(self.in_features, self.out_features)[0]
+            if x.dim() < 2:
+                raise ValueError(f"x has shape {tuple(x.shape)}: expected (..., {K}), its rows "
+                                 "in the leading dims (at least one)")
+            x, leading = flatten_rows(x, K)
         sink = None
         if self.delay_wgrad_compute or self.fuse_wgrad_accumulation:
             sink = self._weight_grad_sink()
@@ -312,19 +316,6 @@ class GroupedLinear(nn.Module):
         if not self.use_bias:
             return out, None
         return out, (self.bias if self.single_grouped_bias else self.bias_list())
-
-    def _flatten_input(self, x: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
-        """``x`` ``(..., in)`` as ``(rows, in)`` (a view where its strides allow) and its leading
-        dims; a 0-D or 1-D ``x`` raises, naming it."""
-        K = self.tp.local_features(self.in_features, self.out_features)[0]
-        if x.dim() < 2:
-            raise ValueError(
-                f"x has shape {tuple(x.shape)}: expected (..., {K}), its rows in the leading "
-                "dims (at least one)"
-            )
-        if x.shape[-1] != K:
-            raise ValueError(f"x has {x.shape[-1]} features (shape {tuple(x.shape)}), expected {K}")
-        return x.reshape(-1, K), tuple(x.shape[:-1])
 
     def _weight_grad_sink(self) -> WeightGradSink | None:
         """Where this call's parameter gradients go under ``delay_wgrad_compute`` or

@@ -14,8 +14,8 @@ except ImportError:  # pragma: no cover - builds without distributed
 
 from ..ops.activation import ACTIVATIONS, GATED_ACTIVATIONS, check_activation
 from ..ops.checks import check_int
-from ..ops.grouped_linear import split_rows
-from ..ops.mlp import check_probs, check_probs_on, flatten_rows, run_mlp
+from ..ops.grouped_linear import flatten_rows, split_rows
+from ..ops.mlp import check_probs, check_probs_on, run_mlp
 from ..ops.splits import GroupSplits
 from ..parallel.tensor_parallel import check_tp_group, check_tp_size
 from .grouped_linear import GroupedLinear

@@ -31,7 +31,7 @@ from .linear_function import CallConfig, run_linear
 from .splits import SPLIT_DTYPES, GroupSplits, debug_checks_enabled, normalize_splits
 from .weight_grad import WeightGradSink
 
-__all__ = ["grouped_linear", "apply_grouped_linear", "join_inputs", "split_rows",
+__all__ = ["grouped_linear", "apply_grouped_linear", "flatten_rows", "join_inputs", "split_rows",
            "TensorParallelHooks"]
 
 
@@ -181,6 +181,18 @@ def _fp8(route: str, x: torch.Tensor, pieces: list[torch.Tensor] | None, weight:
     if route != "fp8_emulated":
         cached = None
     return Fp8EmulatedFunction.apply(x, weight, bias, splits.ends, config, cached)
+
+
+def flatten_rows(x: torch.Tensor | Sequence[torch.Tensor], hidden: int
+                 ) -> tuple[torch.Tensor | Sequence[torch.Tensor], torch.Size | None]:
+    """An ``(..., H)`` tensor of more than two dimensions as its ``(rows, H)`` view and its
+    leading shape; anything else as it is, with ``None`` (checked where it is used)."""
+    if not isinstance(x, torch.Tensor) or x.dim() <= 2:
+        return x, None
+    if x.shape[-1] != hidden:
+        raise ValueError(f"x has {x.shape[-1]} features (shape {tuple(x.shape)}), "
+                         f"expected {hidden}")
+    return x.flatten(0, -2), x.shape[:-1]
 
 
 def join_inputs(

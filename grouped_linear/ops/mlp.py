@@ -20,10 +20,10 @@ import torch
 from ..recipes import Float8Recipe, check_recipe
 from .activation import Activation, bias_activation, check_activation
 from .checks import check_operands, check_tensor
-from .grouped_linear import apply_grouped_linear, join_inputs
+from .grouped_linear import apply_grouped_linear, flatten_rows, join_inputs
 from .splits import GroupSplits, normalize_splits
 
-__all__ = ["PROBS_ON", "PROBS_DTYPES", "check_probs", "check_probs_on", "flatten_rows",
+__all__ = ["PROBS_ON", "PROBS_DTYPES", "check_probs", "check_probs_on",
            "grouped_mlp", "run_mlp"]
 
 #: Where the routing probabilities apply: the activation's output, or fc1's input.
@@ -59,18 +59,6 @@ def _with_recomputed_input(fc2: Fc2, a: torch.Tensor,
 
     with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
         return fc2(a)
-
-
-def flatten_rows(x: torch.Tensor | Sequence[torch.Tensor], hidden: int
-                 ) -> tuple[torch.Tensor | Sequence[torch.Tensor], torch.Size | None]:
-    """An ``(..., H)`` tensor of more than two dimensions as its ``(rows, H)`` view and its
-    leading shape; anything else as it is, with ``None`` (checked where it is used)."""
-    if not isinstance(x, torch.Tensor) or x.dim() <= 2:
-        return x, None
-    if x.shape[-1] != hidden:
-        raise ValueError(f"x has {x.shape[-1]} features (shape {tuple(x.shape)}), "
-                         f"expected {hidden}")
-    return x.flatten(0, -2), x.shape[:-1]
 
 
 def check_probs_on(probs_on: object) -> str:
