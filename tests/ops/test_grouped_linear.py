@@ -339,6 +339,9 @@ def test_a_weight_stored_input_major_compiles_whole():
     want = step(x, stored, bias)
     grad_out = torch.randn_like(want)
     want_grads = torch.autograd.grad(want, (x, stored, bias), grad_out)
+    ref = reference_grads(x, stored.transpose(1, 2), bias, sizes, grad_out)
+    assert rel_err(want, ref[0]) < TOL[torch.float32]
+    assert rel_err(want_grads[1].transpose(1, 2), ref[2]) < TOL[torch.float32]
     got = torch.compile(step, backend="aot_eager", fullgraph=True)(x, stored, bias)
     got_grads = torch.autograd.grad(got, (x, stored, bias), grad_out)
     assert torch.equal(got, want)
