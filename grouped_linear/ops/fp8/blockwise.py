@@ -27,7 +27,13 @@ import torch
 from ...kernels import bias as bias_kernels
 from ...kernels.gemm import fp8_gluon_gemm, fp8_gluon_wgrad, fp8_triton_gemm
 from ...kernels.quantize import blocks, blocks_gluon
-from .weight import Fp8Config, Fp8Weight, weight_and_bias_grads
+from .weight import (
+    Fp8Config,
+    Fp8Weight,
+    stash_dgrad_weight,
+    take_dgrad_weight,
+    weight_and_bias_grads,
+)
 
 __all__ = ["Fp8BlockwiseFunction"]
 
@@ -80,7 +86,8 @@ class Fp8BlockwiseFunction(torch.autograd.Function):
             out = bias_kernels.bias_epilogue_(out, bias, ends, False)
         # x itself only where backward must quantize it again
         ctx.save_for_backward(x if x_blocks[0] is None else None, *x_blocks, weight, sizes,
-                              ends, w.dgrad_data, w.dgrad_inv)
+                              ends)
+        stash_dgrad_weight(ctx, w)
         ctx.config = config
         ctx.bias_dtype = bias.dtype if bias is not None else None
         ctx.x_dtype, ctx.num_rows = x.dtype, x.shape[0]
@@ -88,7 +95,7 @@ class Fp8BlockwiseFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        x, x_t, x_inv_blocks, weight, sizes, ends, wt_data, wt_inv = ctx.saved_tensors
+        x, x_t, x_inv_blocks, weight, sizes, ends = ctx.saved_tensors
         config: Fp8Config = ctx.config
         recipe = config.recipe
         fp8_grad, pow2 = recipe.gradient_dtype, recipe.power_of_two_scales
@@ -100,8 +107,9 @@ class Fp8BlockwiseFunction(torch.autograd.Function):
                 (dy_data, dy_inv), dy_blocks = _both_layouts(grad_out, sizes, fp8_grad, pow2)
             else:
                 dy_data, dy_inv = blocks.quantize_row_tiles(grad_out, fp8_grad, pow2)
+            wt_data, wt_inv, _ = take_dgrad_weight(ctx, weight, recipe, "fp8_blockwise")
             grad_x = _grouped_mm(dy_data, dy_inv, wt_data, wt_inv, sizes, ctx.x_dtype)
-            del dy_data, dy_inv
+            del dy_data, dy_inv, wt_data, wt_inv  # freed before the weight gradient
 
         def grad_weight(out_dtype):
             dy_t, dy_inv_blocks = dy_blocks if dy_blocks is not None else \

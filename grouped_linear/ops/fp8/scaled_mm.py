@@ -33,7 +33,13 @@ from ...kernels.ends import group_sizes
 from ...kernels.gemm import fp8_torch_gemm, fp8_triton_gemm
 from ...kernels.quantize import common, folded, groups, rows, transposed
 from ...recipes import Float8Recipe, Float8Rowwise, Float8Tensorwise
-from .weight import Fp8Config, Fp8Weight, weight_and_bias_grads
+from .weight import (
+    Fp8Config,
+    Fp8Weight,
+    stash_dgrad_weight,
+    take_dgrad_weight,
+    weight_and_bias_grads,
+)
 
 __all__ = ["Fp8ScaledMMFunction"]
 
@@ -96,8 +102,8 @@ class Fp8ScaledMMFunction(torch.autograd.Function):
         # the bytes of x); tensorwise (and save_original_input) quantizes x again along the
         # tokens.
         saved = (x_data, x_inv) if _folds_x(config) else (x, None, *pieces)
-        ctx.save_for_backward(weight, ends, w.dgrad_data, w.dgrad_inv, w.dgrad_fold, x_scale,
-                              *saved)
+        ctx.save_for_backward(weight, ends, x_scale, *saved)
+        stash_dgrad_weight(ctx, w)
         ctx.piece_sizes = [piece.shape[0] for piece in pieces]
         ctx.dtype = dtype
         ctx.config = config
@@ -106,7 +112,7 @@ class Fp8ScaledMMFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        weight, ends, wt_data, wt_inv, wt_fold, x_scale, x, x_inv, *pieces = ctx.saved_tensors
+        weight, ends, x_scale, x, x_inv, *pieces = ctx.saved_tensors
         dtype = ctx.dtype
         config: Fp8Config = ctx.config
         recipe = config.recipe
@@ -115,13 +121,15 @@ class Fp8ScaledMMFunction(torch.autograd.Function):
         dy_scale = _group_scales(grad_out, ends, fp8_grad, recipe)
         grad_x = None
         if ctx.needs_input_grad[0] or any(ctx.needs_input_grad[6:]):
+            wt_data, wt_inv, wt_fold = take_dgrad_weight(ctx, weight, recipe, "fp8_scaled_mm")
             if wt_fold is not None:  # rowwise: dy times the weight's channel factors
                 factors = folded.ColumnFactors.of_groups(wt_fold, ends, grad_out.shape[0])
                 dy_data, dy_inv = folded.quantize_rows_folded(grad_out, factors, fp8_grad, pow2)
             else:
                 dy_data, dy_inv = _quantize_tokens(grad_out, ends, fp8_grad, recipe, dy_scale)
             grad_x = fp8_torch_gemm.dgrad(dy_data, dy_inv, wt_data, wt_inv, ends, dtype)
-            del dy_data, dy_inv  # freed before the weight gradient quantizes dy again
+            # the FP8 dy and weight freed before the weight gradient quantizes dy again
+            del dy_data, dy_inv, wt_data, wt_inv, wt_fold
             if config.zero_tail:
                 grad_x = bias_kernels.zero_tail_(grad_x, ends)
 

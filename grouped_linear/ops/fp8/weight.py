@@ -20,7 +20,7 @@ from ...recipes import Float8Blockwise, Float8Recipe, Float8Rowwise, Float8Tenso
 from ..weight_grad import WeightGradSink, route_weight_grads
 
 __all__ = ["Fp8Config", "Fp8Weight", "Fp8WeightCache", "quantize_weight_emulated",
-           "weight_and_bias_grads"]
+           "stash_dgrad_weight", "take_dgrad_weight", "weight_and_bias_grads"]
 
 
 @dataclass(frozen=True)
@@ -154,6 +154,28 @@ class Fp8WeightCache:
         """Re-quantize a held copy from ``weight`` (e.g. after a state-dict load)."""
         if self.entry is not None:
             self.entry.refresh_(weight)
+
+
+def stash_dgrad_weight(ctx, w: Fp8Weight) -> None:
+    """Keep the dgrad's part of ``w`` (``dgrad_data``, ``dgrad_inv``, ``dgrad_fold``) on
+    ``ctx`` rather than among its saved tensors, so that :func:`take_dgrad_weight` can hand it
+    over once: a copy quantized for this call alone is then freed right after the dgrad,
+    before the weight gradient allocates its operands (a module's cached copy stays with the
+    cache)."""
+    ctx.dgrad_weight = (w.dgrad_data, w.dgrad_inv, w.dgrad_fold)
+
+
+def take_dgrad_weight(ctx, weight: torch.Tensor, recipe: Float8Recipe, route: str
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``(dgrad_data, dgrad_inv, dgrad_fold)`` stashed by :func:`stash_dgrad_weight`,
+    removed from ``ctx``; a second backward through a retained graph finds none and
+    quantizes ``weight`` (the saved parameter, unchanged since the forward) again."""
+    parts = getattr(ctx, "dgrad_weight", None)
+    ctx.dgrad_weight = None
+    if parts is None:
+        w = Fp8Weight(weight, recipe, route)
+        parts = (w.dgrad_data, w.dgrad_inv, w.dgrad_fold)
+    return parts
 
 
 def weight_and_bias_grads(ctx, grad_out: torch.Tensor, ends: torch.Tensor,
