@@ -80,8 +80,9 @@ def shape_row(shape) -> dict:
     _pair(row, "wgrad", flops, wgrad_fn, lambda: gw.blockwise_wgrad(*dy_t, *x_t, sizes, M),
           gw.wgrad_supported(*dy_t, *x_t))
 
-    # The rowwise recipes' wgrad: per (group, column) factors, on either GEMM.
-    for align in (fp8_torch_gemm.WGRAD_GROUP_ALIGN, fg.BLOCK):
+    # The rowwise recipes' wgrad: per (group, column) factors, on this library's GEMM and on
+    # torch's 2-D x 2-D FP8 grouped GEMM (exact accumulation; groups on 16-token boundaries).
+    for align in (16, fg.BLOCK):
         dy_c, dy_c_inv, aligned = qt.quantize_group_columns_t(dy, ends, E4M3, False, align=align)
         x_c, x_c_inv, _ = qt.quantize_group_columns_t(x, ends, E4M3, False, align=align)
         if align == fg.BLOCK:
@@ -93,7 +94,9 @@ def shape_row(shape) -> dict:
         else:
             row["torch scaled rowwise wgrad"] = tflops(flops, median_ms(
                 lambda dy_c=dy_c, dy_c_inv=dy_c_inv, x_c=x_c, x_c_inv=x_c_inv, aligned=aligned:
-                fp8_torch_gemm.wgrad(dy_c, dy_c_inv, x_c, x_c_inv, aligned, DT)))
+                torch._scaled_grouped_mm(dy_c, x_c.t(), dy_c_inv.reshape(-1),
+                                         x_c_inv.reshape(-1), offs=aligned, out_dtype=DT,
+                                         use_fast_accum=False)))
     return row
 
 

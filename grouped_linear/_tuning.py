@@ -22,13 +22,9 @@ class Tuning:
         triton_auto_max_rows: ``backend="auto"`` sends bf16/fp16 CUDA calls of up to this many
             rows to the Triton kernels (one launch per GEMM, bias and tail fused), larger ones
             to the grouped GEMMs.
-        fp8_triton_wgrad_min_groups: from this many groups on, the FP8 rowwise and tensorwise
-            weight gradient runs in this library's Triton kernel instead of torch's FP8 grouped
-            GEMM (whose 2-D x 2-D form slows down at many groups).
     """
 
     triton_auto_max_rows: int = 4096
-    fp8_triton_wgrad_min_groups: int = 32
 
 
 _current = Tuning()

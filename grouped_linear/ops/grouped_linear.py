@@ -75,9 +75,9 @@ def apply_grouped_linear(
 
     Every argument is checked before any state changes (the cache, the sink's queue).
     """
-    if is_first_microbatch is not None and is_first_microbatch.__class__ is not bool:
+    if is_first_microbatch is not None and not isinstance(is_first_microbatch, bool):
         raise TypeError(f"is_first_microbatch must be None or a bool, got {is_first_microbatch!r}")
-    if save_original_input.__class__ is not bool:
+    if not isinstance(save_original_input, bool):
         raise TypeError(f"save_original_input must be a bool, got {save_original_input!r}")
     if recipe is None:
         recipe = current_recipe()

@@ -4,7 +4,6 @@ import pytest
 import torch
 
 import grouped_linear as gl
-from grouped_linear import _tuning
 from grouped_linear.kernels.gemm import fp8_torch_gemm
 from grouped_linear.ops.dispatch import fp8_route
 from grouped_linear.recipes import Float8Blockwise, Float8Rowwise, Float8Tensorwise
@@ -68,22 +67,17 @@ def test_each_recipe_takes_its_fp8_gemm_path():
 @pytest.mark.skipif(not SM90, reason="the FP8 grouped GEMM is sm90's")
 @pytest.mark.parametrize("recipe", [Float8Rowwise(), Float8Tensorwise()], ids=repr)
 @pytest.mark.parametrize("split_kind", ["list", "cuda"])
-@pytest.mark.parametrize("min_groups, triton_calls", [(1, [True]), (2**31, [])],
-                         ids=["triton", "torch"])
-def test_wgrad_gemm_choice_of_the_rowwise_recipes(recipe, split_kind, min_groups, triton_calls,
-                                                  monkeypatch):
-    """The wgrad GEMM in the group-scaled Triton kernel (128-token group blocks) or, below its
-    group threshold, torch's (16-token blocks): the chosen kernel is the one that ran, and
-    every gradient matches float64 either way."""
+def test_rowwise_recipes_take_the_group_scaled_triton_wgrad(recipe, split_kind, monkeypatch):
+    """The weight gradient runs this library's group-scaled Triton GEMM (128-token group
+    blocks), once per call, and every gradient matches float64."""
     from grouped_linear.kernels.gemm import fp8_triton_gemm
 
     calls = []
     original = fp8_triton_gemm.blockwise_wgrad
     monkeypatch.setattr(fp8_triton_gemm, "blockwise_wgrad",
                         lambda *a, **k: calls.append(k.get("group_scales")) or original(*a, **k))
-    with _tuning.override(fp8_triton_wgrad_min_groups=min_groups):
-        got, ref, _ = _step(recipe, split_kind)
-    assert calls == triton_calls
+    got, ref, _ = _step(recipe, split_kind)
+    assert calls == [True]
     for name, a, b in zip(("y", "dx", "dW", "db"), got, ref):
         assert rel_err(a, b) < 6e-2, (name, rel_err(a, b))
 

@@ -60,7 +60,10 @@ def _weights(kind):
                                                ("gelu", False)])
 def test_grouped_mlp_bf16_with_probs_and_device_splits(kind, interleaved, probs_on):
     """bf16 rows, float32 probabilities, CUDA splits that leave a tail: within bf16's error
-    of the unfused float64 computation; the tail's output and gradients are zero."""
+    of the unfused float64 computation (for the gradients: 2e-2, or twice the error of the
+    same unfused computation run in bf16 where that is larger; a limit of 1.0 clamps most of
+    GPT-OSS's gates, and bf16 rounding moves some of them across it); the tail's output and
+    gradients are zero."""
     torch.manual_seed(1)
     head = sum(SIZES)
     w1, b1, w2, b2 = _weights(kind)
@@ -70,17 +73,24 @@ def test_grouped_mlp_bf16_with_probs_and_device_splits(kind, interleaved, probs_
     limit = {"limit": 1.0} if kind == "gpt_oss_swiglu" else {}
     y = gl.grouped_mlp(x, w1, b1, w2, b2, torch.tensor(SIZES, device="cuda"), activation=kind,
                        gate_up_order=order, probs=probs, probs_on=probs_on, **limit)
-    leaves = [t.detach().double().requires_grad_() for t in (x, w1, b1, w2, b2, probs)]
-    want = reference(leaves[0][:head], *leaves[1:5], SIZES, kind, interleaved,
-                     probs=leaves[5][:head], probs_on=probs_on, **limit)
     grad = torch.randn(y.shape, device="cuda").bfloat16()
     y.backward(grad)
-    want.backward(grad[:head].double())
+    wanted = {}
+    for dtype in (torch.float64, torch.bfloat16):
+        leaves = [t.detach().to(dtype).requires_grad_() for t in (x, w1, b1, w2, b2, probs)]
+        out = reference(leaves[0][:head], *leaves[1:5], SIZES, kind, interleaved,
+                        probs=leaves[5][:head], probs_on=probs_on, **limit)
+        out.backward(grad[:head].to(dtype))
+        wanted[dtype] = (out, leaves)
+    want, leaves = wanted[torch.float64]
     assert y.dtype == torch.bfloat16 and rel_err(y[:head], want) < 2e-2
     assert torch.all(y[head:] == 0)
-    for name, got, leaf in zip(("x", "w1", "b1", "w2", "b2", "probs"),
-                               (x, w1, b1, w2, b2, probs), leaves, strict=True):
-        assert rel_err(got.grad, leaf.grad) < 2e-2, name
+    names = ("x", "w1", "b1", "w2", "b2", "probs")
+    for name, got, leaf, bf16 in zip(names, (x, w1, b1, w2, b2, probs), leaves,
+                                     wanted[torch.bfloat16][1], strict=True):
+        bound = max(2e-2, 2 * rel_err(bf16.grad[:head] if name in ("x", "probs") else bf16.grad,
+                                      leaf.grad[:head] if name in ("x", "probs") else leaf.grad))
+        assert rel_err(got.grad, leaf.grad) < bound, name
     assert torch.all(x.grad[head:] == 0) and torch.all(probs.grad[head:] == 0)
 
 

@@ -120,9 +120,10 @@ def test_cuda_dense_probs_without_sync(dtype):
     want = unpermute(x_perm, row_map, dense_cpu, topk_indices=topk)
     want.float().sum().backward()
     dense_dev = dense.cuda().requires_grad_()
+    x_dev, topk_dev = x.cuda(), topk.cuda()  # the copies to the device synchronize
     with no_host_sync():
-        d_perm, _, d_map = permute(x.cuda(), topk.cuda(), 8)
-        out = unpermute(d_perm, d_map, dense_dev, topk_indices=topk.cuda())
+        d_perm, _, d_map = permute(x_dev, topk_dev, 8)
+        out = unpermute(d_perm, d_map, dense_dev, topk_indices=topk_dev)
         out.float().sum().backward()
     torch.cuda.synchronize()
     tol = {} if dtype == torch.float32 else {"rtol": 2**-7, "atol": 1e-5}

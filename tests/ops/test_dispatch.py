@@ -102,8 +102,8 @@ def test_the_triton_rows_threshold_follows_the_tuning(rows):
 
 def test_override_restores_on_error_and_rejects_unknown_names():
     before = _tuning.current()
-    with pytest.raises(RuntimeError), _tuning.override(fp8_triton_wgrad_min_groups=1):
-        assert _tuning.current().fp8_triton_wgrad_min_groups == 1
+    with pytest.raises(RuntimeError), _tuning.override(triton_auto_max_rows=1):
+        assert _tuning.current().triton_auto_max_rows == 1
         raise RuntimeError
     assert _tuning.current() is before
     with pytest.raises(TypeError), _tuning.override(no_such_threshold=3):

@@ -7,9 +7,12 @@ Operands are FP8 data plus float32 dequantization factors (``1 / scale``), as
   with ``(G, N)`` (one per output channel);
 * dgrad ``dx = dy @ W_g``: ``dy`` ``(M, N)`` with ``(M,)``, the weight as ``(G, K, N)``
   with ``(G, K)`` (one per input channel; the recipes pass the forward copy transposed,
-  with ones or the group's factor, see ``ops/fp8_device.py``);
-* wgrad ``dW_g = dy_g^T @ x_g``: ``dy^T`` ``(N, M)`` and ``x^T`` ``(K, M)``, with
-  ``(G, N)`` and ``(G, K)`` factors (per group and column, along the tokens).
+  with ones or the group's factor, see ``ops/fp8/scaled_mm.py``).
+
+The weight gradient is not torch's: its 2-D x 2-D form, which must accumulate without the
+fast-accumulation shortcut, ran 1.2-2.9x slower than this library's group-scaled Triton
+kernel on every case measured (:func:`grouped_linear.kernels.gemm.fp8_triton_gemm.blockwise_wgrad`,
+``docs/design.md``).
 
 A per-group (tensorwise) scale is the same call with its factor repeated.
 ``ends`` is the ``(G,)`` int32 cumulative group ends; rows past the last end
@@ -25,11 +28,7 @@ import torch
 
 from .._gluon import is_sm90
 
-# The wgrad form reduces over the tokens: each group must start on a 16-element
-# boundary there (unaligned ends trip a device-side assert in torch 2.11).
-WGRAD_GROUP_ALIGN = 16
-
-__all__ = ["WGRAD_GROUP_ALIGN", "available", "shapes_supported", "gemm_accepts", "forward", "dgrad", "wgrad",
+__all__ = ["available", "shapes_supported", "gemm_accepts", "forward", "dgrad",
            "dequantized_reference"]
 
 
@@ -78,34 +77,14 @@ def dgrad(dy_data: torch.Tensor, dy_inv: torch.Tensor, wt_data: torch.Tensor, wt
                                     offs=ends, out_dtype=out_dtype, use_fast_accum=True)
 
 
-def wgrad(dy_t_data: torch.Tensor, dy_inv: torch.Tensor, x_t_data: torch.Tensor,
-          x_inv: torch.Tensor, ends: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    """``(N, M) x (K, M) -> (G, N, K)`` in ``out_dtype``: the token dimension is the one
-    reduced, split into groups by ``ends`` (each a multiple of
-    :data:`WGRAD_GROUP_ALIGN`; see ``quantize_group_columns_t(align=...)``).
-    Accumulates without fast-accumulation shortcuts (groups can be long)."""
-    return torch._scaled_grouped_mm(dy_t_data, x_t_data.t(), dy_inv.reshape(-1),
-                                    x_inv.reshape(-1), offs=ends, out_dtype=out_dtype,
-                                    use_fast_accum=False)
-
-
 def dequantized_reference(a_data: torch.Tensor, a_inv: torch.Tensor, b_data: torch.Tensor,
-                          b_inv: torch.Tensor, ends: torch.Tensor, kind: str) -> torch.Tensor:
-    """float32 result of :func:`forward` (``kind="forward"``, also dgrad's form) or
-    :func:`wgrad` (``kind="wgrad"``) from the dequantized operands."""
+                          b_inv: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """float32 result of :func:`forward` (also :func:`dgrad`'s form) from the dequantized
+    operands."""
     host = ends.tolist()
-    bounds = list(zip([0] + host[:-1], host))
-    if kind == "forward":
-        a = a_data.float() * a_inv[:, None]
-        b = b_data.float() * b_inv[:, :, None]
-        out = a.new_zeros(a.shape[0], b.shape[1])
-        for g, (s, e) in enumerate(bounds):
-            out[s:e] = a[s:e] @ b[g].t()
-        return out
-    G = ends.shape[0]
-    out = a_data.new_zeros(G, a_data.shape[0], b_data.shape[0], dtype=torch.float32)
-    for g, (s, e) in enumerate(bounds):
-        a = a_data[:, s:e].float() * a_inv[g][:, None]
-        b = b_data[:, s:e].float() * b_inv[g][:, None]
-        out[g] = a @ b.t()
+    a = a_data.float() * a_inv[:, None]
+    b = b_data.float() * b_inv[:, :, None]
+    out = a.new_zeros(a.shape[0], b.shape[1])
+    for g, (s, e) in enumerate(zip([0] + host[:-1], host)):
+        out[s:e] = a[s:e] @ b[g].t()
     return out

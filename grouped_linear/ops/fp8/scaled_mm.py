@@ -9,14 +9,15 @@ Per call, one fused quantization kernel per operand and direction
 * dgrad: the forward's FP8 weight, transposed (one byte read and written per weight), with
   ``dy`` per group (tensorwise) or, rowwise, ``dy`` times the weight's per-output-channel
   factors per token: the rows kernel applies the factors as it quantizes;
-* wgrad: operands written transposed by the quantization kernels themselves, each group
-  starting on a 16-column boundary (the GEMM's requirement along the reduced dimension; 128
-  for this library's Triton wgrad, from ``fp8_triton_wgrad_min_groups`` groups on), with the
-  alignment zeros written by the same kernels. Rowwise: ``x``'s forward FP8 codes, transposed, and
-  ``dy`` multiplied row by row by ``x``'s per-token factors, quantized per (group, column)
-  along the tokens: the tokens are the reduced dimension, so the factors may move across
-  it, and ``x`` is saved for backward in FP8 (half its bytes). Tensorwise: ``dy`` and
-  ``x`` per group, ``x`` saved in its own dtype.
+* wgrad: this library's group-scaled Triton GEMM
+  (:func:`grouped_linear.kernels.gemm.fp8_triton_gemm.blockwise_wgrad`; torch's 2-D x 2-D
+  FP8 GEMM, without fast accumulation, ran 1.2-2.9x slower at 8 to 128 groups), its operands
+  written transposed by the quantization kernels themselves, each group starting on a
+  128-column boundary, with the alignment zeros written by the same kernels. Rowwise:
+  ``x``'s forward FP8 codes, transposed, and ``dy`` multiplied row by row by ``x``'s per-
+  token factors, quantized per (group, column) along the tokens: the tokens are the reduced
+  dimension, so the factors may move across it, and ``x`` is saved for backward in FP8 (half
+  its bytes). Tensorwise: ``dy`` and ``x`` per group, ``x`` saved in its own dtype.
 
 A list input (one tensor per group) is quantized piece by piece in both directions, never
 concatenated. Any group size works (0 and unaligned included);
@@ -27,7 +28,6 @@ from __future__ import annotations
 
 import torch
 
-from ... import _tuning
 from ...kernels import bias as bias_kernels
 from ...kernels.ends import group_sizes
 from ...kernels.gemm import fp8_torch_gemm, fp8_triton_gemm
@@ -134,11 +134,8 @@ class Fp8ScaledMMFunction(torch.autograd.Function):
                 grad_x = bias_kernels.zero_tail_(grad_x, ends)
 
         def grad_weight(out_dtype, bias_sums=None):
-            # torch's 2-D x 2-D FP8 GEMM slows down at many groups (docs/design.md) and
-            # stores only bf16 (a float32 main_grad takes the Triton GEMM's float32)
-            triton_wgrad = (ends.shape[0] >= _tuning.current().fp8_triton_wgrad_min_groups
-                            or out_dtype != torch.bfloat16)
-            align = fp8_triton_gemm.BLOCK if triton_wgrad else fp8_torch_gemm.WGRAD_GROUP_ALIGN
+            # this library's Triton GEMM, not torch's 2-D x 2-D FP8 one (module doc)
+            align = fp8_triton_gemm.BLOCK
             dy_t, dy_t_inv, aligned = transposed.quantize_group_columns_t(
                 grad_out, ends, fp8_grad, pow2, dy_scale, align=align, column_sums=bias_sums,
                 row_factors=x_inv)
@@ -153,12 +150,10 @@ class Fp8ScaledMMFunction(torch.autograd.Function):
                 x_t, x_t_inv, _ = transposed.quantize_group_columns_t(
                     x, ends, recipe.forward_dtype, pow2, x_scale, align=align,
                     data_ends=aligned)
-            if triton_wgrad:  # 128-token group blocks, one factor per (group, column)
-                sizes = group_sizes(ends)
-                return fp8_triton_gemm.blockwise_wgrad(dy_t, dy_t_inv, x_t, x_t_inv, sizes,
-                                                       grad_out.shape[0], out_dtype,
-                                                       group_scales=True)
-            return fp8_torch_gemm.wgrad(dy_t, dy_t_inv, x_t, x_t_inv, aligned, out_dtype)
+            # 128-token group blocks, one factor per (group, column)
+            return fp8_triton_gemm.blockwise_wgrad(dy_t, dy_t_inv, x_t, x_t_inv,
+                                                   group_sizes(ends), grad_out.shape[0],
+                                                   out_dtype, group_scales=True)
 
         grad_w, grad_b = weight_and_bias_grads(ctx, grad_out, ends, grad_weight, weight.dtype,
                                                (x, x_inv, *pieces), fuses_bias=True)
