@@ -171,13 +171,16 @@ def _fp8(route: str, x: torch.Tensor, pieces: list[torch.Tensor] | None, weight:
          bias: torch.Tensor | None, splits: GroupSplits, config: Fp8Config, cached) -> torch.Tensor:
     """An FP8 route; a call without rows runs the emulation (its degenerate case), with the
     cached weight only where it was made for the emulation."""
+    weight_grad_ahead = torch.is_grad_enabled() and weight.requires_grad
     if pieces is not None:
-        return Fp8ScaledMMFunction.apply(None, weight, bias, splits.ends, config, cached, *pieces)
+        return Fp8ScaledMMFunction.apply(None, weight, bias, splits.ends, config, cached,
+                                         weight_grad_ahead, *pieces)
     if route == "fp8_scaled_mm" and x.shape[0] > 0:
-        return Fp8ScaledMMFunction.apply(x, weight, bias, splits.ends, config, cached)
+        return Fp8ScaledMMFunction.apply(x, weight, bias, splits.ends, config, cached,
+                                         weight_grad_ahead)
     if route == "fp8_blockwise" and x.shape[0] > 0:
         return Fp8BlockwiseFunction.apply(x, weight, bias, splits.sizes, splits.ends, config,
-                                          cached, torch.is_grad_enabled() and weight.requires_grad)
+                                          cached, weight_grad_ahead)
     if route != "fp8_emulated":
         cached = None
     return Fp8EmulatedFunction.apply(x, weight, bias, splits.ends, config, cached)

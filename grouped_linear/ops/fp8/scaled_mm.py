@@ -13,11 +13,12 @@ Per call, one fused quantization kernel per operand and direction
   (:func:`grouped_linear.kernels.gemm.fp8_triton_gemm.blockwise_wgrad`; torch's 2-D x 2-D
   FP8 GEMM, without fast accumulation, ran 1.2-2.9x slower at 8 to 128 groups), its operands
   written transposed by the quantization kernels themselves, each group starting on a
-  128-column boundary, with the alignment zeros written by the same kernels. Rowwise:
-  ``x``'s forward FP8 codes, transposed, and ``dy`` multiplied row by row by ``x``'s per-
-  token factors, quantized per (group, column) along the tokens: the tokens are the reduced
-  dimension, so the factors may move across it, and ``x`` is saved for backward in FP8 (half
-  its bytes). Tensorwise: ``dy`` and ``x`` per group, ``x`` saved in its own dtype.
+  128-column boundary, with the alignment zeros written by the same kernels. ``x``: its
+  forward FP8 codes, moved into that layout by the forward (backward keeps them, half the
+  bytes of ``x``, and no row-major copy); ``dy``: multiplied row by row by ``x``'s per-token
+  factors (per group, tensorwise) and quantized per (group, column) along the tokens: the
+  tokens are the reduced dimension, so the factors may move across it. With
+  ``save_original_input`` backward keeps ``x`` and quantizes it again along the tokens.
 
 A list input (one tensor per group) is quantized piece by piece in both directions, never
 concatenated. Any group size works (0 and unaligned included);
@@ -32,7 +33,7 @@ from ...kernels import bias as bias_kernels
 from ...kernels.ends import group_sizes
 from ...kernels.gemm import fp8_torch_gemm, fp8_triton_gemm
 from ...kernels.quantize import common, folded, groups, rows, transposed
-from ...recipes import Float8Recipe, Float8Rowwise, Float8Tensorwise
+from ...recipes import Float8Recipe, Float8Tensorwise
 from .weight import (
     Fp8Config,
     Fp8Weight,
@@ -52,11 +53,11 @@ def _group_scales(t: torch.Tensor, ends: torch.Tensor, fp8_dtype: torch.dtype,
 
 
 def _folds_x(config: Fp8Config) -> bool:
-    """Whether the wgrad takes the forward's FP8 ``x`` with its per-token factors moved onto
-    ``dy`` (rowwise: ``dW_g = sum_m (dy[m] * x_inv[m])^T x_codes[m]``, the tokens being the
-    reduced dimension), instead of quantizing ``x`` again along the tokens (tensorwise, and
-    rowwise with ``save_original_input``)."""
-    return isinstance(config.recipe, Float8Rowwise) and not config.save_original_input
+    """Whether the wgrad takes the forward's FP8 ``x`` with its per-token factors (per group,
+    tensorwise) moved onto ``dy`` (``dW_g = sum_m (dy[m] * x_inv[m])^T x_codes[m]``, the
+    tokens being the reduced dimension), instead of quantizing ``x`` again along the tokens
+    (with ``save_original_input``)."""
+    return not config.save_original_input
 
 
 def _piece_scales(pieces: tuple[torch.Tensor, ...], fp8_dtype: torch.dtype,
@@ -81,9 +82,11 @@ class Fp8ScaledMMFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, ends, config: Fp8Config, cached: Fp8Weight | None,
-                *pieces):
+                weight_grad_ahead: bool, *pieces):
         """``x`` ``(M, K)``, or ``None`` with the input as ``pieces``: one ``(m_g, K)`` tensor
-        per group, quantized piece by piece (never concatenated)."""
+        per group, quantized piece by piece (never concatenated). ``weight_grad_ahead``: a
+        backward may want the weight's gradient (grad mode on and the weight requiring it;
+        inside ``forward`` autograd cannot tell); without it nothing of ``x`` is kept."""
         recipe = config.recipe
         fp8 = recipe.forward_dtype
         if pieces:
@@ -98,10 +101,16 @@ class Fp8ScaledMMFunction(torch.autograd.Function):
         w = cached if cached is not None else Fp8Weight(weight.detach(), recipe, "fp8_scaled_mm")
         out = fp8_torch_gemm.forward(x_data, x_inv, w.forward_data, w.forward_inv, ends, dtype)
         out = bias_kernels.bias_epilogue_(out, bias, ends, config.zero_tail)
-        # Rowwise: the wgrad reads the forward's FP8 rows, so they are what is saved (half
-        # the bytes of x); tensorwise (and save_original_input) quantizes x again along the
-        # tokens.
-        saved = (x_data, x_inv) if _folds_x(config) else (x, None, *pieces)
+        # The wgrad reads the forward's FP8 rows, moved now into its token-contiguous layout
+        # (the row-major codes are freed with the forward: backward holds one FP8 copy of x,
+        # half the bytes of x); save_original_input quantizes x again along the tokens.
+        if not weight_grad_ahead:
+            saved = (None, None)
+        elif _folds_x(config):
+            saved = (transposed.transpose_group_columns(x_data, ends, fp8_triton_gemm.BLOCK),
+                     x_inv)
+        else:
+            saved = (x, None, *pieces)
         ctx.save_for_backward(weight, ends, x_scale, *saved)
         stash_dgrad_weight(ctx, w)
         ctx.piece_sizes = [piece.shape[0] for piece in pieces]
@@ -120,7 +129,7 @@ class Fp8ScaledMMFunction(torch.autograd.Function):
         grad_out = grad_out.contiguous()
         dy_scale = _group_scales(grad_out, ends, fp8_grad, recipe)
         grad_x = None
-        if ctx.needs_input_grad[0] or any(ctx.needs_input_grad[6:]):
+        if ctx.needs_input_grad[0] or any(ctx.needs_input_grad[7:]):
             wt_data, wt_inv, wt_fold = take_dgrad_weight(ctx, weight, recipe, "fp8_scaled_mm")
             if wt_fold is not None:  # rowwise: dy times the weight's channel factors
                 factors = folded.ColumnFactors.of_groups(wt_fold, ends, grad_out.shape[0])
@@ -136,12 +145,15 @@ class Fp8ScaledMMFunction(torch.autograd.Function):
         def grad_weight(out_dtype, bias_sums=None):
             # this library's Triton GEMM, not torch's 2-D x 2-D FP8 one (module doc)
             align = fp8_triton_gemm.BLOCK
+            if x is None and not pieces:
+                raise RuntimeError("the weight's gradient was not expected by the forward "
+                                   "(no grad mode, or the weight did not require grad)")
+            folds = x_inv is not None  # dy carries x's per-token factors
             dy_t, dy_t_inv, aligned = transposed.quantize_group_columns_t(
-                grad_out, ends, fp8_grad, pow2, dy_scale, align=align, column_sums=bias_sums,
-                row_factors=x_inv)
-            if x_inv is not None:  # dy carries x's per-token factors: x's codes, transposed
-                x_t = transposed.transpose_group_columns(x, ends, align, data_ends=aligned)
-                x_t_inv = common.unit_factors((ends.shape[0], x.shape[1]), x.device)
+                grad_out, ends, fp8_grad, pow2, None if folds else dy_scale, align=align,
+                column_sums=bias_sums, row_factors=x_inv)
+            if folds:  # x's forward codes, already transposed
+                x_t, x_t_inv = x, common.unit_factors((ends.shape[0], x.shape[0]), x.device)
             elif pieces:  # each piece into its aligned columns, same width as dy's
                 x_t, x_t_inv = transposed.quantize_group_columns_t_pieces(
                     pieces, recipe.forward_dtype, pow2, x_scale, align, width=dy_t.shape[1],
@@ -160,5 +172,5 @@ class Fp8ScaledMMFunction(torch.autograd.Function):
         if ctx.piece_sizes:  # views of the one dgrad output, no copy
             grad_pieces = grad_x.split(ctx.piece_sizes) if grad_x is not None else \
                 (None,) * len(ctx.piece_sizes)
-            return None, grad_w, grad_b, None, None, None, *grad_pieces
-        return grad_x, grad_w, grad_b, None, None, None
+            return None, grad_w, grad_b, None, None, None, None, *grad_pieces
+        return grad_x, grad_w, grad_b, None, None, None, None

@@ -1,0 +1,98 @@
+"""The ``fp8_scaled_mm`` route's autograd function on CPU: its quantization kernels (Triton,
+interpreted in CI) and its wgrad kernel as on the GPU, torch's FP8 grouped GEMM (sm90 only)
+replaced by that GEMM's dequantized float32 reference."""
+
+import pytest
+import torch
+
+from grouped_linear.kernels.gemm import fp8_torch_gemm
+from grouped_linear.ops.fp8 import Fp8Config, Fp8ScaledMMFunction
+from grouped_linear.recipes import Float8Rowwise, Float8Tensorwise
+from tests.reference import reference_grads, rel_err
+
+SIZES = [40, 0, 75, 13, 64]
+K, N = 64, 48
+RECIPES = [Float8Rowwise(), Float8Tensorwise(), Float8Tensorwise(power_of_two_scales=True)]
+
+
+@pytest.fixture(autouse=True)
+def dequantized_gemm(monkeypatch):
+    """torch's FP8 grouped GEMM as its float32 reference of the dequantized operands."""
+    def gemm(a, a_inv, b, b_inv, ends, out_dtype):
+        return fp8_torch_gemm.dequantized_reference(a, a_inv, b, b_inv, ends).to(out_dtype)
+
+    monkeypatch.setattr(fp8_torch_gemm, "forward", gemm)
+    monkeypatch.setattr(fp8_torch_gemm, "dgrad", gemm)
+
+
+def _leaves(dtype=torch.bfloat16, sizes=SIZES):
+    torch.manual_seed(0)
+    M, G = sum(sizes), len(sizes)
+    x = torch.randn(M, K).to(dtype).requires_grad_()
+    w = (torch.randn(G, N, K) / K ** 0.5).to(dtype).requires_grad_()
+    b = torch.randn(G, N).to(dtype).requires_grad_()
+    return x, w, b, torch.randn(M, N).to(dtype)
+
+
+def _apply(x, w, b, recipe, weight_grad_ahead=True, save_original_input=False, sizes=SIZES):
+    ends = torch.tensor(sizes).cumsum(0).to(torch.int32)
+    config = Fp8Config(recipe, False, None, save_original_input)
+    return Fp8ScaledMMFunction.apply(x, w, b, ends, config, None, weight_grad_ahead)
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=repr)
+@pytest.mark.parametrize("save_original_input", [False, True])
+def test_gradients_against_float64(recipe, save_original_input):
+    """Every output and gradient within the FP8 bound of float64, whether backward folds x's
+    factors into dy (x kept as FP8 codes, transposed) or quantizes the kept x again."""
+    x, w, b, grad_out = _leaves()
+    y = _apply(x, w, b, recipe, save_original_input=save_original_input)
+    y.backward(grad_out)
+    want = reference_grads(x, w, b, SIZES, grad_out)
+    for name, got, ref in zip(("y", "dx", "dW", "db"), (y, x.grad, w.grad, b.grad), want):
+        assert rel_err(got, ref) < 6e-2, (name, rel_err(got, ref))
+    assert rel_err(w.grad, want[2]) > 1e-4  # it did quantize
+    empty = [g for g, s in enumerate(SIZES) if s == 0]
+    assert torch.all(w.grad[empty] == 0) and torch.all(b.grad[empty] == 0)
+
+
+def _saved_by(fn):
+    """The tensors autograd saves while ``fn()`` runs, and its result."""
+    saved = []
+
+    def pack(t):
+        saved.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return saved, out
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=repr)
+def test_backward_keeps_one_fp8_copy_of_x_in_the_wgrad_layout(recipe):
+    """What backward keeps of ``x``: its FP8 codes in the token-contiguous layout the weight
+    gradient reads (no row-major copy, not ``x`` itself), and nothing without a weight
+    gradient ahead; the dgrad alone still works then."""
+    x, w, b, grad_out = _leaves()
+    for ahead in (True, False):
+        saved, y = _saved_by(lambda ahead=ahead: _apply(
+            x, w.detach().requires_grad_(ahead), b, recipe, weight_grad_ahead=ahead))
+        fp8 = [t for t in saved if t.dtype.itemsize == 1]
+        assert not any(t is x or t.shape == x.shape for t in saved)
+        if ahead:
+            assert len(fp8) == 1 and fp8[0].shape[0] == K and fp8[0].shape[1] >= x.shape[0]
+        else:
+            assert not fp8
+            dx, = torch.autograd.grad(y, x, grad_out)
+            want = reference_grads(x, w, b, SIZES, grad_out)[1]
+            assert rel_err(dx, want) < 6e-2
+
+
+def test_weight_gradient_not_announced_by_the_forward_is_refused():
+    """A weight gradient the forward was told would not come (nothing of x kept) raises
+    instead of returning a wrong one."""
+    x, w, b, grad_out = _leaves()
+    y = _apply(x, w, b, Float8Rowwise(), weight_grad_ahead=False)
+    with pytest.raises(RuntimeError, match="not expected by the forward"):
+        y.backward(grad_out)
