@@ -1,5 +1,5 @@
-"""The ``fp8_scaled_mm`` route's autograd function on CPU: its quantization kernels (Triton,
-interpreted in CI) and its wgrad kernel as on the GPU, torch's FP8 grouped GEMM (sm90 only)
+"""The ``fp8_scaled_mm`` route's autograd function on any device: its quantization kernels
+and its wgrad kernel (Triton, interpreted on CPU), torch's FP8 grouped GEMM (sm90 only)
 replaced by that GEMM's dequantized float32 reference."""
 
 import pytest
@@ -10,6 +10,7 @@ from grouped_linear.ops.fp8 import Fp8Config, Fp8ScaledMMFunction
 from grouped_linear.recipes import Float8Rowwise, Float8Tensorwise
 from tests.reference import reference_grads, rel_err
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SIZES = [40, 0, 75, 13, 64]
 K, N = 64, 48
 RECIPES = [Float8Rowwise(), Float8Tensorwise(), Float8Tensorwise(power_of_two_scales=True)]
@@ -28,14 +29,14 @@ def dequantized_gemm(monkeypatch):
 def _leaves(dtype=torch.bfloat16, sizes=SIZES):
     torch.manual_seed(0)
     M, G = sum(sizes), len(sizes)
-    x = torch.randn(M, K).to(dtype).requires_grad_()
-    w = (torch.randn(G, N, K) / K ** 0.5).to(dtype).requires_grad_()
-    b = torch.randn(G, N).to(dtype).requires_grad_()
-    return x, w, b, torch.randn(M, N).to(dtype)
+    x = torch.randn(M, K).to(DEVICE, dtype).requires_grad_()
+    w = (torch.randn(G, N, K) / K ** 0.5).to(DEVICE, dtype).requires_grad_()
+    b = torch.randn(G, N).to(DEVICE, dtype).requires_grad_()
+    return x, w, b, torch.randn(M, N).to(DEVICE, dtype)
 
 
 def _apply(x, w, b, recipe, weight_grad_ahead=True, save_original_input=False, sizes=SIZES):
-    ends = torch.tensor(sizes).cumsum(0).to(torch.int32)
+    ends = torch.tensor(sizes, device=DEVICE).cumsum(0).to(torch.int32)
     config = Fp8Config(recipe, False, None, save_original_input)
     return Fp8ScaledMMFunction.apply(x, w, b, ends, config, None, weight_grad_ahead)
 
