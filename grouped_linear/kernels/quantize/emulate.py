@@ -23,6 +23,7 @@ from .._groups import row_groups
 from .common import group_amax, pad_to, saturate, scale_from_amax
 
 __all__ = ["fake_quant", "fake_quant_rows", "fake_quant_group_columns", "fake_quant_groups",
+           "group_scales_per_row",
            "fake_quant_weight", "fake_quant_column_tiles", "fake_quant_weight_blocks",
            "fake_quant_row_tiles"]
 
@@ -51,13 +52,19 @@ def fake_quant_group_columns(t: torch.Tensor, ends: torch.Tensor, fp8_dtype: tor
     return fake_quant(t, _per_row(scale, ends, t.shape[0]), fp8_dtype)
 
 
+def group_scales_per_row(t: torch.Tensor, ends: torch.Tensor, fp8_dtype: torch.dtype,
+                         power_of_two: bool) -> torch.Tensor:
+    """``(M,)``: each row of ``(M, C)`` gets its group's scale (from the group's amax); rows
+    past the last group 1."""
+    amax = group_amax(t, ends).amax(dim=1) if t.shape[1] else t.new_zeros(ends.shape[0])
+    return _per_row(scale_from_amax(amax, fp8_dtype, power_of_two), ends, t.shape[0])
+
+
 def fake_quant_groups(t: torch.Tensor, ends: torch.Tensor, fp8_dtype: torch.dtype,
                       power_of_two: bool) -> torch.Tensor:
     """One scale per group of ``(M, C)``."""
-    amax = group_amax(t, ends).amax(dim=1, keepdim=True) if t.shape[1] \
-        else t.new_zeros(ends.shape[0], 1)
-    scale = scale_from_amax(amax, fp8_dtype, power_of_two)
-    return fake_quant(t, _per_row(scale, ends, t.shape[0]), fp8_dtype)
+    scale = group_scales_per_row(t, ends, fp8_dtype, power_of_two)
+    return fake_quant(t, scale[:, None], fp8_dtype)
 
 
 def fake_quant_weight(weight: torch.Tensor, dim: int | None, fp8_dtype: torch.dtype,

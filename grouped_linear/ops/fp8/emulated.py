@@ -8,9 +8,8 @@ would (see :mod:`grouped_linear.kernels.quantize.emulate`), accumulating in floa
 * dgrad: rowwise, ``dy`` times the weight's per-output-channel factors, per token, with
   the forward's FP8 weight values; tensorwise, ``dy`` and ``W`` per group (gradient format
   for ``dy``);
-* wgrad: rowwise, ``dy`` times ``x``'s per-token factors, per (group, column) along the
-  group's tokens, with the forward's FP8 values of ``x``; tensorwise, ``dy`` and ``x`` per
-  group.
+* wgrad: ``dy`` times ``x``'s per-token (rowwise) or per-group (tensorwise) factors, per
+  (group, column) along the group's tokens, with the forward's FP8 values of ``x``.
 
 The bias is added, and its gradient summed, in high precision. This path runs
 the numerics of the recipes on CPU (and anywhere else); it reads the group ends
@@ -29,7 +28,7 @@ from ...kernels import bias as bias_kernels
 from ...kernels.gemm import torch_gemm
 from ...kernels.quantize import emulate, rows, transposed
 from ...kernels.quantize.folded import ColumnFactors
-from ...recipes import Float8Blockwise, Float8Recipe, Float8Rowwise
+from ...recipes import Float8Blockwise, Float8Recipe, Float8Rowwise, Float8Tensorwise
 from .weight import Fp8Config, quantize_weight_emulated, weight_and_bias_grads
 
 __all__ = ["Fp8EmulatedFunction"]
@@ -67,25 +66,22 @@ def _quantize_tokens(t, ends, fp8_dtype, recipe):
 
 def _wgrad_operands(grad_out: torch.Tensor, x: torch.Tensor, ends: torch.Tensor,
                     recipe: Float8Recipe) -> tuple[torch.Tensor, torch.Tensor]:
-    """The wgrad GEMM's operands as it sees them. Float8Rowwise: ``x``'s forward FP8 values
-    (scaled per token, not dequantized) and the gradient multiplied by ``x``'s per-token
-    factors, then quantized per (group, column) along the tokens: the same product, the
-    factors moved across the reduced dimension, and no second quantization of ``x``. The
-    other recipes: both scaled along the tokens of each group."""
+    """The wgrad GEMM's operands as it sees them. Float8Rowwise and Float8Tensorwise:
+    ``x``'s forward FP8 values (scaled per token or per group, not dequantized) and the
+    gradient multiplied by ``x``'s per-token factors, then quantized per (group, column)
+    along the tokens: the same product, the factors moved across the reduced dimension, and
+    no second quantization of ``x``. Float8Blockwise: both in 128-token blocks of each group,
+    per column."""
     pow2 = recipe.power_of_two_scales
-    if not isinstance(recipe, Float8Rowwise):
-        return (_quantize_for_wgrad(grad_out, ends, recipe.gradient_dtype, recipe),
-                _quantize_for_wgrad(x, ends, recipe.forward_dtype, recipe))
-    codes, inv = rows.quantize_rows_reference(x, recipe.forward_dtype, pow2)
+    if isinstance(recipe, Float8Blockwise):
+        return (emulate.fake_quant_row_tiles(grad_out, ends, recipe.gradient_dtype, pow2),
+                emulate.fake_quant_row_tiles(x, ends, recipe.forward_dtype, pow2))
+    scale = None
+    if isinstance(recipe, Float8Tensorwise):  # each row takes its group's scale
+        scale = emulate.group_scales_per_row(x, ends, recipe.forward_dtype, pow2)
+    codes, inv = rows.quantize_rows_reference(x, recipe.forward_dtype, pow2, scale)
     folded = transposed.fold_row_factors(grad_out, inv)
     return emulate.fake_quant_group_columns(folded, ends, recipe.gradient_dtype, pow2), codes.float()
-
-
-def _quantize_for_wgrad(t, ends, fp8_dtype, recipe):
-    """The wgrad operands of the per-group recipes, scaled along the tokens of each group."""
-    if isinstance(recipe, Float8Blockwise):
-        return emulate.fake_quant_row_tiles(t, ends, fp8_dtype, recipe.power_of_two_scales)
-    return emulate.fake_quant_groups(t, ends, fp8_dtype, recipe.power_of_two_scales)
 
 
 class Fp8EmulatedFunction(torch.autograd.Function):
