@@ -98,3 +98,27 @@ def test_one_read_keeps_fp8_blocks_of_x_instead_of_x():
     y = Fp8BlockwiseFunction.apply(x, w, None, size_tensor, size_tensor.cumsum(0).int(), config,
                                    None, False)
     assert y.grad_fn.saved_tensors[0] is x and y.grad_fn.saved_tensors[1] is None
+
+
+def test_input_major_weight_gets_its_gradient_in_its_own_layout():
+    """A weight stored ``(G, K, N)`` and passed as its transposed view: its gradient reaches
+    the stored parameter contiguous (``x^T dy`` per group, nothing to copy) and equals the
+    contiguous weight's up to accumulation order."""
+    sizes, K, N = [70, 0, 133, 1], 256, 128
+    torch.manual_seed(5)
+    x = torch.randn(sum(sizes), K).to(DEVICE, torch.bfloat16)
+    w = (torch.randn(len(sizes), N, K) / 16).to(DEVICE, torch.bfloat16)
+    grad = torch.randn(sum(sizes), N).to(DEVICE, torch.bfloat16)
+    size_tensor = torch.tensor(sizes, device=DEVICE)
+    config = Fp8Config(Float8Blockwise(), False, None)
+    stored = w.transpose(1, 2).contiguous().requires_grad_()
+    layouts = []
+    stored.register_hook(lambda g: layouts.append(g.is_contiguous()))
+    grads = []
+    for weight in (stored.transpose(1, 2), w.clone().requires_grad_()):
+        Fp8BlockwiseFunction.apply(x, weight, None, size_tensor,
+                                   size_tensor.cumsum(0).to(torch.int32), config, None,
+                                   True).backward(grad)
+        grads.append(weight.grad if weight.is_leaf else stored.grad.transpose(1, 2))
+    assert layouts == [True]
+    assert rel_err(grads[0], grads[1]) < 1e-2

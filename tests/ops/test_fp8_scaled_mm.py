@@ -116,3 +116,24 @@ def test_route_and_emulation_take_the_same_fp8_values(recipe):
         results.append((y, *(t.grad for t in leaves)))
     for name, a, b_ in zip(("y", "dx", "dW", "db"), *results):
         assert rel_err(a, b_) < 1e-2, (name, rel_err(a, b_))
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=repr)
+def test_input_major_weight_gets_its_gradient_in_its_own_layout(recipe):
+    """A weight stored ``(G, K, N)`` and passed as its transposed view: its gradient reaches
+    the stored parameter contiguous (computed as ``x^T dy`` per group, nothing to copy), and
+    equals the contiguous weight's up to accumulation order; the input gradient too."""
+    x, w, b, grad_out = _leaves()
+    stored = w.detach().transpose(1, 2).contiguous().requires_grad_()
+    layouts = []
+    stored.register_hook(lambda grad: layouts.append(grad.is_contiguous()))
+    results = []
+    for weight in (stored.transpose(1, 2), w):
+        xs = x.detach().clone().requires_grad_()
+        _apply(xs, weight, b.detach(), recipe).backward(grad_out)
+        results.append(xs.grad)
+    assert layouts == [True]
+    assert rel_err(stored.grad.transpose(1, 2), w.grad) < 1e-2
+    assert rel_err(results[0], results[1]) < 1e-2
+    assert rel_err(stored.grad.transpose(1, 2), reference_grads(x, w, b, SIZES, grad_out)[2]) \
+        < 6e-2

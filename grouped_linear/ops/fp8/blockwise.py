@@ -26,6 +26,7 @@ import torch
 
 from ...kernels import bias as bias_kernels
 from ...kernels.gemm import fp8_gluon_gemm, fp8_gluon_wgrad, fp8_triton_gemm
+from ...kernels.gemm.gluon_gemm import is_input_major
 from ...kernels.quantize import blocks, blocks_gluon
 from .weight import (
     Fp8Config,
@@ -116,6 +117,9 @@ class Fp8BlockwiseFunction(torch.autograd.Function):
                 blocks.quantize_token_blocks(grad_out, sizes, fp8_grad, pow2, transpose=True)
             xt, xt_inv = (x_t, x_inv_blocks) if x is None else \
                 blocks.quantize_token_blocks(x, sizes, recipe.forward_dtype, pow2, transpose=True)
+            if is_input_major(weight):  # x^T dy per group: the parameter's own layout
+                return _wgrad(xt, xt_inv, dy_t, dy_inv_blocks, sizes, ctx.num_rows,
+                              out_dtype).transpose(1, 2)
             return _wgrad(dy_t, dy_inv_blocks, xt, xt_inv, sizes, ctx.num_rows, out_dtype)
 
         grad_w, grad_b = weight_and_bias_grads(ctx, grad_out, ends, grad_weight, weight.dtype,

@@ -32,6 +32,7 @@ import torch
 from ...kernels import bias as bias_kernels
 from ...kernels.ends import group_sizes
 from ...kernels.gemm import fp8_torch_gemm, fp8_triton_gemm
+from ...kernels.gemm.gluon_gemm import is_input_major
 from ...kernels.quantize import common, folded, groups, rows, transposed
 from ...recipes import Float8Recipe, Float8Tensorwise
 from .weight import (
@@ -162,10 +163,13 @@ class Fp8ScaledMMFunction(torch.autograd.Function):
                 x_t, x_t_inv, _ = transposed.quantize_group_columns_t(
                     x, ends, recipe.forward_dtype, pow2, x_scale, align=align,
                     data_ends=aligned)
-            # 128-token group blocks, one factor per (group, column)
-            return fp8_triton_gemm.blockwise_wgrad(dy_t, dy_t_inv, x_t, x_t_inv,
-                                                   group_sizes(ends), grad_out.shape[0],
-                                                   out_dtype, group_scales=True)
+            # 128-token group blocks, one factor per (group, column); a weight stored
+            # input-major gets x^T dy per group, its own layout (no copy into the parameter)
+            pair = ((x_t, x_t_inv, dy_t, dy_t_inv) if is_input_major(weight)
+                    else (dy_t, dy_t_inv, x_t, x_t_inv))
+            grad_w = fp8_triton_gemm.blockwise_wgrad(*pair, group_sizes(ends), grad_out.shape[0],
+                                                     out_dtype, group_scales=True)
+            return grad_w.transpose(1, 2) if is_input_major(weight) else grad_w
 
         grad_w, grad_b = weight_and_bias_grads(ctx, grad_out, ends, grad_weight, weight.dtype,
                                                (x, x_inv, *pieces), fuses_bias=True)
