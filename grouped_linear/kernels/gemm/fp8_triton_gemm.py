@@ -52,10 +52,16 @@ GROUP_SCALED_WGRAD_CONFIG = (8, 3, 128, 128, 256)
 
 
 @triton.jit
-def _dot(a, b, acc, UPCAST: tl.constexpr):
-    """``acc + a @ b`` in float32 (``UPCAST``: FP8 values held as float32, interpreter)."""
+def _dot(a, b, acc, UPCAST: tl.constexpr, PROMOTE: tl.constexpr = 0):
+    """``acc + a @ b`` in float32 (``UPCAST``: FP8 values held as float32, interpreter).
+    ``PROMOTE``: Hopper's FP8 MMAs add into their accumulator with about 14 bits kept; with
+    ``PROMOTE = n`` the products of every ``n`` reduced elements are added to ``acc`` in
+    full float32, so that a long reduction into one accumulator stays exact to float32
+    (else the tensor cores' default: all of it in their own precision)."""
     if UPCAST:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    if PROMOTE:
+        return tl.dot(a, b, acc, max_num_imprecise_acc=PROMOTE)
     return tl.dot(a, b, acc)
 
 
@@ -156,7 +162,7 @@ def _fp8_blockwise_wgrad_kernel(dy_ptr, dy_inv_ptr, x_ptr, x_inv_ptr, dw_ptr, si
             for j in tl.static_range(0, SCALE_BLOCK, BLOCK_T):
                 dy_t = tl.load(dy_rows + (t0 + j) + dy_offsets, mask=n_mask[:, None], other=0.0)
                 x = tl.load(x_rows + (t0 + j) + x_offsets, mask=k_mask[None, :], other=0.0)
-                acc = _dot(dy_t, x, acc, UPCAST)
+                acc = _dot(dy_t, x, acc, UPCAST, BLOCK_T)  # promoted every BLOCK_T tokens
         row = g.to(tl.int64)
         dy_scale = tl.load(dy_inv_ptr + (row * stride_dyi + n0) + offs_n, mask=n_mask, other=0.0)
         x_scale = tl.load(x_inv_ptr + (row * stride_xi + k0) + offs_k, mask=k_mask, other=0.0)

@@ -76,6 +76,27 @@ def test_blockwise_wgrad_against_dequantized_float32(sizes, tail, group_scales):
             assert torch.all(got[g] == 0)
 
 
+@pytest.mark.parametrize("group_scales", [False, True])
+def test_long_reductions_accumulate_in_float32(group_scales):
+    """16384 tokens of one group, every product positive (the sum grows with each block):
+    the weight gradient stays close to the float64 product of the same FP8 operands. Hopper's
+    FP8 MMA keeps about 14 bits of its running sum; the kernels add every 128-token block's
+    products into a float32 accumulator, so only a block's own sum sees that precision (one
+    accumulator over all 16384 tokens would drop most of each late block's bits)."""
+    gen = torch.Generator().manual_seed(4)
+    M, N, K = 16384, 64, 128
+    dy = (torch.rand(N, M, generator=gen) * 200 + 40).to(E4M3).to(DEVICE)
+    x = (torch.rand(K, M, generator=gen) * 200 + 40).to(E4M3).to(DEVICE)
+    rows = 1 if group_scales else M // 128
+    dy_inv, x_inv = _factors(rows, N), _factors(rows, K)
+    sizes = torch.tensor([M], device=DEVICE)
+    kwargs = {"out_dtype": torch.float32, "group_scales": group_scales}
+    got = fg.blockwise_wgrad(dy, dy_inv, x, x_inv, sizes, M, **kwargs)
+    want = fg.blockwise_wgrad_reference(dy.cpu(), dy_inv.cpu().double(), x.cpu(),
+                                        x_inv.cpu().double(), sizes.cpu(), M, **kwargs)
+    assert rel_err(got, want) < 5e-3
+
+
 def test_group_scaled_wgrad_reads_the_rowwise_wgrad_operands():
     """The rowwise recipes' wgrad operands, quantized with 128-token group alignment, are the
     layout the group-scaled kernel reads: dW matches float64 within FP8 error."""
