@@ -41,9 +41,11 @@ def build_parser() -> argparse.ArgumentParser:
         "(--suite layouts), or transformers' experts modules by its grouped_mm and by this "
         "library (--suite transformers). On CPU the sizes are scaled down.",
     )
-    bench.add_argument("--suite", choices=("gemm", "layouts", "transformers"), default="gemm",
+    bench.add_argument("--suite", choices=("gemm", "layouts", "transformers", "fine"),
+                       default="gemm",
                        help="gemm: grouped GEMM TFLOP/s (default); layouts: layout ops' GB/s "
-                       "and GroupedMLP overhead; transformers: its experts modules")
+                       "and GroupedMLP overhead; transformers: its experts modules; fine: many "
+                       "small groups against grouped_mm (--rounds default 1)")
     bench.add_argument("--shapes", default=None,
                        help="comma-separated shape names from shapes.json (default: all; "
                        "--suite gemm only)")
@@ -131,6 +133,17 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             raise SystemExit(f"{', '.join(given)}: not for --suite transformers")
         run_transformers_bench(device=args.device, json_path=args.json_path, reps=args.reps,
                                rounds=3 if args.rounds is None else args.rounds)
+        return 0
+    if args.suite == "fine":
+        from .bench_fine import run_fine_bench
+
+        given = [flag for flag, value in (("--shapes", args.shapes), ("--plot", args.plot_path),
+                                          ("--dtype", args.dtype), ("--columns", args.columns))
+                 if value is not None]
+        if given:
+            raise SystemExit(f"{', '.join(given)}: not for --suite fine")
+        run_fine_bench(device=args.device, json_path=args.json_path, reps=args.reps,
+                       rounds=1 if args.rounds is None else args.rounds)
         return 0
     from .bench import run_bench
 
