@@ -67,3 +67,16 @@ def gathered_reference(x, weight, bias, sizes, grad_out):
     dw = torch.zeros_like(w64).index_add_(0, groups, dy[:, :, None] * x64[:, None, :])
     db = torch.zeros_like(b64).index_add_(0, groups, dy)
     return y, dx, dw, db
+
+
+def saved_by(fn):
+    """The tensors autograd saves while ``fn()`` runs, and ``fn``'s result."""
+    saved = []
+
+    def pack(t):
+        saved.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return saved, out

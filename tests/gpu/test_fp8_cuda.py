@@ -8,7 +8,7 @@ from grouped_linear.kernels.gemm import fp8_torch_gemm
 from grouped_linear.ops.dispatch import fp8_route
 from grouped_linear.recipes import Float8Blockwise, Float8Rowwise, Float8Tensorwise
 from tests.gpu.test_cuda_graphs import check_layer_step_replays
-from tests.reference import reference_grads, rel_err
+from tests.reference import reference_grads, rel_err, saved_by
 
 pytestmark = [
     pytest.mark.gpu,
@@ -242,19 +242,6 @@ def test_list_input_is_quantized_piece_by_piece(recipe, monkeypatch):
         assert rel_err(got, want) < _tolerance(recipe)
 
 
-def _saved_by(fn):
-    """The tensors autograd saves while ``fn()`` runs, and ``fn``'s result."""
-    saved = []
-
-    def pack(t):
-        saved.append(t)
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = fn()
-    return saved, out
-
-
 @pytest.mark.parametrize("recipe", DEVICE_RECIPES)
 def test_save_original_input_keeps_x_and_no_fp8_copy_of_it(recipe):
     """``save_original_input=True``: backward keeps ``x`` itself (no FP8 copy of its rows);
@@ -269,7 +256,7 @@ def test_save_original_input_keeps_x_and_no_fp8_copy_of_it(recipe):
     grad_out = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
     results = {}
     for keep in (False, True):
-        saved, y = _saved_by(lambda keep=keep: gl.grouped_linear(
+        saved, y = saved_by(lambda keep=keep: gl.grouped_linear(
             x, w, None, splits, recipe=recipe, save_original_input=keep))
         x.grad = w.grad = None
         y.backward(grad_out)

@@ -8,7 +8,7 @@ import torch
 from grouped_linear.kernels.gemm import fp8_torch_gemm
 from grouped_linear.ops.fp8 import Fp8Config, Fp8ScaledMMFunction
 from grouped_linear.recipes import Float8Rowwise, Float8Tensorwise
-from tests.reference import reference_grads, rel_err
+from tests.reference import reference_grads, rel_err, saved_by
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SIZES = [40, 0, 75, 13, 64]
@@ -57,19 +57,6 @@ def test_gradients_against_float64(recipe, save_original_input):
     assert torch.all(w.grad[empty] == 0) and torch.all(b.grad[empty] == 0)
 
 
-def _saved_by(fn):
-    """The tensors autograd saves while ``fn()`` runs, and its result."""
-    saved = []
-
-    def pack(t):
-        saved.append(t)
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = fn()
-    return saved, out
-
-
 @pytest.mark.parametrize("recipe", RECIPES, ids=repr)
 def test_backward_keeps_one_fp8_copy_of_x_in_the_wgrad_layout(recipe):
     """What backward keeps of ``x``: its FP8 codes in the token-contiguous layout the weight
@@ -77,7 +64,7 @@ def test_backward_keeps_one_fp8_copy_of_x_in_the_wgrad_layout(recipe):
     gradient ahead; the dgrad alone still works then."""
     x, w, b, grad_out = _leaves()
     for ahead in (True, False):
-        saved, y = _saved_by(lambda ahead=ahead: _apply(
+        saved, y = saved_by(lambda ahead=ahead: _apply(
             x, w.detach().requires_grad_(ahead), b, recipe, weight_grad_ahead=ahead))
         fp8 = [t for t in saved if t.dtype.itemsize == 1]
         assert not any(t is x or t.shape == x.shape for t in saved)
