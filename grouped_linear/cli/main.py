@@ -39,11 +39,15 @@ def build_parser() -> argparse.ArgumentParser:
         "shapes and print TFLOP/s per implementation (--suite gemm), or the pad/unpad and "
         "permute/unpermute ops against copy bandwidth and GroupedMLP against its GEMMs "
         "(--suite layouts), or transformers' experts modules by its grouped_mm and by this "
-        "library (--suite transformers). On CPU the sizes are scaled down.",
+        "library (--suite transformers), or a whole MoE block, permute -> GroupedMLP -> "
+        "unpermute, in bf16 and under each FP8 recipe (--suite moe). On CPU the sizes are "
+        "scaled down.",
     )
-    bench.add_argument("--suite", choices=("gemm", "layouts", "transformers"), default="gemm",
+    bench.add_argument("--suite", choices=("gemm", "layouts", "transformers", "moe"),
+                       default="gemm",
                        help="gemm: grouped GEMM TFLOP/s (default); layouts: layout ops' GB/s "
-                       "and GroupedMLP overhead; transformers: its experts modules")
+                       "and GroupedMLP overhead; transformers: its experts modules; moe: a "
+                       "MoE block, bf16 and FP8")
     bench.add_argument("--shapes", default=None,
                        help="comma-separated shape names from shapes.json (default: all; "
                        "--suite gemm only)")
@@ -59,8 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="timed repetitions per case on CPU (default: 5)")
     bench.add_argument("--rounds", type=int, default=None,
                        help="measure each case's columns this many times in alternation and "
-                       "report the median (gemm suite, default 1; transformers suite, "
-                       "default 3)")
+                       "report the median (gemm suite, default 1; transformers and moe "
+                       "suites, default 3)")
     bench.add_argument("--columns", default=None,
                        help="comma-separated columns to measure (gemm suite; default: all "
                        "available)")
@@ -131,6 +135,17 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             raise SystemExit(f"{', '.join(given)}: not for --suite transformers")
         run_transformers_bench(device=args.device, json_path=args.json_path, reps=args.reps,
                                rounds=3 if args.rounds is None else args.rounds)
+        return 0
+    if args.suite == "moe":
+        from .bench_moe import run_moe_bench
+
+        given = [flag for flag, value in (("--shapes", args.shapes), ("--plot", args.plot_path),
+                                          ("--dtype", args.dtype), ("--columns", args.columns))
+                 if value is not None]
+        if given:
+            raise SystemExit(f"{', '.join(given)}: not for --suite moe")
+        run_moe_bench(device=args.device, json_path=args.json_path, reps=args.reps,
+                      rounds=3 if args.rounds is None else args.rounds)
         return 0
     from .bench import run_bench
 
