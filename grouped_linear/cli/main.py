@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 from collections.abc import Sequence
 
@@ -39,13 +40,15 @@ def build_parser() -> argparse.ArgumentParser:
         "shapes and print TFLOP/s per implementation (--suite gemm), or the pad/unpad and "
         "permute/unpermute ops against copy bandwidth and GroupedMLP against its GEMMs "
         "(--suite layouts), or transformers' experts modules by its grouped_mm and by this "
-        "library (--suite transformers). On CPU the sizes are scaled down.",
+        "library (--suite transformers), or a whole MoE block, permute -> GroupedMLP -> "
+        "unpermute, in bf16 and under each FP8 recipe (--suite moe), or one layer's many "
+        "small groups against raw grouped_mm (--suite fine). On CPU the sizes are scaled down.",
     )
-    bench.add_argument("--suite", choices=("gemm", "layouts", "transformers", "fine"),
+    bench.add_argument("--suite", choices=("gemm", "layouts", "transformers", "moe", "fine"),
                        default="gemm",
                        help="gemm: grouped GEMM TFLOP/s (default); layouts: layout ops' GB/s "
-                       "and GroupedMLP overhead; transformers: its experts modules; fine: many "
-                       "small groups against grouped_mm (--rounds default 1)")
+                       "and GroupedMLP overhead; transformers: its experts modules; moe: a "
+                       "MoE block, bf16 and FP8; fine: many small groups against grouped_mm")
     bench.add_argument("--shapes", default=None,
                        help="comma-separated shape names from shapes.json (default: all; "
                        "--suite gemm only)")
@@ -61,12 +64,20 @@ def build_parser() -> argparse.ArgumentParser:
                        help="timed repetitions per case on CPU (default: 5)")
     bench.add_argument("--rounds", type=int, default=None,
                        help="measure each case's columns this many times in alternation and "
-                       "report the median (gemm suite, default 1; transformers suite, "
-                       "default 3)")
+                       "report the median (gemm and fine suites, default 1; transformers "
+                       "and moe suites, default 3)")
     bench.add_argument("--columns", default=None,
                        help="comma-separated columns to measure (gemm suite; default: all "
                        "available)")
     return parser
+
+
+#: The suites of whole cases: their module, entry point and default number of rounds.
+_SUITES = {
+    "transformers": ("bench_transformers", "run_transformers_bench", 3),
+    "moe": ("bench_moe", "run_moe_bench", 3),
+    "fine": ("bench_fine", "run_fine_bench", 1),
+}
 
 
 def _names(flag: str, value: str | None, parser: argparse.ArgumentParser) -> list[str] | None:
@@ -123,27 +134,16 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             raise SystemExit(f"{', '.join(given)}: for --suite gemm only")
         run_layouts_bench(device=args.device, json_path=args.json_path, reps=args.reps)
         return 0
-    if args.suite == "transformers":
-        from .bench_transformers import run_transformers_bench
-
+    if args.suite in _SUITES:  # the suites of whole cases: none of the gemm suite's flags
+        module, function, rounds = _SUITES[args.suite]
         given = [flag for flag, value in (("--shapes", args.shapes), ("--plot", args.plot_path),
                                           ("--dtype", args.dtype), ("--columns", args.columns))
                  if value is not None]
         if given:
-            raise SystemExit(f"{', '.join(given)}: not for --suite transformers")
-        run_transformers_bench(device=args.device, json_path=args.json_path, reps=args.reps,
-                               rounds=3 if args.rounds is None else args.rounds)
-        return 0
-    if args.suite == "fine":
-        from .bench_fine import run_fine_bench
-
-        given = [flag for flag, value in (("--shapes", args.shapes), ("--plot", args.plot_path),
-                                          ("--dtype", args.dtype), ("--columns", args.columns))
-                 if value is not None]
-        if given:
-            raise SystemExit(f"{', '.join(given)}: not for --suite fine")
-        run_fine_bench(device=args.device, json_path=args.json_path, reps=args.reps,
-                       rounds=1 if args.rounds is None else args.rounds)
+            raise SystemExit(f"{', '.join(given)}: not for --suite {args.suite}")
+        run = getattr(importlib.import_module(f".{module}", __package__), function)
+        run(device=args.device, json_path=args.json_path, reps=args.reps,
+            rounds=rounds if args.rounds is None else args.rounds)
         return 0
     from .bench import run_bench
 

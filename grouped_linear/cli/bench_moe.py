@@ -1,0 +1,227 @@
+"""``python -m grouped_linear bench --suite moe``: a whole MoE block, ``gl.permute`` ->
+``gl.GroupedMLP`` (SwiGLU, no bias) -> ``gl.unpermute``, in bf16 and under each FP8 recipe.
+
+Each case is one model's expert layer at a real size (bf16 on CUDA; float32, widths divided
+by 8 and tokens by 256 on CPU, a smoke test that the emulated FP8 columns keep short), fed
+``T`` tokens routed top-``k`` by random router logits (softmax, top-``k``, the ``k`` weights
+renormalised to sum to 1: the ``probs`` ``unpermute`` weighs the expert outputs by).
+Columns: ``bf16`` (the block in the input dtype, no recipe) and, where FP8 GEMMs exist (CUDA
+with compute capability 8.9 or more) or emulated on CPU, ``fp8_rowwise``, ``fp8_tensorwise``
+and ``fp8_blockwise``: the same block inside ``gl.autocast(recipe)``. Every column runs the
+same module on the same inputs; a timed step is permute, the MLP, unpermute and the backward
+of a fixed output gradient (gradients of ``x``, ``probs`` and the parameters, reset before
+every step), in alternating rounds after a warm-up at sustained clocks, the median over
+rounds reported. TFLOP/s count the expert GEMMs only, twice more for the backward:
+``6 * T * k * H * (2F + F)``. Also reported: each column against ``bf16``, peak CUDA memory,
+and the relative error (``||a - b|| / ||b||``) of the block's output and of ``x``'s gradient
+against a float64 block with the same weights and inputs, computed once per case by a plain
+loop over the experts.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+import torch
+import torch.nn.functional as F
+
+import grouped_linear as gl
+
+from ..recipes import Float8Blockwise, Float8Recipe, Float8Rowwise, Float8Tensorwise
+from .demo import resolve_device
+from .timing import format_table, median_seconds, peak_memory_bytes, progress, warm_gpu
+
+__all__ = ["CASES", "Case", "run_moe_bench", "render_moe_table"]
+
+BASELINE = "bf16"
+CPU_DIVISOR = 8
+CPU_TOKEN_DIVISOR = 256
+INIT_STD = 0.02
+RECIPES: dict[str, Float8Recipe] = {
+    "fp8_rowwise": Float8Rowwise(),
+    "fp8_tensorwise": Float8Tensorwise(),
+    "fp8_blockwise": Float8Blockwise(),
+}
+
+
+@dataclass(frozen=True)
+class Case:
+    """One MoE block: experts on this rank, top-k, model and expert widths, tokens."""
+
+    name: str
+    num_experts: int
+    top_k: int
+    hidden: int
+    ffn: int
+    tokens: int
+
+
+CASES = (
+    Case("deepseek_v3_ep8", 32, 8, 7168, 2048, 16384),  # 32 local experts of 256
+    Case("mixtral_8x7b", 8, 2, 4096, 14336, 16384),
+    Case("qwen3_30b_a3b", 128, 8, 2048, 768, 16384),
+)
+
+
+def _scaled(case: Case) -> Case:
+    return replace(case, hidden=max(8, case.hidden // CPU_DIVISOR),
+                   ffn=max(8, case.ffn // CPU_DIVISOR), tokens=case.tokens // CPU_TOKEN_DIVISOR)
+
+
+def _flops(case: Case) -> float:
+    return 6 * case.tokens * case.top_k * case.hidden * (2 * case.ffn + case.ffn)
+
+
+def _columns(dev: torch.device) -> dict[str, Float8Recipe | None]:
+    columns: dict[str, Float8Recipe | None] = {BASELINE: None}
+    if dev.type == "cpu" or (dev.type == "cuda"
+                             and torch.cuda.get_device_capability(dev) >= (8, 9)):
+        columns.update(RECIPES)
+    return columns
+
+
+@dataclass
+class _Inputs:
+    """What every column of one case shares: the module, tokens, routing, output gradient."""
+
+    mlp: gl.GroupedMLP
+    x: torch.Tensor  # (T, H) leaf
+    indices: torch.Tensor  # (T, k) experts
+    probs: torch.Tensor  # (T, k) float32 leaf, renormalised
+    grad_out: torch.Tensor  # (T, H)
+
+    def leaves(self) -> list[torch.Tensor]:
+        return [self.x, self.probs, *self.mlp.parameters()]
+
+
+def _inputs(case: Case, dev: torch.device, dtype: torch.dtype) -> _Inputs:
+    generator = torch.Generator(device=dev).manual_seed(0)
+    mlp = gl.GroupedMLP(case.num_experts, case.hidden, case.ffn, activation="swiglu",
+                        bias=False, params_dtype=dtype, device=dev)
+    with torch.no_grad():
+        for p in mlp.parameters():
+            p.normal_(0, INIT_STD, generator=generator)
+    x = torch.randn(case.tokens, case.hidden, device=dev, generator=generator).to(dtype)
+    logits = torch.randn(case.tokens, case.num_experts, device=dev, generator=generator)
+    probs, indices = logits.softmax(-1).topk(case.top_k, dim=-1)
+    probs = probs / probs.sum(-1, keepdim=True)
+    grad_out = torch.randn(case.tokens, case.hidden, device=dev, generator=generator).to(dtype)
+    return _Inputs(mlp, x.requires_grad_(), indices, probs.requires_grad_(), grad_out)
+
+
+def _step(inputs: _Inputs, recipe: Float8Recipe | None) -> Callable[[], torch.Tensor]:
+    """One forward+backward of the block under ``recipe`` (``None``: the input dtype)."""
+    num_experts = inputs.mlp.num_experts
+
+    def run() -> torch.Tensor:
+        with gl.autocast(recipe):
+            rows, m_splits, row_map = gl.permute(inputs.x, inputs.indices, num_experts)
+            y = inputs.mlp(rows, m_splits)
+            out = gl.unpermute(y, row_map, inputs.probs)
+        out.backward(inputs.grad_out)
+        return out
+    return run
+
+
+def _reference(inputs: _Inputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """The block's output and ``x``'s gradient in float64, one expert at a time: each token's
+    ``k`` slots gathered by expert, ``silu(x W_gate^T) * (x W_up^T) @ W_down^T`` (fc1's weight
+    ``(E, 2F, H)``, its gate half first; fc2's ``(E, H, F)``), weighted by ``probs`` and
+    summed per token."""
+    mlp = inputs.mlp
+    ffn = mlp.ffn_hidden_size
+    w1 = mlp.fc1.weight.detach().double()
+    w2 = mlp.fc2.weight.detach().double()
+    probs = inputs.probs.detach().double()
+    x = inputs.x.detach().double().requires_grad_()
+    out = torch.zeros_like(x)
+    for e in range(mlp.num_experts):
+        token, slot = (inputs.indices == e).nonzero(as_tuple=True)
+        rows = x[token]
+        gate, up = rows @ w1[e, :ffn].T, rows @ w1[e, ffn:].T
+        y = (F.silu(gate) * up) @ w2[e].T
+        out = out.index_add(0, token, probs[token, slot, None] * y)
+    out.backward(inputs.grad_out.double())
+    return out.detach(), x.grad
+
+
+def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b).norm() / b.norm())
+
+
+def _measure_case(case: Case, dev: torch.device, dtype: torch.dtype, rounds: int,
+                  reps: int) -> dict:
+    inputs = _inputs(case, dev, dtype)
+    leaves = inputs.leaves()
+    ref_out, ref_dx = _reference(inputs)
+    columns = _columns(dev)
+    errors = {}
+    for name, recipe in columns.items():  # also each column's first, untimed run
+        for leaf in leaves:
+            leaf.grad = None
+        out = _step(inputs, recipe)()
+        errors[name] = (_rel_err(out.detach(), ref_out), _rel_err(inputs.x.grad, ref_dx))
+    seconds: dict[str, list[float]] = {name: [] for name in columns}
+    for _ in range(rounds):
+        warm_gpu(device=dev)
+        for name, recipe in columns.items():
+            seconds[name].append(median_seconds(_step(inputs, recipe), dev, reps=reps,
+                                                grad_to_none=leaves))
+    flops = _flops(case)
+    result = {"case": case.name, "tokens": case.tokens, "top_k": case.top_k,
+              "num_experts": case.num_experts, "hidden": case.hidden, "ffn": case.ffn,
+              "flops": flops, "columns": {}}
+    for name, recipe in columns.items():
+        median = sorted(seconds[name])[len(seconds[name]) // 2]
+        result["columns"][name] = {
+            "ms": median * 1e3,
+            "tflops": flops / median / 1e12,
+            "peak_bytes": peak_memory_bytes(_step(inputs, recipe), dev, grad_to_none=leaves),
+            "rel_err_out": errors[name][0],
+            "rel_err_dx": errors[name][1],
+        }
+    base = result["columns"][BASELINE]["ms"]
+    for column in result["columns"].values():
+        column["speedup"] = base / column["ms"]
+    return result
+
+
+def run_moe_bench(device: str | torch.device = "auto", json_path: str | None = None,
+                  reps: int = 5, rounds: int = 3, cases: tuple[Case, ...] = CASES) -> dict:
+    """Measure every case; prints the table and returns the report (also written as JSON to
+    ``json_path``)."""
+    dev = resolve_device(device)
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    if dev.type == "cpu":
+        cases = tuple(_scaled(case) for case in cases)
+    report = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+              "dtype": str(dtype).removeprefix("torch."), "torch": torch.__version__,
+              "cases": []}
+    bar = progress(len(cases), desc="MoE block")
+    for case in cases:
+        report["cases"].append(_measure_case(case, dev, dtype, rounds, reps))
+        bar.update()
+    bar.close()
+    print(render_moe_table(report))
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(report, f, indent=2)
+    return report
+
+
+def render_moe_table(report: dict) -> str:
+    """One row per case and column: TFLOP/s, against bf16, peak memory, errors."""
+    rows = []
+    for case in report["cases"]:
+        for name, column in case["columns"].items():
+            peak = column["peak_bytes"]
+            rows.append([case["case"], name, f"{column['tflops']:.3g}",
+                         f"{column['speedup']:.2f}x",
+                         "-" if peak is None else f"{peak / 2**30:.2f}",
+                         f"{column['rel_err_out']:.1e}", f"{column['rel_err_dx']:.1e}"])
+    title = (f"MoE block (permute -> GroupedMLP -> unpermute), forward+backward, "
+             f"{report['dtype']} on {report['device']}, torch {report['torch']}")
+    return format_table(["case", "column", "TFLOP/s", "vs bf16", "peak GiB",
+                         "rel. err out", "rel. err dx"], rows, title=title)
