@@ -20,7 +20,6 @@ loop over the experts.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
@@ -31,7 +30,7 @@ import grouped_linear as gl
 
 from ..recipes import Float8Blockwise, Float8Recipe, Float8Rowwise, Float8Tensorwise
 from .demo import resolve_device
-from .timing import format_table, median_seconds, peak_memory_bytes, progress, warm_gpu
+from .timing import format_table, median_seconds, peak_memory_bytes, run_cases, warm_gpu
 
 __all__ = ["CASES", "Case", "run_moe_bench", "render_moe_table"]
 
@@ -196,19 +195,8 @@ def run_moe_bench(device: str | torch.device = "auto", json_path: str | None = N
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     if dev.type == "cpu":
         cases = tuple(_scaled(case) for case in cases)
-    report = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
-              "dtype": str(dtype).removeprefix("torch."), "torch": torch.__version__,
-              "cases": []}
-    bar = progress(len(cases), desc="MoE block")
-    for case in cases:
-        report["cases"].append(_measure_case(case, dev, dtype, rounds, reps))
-        bar.update()
-    bar.close()
-    print(render_moe_table(report))
-    if json_path:
-        with open(json_path, "w") as f:
-            json.dump(report, f, indent=2)
-    return report
+    return run_cases(cases, lambda case: _measure_case(case, dev, dtype, rounds, reps),
+                     render_moe_table, dev, dtype, "MoE block", json_path)
 
 
 def render_moe_table(report: dict) -> str:

@@ -14,14 +14,13 @@ relative difference of the output from ``transformers``'.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 
 import torch
 
 from ..integrations import transformers as gl_hf
 from .demo import resolve_device
-from .timing import format_table, median_seconds, peak_memory_bytes, progress, warm_gpu
+from .timing import format_table, median_seconds, peak_memory_bytes, run_cases, warm_gpu
 
 __all__ = ["CASES", "run_transformers_bench", "render_transformers_table"]
 
@@ -145,19 +144,8 @@ def run_transformers_bench(device: str | torch.device = "auto", json_path: str |
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     if dev.type == "cpu":
         cases = tuple(_scaled(case) for case in cases)
-    report = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
-              "dtype": str(dtype).removeprefix("torch."), "torch": torch.__version__,
-              "cases": []}
-    bar = progress(len(cases), desc="transformers experts")
-    for case in cases:
-        report["cases"].append(_measure_case(case, dev, dtype, rounds, reps))
-        bar.update()
-    bar.close()
-    print(render_transformers_table(report))
-    if json_path:
-        with open(json_path, "w") as f:
-            json.dump(report, f, indent=2)
-    return report
+    return run_cases(cases, lambda case: _measure_case(case, dev, dtype, rounds, reps),
+                     render_transformers_table, dev, dtype, "transformers experts", json_path)
 
 
 def render_transformers_table(report: dict) -> str:

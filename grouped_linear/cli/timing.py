@@ -23,6 +23,7 @@ __all__ = [
     "peak_memory_bytes",
     "randn",
     "format_table",
+    "run_cases",
 ]
 
 
@@ -219,3 +220,26 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[object]],
     if title:
         out.insert(0, title)
     return "\n".join(out)
+
+
+def run_cases(cases: Sequence, measure: Callable[[object], dict],
+              render: Callable[[dict], str], dev: torch.device, dtype: torch.dtype,
+              desc: str, json_path: str | None) -> dict:
+    """A bench suite's loop: ``measure(case)`` for each case under a progress bar, the report
+    (device, dtype, torch version, ``cases``) printed by ``render`` and written as JSON to
+    ``json_path`` when given. Returns the report."""
+    import json
+
+    report = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+              "dtype": str(dtype).removeprefix("torch."), "torch": torch.__version__,
+              "cases": []}
+    bar = progress(len(cases), desc=desc)
+    for case in cases:
+        report["cases"].append(measure(case))
+        bar.update()
+    bar.close()
+    print(render(report))
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(report, f, indent=2)
+    return report
