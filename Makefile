@@ -27,7 +27,8 @@ test: lint
 # and run in `make test`), in ten pytest processes at once (the GPU has room; Triton's
 # compilations take most of the time, on the CPU cores); about 7 minutes on one H200. The
 # transformers tests need transformers importable (README, Development). `make bench`
-# prints the tables of BENCHMARKS.md.
+# prints the tables of BENCHMARKS.md but the transformers suite's (that one needs transformers:
+# `python -m grouped_linear bench --suite transformers`).
 GPU_TEST_GROUPS := tests/gpu/test_bad_input_cuda.py \
 	"tests/gpu/test_grouped_linear_cuda.py tests/gpu/test_fast_path_cuda.py" \
 	"tests/gpu/test_fp8_cuda.py tests/gpu/test_fp8_gemm_cuda.py tests/gpu/test_weight_grad_cuda.py tests/gpu/test_expert_parallel_nccl.py" \
@@ -52,6 +53,8 @@ test-gpu:
 bench:
 	$(PYTHON) -m grouped_linear bench
 	$(PYTHON) -m grouped_linear bench --suite layouts
+	$(PYTHON) -m grouped_linear bench --suite moe
+	$(PYTHON) -m grouped_linear bench --suite fine
 
 # The scripts of benchmarks/ (benchmarks/README.md says what each measures), each once with
 # its defaults, on a CUDA machine; EP_WORLD: GPUs for the expert-parallel run.
