@@ -66,7 +66,9 @@ class Float8Rowwise(Float8Recipe):
 
 @dataclass(frozen=True)
 class Float8Tensorwise(Float8Recipe):
-    """Dynamic per-tensor scales, one per group ("current scaling")."""
+    """Dynamic per-tensor scales, one per group ("current scaling"). The weight gradient
+    takes ``x``'s forward codes and scales ``dy`` per (group, column), with ``x``'s group
+    scale moved onto it (the tokens being the reduced dimension)."""
 
 
 @dataclass(frozen=True)
