@@ -248,3 +248,22 @@ def test_probs_gradcheck_float64(kind, interleaved):
     inputs = tuple(t.requires_grad_() for t in (h, bias, probs))
     assert torch.autograd.gradcheck(
         lambda h, b, p: bias_activation(h, b, ends, activation, True, probs=p), inputs)
+
+
+@pytest.mark.parametrize("kind, interleaved", CASES)
+@pytest.mark.parametrize("tail", [0, 6])
+def test_reference_without_bias_with_and_without_tail(kind, interleaved, tail):
+    """The plain-PyTorch forms without a bias (the CPU path of every float32 call), whether
+    the groups cover every row or rows follow them: the float64 formulas and their autograd
+    gradient, zero past the groups."""
+    h, _, ends, head = _case(kind, torch.float64, False, tail=tail)
+    h = h.cpu().requires_grad_()
+    ends = ends.cpu()
+    out = act.bias_act_reference(h.detach(), None, ends, kind, True, interleaved)
+    want = grouped_f64(kind, h, None, SIZES, interleaved)
+    grad_a = torch.randn(want.shape, dtype=torch.float64)
+    want_h, = torch.autograd.grad(want, h, grad_a)
+    got_h, _ = act.bias_act_backward_reference(grad_a, h.detach(), None, ends, kind,
+                                               interleaved)
+    assert rel_err(out, want) < 1e-12 and rel_err(got_h, want_h) < 1e-12
+    assert torch.all(out[head:] == 0) and torch.all(got_h[head:] == 0)
