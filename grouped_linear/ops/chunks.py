@@ -146,7 +146,6 @@ def _on_device(values: Chunks, host_values: list[int] | None,
     return torch.tensor(host_values, dtype=torch.int64).to(device, non_blocking=True)
 
 
-
 def sort_chunks_by_index(
     x: torch.Tensor,
     split_sizes: Chunks,
