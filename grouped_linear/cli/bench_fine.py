@@ -45,6 +45,7 @@ and are left out elsewhere, with no ratios then.
 
 from __future__ import annotations
 
+import gc
 import json
 import statistics
 import warnings
@@ -253,9 +254,9 @@ def _measure_cell(cell: dict, names: list[str], dev: torch.device, dtype: torch.
     for name in (n for n in names if n in CACHED):
         layer = gl.GroupedLinear(G, K, N, bias=False, params_dtype=dtype, device=dev,
                                  recipe=RECIPES[CACHED[name]]())
-        with torch.no_grad():
-            layer.weight.copy_(w)
+        layer.weight = torch.nn.Parameter(w.detach())  # w's storage: no copy per layer
         layer(x, splits, is_first_microbatch=True).backward(dy)  # fills the FP8 weight cache
+        _clear([x, layer.weight])
         layers[name] = layer
     columns = {name: _column(name, x, w, dy, splits, ends, layers) for name in names}
 
@@ -361,7 +362,9 @@ def run_fine_bench(device: str | torch.device = "auto", json_path: str | None = 
         for cell in cells:
             report["cells"].append(_measure_cell(cell, names, dev, dtype, rounds, reps))
             if dev.type == "cuda":
+                gc.collect()  # a cell's tensors go before the next, larger one allocates
                 torch.cuda.empty_cache()
+                report["cells"][-1]["allocated_after_bytes"] = torch.cuda.memory_allocated(dev)
             bar.update()
     bar.close()
     report["summary"] = _summary(report["cells"], names)

@@ -1,7 +1,5 @@
 """The GPU kernels compile for Hopper (sm90), here, without a GPU.
 
-benchmarks/kernel_resources.py reports the registers and spills of the same builds.
-
 Triton compiles ahead of time for a target it is given: each case builds a kernel with
 the pointer dtypes and launch constants its wrapper uses on CUDA (FP8 data, no
 interpreter upcasts, every pointer and integer argument a multiple of 16 as on aligned

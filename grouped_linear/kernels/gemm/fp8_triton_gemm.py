@@ -45,10 +45,11 @@ WGRAD_BLOCK_T = 64
 MM_CONFIG = (128, 8, 3)
 WGRAD_CONFIG = (8, 3, 128, 128, 128)  # 429-559 against 402-521 TFLOP/s in 64-token steps
 # The group-scaled wgrad (one factor per group and row, no per-block rescale): (warps,
-# stages, tokens per step, N tile, K tile). On qwen3_30b_g128_skew's operands 128 x 256 tiles
-# in 128-token steps ran 836 TFLOP/s against 712 for 128 x 128 in 64-token steps, and 1244
-# on dsv3_ep32_fc1's (benchmarks/fp8_gemm.py sweep).
-GROUP_SCALED_WGRAD_CONFIG = (8, 3, 128, 128, 256)
+# stages, tokens per step, N tile, K tile). Each 128-token step is added into float32 (see
+# _dot); that holds a second accumulator, so the tile is 256 x 128 (N x K), not 128 x 256:
+# on Mixtral fc1 / fc2 / DeepSeek-V3 fc1 / Qwen3 fc1 operands 867 / 802 / 870 / 698 TFLOP/s
+# against 226 / 212 / 345 / 359 for 128 x 256 (which spills both accumulators).
+GROUP_SCALED_WGRAD_CONFIG = (8, 3, 128, 256, 128)
 
 
 @triton.jit
