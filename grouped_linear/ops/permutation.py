@@ -75,14 +75,16 @@ class _PermuteRows(torch.autograd.Function):
 class _Unpermute(torch.autograd.Function):
     @staticmethod
     def forward(ctx, y, row_map, probs):  # type: ignore[override]
-        ctx.save_for_backward(y, row_map, probs)
+        # y only for the probabilities' gradient: without it the rows are not kept.
+        ctx.save_for_backward(y if ctx.needs_input_grad[2] else None, row_map, probs)
+        ctx.rows_and_dtype = (y.shape[0], y.dtype)
         return _combine(y, row_map, probs)
 
     @staticmethod
     def backward(ctx, grad_out):  # type: ignore[override]
         y, row_map, probs = ctx.saved_tensors
-        num_rows = y.shape[0]
-        acc = _compute_dtype(y.dtype, None if probs is None else probs.dtype)
+        num_rows, y_dtype = ctx.rows_and_dtype
+        acc = _compute_dtype(y_dtype, None if probs is None else probs.dtype)
         grad_y = grad_probs = None
         if ctx.needs_input_grad[0]:
             # Slot (t, j) sends probs[t, j] * grad_out[t] to row row_map[t, j] (valid rows
@@ -94,7 +96,7 @@ class _Unpermute(torch.autograd.Function):
                                                     weights)
             else:  # wide dtypes: plain PyTorch
                 grad_y = row_kernels.spread_rows_reference(grad_out, row_map, num_rows,
-                                                              probs.to(acc)).to(y.dtype)
+                                                              probs.to(acc)).to(y_dtype)
         if probs is not None and ctx.needs_input_grad[2]:
             # Per slot, its row of y dotted with the token's gradient (one pass on GPUs).
             grad_probs = row_kernels.slot_dots(y, grad_out.contiguous(), row_map,

@@ -15,7 +15,7 @@ import torch
 from transformers.configuration_utils import PretrainedConfig
 
 import grouped_linear.integrations.transformers as gl_hf
-from tests.reference import rel_err
+from tests.reference import rel_err, saved_by
 
 _DECORATED = re.compile(r"@use_experts_implementation(?:\([^)]*\))?\s*\nclass (\w+)\(")
 # Config attributes shrunk to a tiny model, by the words their names contain.
@@ -182,3 +182,21 @@ def test_the_measured_families_run_a_fused_activation(class_name, activation, or
     if activation == "gpt_oss_swiglu":
         experts = _build(module_name, class_name)
         assert (fused["alpha"], fused["limit"]) == (experts.alpha, experts.limit)
+
+
+@pytest.mark.parametrize("class_name, weighted_inside", [("Qwen3MoeExperts", True),
+                                                         ("MixtralExperts", True),
+                                                         ("GptOssExperts", False)])
+def test_routing_weights_scale_the_activation_where_fc2_has_no_bias(class_name, weighted_inside):
+    """Without a down-projection bias or post-expert norm the routing weights scale the
+    activation's rows, and backward keeps one ``(rows, H)`` tensor (fc1's input), not also
+    the expert outputs for the weights' gradient; GPT-OSS (biased) weighs after fc2."""
+    gl_hf.register()
+    experts = _build(next(m for m, c in FAMILIES if c == class_name), class_name)
+    hidden, index, weights = _inputs(experts)
+    experts.config._experts_implementation = gl_hf.NAME
+    saved, _ = saved_by(lambda: experts(hidden.requires_grad_(), index,
+                                        weights.requires_grad_()))
+    rows = (index.shape[0] * index.shape[1], hidden.shape[1])
+    copies = {t.untyped_storage().data_ptr() for t in saved if tuple(t.shape) == rows}
+    assert len(copies) == (1 if weighted_inside else 2)

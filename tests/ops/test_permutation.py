@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from grouped_linear.ops.permutation import TRACEABLE, permute, unpermute
+from tests.reference import saved_by
 
 
 def ref_permute(x: torch.Tensor, topk: list[list[int]], num_experts: int, multiple: int):
@@ -132,6 +133,30 @@ def test_gradcheck():
     probs = torch.rand(4, 2, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(unpermute, (y, row_map, probs))
     assert torch.autograd.gradcheck(lambda t: unpermute(t, row_map), (y,))
+
+
+@pytest.mark.parametrize("weighted", [None, "constant", "trained"])
+def test_unpermute_keeps_the_rows_only_for_the_weights_gradient(weighted):
+    """``y_perm`` is saved for backward only when ``probs`` needs a gradient; the gradient
+    of ``y_perm`` is the same either way."""
+    topk = torch.tensor([[0, 2], [2, -1], [1, 0], [-1, 2]])
+    _, _, row_map = permute(torch.zeros(4, 3), topk, 3)
+    y = torch.randn(6, 3, dtype=torch.float64, requires_grad=True)
+    probs = None if weighted is None else torch.rand(4, 2, dtype=torch.float64,
+                                                      requires_grad=weighted == "trained")
+    saved, out = saved_by(lambda: unpermute(y, row_map, probs))
+    assert any(t is y for t in saved) == (weighted == "trained")
+    torch.testing.assert_close(out, ref_unpermute(y.detach(), row_map.tolist(), probs))
+    grad_out = torch.randn(4, 3, dtype=torch.float64)
+    out.backward(grad_out)
+    grad_y = torch.zeros_like(y)
+    for t, slots in enumerate(row_map.tolist()):
+        for j, row in enumerate(slots):
+            if row >= 0:
+                grad_y[row] += grad_out[t] * (1.0 if probs is None else probs[t, j].item())
+                if weighted == "trained":
+                    torch.testing.assert_close(probs.grad[t, j], grad_out[t] @ y[row].detach())
+    torch.testing.assert_close(y.grad, grad_y)
 
 
 def test_low_precision_combine():
