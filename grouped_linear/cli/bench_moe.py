@@ -13,7 +13,8 @@ of a fixed output gradient (gradients of ``x``, ``probs`` and the parameters, re
 every step), in alternating rounds after a warm-up at sustained clocks, the median over
 rounds reported. TFLOP/s count the expert GEMMs only, twice more for the backward:
 ``6 * T * k * H * (2F + F)``. Also reported: each column against ``bf16``, peak CUDA memory,
-and the relative error (``||a - b|| / ||b||``) of the block's output and of ``x``'s gradient
+the memory a forward leaves allocated for its backward (its output not counted; against the
+bf16 column's), and the relative error (``||a - b|| / ||b||``) of the block's output and of ``x``'s gradient
 against a float64 block with the same weights and inputs, computed once per case by a plain
 loop over the experts.
 """
@@ -110,18 +111,38 @@ def _inputs(case: Case, dev: torch.device, dtype: torch.dtype) -> _Inputs:
     return _Inputs(mlp, x.requires_grad_(), indices, probs.requires_grad_(), grad_out)
 
 
-def _step(inputs: _Inputs, recipe: Float8Recipe | None) -> Callable[[], torch.Tensor]:
-    """One forward+backward of the block under ``recipe`` (``None``: the input dtype)."""
-    num_experts = inputs.mlp.num_experts
+def _forward(inputs: _Inputs, recipe: Float8Recipe | None) -> torch.Tensor:
+    """The block's forward under ``recipe`` (``None``: the input dtype)."""
+    with gl.autocast(recipe):
+        rows, m_splits, row_map = gl.permute(inputs.x, inputs.indices, inputs.mlp.num_experts)
+        y = inputs.mlp(rows, m_splits)
+        return gl.unpermute(y, row_map, inputs.probs)
 
+
+def _step(inputs: _Inputs, recipe: Float8Recipe | None) -> Callable[[], torch.Tensor]:
+    """One forward+backward of the block under ``recipe``."""
     def run() -> torch.Tensor:
-        with gl.autocast(recipe):
-            rows, m_splits, row_map = gl.permute(inputs.x, inputs.indices, num_experts)
-            y = inputs.mlp(rows, m_splits)
-            out = gl.unpermute(y, row_map, inputs.probs)
+        out = _forward(inputs, recipe)
         out.backward(inputs.grad_out)
         return out
     return run
+
+
+def _saved_bytes(inputs: _Inputs, recipe: Float8Recipe | None, dev: torch.device) -> int | None:
+    """CUDA memory the forward leaves allocated for backward, its output not counted."""
+    if dev.type != "cuda":
+        return None
+    for leaf in inputs.leaves():
+        leaf.grad = None
+    torch.cuda.synchronize(dev)
+    before = torch.cuda.memory_allocated(dev)
+    out = _forward(inputs, recipe)
+    torch.cuda.synchronize(dev)
+    held = torch.cuda.memory_allocated(dev) - before - out.nbytes
+    out.backward(inputs.grad_out)
+    for leaf in inputs.leaves():
+        leaf.grad = None
+    return held
 
 
 def _reference(inputs: _Inputs) -> tuple[torch.Tensor, torch.Tensor]:
@@ -178,12 +199,15 @@ def _measure_case(case: Case, dev: torch.device, dtype: torch.dtype, rounds: int
             "ms": median * 1e3,
             "tflops": flops / median / 1e12,
             "peak_bytes": peak_memory_bytes(_step(inputs, recipe), dev, grad_to_none=leaves),
+            "saved_bytes": _saved_bytes(inputs, recipe, dev),
             "rel_err_out": errors[name][0],
             "rel_err_dx": errors[name][1],
         }
-    base = result["columns"][BASELINE]["ms"]
+    base = result["columns"][BASELINE]
     for column in result["columns"].values():
-        column["speedup"] = base / column["ms"]
+        column["speedup"] = base["ms"] / column["ms"]
+        column["saved_ratio"] = (None if column["saved_bytes"] is None
+                                 else column["saved_bytes"] / base["saved_bytes"])
     return result
 
 
@@ -204,12 +228,14 @@ def render_moe_table(report: dict) -> str:
     rows = []
     for case in report["cases"]:
         for name, column in case["columns"].items():
-            peak = column["peak_bytes"]
+            peak, saved = column["peak_bytes"], column["saved_bytes"]
             rows.append([case["case"], name, f"{column['tflops']:.3g}",
                          f"{column['speedup']:.2f}x",
                          "-" if peak is None else f"{peak / 2**30:.2f}",
+                         "-" if saved is None else f"{saved / 2**30:.2f}",
+                         "-" if saved is None else f"{column['saved_ratio']:.2f}x",
                          f"{column['rel_err_out']:.1e}", f"{column['rel_err_dx']:.1e}"])
     title = (f"MoE block (permute -> GroupedMLP -> unpermute), forward+backward, "
              f"{report['dtype']} on {report['device']}, torch {report['torch']}")
-    return format_table(["case", "column", "TFLOP/s", "vs bf16", "peak GiB",
-                         "rel. err out", "rel. err dx"], rows, title=title)
+    return format_table(["case", "column", "TFLOP/s", "vs bf16", "peak GiB", "saved GiB",
+                         "saved vs bf16", "rel. err out", "rel. err dx"], rows, title=title)

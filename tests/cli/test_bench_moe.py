@@ -43,7 +43,7 @@ def test_every_column_is_reported_with_its_errors(tmp_path, capsys):
         assert math.isfinite(column["tflops"]) and column["tflops"] > 0, name
         assert column["tflops"] == pytest.approx(case["flops"] / (column["ms"] * 1e-3) / 1e12)
         assert column["speedup"] == pytest.approx(base_ms / column["ms"])
-        assert column["peak_bytes"] is None  # CPU
+        assert column["peak_bytes"] is None and column["saved_bytes"] is None  # CPU
     for key in ("rel_err_out", "rel_err_dx"):
         assert case["columns"][BASELINE][key] < 1e-5  # float32 against float64
         for name in RECIPES:  # the FP8 columns quantize, within FP8's error
