@@ -19,6 +19,7 @@ from grouped_linear.kernels.routing import rows as row_kernels
 from grouped_linear.ops import routing_inputs as inputs
 from grouped_linear.ops.checks import MAX_ROWS, check_int, check_matrix, host_checks
 from grouped_linear.ops.splits import SPLIT_DTYPES, debug_checks_enabled
+from grouped_linear.recipes import current_recipe
 
 __all__ = ["permute", "unpermute"]
 
@@ -74,15 +75,24 @@ class _PermuteRows(torch.autograd.Function):
 
 class _Unpermute(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, y, row_map, probs):  # type: ignore[override]
-        # y only for the probabilities' gradient: without it the rows are not kept.
-        ctx.save_for_backward(y if ctx.needs_input_grad[2] else None, row_map, probs)
+    def forward(ctx, y, row_map, probs, keep_fp8):  # type: ignore[override]
+        # y only for the probabilities' gradient (without it the rows are not kept); under
+        # an FP8 recipe as codes and 128-column tile factors, written by the combine's read.
         ctx.rows_and_dtype = (y.shape[0], y.dtype)
+        if not ctx.needs_input_grad[2]:
+            ctx.save_for_backward(None, row_map, probs, None)
+            return _combine(y, row_map, probs)
+        if keep_fp8 is not None and _compute_dtype(y.dtype, probs.dtype) == torch.float32:
+            out, codes, factors = row_kernels.combine_rows_keeping_fp8(y, row_map, probs,
+                                                                       keep_fp8)
+            ctx.save_for_backward(codes, row_map, probs, factors)
+            return out
+        ctx.save_for_backward(y, row_map, probs, None)
         return _combine(y, row_map, probs)
 
     @staticmethod
     def backward(ctx, grad_out):  # type: ignore[override]
-        y, row_map, probs = ctx.saved_tensors
+        y, row_map, probs, factors = ctx.saved_tensors
         num_rows, y_dtype = ctx.rows_and_dtype
         acc = _compute_dtype(y_dtype, None if probs is None else probs.dtype)
         grad_y = grad_probs = None
@@ -99,9 +109,9 @@ class _Unpermute(torch.autograd.Function):
                                                               probs.to(acc)).to(y_dtype)
         if probs is not None and ctx.needs_input_grad[2]:
             # Per slot, its row of y dotted with the token's gradient (one pass on GPUs).
-            grad_probs = row_kernels.slot_dots(y, grad_out.contiguous(), row_map,
-                                                  acc).to(probs.dtype)
-        return grad_y, None, grad_probs
+            grad_probs = row_kernels.slot_dots(y, grad_out.contiguous(), row_map, acc,
+                                               factors=factors).to(probs.dtype)
+        return grad_y, None, grad_probs, None
 
 
 def _check_integer_matrix(t: object, name: str) -> torch.Tensor:
@@ -305,7 +315,11 @@ def unpermute(
 
     Differentiable in ``y_perm`` and ``probs``; the backward is deterministic
     (a copy into unique rows, and per-slot dot products), and dropped slots
-    get zero gradient.
+    get zero gradient. Only ``probs``' gradient needs ``y_perm``: it is kept for
+    backward only when ``probs`` requires a gradient, and inside
+    ``gl.autocast(recipe)`` (half-precision ``y_perm``, a float32 combine) as FP8
+    codes with one factor per 128-column tile, written by the combine's own read:
+    half the bytes, each product within half an E4M3 step.
     """
     y_perm = check_matrix(y_perm, "y_perm")
     row_map = _check_integer_matrix(row_map, "row_map")
@@ -349,7 +363,9 @@ def unpermute(
                          f"expert indices must be in [-1, {high - 1}] (probs has {high} columns)")
     if experts is not None:
         probs = inputs.gather_dense_probs(probs, inputs.slot_experts(topk_indices, probs.shape[1]))
-    return _Unpermute.apply(y_perm, row_map.to(torch.int64), probs)
+    recipe = current_recipe()
+    return _Unpermute.apply(y_perm, row_map.to(torch.int64), probs,
+                            None if recipe is None else recipe.forward_dtype)
 
 
 def _check_dense_routing(topk_indices: object, probs: torch.Tensor, row_map: torch.Tensor,

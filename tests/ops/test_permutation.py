@@ -7,7 +7,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import grouped_linear as gl
 from grouped_linear.ops.permutation import TRACEABLE, permute, unpermute
+from grouped_linear.recipes import Float8Rowwise
 from tests.reference import saved_by
 
 
@@ -157,6 +159,42 @@ def test_unpermute_keeps_the_rows_only_for_the_weights_gradient(weighted):
                 if weighted == "trained":
                     torch.testing.assert_close(probs.grad[t, j], grad_out[t] @ y[row].detach())
     torch.testing.assert_close(y.grad, grad_y)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_unpermute_under_an_fp8_recipe_keeps_the_rows_in_fp8(dtype):
+    """Inside ``gl.autocast(recipe)`` the rows kept for the weights' gradient are FP8 codes
+    with 128-column tile factors, not ``y_perm``: the output and ``y_perm``'s gradient are
+    the plain call's, the weights' gradient within half an E4M3 step of each product."""
+    gen = torch.Generator().manual_seed(5)
+    topk = random_routing(gen, 24, 4, 8, drop=0.2)
+    _, _, row_map = permute(torch.zeros(24, 1), topk, 8)
+    y = (torch.randn(96, 200, generator=gen) * 3).to(dtype).requires_grad_()
+    probs = torch.rand(24, 4, generator=gen, requires_grad=True)
+    grad_out = torch.randn(24, 200, generator=gen).to(dtype)
+    plain = unpermute(y, row_map, probs)
+    plain.backward(grad_out)
+    want_y, want_p = y.grad, probs.grad
+    y.grad = probs.grad = None
+    with gl.autocast(Float8Rowwise()):
+        saved, out = saved_by(lambda: unpermute(y, row_map, probs))
+    assert not any(t is y for t in saved)
+    assert [t.shape for t in saved if t.dtype == torch.float8_e4m3fn] == [y.shape]
+    assert torch.equal(out, plain)
+    out.backward(grad_out)
+    assert torch.equal(y.grad, want_y)
+    exact = torch.zeros(24, 4, dtype=torch.float64)
+    bound = torch.zeros(24, 4, dtype=torch.float64)
+    for t, slots in enumerate(row_map.tolist()):
+        for j, row in enumerate(slots):
+            if row >= 0:
+                products = y[row].detach().double() * grad_out[t].double()
+                exact[t, j], bound[t, j] = products.sum(), products.abs().sum() / 16
+    assert ((probs.grad.double() - exact).abs() <= bound * (1 + 1e-3) + 1e-6).all()
+    assert not torch.equal(probs.grad, want_p)  # it did quantize
+    with gl.autocast(Float8Rowwise()):  # weights without a gradient: nothing of y kept
+        saved, _ = saved_by(lambda: unpermute(y, row_map, probs.detach()))
+    assert not any(t.shape == y.shape for t in saved)
 
 
 def test_low_precision_combine():

@@ -32,7 +32,8 @@ from .._groups import group_rows
 from .._triton import cdiv, kernel, next_power_of_2, tl, triton, use_triton
 from .common import amax_to_scale, finish, fp8_buffer, pad_to, saturate, scale_from_amax
 
-__all__ = ["quantize_row_tiles", "quantize_row_tiles_reference", "quantize_weight_blocks",
+__all__ = ["quantize_row_tiles", "quantize_row_tiles_reference", "dequantize_row_tiles",
+           "quantize_weight_blocks",
            "quantize_weight_blocks_reference", "quantize_token_blocks",
            "quantize_token_blocks_reference", "token_block_index", "token_block_columns",
            "num_token_blocks",
@@ -58,6 +59,13 @@ def quantize_row_tiles_reference(t: torch.Tensor, fp8_dtype: torch.dtype, power_
     scale = scale_from_amax(amax, fp8_dtype, power_of_two)
     data = saturate(padded, scale[:, :, None], fp8_dtype).view(M, blocks * tile)[:, :C]
     return data.contiguous(), 1.0 / scale
+
+
+def dequantize_row_tiles(data: torch.Tensor, inv: torch.Tensor, tile: int = 128) -> torch.Tensor:
+    """float32 ``data[m, c] * inv[m, c // tile]``: the inverse of :func:`quantize_row_tiles`."""
+    M, C = data.shape
+    tiles = pad_to(data.float(), 1, tile).view(M, -1, tile)
+    return (tiles * inv[:, :, None]).view(M, -1)[:, :C]
 
 
 @kernel

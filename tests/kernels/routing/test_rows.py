@@ -4,9 +4,11 @@ import pytest
 import torch
 
 from grouped_linear.kernels._triton import HAS_TRITON, use_triton
+from grouped_linear.kernels.quantize import blocks as qb
 from grouped_linear.kernels.routing import routing_map as routing
 from grouped_linear.kernels.routing import rows as layout
 from grouped_linear.kernels.routing.relayout import relayout, relayout_reference
+from tests.reference import codes_close
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
@@ -188,3 +190,36 @@ def test_slot_dots_match_the_reference(tokens, k, H, dtype):
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(got.double().cpu(), exact, rtol=1e-4, atol=1e-3)
     assert got[0, 0] == 0
+
+
+@pytest.mark.parametrize("H", [300, 256, 40])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_combine_keeping_fp8_writes_the_held_rows_as_row_tiles(H, dtype):
+    """The combine is unchanged; each row a slot holds comes back as the 128-column tile
+    quantization of the plain reference (rows no slot holds are not read afterwards and not
+    checked); the kept rows' slot dots equal those of their dequantized values."""
+    gen = torch.Generator().manual_seed(H)
+    src = (torch.randn(13, H, generator=gen) * torch.logspace(-3, 3, 13).unsqueeze(1))
+    src = src.to(dtype).to(DEVICE)
+    src[4, :7] = 0  # an all-zero tile start, and a zero row below
+    src[9] = 0
+    row_map = torch.tensor([[0, 5, -1], [11, 2, 3], [-1, -1, -1], [7, 9, 1], [4, 12, 6]],
+                           device=DEVICE)
+    weights = torch.rand(5, 3, generator=gen).to(DEVICE)
+    out, codes, factors = layout.combine_rows_keeping_fp8(src, row_map, weights,
+                                                          torch.float8_e4m3fn)
+    assert torch.equal(out, layout.combine_rows(src, row_map, weights))
+    want_codes, want_factors = qb.quantize_row_tiles_reference(src, torch.float8_e4m3fn, False)
+    held = row_map[row_map >= 0].cpu()
+    assert codes.dtype == torch.float8_e4m3fn and codes.shape == src.shape
+    assert codes_close(codes[held].cpu(), want_codes[held].cpu())
+    torch.testing.assert_close(factors[held].cpu(), want_factors[held].cpu(), rtol=1e-6, atol=0)
+    grad = torch.randn(5, H, generator=gen).to(dtype).to(DEVICE)
+    got = layout.slot_dots(codes, grad, row_map, factors=factors, config=(4, 64, 4))
+    dequantized = qb.dequantize_row_tiles(codes.cpu(), factors.cpu())
+    want = layout.slot_dots_reference(dequantized.to(DEVICE), grad, row_map, torch.float32)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # each kept value within half an E4M3 step (2^-4 relative) of the exact one
+    exact = layout.slot_dots_reference(src, grad, row_map, torch.float64)
+    bound = layout.slot_dots_reference(src.abs(), grad.abs(), row_map, torch.float64) / 16
+    assert ((got.double() - exact).abs() <= bound * (1 + 1e-3) + 1e-6).all()
