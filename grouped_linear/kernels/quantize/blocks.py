@@ -64,8 +64,8 @@ def quantize_row_tiles_reference(t: torch.Tensor, fp8_dtype: torch.dtype, power_
 def dequantize_row_tiles(data: torch.Tensor, inv: torch.Tensor, tile: int = 128) -> torch.Tensor:
     """float32 ``data[m, c] * inv[m, c // tile]``: the inverse of :func:`quantize_row_tiles`."""
     M, C = data.shape
-    tiles = pad_to(data.float(), 1, tile).view(M, -1, tile)
-    return (tiles * inv[:, :, None]).view(M, -1)[:, :C]
+    tiles = pad_to(data.float(), 1, tile).view(M, cdiv(C, tile), tile)
+    return (tiles * inv[:, :, None]).view(M, tiles.shape[1] * tile)[:, :C]
 
 
 @kernel
