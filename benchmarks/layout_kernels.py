@@ -13,6 +13,7 @@ permute ran before.
 import torch
 from _common import CUDA, median_ms, randn, warm_gpu
 
+from grouped_linear.kernels.routing import combine as combine_kernels
 from grouped_linear.kernels.routing import routing_map
 from grouped_linear.kernels.routing import rows as row_kernels
 
@@ -40,7 +41,7 @@ def main() -> None:
         for config in CONFIGS:
             scatter = median_ms(lambda x=x, c=config: row_kernels.scatter_rows(
                 x, row_map, token_of_row, config=c))
-            combine = median_ms(lambda y=y, c=config: row_kernels.combine_rows(
+            combine = median_ms(lambda y=y, c=config: combine_kernels.combine_rows(
                 y, row_map, None, config=c))
             spread = median_ms(lambda x=x, p=probs, c=config: row_kernels.spread_rows(
                 x, row_map, num_rows, p, config=c))

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from grouped_linear.kernels.routing import combine as combine_kernels
 from grouped_linear.kernels.routing import routing_map as routing
 from grouped_linear.kernels.routing import rows as row_kernels
 from grouped_linear.ops import routing_inputs as inputs
@@ -44,7 +45,7 @@ def _gather_rows(src: torch.Tensor, index: torch.Tensor, valid: torch.Tensor) ->
 def _combine(y: torch.Tensor, row_map: torch.Tensor, probs: torch.Tensor | None) -> torch.Tensor:
     """``out[t] = sum_j probs[t, j] * y[row_map[t, j]]`` over slots with a row in ``y``."""
     if _compute_dtype(y.dtype, None if probs is None else probs.dtype) == torch.float32:
-        return row_kernels.combine_rows(y, row_map, probs)  # one fused pass where it can
+        return combine_kernels.combine_rows(y, row_map, probs)  # one fused pass where it can
     tokens, k = row_map.shape
     flat = row_map.reshape(-1)
     valid = (flat >= 0) & (flat < y.shape[0])
@@ -83,7 +84,7 @@ class _Unpermute(torch.autograd.Function):
             ctx.save_for_backward(None, row_map, probs, None)
             return _combine(y, row_map, probs)
         if keep_fp8 is not None and _compute_dtype(y.dtype, probs.dtype) == torch.float32:
-            out, codes, factors = row_kernels.combine_rows_keeping_fp8(y, row_map, probs,
+            out, codes, factors = combine_kernels.combine_rows_keeping_fp8(y, row_map, probs,
                                                                        keep_fp8)
             ctx.save_for_backward(codes, row_map, probs, factors)
             return out
@@ -109,7 +110,7 @@ class _Unpermute(torch.autograd.Function):
                                                               probs.to(acc)).to(y_dtype)
         if probs is not None and ctx.needs_input_grad[2]:
             # Per slot, its row of y dotted with the token's gradient (one pass on GPUs).
-            grad_probs = row_kernels.slot_dots(y, grad_out.contiguous(), row_map, acc,
+            grad_probs = combine_kernels.slot_dots(y, grad_out.contiguous(), row_map, acc,
                                                factors=factors).to(probs.dtype)
         return grad_y, None, grad_probs, None
 

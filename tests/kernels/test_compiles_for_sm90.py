@@ -37,6 +37,7 @@ from grouped_linear.kernels.quantize import groups as qg
 from grouped_linear.kernels.quantize import rows as q
 from grouped_linear.kernels.quantize import transpose as tp
 from grouped_linear.kernels.quantize import transposed as qt
+from grouped_linear.kernels.routing import combine
 from grouped_linear.kernels.routing import routing_map as routing
 from grouped_linear.kernels.routing import rows as layout
 
@@ -200,18 +201,17 @@ CASES = {
          "PDL": True},
         8 if experts <= 32 else 4) for phase in (0, 1, 2) for experts in (8, 256)},
     **{f"slot dots{' of FP8 rows' if fp8 else ''}": (
-        layout._slot_dots_kernel,
+        combine._slot_dots_kernel,
         {"src_ptr": F8 if fp8 else "*bf16", "grad_ptr": "*bf16", "map_ptr": "*i64"},
-        {"HAS_FACTORS": fp8, "BLOCK_T": layout.SLOT_DOTS_CONFIG[0], "BLOCK_K": 8,
-         "BLOCK_H": layout.FP8_TILE if fp8 else layout.SLOT_DOTS_CONFIG[1]},
-        layout.SLOT_DOTS_CONFIG[2]) for fp8 in (False, True)},
+        {"HAS_FACTORS": fp8, "BLOCK_T": combine.SLOT_DOTS_CONFIG[0], "BLOCK_K": 8,
+         "BLOCK_H": combine.FP8_TILE if fp8 else combine.SLOT_DOTS_CONFIG[1]},
+        combine.SLOT_DOTS_CONFIG[2]) for fp8 in (False, True)},
     **{f"combine rows{', keeping FP8 rows' if keep else ''}": (
-        layout._combine_rows_kernel,
+        combine._combine_rows_kernel,
         {"src_ptr": "*bf16", "dst_ptr": "*bf16", "map_ptr": "*i64", "codes_ptr": F8},
-        {"HAS_WEIGHTS": True, "KEEP": keep, "FP8_MAX": FP8_MAX,
-         "BLOCK_T": layout.COMBINE_CONFIG[0],
-         "BLOCK_H": layout.FP8_TILE if keep else layout.COMBINE_CONFIG[1]},
-        layout.COMBINE_CONFIG[2]) for keep in (False, True)},
+        {"HAS_WEIGHTS": True, "KEEP": keep, "FP8_MAX": FP8_MAX, "TILE": combine.FP8_TILE,
+         "BLOCK_T": combine.COMBINE_CONFIG[0], "BLOCK_H": combine.COMBINE_CONFIG[1]},
+        combine.COMBINE_CONFIG[2]) for keep in (False, True)},
     "slot map": (layout._slot_of_row_kernel, {"map_ptr": "*i64", "slot_ptr": "*i64"},
                  {"BLOCK": 1024}, 4),
     # "weighted": float32 routing probabilities per row (Megatron-Core's), and in backward
