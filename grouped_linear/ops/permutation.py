@@ -318,9 +318,10 @@ def unpermute(
     (a copy into unique rows, and per-slot dot products), and dropped slots
     get zero gradient. Only ``probs``' gradient needs ``y_perm``: it is kept for
     backward only when ``probs`` requires a gradient, and inside
-    ``gl.autocast(recipe)`` (half-precision ``y_perm``, a float32 combine) as FP8
-    codes with one factor per 128-column tile, written by the combine's own read:
-    half the bytes, each product within half an E4M3 step.
+    ``gl.autocast(recipe)`` (neither ``y_perm`` nor ``probs`` float64) as the
+    recipe's forward FP8 codes with one factor per 128-column tile, written by the
+    combine's own read: half the bytes of bf16, each product of ``probs``' gradient
+    within half an E4M3 step; ``out`` and ``y_perm``'s gradient are unchanged.
     """
     y_perm = check_matrix(y_perm, "y_perm")
     row_map = _check_integer_matrix(row_map, "row_map")
