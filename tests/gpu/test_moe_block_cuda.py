@@ -1,0 +1,83 @@
+"""The whole MoE block (``permute`` -> ``GroupedMLP`` -> ``unpermute``) under each FP8 recipe on
+CUDA: no host sync with device routing, and one forward+backward captured in a CUDA graph
+replayed on new routings written into the same index tensor (the same results as eager
+calls on those routings). The numerics against float64 are ``tests/ops/test_moe_block_fp8.py``."""
+
+import pytest
+import torch
+
+import grouped_linear as gl
+from tests.gpu.test_cuda_graphs import _capture
+from tests.gpu.test_grouped_linear_cuda import no_host_sync
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+RECIPES = [gl.recipes.Float8Rowwise(), gl.recipes.Float8Tensorwise(),
+           gl.recipes.Float8Blockwise()]
+E, H, FFN, TOKENS, K = 8, 256, 128, 512, 2
+
+
+class _Block:
+    """Module, inputs and a step that reads them, all on CUDA."""
+
+    def __init__(self, recipe):
+        torch.manual_seed(0)
+        self.recipe = recipe
+        self.mlp = gl.GroupedMLP(E, H, FFN, activation="swiglu", bias=False,
+                                 params_dtype=torch.bfloat16, device="cuda")
+        self.x = torch.randn(TOKENS, H, device="cuda", dtype=torch.bfloat16,
+                             requires_grad=True)
+        self.indices = torch.randn(TOKENS, E, device="cuda").topk(K, dim=-1).indices
+        self.probs = torch.rand(TOKENS, K, device="cuda", requires_grad=True)
+        self.grad = torch.randn(TOKENS, H, device="cuda", dtype=torch.bfloat16)
+
+    def step(self, x=None, probs=None):
+        x = self.x if x is None else x
+        probs = self.probs if probs is None else probs
+        self.mlp.zero_grad(set_to_none=True)
+        x.grad = probs.grad = None
+        with gl.autocast(self.recipe):
+            rows, m_splits, row_map = gl.permute(x, self.indices, E)
+            out = gl.unpermute(self.mlp(rows, m_splits), row_map, probs)
+        out.backward(self.grad)
+        return (out, x.grad, probs.grad, self.mlp.fc1.weight.grad, self.mlp.fc2.weight.grad)
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: type(r).__name__)
+def test_fp8_block_runs_without_a_host_sync(recipe):
+    block = _Block(recipe)
+    block.step()  # compiles and fills what the first call fills
+    with no_host_sync():
+        results = block.step()
+    for tensor in results:
+        assert torch.isfinite(tensor).all()
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: type(r).__name__)
+def test_fp8_block_in_a_cuda_graph_replays_new_routings(recipe):
+    block = _Block(recipe)
+    graph, captured = _capture(block.step)
+    names = ("out", "dx", "dprobs", "dW1", "dW2")
+    for seed in range(3):
+        generator = torch.Generator(device="cuda").manual_seed(seed)
+        scores = torch.randn(TOKENS, E, device="cuda", generator=generator)
+        scores[: TOKENS // 2, 0] += 10  # a crowded expert
+        if seed == 1:
+            scores[:, 3] -= 100  # an empty one
+        block.indices.copy_(scores.topk(K, dim=-1).indices)
+        if seed == 2:
+            block.indices[::5, 1] = -1  # dropped slots
+        with torch.no_grad():
+            block.x.copy_(torch.randn(TOKENS, H, device="cuda", generator=generator))
+        graph.replay()
+        torch.cuda.synchronize()
+        got = [t.clone() for t in captured]
+        eager = block.step(block.x.detach().clone().requires_grad_(),
+                           block.probs.detach().clone().requires_grad_())
+        for name, a, b in zip(names, got, eager):
+            assert torch.equal(a, b), (seed, name)
+        if seed == 1:
+            assert torch.all(got[3][3] == 0) and torch.all(got[4][3] == 0)
