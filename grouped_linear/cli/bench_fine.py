@@ -18,7 +18,8 @@ Columns, timed one after the other within a round, each cell's round after :func
 
 * ``torch``: ``F.grouped_mm(x, w.transpose(-2, -1), offs=ends)`` as the gemm suite calls
   it, forward + backward (x and weight gradients);
-* ``gl``: ``gl.grouped_linear(x, w, None, splits)`` (backend ``auto``), forward + backward;
+* ``gl``: ``gl.grouped_linear(x, w, None, splits)`` (backend ``auto``; the route it takes is
+  shown per cell), forward + backward;
 * ``row`` / ``block``: the same call with ``recipe=Float8Rowwise()`` / ``Float8Blockwise()``,
   the weight quantized in every call (CUDA with compute capability >= 8.9, bf16);
 * ``row_cached`` / ``block_cached``: a ``gl.GroupedLinear`` of that recipe and weight called
@@ -58,6 +59,7 @@ import torch.nn.functional as F
 import grouped_linear as gl
 
 from ..ops.checks import check_int
+from ..ops.dispatch import resolve_backend
 from .demo import resolve_device
 from .timing import format_table, median_seconds, peak_memory_bytes, progress, warm_gpu
 
@@ -260,7 +262,8 @@ def _measure_cell(cell: dict, names: list[str], dev: torch.device, dtype: torch.
         layers[name] = layer
     columns = {name: _column(name, x, w, dy, splits, ends, layers) for name in names}
 
-    result = {**cell, "M": M, "empty_groups": int(empty.sum()), "columns": {}}
+    result = {**cell, "M": M, "empty_groups": int(empty.sum()), "columns": {},
+              "gl_route": resolve_backend("auto", dev, dtype, K, N, M, G)}
     for name, column in columns.items():
         _clear(column.leaves)
         out = column.call()
@@ -380,7 +383,7 @@ def _ratio(value: float | None) -> str:
 
 
 def render_fine_tables(report: dict) -> str:
-    """The per-cell table (ratios, TFLOP/s of gl and torch, failed checks), the summary of
+    """The per-cell table (gl's route, ratios, TFLOP/s of gl and torch, failed checks), the summary of
     ratios per ``(K, N)`` and column against the targets, and each column's worst errors
     and largest peak memory."""
     names = report["columns"]
@@ -391,7 +394,7 @@ def render_fine_tables(report: dict) -> str:
         failed = [n for n, c in cols.items()
                   if not c["within_tolerance"] or c["empty_wgrad_zero"] is False]
         rows.append([cell["G"], cell["rows_per_group"], cell["split"], cell["K"], cell["N"],
-                     *(_ratio(cols[n]["ratio"]) for n in ratios),
+                     cell["gl_route"], *(_ratio(cols[n]["ratio"]) for n in ratios),
                      *(f"{cols[n]['tflops']:.3g}" if n in cols else "-" for n in ("gl", "torch")),
                      ", ".join(failed) or "ok"])
     rounds = report["rounds"]
@@ -401,9 +404,9 @@ def render_fine_tables(report: dict) -> str:
                 if report["smoke_test"] else "")
              + f"; ratio = torch ms / column ms (forward-only against torch_fwd), median of "
              f"{rounds} round{'s' if rounds > 1 else ''}")
-    parts = [format_table(["G", "rows/group", "split", "K", "N", *ratios, "gl TFLOP/s",
-                           "torch TFLOP/s", "checks"], rows, align="rrlrr" + "r" * len(ratios)
-                          + "rrl", title=title)]
+    parts = [format_table(["G", "rows/group", "split", "K", "N", "gl route", *ratios,
+                           "gl TFLOP/s", "torch TFLOP/s", "checks"], rows,
+                          align="rrlrrl" + "r" * len(ratios) + "rrl", title=title)]
     summary = [[s["features"], s["column"], s["cells"], s["count"], _ratio(s["min"]),
                 _ratio(s["median"]), _ratio(s["max"]), s["worst"],
                 "-" if s["target"] is None else f">= {s['target'][0]}x min"

@@ -47,6 +47,9 @@ def test_every_cell_and_column_is_reported(capsys, tiny_run):
         G, K, N = cell["G"], cell["K"], cell["N"]
         assert cell["M"] == sum(cell["sizes"]) == G * cell["rows_per_group"]
         assert cell["empty_groups"] == cell["sizes"].count(0)
+        # the route the plain call took: on CPU in float32, torch's grouped GEMM where its
+        # 16-byte rows allow (K and N multiples of 4), else the loop
+        assert cell["gl_route"] == ("grouped" if K % 4 == 0 and N % 4 == 0 else "loop")
         assert set(cell["columns"]) == CPU_COLUMNS
         for name, column in cell["columns"].items():
             forward_only = name.endswith("_fwd")
