@@ -35,7 +35,7 @@ GPU_TEST_GROUPS := tests/gpu/test_bad_input_cuda.py \
 	"tests/gpu/test_fp8_cuda.py tests/gpu/test_fp8_gemm_cuda.py tests/gpu/test_weight_grad_cuda.py tests/gpu/test_expert_parallel_nccl.py" \
 	tests/gpu/test_transformers_cuda.py \
 	"tests/gpu/test_module_attrs_cuda.py tests/gpu/test_routing_inputs_cuda.py tests/gpu/test_chunks_cuda.py tests/gpu/test_mlp_probs_cuda.py" \
-	"tests/gpu/test_compile_cuda.py tests/gpu/test_cuda_graphs.py tests/gpu/test_launch_cuda.py tests/gpu/test_bench_cuda.py tests/gpu/test_moe_block_cuda.py" \
+	"tests/gpu/test_compile_cuda.py tests/gpu/test_cuda_graphs.py tests/gpu/test_launch_cuda.py tests/gpu/test_bench_cuda.py tests/gpu/test_moe_block_cuda.py tests/gpu/test_fp8_primary_cuda.py" \
 	tests/kernels/gemm tests/kernels/quantize "tests/kernels --ignore=tests/kernels/gemm --ignore=tests/kernels/quantize" \
 	"tests/ops/test_chunks.py tests/ops/test_padding.py tests/ops/test_dispatch.py tests/ops/test_routing_inputs.py tests/ops/test_permutation.py tests/ops/test_splits.py" \
 	"tests/ops tests/test_recipes.py --ignore=tests/ops/test_chunks.py --ignore=tests/ops/test_padding.py --ignore=tests/ops/test_dispatch.py --ignore=tests/ops/test_routing_inputs.py --ignore=tests/ops/test_permutation.py --ignore=tests/ops/test_splits.py"

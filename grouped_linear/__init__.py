@@ -5,9 +5,10 @@
 """
 
 from . import parallel, recipes
-from .modules import ExpertParallelMoE, GroupedLinear, GroupedMLP
+from .modules import ExpertParallelMoE, GroupedLinear, GroupedMLP, to_fp8_weights
 from .ops import GroupSplits, grouped_linear
 from .ops.chunks import sort_chunks_by_index
+from .ops.fp8.primary import Float8WeightTensor, MasterWeights
 from .ops.mlp import grouped_mlp
 from .ops.padding import pad_groups, unpad_groups
 from .ops.permutation import permute, unpermute
@@ -19,6 +20,9 @@ __all__ = [
     "GroupedLinear",
     "GroupedMLP",
     "ExpertParallelMoE",
+    "to_fp8_weights",
+    "Float8WeightTensor",
+    "MasterWeights",
     "parallel",
     "GroupSplits",
     "grouped_linear",

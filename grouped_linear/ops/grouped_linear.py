@@ -21,10 +21,12 @@ from .checks import check_operands, check_tensor, describe
 from .dispatch import cached_verdict, choose_route
 from .fast_path import apply_triton_linear, functorch_involved
 from .fp8 import (
+    Float8WeightTensor,
     Fp8BlockwiseFunction,
     Fp8Config,
     Fp8EmulatedFunction,
     Fp8ScaledMMFunction,
+    Fp8Weight,
     Fp8WeightCache,
 )
 from .linear_function import CallConfig, run_linear
@@ -79,8 +81,12 @@ def apply_grouped_linear(
         raise TypeError(f"is_first_microbatch must be None or a bool, got {is_first_microbatch!r}")
     if not isinstance(save_original_input, bool):
         raise TypeError(f"save_original_input must be a bool, got {save_original_input!r}")
+    primary = isinstance(weight, Float8WeightTensor)
     if recipe is None:
-        recipe = current_recipe()
+        recipe = weight.recipe if primary else current_recipe()
+    if primary and recipe != weight.recipe:
+        raise ValueError(f"recipe={recipe!r}: the weight is stored in FP8 for "
+                         f"{weight.recipe!r} and runs only with it")
     if recipe is None and sink is None and tp is None:
         verdict = cached_verdict(x, weight, bias, m_splits, backend)
         if (verdict is not None and verdict[0] and not torch.is_autocast_enabled("cuda")
@@ -143,7 +149,9 @@ def apply_grouped_linear(
         out = _high_precision(route, x, weight, bias, splits, sink)
     else:
         cached = None
-        if weight_cache is not None and is_first_microbatch is not None:
+        if primary:  # stored in FP8: read as it is
+            cached = Fp8Weight.from_codes(weight.codes, weight.inv, recipe, route)
+        elif weight_cache is not None and is_first_microbatch is not None:
             cached = weight_cache.get(weight, recipe, route, refresh=is_first_microbatch)
         config = Fp8Config(recipe, splits.may_have_tail, sink, save_original_input)
         out = _fp8(route, x, pieces, weight, bias, splits, config, cached)

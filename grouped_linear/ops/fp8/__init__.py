@@ -4,8 +4,9 @@
 
 from .blockwise import Fp8BlockwiseFunction
 from .emulated import Fp8EmulatedFunction
+from .primary import Float8WeightTensor, MasterWeights
 from .scaled_mm import Fp8ScaledMMFunction
 from .weight import Fp8Config, Fp8Weight, Fp8WeightCache
 
 __all__ = ["Fp8BlockwiseFunction", "Fp8EmulatedFunction", "Fp8ScaledMMFunction", "Fp8Config",
-           "Fp8Weight", "Fp8WeightCache"]
+           "Fp8Weight", "Fp8WeightCache", "Float8WeightTensor", "MasterWeights"]

@@ -18,6 +18,7 @@ from ...kernels.quantize import blocks, common, emulate, folded, groups, rows
 from ...kernels.quantize.transpose import transpose_groups
 from ...recipes import Float8Blockwise, Float8Recipe, Float8Rowwise, Float8Tensorwise
 from ..weight_grad import WeightGradSink, route_weight_grads
+from .primary import Float8WeightTensor, dequantize_codes
 
 __all__ = ["Fp8Config", "Fp8Weight", "Fp8WeightCache", "quantize_weight_emulated",
            "stash_dgrad_weight", "take_dgrad_weight", "weight_and_bias_grads"]
@@ -114,6 +115,32 @@ class Fp8Weight:
         else:
             raise ValueError(f"route={route!r} is not an FP8 route")
 
+    @classmethod
+    def from_codes(cls, codes: torch.Tensor, inv: torch.Tensor, recipe: Float8Recipe,
+                   route: str) -> Fp8Weight:
+        """The weight of ``route`` from stored forward codes and factors (an FP8 primary
+        weight, :mod:`grouped_linear.ops.fp8.primary`): nothing is quantized; the dgrad's
+        transposed codes are written for the call (one byte read and written per weight)."""
+        self = cls.__new__(cls)
+        self.recipe, self.route = recipe, route
+        self.emulated = self.dgrad_fold = None
+        G, N, K = codes.shape
+        if route == "fp8_emulated":
+            self.emulated = dequantize_codes(codes, inv, torch.float32)
+            return self
+        if route not in ("fp8_scaled_mm", "fp8_blockwise"):
+            raise ValueError(f"route={route!r} is not an FP8 route")
+        self.forward_data, self.forward_inv = codes, inv
+        self.dgrad_data = transpose_groups(codes)
+        if route == "fp8_blockwise":
+            self.dgrad_inv = inv.transpose(1, 2)
+        elif isinstance(recipe, Float8Tensorwise):  # the expert's factor in every channel
+            self.dgrad_inv = inv[:, :1].expand(G, K).contiguous()
+        else:  # rowwise: the channel factors folded into the gradient
+            self.dgrad_inv = common.unit_factors((G, K), codes.device)
+            self.dgrad_fold = inv
+        return self
+
     def buffers(self) -> tuple[torch.Tensor, ...]:
         if self.route == "fp8_scaled_mm":
             return self.forward_data, self.forward_inv, self.dgrad_data, self.dgrad_inv
@@ -173,7 +200,8 @@ def take_dgrad_weight(ctx, weight: torch.Tensor, recipe: Float8Recipe, route: st
     parts = getattr(ctx, "dgrad_weight", None)
     ctx.dgrad_weight = None
     if parts is None:
-        w = Fp8Weight(weight, recipe, route)
+        w = (Fp8Weight.from_codes(weight.codes, weight.inv, recipe, route)
+             if isinstance(weight, Float8WeightTensor) else Fp8Weight(weight, recipe, route))
         parts = (w.dgrad_data, w.dgrad_inv, w.dgrad_fold)
     return parts
 

@@ -1,0 +1,88 @@
+"""``gl.to_fp8_weights``: a model's expert weights stored in FP8, checked before anything
+changes, loading and saving state dicts, moving between devices and dtypes."""
+
+import copy
+import io
+
+import pytest
+import torch
+
+import grouped_linear as gl
+from grouped_linear.ops.fp8.primary import Float8WeightTensor
+from tests.reference import rel_err
+
+ROW, BLOCK = gl.recipes.Float8Rowwise(), gl.recipes.Float8Blockwise()
+SIZES = [10, 20, 0, 20]
+
+
+def _mlp(recipe=ROW, **kwargs):
+    torch.manual_seed(0)
+    return gl.GroupedMLP(4, 128, 96, bias=True, params_dtype=torch.bfloat16, recipe=recipe,
+                         **kwargs)
+
+
+def test_every_expert_weight_is_stored_and_read_in_fp8():
+    """fc1's and fc2's weights become FP8 parameters (biases stay); the block equals the
+    same block holding the stored values in bf16 under the recipe."""
+    mlp = gl.to_fp8_weights(_mlp())
+    for layer in (mlp.fc1, mlp.fc2):
+        assert isinstance(layer.weight, Float8WeightTensor) and layer.weight.requires_grad
+        assert isinstance(layer.weight, torch.nn.Parameter)
+        assert type(layer.bias.data) is torch.Tensor
+    plain = _mlp()
+    with torch.no_grad():
+        for mine, theirs in ((mlp.fc1, plain.fc1), (mlp.fc2, plain.fc2)):
+            theirs.weight.copy_(mine.weight.dequantize())
+            theirs.bias.copy_(mine.bias)
+    x = torch.randn(50, 128).bfloat16().requires_grad_()
+    x_plain = x.detach().clone().requires_grad_()
+    mlp(x, SIZES).float().square().sum().backward()
+    plain(x_plain, SIZES).float().square().sum().backward()
+    assert rel_err(x.grad, x_plain.grad) < 1e-2
+    assert rel_err(mlp.fc1.weight.grad, plain.fc1.weight.grad) < 1e-2
+    assert type(mlp.fc1.weight.grad) is torch.Tensor
+
+
+def test_a_layer_that_cannot_be_stored_leaves_every_layer_unchanged():
+    model = torch.nn.ModuleDict({"a": gl.GroupedLinear(2, 64, 32, recipe=ROW),
+                                 "b": gl.GroupedLinear(2, 64, 32)})
+    before = {name: p for name, p in model.named_parameters()}
+    with pytest.raises(ValueError, match="b has no recipe"):
+        gl.to_fp8_weights(model)
+    assert {name: p for name, p in model.named_parameters()} == before
+    with pytest.raises(ValueError, match="differs from a's own recipe"):
+        gl.to_fp8_weights(model, BLOCK)
+    with pytest.raises(ValueError, match="single_grouped_weight=False"):
+        gl.to_fp8_weights(gl.GroupedLinear(2, 64, 32, recipe=ROW, single_grouped_weight=False))
+    with pytest.raises(ValueError, match="is not a known recipe"):
+        gl.to_fp8_weights(model, "fp8")
+    assert all(type(p.data) is torch.Tensor for p in model.parameters())
+    gl.to_fp8_weights(model, ROW)  # one recipe for both
+    assert model["b"].recipe == ROW and isinstance(model["b"].weight, Float8WeightTensor)
+
+
+def test_state_dicts_round_trip_and_load_into_plain_modules():
+    mlp = gl.to_fp8_weights(_mlp(BLOCK))
+    buffer = io.BytesIO()
+    torch.save(mlp.state_dict(), buffer)
+    buffer.seek(0)
+    state = torch.load(buffer, weights_only=False)
+    assert isinstance(state["fc1.weight"], Float8WeightTensor)
+    fresh = gl.to_fp8_weights(_mlp(BLOCK))
+    with torch.no_grad():
+        fresh.fc1.weight.mul_(0.5)
+    fresh.load_state_dict(state)
+    assert torch.equal(fresh.fc1.weight.codes.float(), mlp.fc1.weight.codes.float())
+    assert torch.equal(fresh.fc1.weight.inv, mlp.fc1.weight.inv)
+    plain = _mlp(BLOCK)
+    plain.load_state_dict(state)
+    assert torch.equal(plain.fc2.weight, mlp.fc2.weight.dequantize())
+
+
+def test_dtype_and_device_moves_keep_the_fp8_storage():
+    mlp = gl.to_fp8_weights(_mlp())
+    codes = mlp.fc1.weight.codes
+    moved = copy.deepcopy(mlp).to("cpu").float()
+    assert isinstance(moved.fc1.weight, Float8WeightTensor)
+    assert moved.fc1.weight.dtype == torch.float32
+    assert torch.equal(moved.fc1.weight.codes.float(), codes.float())

@@ -1,0 +1,157 @@
+"""FP8 primary weights: the stored values, the GEMMs reading them, writes that quantize
+again, and float32 master weights training in step with a plain weight under the recipe."""
+
+import importlib
+
+import pytest
+import torch
+
+import grouped_linear as gl
+from grouped_linear.ops.fp8.primary import Float8WeightTensor, MasterWeights
+from grouped_linear.ops.fp8.weight import quantize_weight_emulated
+from tests.reference import rel_err
+
+RECIPES = [gl.recipes.Float8Rowwise(), gl.recipes.Float8Tensorwise(),
+           gl.recipes.Float8Blockwise()]
+IDS = [type(r).__name__ for r in RECIPES]
+SIZES = [10, 0, 30]
+G, N, K = 3, 256, 160
+
+
+def _weight(seed=0):
+    return torch.randn(G, N, K, generator=torch.Generator().manual_seed(seed)) * 0.05
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=IDS)
+def test_stored_values_are_the_recipes_forward_weight(recipe):
+    """One byte per weight plus the recipe's factors, holding exactly the values the
+    recipe's forward GEMM would read."""
+    w = _weight()
+    stored = Float8WeightTensor.quantize(w, recipe)
+    assert stored.codes.dtype == torch.float8_e4m3fn and stored.codes.shape == w.shape
+    assert stored.dtype == w.dtype and stored.shape == w.shape
+    torch.testing.assert_close(stored.dequantize(), quantize_weight_emulated(w, recipe),
+                               rtol=1e-6, atol=0)
+    nbytes = stored.codes.nbytes + stored.inv.nbytes
+    assert nbytes <= 0.55 * w.to(torch.bfloat16).nbytes
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=IDS)
+def test_grouped_linear_reads_the_stored_weight(recipe):
+    """Output and gradients equal the recipe's call on a plain weight holding the stored
+    values; the weight gradient arrives as a plain tensor of the weight's shape."""
+    stored = torch.nn.Parameter(Float8WeightTensor.quantize(_weight(), recipe))
+    plain = stored.dequantize().detach().requires_grad_()
+    x = torch.randn(40, K, requires_grad=True)
+    grad = torch.randn(40, N)
+    y = gl.grouped_linear(x, stored, None, SIZES)  # the stored recipe by default
+    y.backward(grad)
+    dx = x.grad
+    x.grad = None
+    want = gl.grouped_linear(x, plain, None, SIZES, recipe=recipe)
+    want.backward(grad)
+    assert rel_err(y, want) < 1e-6 and rel_err(dx, x.grad) < 1e-6
+    assert type(stored.grad) is torch.Tensor and torch.equal(stored.grad, plain.grad)
+
+
+def test_another_recipe_is_refused_and_autocast_does_not_apply():
+    """The stored recipe is the weight's own: another one given to the call is refused (the
+    weight untouched); ``gl.autocast``'s does not apply to it, as to a module's own."""
+    stored = Float8WeightTensor.quantize(_weight(), gl.recipes.Float8Rowwise())
+    codes = stored.codes.clone()
+    x = torch.randn(40, K)
+    with pytest.raises(ValueError, match="stored in FP8 for Float8Rowwise"):
+        gl.grouped_linear(x, stored, None, SIZES, recipe=gl.recipes.Float8Blockwise())
+    assert torch.equal(stored.codes.float(), codes.float())
+    with gl.autocast(gl.recipes.Float8Tensorwise()):
+        inside = gl.grouped_linear(x, stored, None, SIZES)
+    assert torch.equal(inside, gl.grouped_linear(x, stored, None, SIZES))
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=IDS)
+def test_writes_quantize_in_place(recipe):
+    """``copy_`` and in-place arithmetic keep the tensor and its buffers (their addresses)
+    and store the quantized result; reads see the dequantized values."""
+    stored = Float8WeightTensor.quantize(_weight(), recipe)
+    addresses = (stored.codes.data_ptr(), stored.inv.data_ptr())
+    new = _weight(seed=1)
+    stored.copy_(new)
+    assert (stored.codes.data_ptr(), stored.inv.data_ptr()) == addresses
+    torch.testing.assert_close(stored.dequantize(), quantize_weight_emulated(new, recipe),
+                               rtol=1e-6, atol=0)
+    before = stored.dequantize()
+    stored.mul_(2.0)
+    assert isinstance(stored, Float8WeightTensor)
+    torch.testing.assert_close(stored.dequantize(), quantize_weight_emulated(2 * before, recipe),
+                               rtol=1e-6, atol=0)
+    torch.testing.assert_close(stored.sum(), stored.dequantize().sum())
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=IDS)
+def test_master_weights_train_in_step_with_a_plain_weight(recipe):
+    """Five SGD steps: an FP8 weight with a float32 master against a float32 weight run
+    under the same recipe (each forward quantizing it). Both forwards read the same FP8
+    values at every step, so the master tracks the plain weight to float32 rounding."""
+    w0 = Float8WeightTensor.quantize(_weight(), recipe).dequantize()  # on the FP8 grid
+    plain = w0.clone().requires_grad_()
+    stored = torch.nn.Parameter(Float8WeightTensor.quantize(w0, recipe))
+    masters = MasterWeights([stored])
+    plain_opt = torch.optim.SGD([plain], lr=0.5)
+    master_opt = torch.optim.SGD(masters.params, lr=0.5)
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(5):
+        x, grad = torch.randn(40, K, generator=gen), torch.randn(40, N, generator=gen)
+        gl.grouped_linear(x, plain, None, SIZES, recipe=recipe).backward(grad)
+        gl.grouped_linear(x, stored, None, SIZES).backward(grad)
+        plain_opt.step()
+        plain_opt.zero_grad()
+        masters.step(master_opt)
+        master_opt.zero_grad()
+        assert stored.grad is None
+    assert rel_err(masters.params[0], plain) < 1e-5
+    assert rel_err(plain, w0) > 1e-2  # it did train
+    torch.testing.assert_close(stored.dequantize(),
+                               quantize_weight_emulated(masters.params[0], recipe),
+                               rtol=1e-6, atol=0)
+
+
+def test_views_and_pieces_are_refused():
+    """No per-expert view, slice, split or reshape: a dequantized copy would not see
+    writes, and FSDP2 or tensor parallelism would shard it silently in high precision."""
+    stored = Float8WeightTensor.quantize(_weight(), gl.recipes.Float8Rowwise())
+    for take in (lambda t: t[0], lambda t: torch.chunk(t, 2), lambda t: t.view(-1),
+                 lambda t: t.narrow(0, 0, 1), lambda t: t.transpose(1, 2),
+                 lambda t: t.new_zeros(t.shape)):
+        with pytest.raises(NotImplementedError, match="FSDP2"):
+            take(stored)
+
+
+@pytest.mark.parametrize("recipe", RECIPES[:2], ids=IDS[:2])
+def test_scaled_mm_route_reads_the_stored_codes(recipe, monkeypatch):
+    """The sm90 route (its quantization and wgrad kernels interpreted, torch's FP8 GEMM
+    replaced by its dequantized reference) on a stored weight: the plain weight's results
+    under that route, and a second backward of a retained graph (the dgrad's transposed
+    codes written again from the stored ones)."""
+    from grouped_linear.kernels.gemm import fp8_torch_gemm
+    ops_linear = importlib.import_module("grouped_linear.ops.grouped_linear")
+
+    def gemm(a, a_inv, b, b_inv, ends, out_dtype):
+        return fp8_torch_gemm.dequantized_reference(a, a_inv, b, b_inv, ends).to(out_dtype)
+
+    monkeypatch.setattr(fp8_torch_gemm, "forward", gemm)
+    monkeypatch.setattr(fp8_torch_gemm, "dgrad", gemm)
+    monkeypatch.setattr(ops_linear, "choose_route", lambda *args: "fp8_scaled_mm")
+    stored = torch.nn.Parameter(Float8WeightTensor.quantize(_weight().bfloat16(), recipe))
+    plain = stored.dequantize().detach().requires_grad_()
+    x = torch.randn(40, K).bfloat16().requires_grad_()
+    grad = torch.randn(40, N).bfloat16()
+    y = gl.grouped_linear(x, stored, None, SIZES)
+    y.backward(grad, retain_graph=True)
+    first = (x.grad.clone(), stored.grad.clone())
+    y.backward(grad)
+    assert torch.equal(x.grad, 2 * first[0]) and torch.equal(stored.grad, 2 * first[1])
+    x.grad = None
+    want = gl.grouped_linear(x, plain, None, SIZES, recipe=recipe)
+    want.backward(grad)
+    assert rel_err(y, want) < 1e-2 and rel_err(first[0], x.grad) < 1e-2
+    assert rel_err(first[1], plain.grad) < 1e-2
