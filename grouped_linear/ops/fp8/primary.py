@@ -24,7 +24,7 @@ from torch.utils._pytree import tree_map_only
 from ...kernels.quantize import blocks, groups, rows
 from ...recipes import Float8Blockwise, Float8Recipe, Float8Tensorwise, check_recipe
 
-__all__ = ["Float8WeightTensor", "MasterWeights", "dequantize_codes", "quantize_primary"]
+__all__ = ["Float8WeightTensor", "MasterWeights", "dequantize_codes", "quantize_weight_codes"]
 
 _BLOCK = 128
 _aten = torch.ops.aten
@@ -37,13 +37,13 @@ _VIEWS = {_aten.split, _aten.split_with_sizes, _aten.chunk, _aten.slice, _aten.n
           _aten.index, _aten.diagonal, _aten.unfold}
 
 
-def quantize_primary(weight: torch.Tensor, recipe: Float8Recipe
+def quantize_weight_codes(weight: torch.Tensor, recipe: Float8Recipe
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(G, N, K)`` -> FP8 codes ``(G, N, K)`` and float32 factors: ``(G, N)`` per output
     channel (rowwise; tensorwise: the expert's factor in every channel) or
     ``(G, cdiv(N, 128), cdiv(K, 128))`` per block (blockwise)."""
     fp8, pow2 = recipe.forward_dtype, recipe.power_of_two_scales
-    weight = weight.detach().contiguous()
+    weight = weight.detach()
     if isinstance(recipe, Float8Blockwise):
         return blocks.quantize_weight_blocks(weight, fp8, pow2)
     group_scale = None
@@ -53,7 +53,7 @@ def quantize_primary(weight: torch.Tensor, recipe: Float8Recipe
 
 
 def dequantize_codes(codes: torch.Tensor, inv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The values of :func:`quantize_primary`'s codes and factors, in ``dtype``."""
+    """The values of :func:`quantize_weight_codes`'s codes and factors, in ``dtype``."""
     values = codes.float()
     if inv.dim() == 2:  # per output channel
         values = values * inv[:, :, None]
@@ -97,7 +97,7 @@ class Float8WeightTensor(torch.Tensor):
             raise TypeError(f"weight must be a floating-point tensor, got {weight!r}")
         if weight.dim() != 3:
             raise ValueError(f"weight has shape {tuple(weight.shape)}: expected (G, N, K)")
-        codes, inv = quantize_primary(weight, recipe)
+        codes, inv = quantize_weight_codes(weight, recipe)
         return cls(codes, inv, recipe, weight.dtype, requires_grad)
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -110,7 +110,7 @@ class Float8WeightTensor(torch.Tensor):
         keep their addresses)."""
         if isinstance(values, Float8WeightTensor):
             values = values.dequantize()
-        codes, inv = quantize_primary(values.to(self.device), self.recipe)
+        codes, inv = quantize_weight_codes(values.to(self.device), self.recipe)
         self.codes.copy_(codes)
         self.inv.copy_(inv)
         return self

@@ -14,11 +14,11 @@ import torch
 
 from ...kernels import bias as bias_kernels
 from ...kernels.gemm.gluon_gemm import is_input_major
-from ...kernels.quantize import blocks, common, emulate, folded, groups, rows
+from ...kernels.quantize import common, emulate, folded, groups, rows
 from ...kernels.quantize.transpose import transpose_groups
 from ...recipes import Float8Blockwise, Float8Recipe, Float8Rowwise, Float8Tensorwise
 from ..weight_grad import WeightGradSink, route_weight_grads
-from .primary import Float8WeightTensor, dequantize_codes
+from .primary import Float8WeightTensor, dequantize_codes, quantize_weight_codes
 
 __all__ = ["Fp8Config", "Fp8Weight", "Fp8WeightCache", "quantize_weight_emulated",
            "stash_dgrad_weight", "take_dgrad_weight", "weight_and_bias_grads"]
@@ -46,27 +46,11 @@ def quantize_weight_emulated(weight: torch.Tensor, recipe: Float8Recipe) -> torc
     return emulate.fake_quant_weight(weight, dim, recipe.forward_dtype, pow2)
 
 
-def _scaled_mm_weight(weight: torch.Tensor, recipe: Float8Recipe) -> tuple[torch.Tensor, ...]:
-    """FP8 ``(G, N, K)`` + ``(G, N)`` factors (forward) and its transpose ``(G, K, N)`` +
-    ``(G, K)`` factors (dgrad): the group's factor (tensorwise) or ones (rowwise, whose
-    per-output-channel factors the dgrad folds into the gradient instead)."""
-    pow2, fp8 = recipe.power_of_two_scales, recipe.forward_dtype
-    G, N, K = weight.shape
-    if is_input_major(weight) and N and K:
-        return _scaled_mm_weight_input_major(weight.transpose(1, 2), recipe)
-    if isinstance(recipe, Float8Tensorwise):  # the dgrad's factors come with the scales
-        group_scale, dgrad_inv = groups.weight_group_scales(weight, fp8, pow2, inv_width=K)
-    else:
-        group_scale, dgrad_inv = None, common.unit_factors((G, K), weight.device)
-    forward_data, forward_inv = rows.quantize_weight_rows(weight, fp8, pow2, group_scale)
-    return forward_data, forward_inv, transpose_groups(forward_data), dgrad_inv
-
-
 def _scaled_mm_weight_input_major(stored: torch.Tensor, recipe: Float8Recipe
                                   ) -> tuple[torch.Tensor, ...]:
-    """:func:`_scaled_mm_weight` of the weight stored contiguous as ``(G, K, N)``: its FP8
-    codes are written in that layout (the dgrad's operand) in one pass, without a copy of
-    the weight, and transposed for the forward (one byte each way)."""
+    """The ``fp8_scaled_mm`` operands (:class:`Fp8Weight`) of a weight stored contiguous as
+    ``(G, K, N)``: its FP8 codes are written in that layout (the dgrad's operand) in one
+    pass, without a copy of the weight, and transposed for the forward (one byte each way)."""
     pow2, fp8 = recipe.power_of_two_scales, recipe.forward_dtype
     G, K, N = stored.shape
     if isinstance(recipe, Float8Tensorwise):
@@ -83,6 +67,9 @@ def _scaled_mm_weight_input_major(stored: torch.Tensor, recipe: Float8Recipe
     return transpose_groups(dgrad_data), forward_inv, dgrad_data, dgrad_inv
 
 
+_ROUTES = ("fp8_scaled_mm", "fp8_blockwise", "fp8_emulated")
+
+
 class Fp8Weight:
     """A weight as the FP8 GEMMs of one route read it, quantized once per step.
 
@@ -97,23 +84,21 @@ class Fp8Weight:
     """
 
     def __init__(self, weight: torch.Tensor, recipe: Float8Recipe, route: str) -> None:
+        if route not in _ROUTES:
+            raise ValueError(f"route={route!r} is not an FP8 route")
         self.recipe, self.route = recipe, route
         weight = weight.detach()
         self.emulated = self.dgrad_fold = None
-        if route == "fp8_scaled_mm":
+        G, N, K = weight.shape
+        if route == "fp8_emulated":
+            self.emulated = quantize_weight_emulated(weight, recipe)
+        elif route == "fp8_scaled_mm" and is_input_major(weight) and N and K:
             (self.forward_data, self.forward_inv, self.dgrad_data,
-             self.dgrad_inv) = _scaled_mm_weight(weight, recipe)
+             self.dgrad_inv) = _scaled_mm_weight_input_major(weight.transpose(1, 2), recipe)
             if isinstance(recipe, Float8Rowwise):
                 self.dgrad_fold = self.forward_inv
-        elif route == "fp8_blockwise":  # 128x128 blocks: dgrad reads the same factors transposed
-            self.forward_data, self.forward_inv = blocks.quantize_weight_blocks(
-                weight, recipe.forward_dtype, recipe.power_of_two_scales)
-            self.dgrad_data = transpose_groups(self.forward_data)  # one tiled pass
-            self.dgrad_inv = self.forward_inv.transpose(1, 2)  # a view: refreshed with it
-        elif route == "fp8_emulated":
-            self.emulated = quantize_weight_emulated(weight, recipe)
         else:
-            raise ValueError(f"route={route!r} is not an FP8 route")
+            self._read_codes(*quantize_weight_codes(weight, recipe))
 
     @classmethod
     def from_codes(cls, codes: torch.Tensor, inv: torch.Tensor, recipe: Float8Recipe,
@@ -121,25 +106,34 @@ class Fp8Weight:
         """The weight of ``route`` from stored forward codes and factors (an FP8 primary
         weight, :mod:`grouped_linear.ops.fp8.primary`): nothing is quantized; the dgrad's
         transposed codes are written for the call (one byte read and written per weight)."""
+        if route not in _ROUTES:
+            raise ValueError(f"route={route!r} is not an FP8 route")
         self = cls.__new__(cls)
         self.recipe, self.route = recipe, route
         self.emulated = self.dgrad_fold = None
-        G, N, K = codes.shape
         if route == "fp8_emulated":
             self.emulated = dequantize_codes(codes, inv, torch.float32)
-            return self
-        if route not in ("fp8_scaled_mm", "fp8_blockwise"):
-            raise ValueError(f"route={route!r} is not an FP8 route")
+        else:
+            self._read_codes(codes, inv)
+        return self
+
+    def _read_codes(self, codes: torch.Tensor, inv: torch.Tensor) -> None:
+        """The GEMMs' operands from the forward codes and factors of
+        :func:`~grouped_linear.ops.fp8.primary.quantize_weight_codes`: the dgrad reads the
+        codes transposed (one tiled pass) with blockwise's factors transposed (a view),
+        tensorwise's expert factor in every column, or rowwise's channel factors folded into
+        the gradient (unit factors here)."""
+        G, N, K = codes.shape
         self.forward_data, self.forward_inv = codes, inv
         self.dgrad_data = transpose_groups(codes)
-        if route == "fp8_blockwise":
+        if self.route == "fp8_blockwise":
             self.dgrad_inv = inv.transpose(1, 2)
-        elif isinstance(recipe, Float8Tensorwise):  # the expert's factor in every channel
+        elif isinstance(self.recipe, Float8Tensorwise) and N:
             self.dgrad_inv = inv[:, :1].expand(G, K).contiguous()
-        else:  # rowwise: the channel factors folded into the gradient
+        else:
             self.dgrad_inv = common.unit_factors((G, K), codes.device)
-            self.dgrad_fold = inv
-        return self
+            if isinstance(self.recipe, Float8Rowwise):
+                self.dgrad_fold = inv
 
     def buffers(self) -> tuple[torch.Tensor, ...]:
         if self.route == "fp8_scaled_mm":
