@@ -70,6 +70,7 @@ bench-details:
 	done
 	PYTHONPATH=. $(PYTHON) benchmarks/profile_step.py launches
 	PYTHONPATH=. $(PYTHON) benchmarks/expert_parallel.py --world $(EP_WORLD)
+	PYTHONPATH=. $(PYTHON) benchmarks/fp8_primary.py --world 1
 
 clean:
 	rm -rf $(VENV) build *.egg-info

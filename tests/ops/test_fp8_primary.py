@@ -115,14 +115,38 @@ def test_master_weights_train_in_step_with_a_plain_weight(recipe):
                                rtol=1e-6, atol=0)
 
 
-def test_views_and_pieces_are_refused():
-    """No per-expert view, slice, split or reshape: a dequantized copy would not see
-    writes, and FSDP2 or tensor parallelism would shard it silently in high precision."""
+@pytest.mark.parametrize("recipe", RECIPES, ids=IDS)
+def test_whole_experts_share_the_buffers(recipe):
+    """Pieces along the experts (slices, chunks) and zero weights of a few experts are FP8
+    weights on the same buffers: a write into a piece reaches the weight, in the piece's
+    experts only. A reshape of the whole reads the same values."""
+    stored = Float8WeightTensor.quantize(_weight(), recipe)
+    before = stored.dequantize()
+    first, rest = torch.chunk(stored, 2)
+    assert isinstance(first, Float8WeightTensor) and first.shape == (2, N, K)
+    assert rest.codes.data_ptr() == stored.codes[2:].data_ptr()
+    torch.testing.assert_close(stored[1:].dequantize(), before[1:], rtol=0, atol=0)
+    new = _weight(seed=4)[2:]
+    rest.copy_(new)
+    after = stored.dequantize()
+    torch.testing.assert_close(after[:2], before[:2], rtol=0, atol=0)
+    torch.testing.assert_close(after[2:], quantize_weight_emulated(new, recipe), rtol=1e-6,
+                               atol=0)
+    zeros = stored.new_zeros((1, N, K))
+    assert isinstance(zeros, Float8WeightTensor) and not zeros.dequantize().any()
+    flat = stored.view(-1)
+    assert flat.shape == (G * N * K,) and torch.equal(flat.dequantize(), after.reshape(-1))
+    assert torch.equal(torch.as_strided(flat, (G, N, K), (N * K, K, 1)).dequantize(), after)
+
+
+def test_other_views_and_pieces_are_refused():
+    """No piece inside an expert, transpose or per-expert select: a dequantized copy would
+    not see writes, and tensor parallelism would shard it silently in high precision."""
     stored = Float8WeightTensor.quantize(_weight(), gl.recipes.Float8Rowwise())
-    for take in (lambda t: t[0], lambda t: torch.chunk(t, 2), lambda t: t.view(-1),
-                 lambda t: t.narrow(0, 0, 1), lambda t: t.transpose(1, 2),
-                 lambda t: t.new_zeros(t.shape)):
-        with pytest.raises(NotImplementedError, match="FSDP2"):
+    for take in (lambda t: t[0], lambda t: torch.chunk(t, 2, dim=1), lambda t: t[:, :8],
+                 lambda t: t.transpose(1, 2), lambda t: t.new_zeros((G, N, 8)),
+                 lambda t: t.view(G, -1)[:, :4], lambda t: t[::2]):
+        with pytest.raises(NotImplementedError, match="whole experts"):
             take(stored)
 
 

@@ -17,19 +17,21 @@ optimizer and quantizes it into the weight after each step.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from itertools import accumulate
 
 import torch
 from torch.utils._pytree import tree_map_only
 
 from ...kernels.quantize import blocks, groups, rows
-from ...recipes import Float8Blockwise, Float8Recipe, Float8Tensorwise, check_recipe
+from ...recipes import Float8Blockwise, Float8Recipe, Float8Rowwise, Float8Tensorwise, check_recipe
 
 __all__ = ["Float8WeightTensor", "MasterWeights", "dequantize_codes", "quantize_weight_codes"]
 
 _BLOCK = 128
 _aten = torch.ops.aten
-# Ops that would hand out a view or a piece of the weight: refused rather than answered
-# with a dequantized copy that writes would not reach.
+# Ops that would hand out a view or a piece of the weight other than whole experts or a
+# reshape of the whole: refused rather than answered with a dequantized copy that writes
+# would not reach.
 _VIEWS = {_aten.split, _aten.split_with_sizes, _aten.chunk, _aten.slice, _aten.narrow,
           _aten.view, _aten._unsafe_view, _aten.as_strided, _aten.select, _aten.unbind,
           _aten.t, _aten.transpose, _aten.permute, _aten.expand, _aten.unsqueeze,
@@ -69,6 +71,11 @@ class Float8WeightTensor(torch.Tensor):
 
     Build one with :meth:`quantize`. ``codes``, ``inv`` and ``recipe`` are what the FP8 routes
     read; :meth:`dequantize` gives the values in the tensor's dtype.
+
+    Pieces along the experts (``weight[a:b]``, ``torch.chunk(weight, n)``, ``new_zeros`` of
+    ``(g, N, K)``) share the buffers, so writes into them reach the weight, and FSDP2's
+    ``fully_shard`` shards it by experts and all-gathers the codes and factors
+    (:meth:`fsdp_pre_all_gather`): half a bf16 weight's bytes. Other views are refused.
     """
 
     codes: torch.Tensor
@@ -77,13 +84,16 @@ class Float8WeightTensor(torch.Tensor):
 
     @staticmethod
     def __new__(cls, codes: torch.Tensor, inv: torch.Tensor, recipe: Float8Recipe,
-                dtype: torch.dtype, requires_grad: bool = False):
-        return torch.Tensor._make_wrapper_subclass(cls, codes.shape, dtype=dtype,
+                dtype: torch.dtype, requires_grad: bool = False,
+                shape: tuple[int, ...] | None = None):
+        shape = codes.shape if shape is None else torch.Size(shape)
+        return torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype,
                                                    device=codes.device,
                                                    requires_grad=requires_grad)
 
     def __init__(self, codes: torch.Tensor, inv: torch.Tensor, recipe: Float8Recipe,
-                 dtype: torch.dtype, requires_grad: bool = False) -> None:
+                 dtype: torch.dtype, requires_grad: bool = False,
+                 shape: tuple[int, ...] | None = None) -> None:
         self.codes, self.inv, self.recipe = codes, inv, recipe
 
     @classmethod
@@ -101,57 +111,80 @@ class Float8WeightTensor(torch.Tensor):
         return cls(codes, inv, recipe, weight.dtype, requires_grad)
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """The stored values, ``(G, N, K)`` in ``dtype`` (default: this tensor's)."""
-        return dequantize_codes(self.codes, self.inv, dtype or self.dtype)
+        """The stored values, in this tensor's shape and in ``dtype`` (default: its own)."""
+        return dequantize_codes(self.codes, self.inv, dtype or self.dtype).view(self.shape)
 
     @torch.no_grad()
     def store_(self, values: torch.Tensor) -> Float8WeightTensor:
         """Quantize ``values`` into this tensor's buffers, in place (CUDA graphs that read them
-        keep their addresses)."""
+        keep their addresses). Another FP8 weight of the same recipe is copied as it is."""
         if isinstance(values, Float8WeightTensor):
+            if values.recipe == self.recipe and values.codes.shape == self.codes.shape:
+                self.codes.copy_(values.codes)
+                self.inv.copy_(values.inv)
+                return self
             values = values.dequantize()
-        codes, inv = quantize_weight_codes(values.to(self.device), self.recipe)
+        codes, inv = quantize_weight_codes(values.to(self.device).reshape(self.codes.shape),
+                                           self.recipe)
         self.codes.copy_(codes)
         self.inv.copy_(inv)
         return self
+
+    def _like(self, codes: torch.Tensor, inv: torch.Tensor, dtype: torch.dtype | None = None,
+              shape: tuple[int, ...] | None = None) -> Float8WeightTensor:
+        return Float8WeightTensor(codes, inv, self.recipe, dtype or self.dtype, shape=shape)
+
+    def _experts(self, start: int, stop: int) -> Float8WeightTensor:
+        return self._like(self.codes[start:stop], self.inv[start:stop])
 
     def __repr__(self, *, tensor_contents=None) -> str:
         return (f"Float8WeightTensor(shape={tuple(self.shape)}, dtype={self.dtype}, "
                 f"recipe={self.recipe!r}, device={self.device})")
 
     def __tensor_flatten__(self):
-        return ["codes", "inv"], (self.recipe, self.dtype)
+        return ["codes", "inv"], (self.recipe, self.dtype, tuple(self.shape))
 
     @staticmethod
     def __tensor_unflatten__(inner, meta, outer_size, outer_stride):
-        recipe, dtype = meta
-        return Float8WeightTensor(inner["codes"], inner["inv"], recipe, dtype)
+        recipe, dtype, shape = meta
+        return Float8WeightTensor(inner["codes"], inner["inv"], recipe, dtype, shape=shape)
 
     def __reduce_ex__(self, protocol):
         return (_rebuild, (self.codes, self.inv, self.recipe, self.dtype, self.requires_grad))
 
+    def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
+        """FSDP2: all-gather this rank's experts' codes and factors, not high-precision
+        values."""
+        if outer_size[0] % mesh.size() != 0:
+            raise ValueError(f"a Float8WeightTensor of {outer_size[0]} experts is sharded over "
+                             f"{mesh.size()} ranks: FP8 primary weights shard by whole experts, "
+                             "so the expert count must divide evenly")
+        return (self.codes, self.inv), None
+
+    def fsdp_post_all_gather(self, outputs, metadata, param_dtype, *, out=None):
+        """FSDP2: the gathered codes and factors as the whole weight (no copy)."""
+        codes, inv = outputs
+        if out is not None:  # FSDP2 gathered into the buffers ``out`` already reads
+            if out.codes.data_ptr() != codes.data_ptr():
+                out.codes.copy_(codes)
+                out.inv.copy_(inv)
+            return None
+        return self._like(codes, inv, param_dtype), (codes, inv)
+
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        aten = _aten
-        if func in (aten.detach.default, aten.alias.default):
-            (t,) = args
-            return cls(t.codes, t.inv, t.recipe, t.dtype)
-        if func is aten.clone.default:
-            t = args[0]
-            return cls(t.codes.clone(), t.inv.clone(), t.recipe, t.dtype)
-        if func is aten.copy_.default and isinstance(args[0], cls):
-            return args[0].store_(args[1])
-        if func is aten._to_copy.default and isinstance(args[0], cls):  # .to(device/dtype)
-            t, device = args[0], kwargs.get("device")
-            move = (lambda b: b) if device is None else (lambda b: b.to(device))
-            return cls(move(t.codes), move(t.inv), t.recipe, kwargs.get("dtype") or t.dtype)
+        t = args[0] if args and isinstance(args[0], cls) else None
+        if t is not None:
+            answer = _answer_shape_op(t, func, args[1:], kwargs)
+            if answer is not NotImplemented:
+                return answer
         if func.overloadpacket in _VIEWS:
             raise NotImplementedError(
                 f"{func.overloadpacket.__name__} of a Float8WeightTensor: its FP8 codes and "
-                "factors are one expert-grouped weight, not split, sliced or viewed (no "
-                "per-expert views, FSDP2 or tensor-parallel sharding of FP8 primary weights); "
-                "use .dequantize() for the values")
+                "factors are taken only by whole experts along dim 0 or reshaped whole "
+                "(FSDP2 shards them so), not split, sliced or viewed otherwise (no tensor-"
+                "parallel sharding of FP8 primary weights); use .dequantize() for the values")
         # Anything else on the dequantized values; what the op writes is quantized back.
         plain_args, plain_kwargs = tree_map_only(cls, lambda t: t.dequantize(), (args, kwargs))
         out = func(*plain_args, **plain_kwargs)
@@ -170,9 +203,95 @@ class Float8WeightTensor(torch.Tensor):
         return first if not isinstance(first, (list, tuple)) else out
 
 
+def _contiguous_strides(shape) -> list[int]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return strides[::-1]
+
+
+def _answer_shape_op(t: Float8WeightTensor, func, args, kwargs):
+    """The ops that keep the buffers: aliases, copies, moves, whole-expert pieces and
+    reshapes of the whole; ``NotImplemented`` for any other."""
+    aten, whole = _aten, t.shape == t.codes.shape
+    if func in (aten.detach.default, aten.alias.default):
+        return t._like(t.codes, t.inv, shape=t.shape)
+    if func is aten.clone.default:
+        return t._like(t.codes.clone(), t.inv.clone(), shape=t.shape)
+    if func is aten.copy_.default:
+        return t.store_(args[0])
+    if func is aten._to_copy.default:  # .to(device/dtype)
+        device = kwargs.get("device")
+        move = (lambda b: b) if device is None else (lambda b: b.to(device))
+        return t._like(move(t.codes), move(t.inv), kwargs.get("dtype"), t.shape)
+    if func in (aten.view.default, aten._unsafe_view.default):
+        shape = _infer_shape(args[0], t.numel())
+        return t._like(t.codes, t.inv, shape=shape) if shape is not None else NotImplemented
+    if func is aten.as_strided.default:
+        size, stride = list(args[0]), list(args[1])
+        offset = args[2] if len(args) > 2 else kwargs.get("storage_offset")
+        if (offset or 0) == 0 and stride == _contiguous_strides(size) \
+                and _infer_shape(size, t.numel()) is not None:
+            return t._like(t.codes, t.inv, shape=size)
+        return NotImplemented
+    if func in (aten.new_zeros.default, aten.new_empty.default):
+        size = list(args[0])
+        if size[1:] == list(t.codes.shape[1:]) or size == [0]:
+            experts = size[0] if len(size) == 3 else 0
+            codes = t.codes.new_zeros((experts, *t.codes.shape[1:]))
+            inv = t.inv.new_zeros((experts, *t.inv.shape[1:]))
+            return t._like(codes, inv, shape=size)
+        return NotImplemented
+    if not whole:
+        return NotImplemented
+    if func is aten.slice.Tensor:
+        dim, start, stop, step = (list(args) + [0, None, None, 1][len(args):])[:4]
+        if dim % 3 != 0 or step != 1:
+            return NotImplemented
+        start, stop, _ = slice(start, stop).indices(t.shape[0])
+        return t._experts(start, max(start, stop))
+    if func in (aten.split.Tensor, aten.split_with_sizes.default):
+        size, dim = args[0], args[1] if len(args) > 1 else kwargs.get("dim", 0)
+        if dim % 3 != 0:
+            return NotImplemented
+        G = t.shape[0]
+        sizes = list(size) if func is aten.split_with_sizes.default else \
+            [min(size, G - i) for i in range(0, G, size)] or [0]
+        return [t._experts(end - n, end) for n, end in zip(sizes, accumulate(sizes))]
+    return NotImplemented
+
+
+def _infer_shape(shape, numel: int) -> list[int] | None:
+    shape = list(shape)
+    if shape.count(-1) == 1:
+        known = 1
+        for size in shape:
+            known *= size if size != -1 else 1
+        if known == 0 or numel % known:
+            return None
+        shape[shape.index(-1)] = numel // known
+    total = 1
+    for size in shape:
+        total *= size
+    return shape if total == numel and -1 not in shape else None
+
+
 def _rebuild(codes, inv, recipe, dtype, requires_grad):
     tensor = Float8WeightTensor(codes, inv, recipe, dtype)
     return torch.nn.Parameter(tensor, requires_grad) if requires_grad else tensor
+
+
+# ``torch.load(weights_only=True)`` (torch.distributed.checkpoint's loads among them) may
+# rebuild FP8 weights: their pickles hold only tensors, a dtype and a frozen recipe.
+torch.serialization.add_safe_globals([_rebuild, Float8Rowwise, Float8Tensorwise,
+                                      Float8Blockwise])
+
+
+def _stored(p: torch.Tensor) -> Float8WeightTensor | None:
+    """The FP8 storage of a parameter: itself, or its local shard under FSDP2 (a DTensor)."""
+    local = getattr(p, "_local_tensor", p)
+    return local if isinstance(local, Float8WeightTensor) else None
 
 
 class MasterWeights:
@@ -189,17 +308,25 @@ class MasterWeights:
         loss.backward()
         masters.step(opt)
         opt.zero_grad()
+
+    Under FSDP2 (parameters sharded by ``fully_shard``), each master is a DTensor sharded as
+    its parameter: every rank keeps float32 copies of its own experts only.
     """
 
     def __init__(self, parameters: Iterable[torch.nn.Parameter]) -> None:
         self.pairs: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
         self.others: list[torch.nn.Parameter] = []
         for p in parameters:
-            if isinstance(p, Float8WeightTensor):
-                master = p.dequantize(torch.float32).detach().requires_grad_(p.requires_grad)
-                self.pairs.append((p, master))
-            else:
+            stored = _stored(p)
+            if stored is None:
                 self.others.append(p)
+                continue
+            master = stored.dequantize(torch.float32)
+            if stored is not p:  # a DTensor shard: the master is sharded alike
+                master = type(p).from_local(master, p.device_mesh, p.placements,
+                                            run_check=False, shape=p.shape,
+                                            stride=p.stride())
+            self.pairs.append((p, master.detach().requires_grad_(p.requires_grad)))
         self.params = [master for _, master in self.pairs]
 
     @torch.no_grad()
@@ -209,4 +336,4 @@ class MasterWeights:
             p.grad = None
         optimizer.step()
         for p, master in self.pairs:
-            p.store_(master)
+            _stored(p).store_(getattr(master, "_local_tensor", master))
