@@ -12,6 +12,9 @@ From the repository root, ``PYTHONPATH=. python benchmarks/fp8_gemms.py [SHAPE .
   (token-block operands): the blockwise Triton and Gluon kernels;
 * the rowwise recipes' wgrad: torch's FP8 GEMM (16-token group alignment) against the
   group-scaled Triton kernel (128-token group blocks), on the same values;
+* torch's rowwise forward without fast accumulation (the forward and dgrad use it), and the
+  relative error of each against the dequantized operands' float64 product (times 1e4), on
+  random and on all-positive operands;
 
 with, for each Gluon kernel, whether its bf16 output is identical to the Triton kernel's.
 (The Triton kernels' launch shapes are settled; ``fp8_triton_gemm`` records the figures.)
@@ -43,6 +46,26 @@ def _pair(row: dict, gemm: str, flops: int, triton_fn, gluon_fn, gluon_ok: bool)
         row[f"gluon blockwise {gemm} (identical: {same})"] = tflops(flops, median_ms(gluon_fn))
 
 
+def _fast_accumulation(x, x_inv, w, w_inv, ends, flops) -> dict:
+    """torch's rowwise FP8 GEMM without fast accumulation (the forward and dgrad run with
+    it), and both errors against the dequantized operands' product, on these operands and on
+    all-positive ones (no cancellation: the worst case for a truncated accumulator)."""
+    def exact(a=x, a_inv=x_inv, b=w, b_inv=w_inv):
+        return torch._scaled_grouped_mm(a, b.transpose(-2, -1), a_inv, b_inv, offs=ends,
+                                        out_dtype=DT, use_fast_accum=False)
+
+    row = {"torch scaled rowwise fwd exact accumulation": tflops(flops, median_ms(exact))}
+    for name, a, b in (("random", x, w), ("positive", x.view(torch.uint8).bitwise_and(0x7F)
+                                          .view(x.dtype), w.view(torch.uint8)
+                                          .bitwise_and(0x7F).view(w.dtype))):
+        want = fp8_torch_gemm.dequantized_reference(a, x_inv, b, w_inv, ends).double()
+        for mode, fn in (("fast", fp8_torch_gemm.forward), ("exact", None)):
+            got = (fn(a, x_inv, b, w_inv, ends, DT) if fn else exact(a, x_inv, b, w_inv))
+            error = ((got.double() - want).norm() / want.norm()).item()
+            row[f"rel. error x 1e4, {mode} accumulation, {name} operands"] = error * 1e4
+    return row
+
+
 def shape_row(shape) -> dict:
     """TFLOP/s of every GEMM form on one shape."""
     G, M, K, N = shape.G, shape.M, shape.K, shape.N
@@ -58,6 +81,7 @@ def shape_row(shape) -> dict:
         w_row, w_row_inv = qr.quantize_weight_rows(w, E4M3, False)
         row["torch scaled rowwise fwd"] = tflops(flops, median_ms(
             lambda: fp8_torch_gemm.forward(x_row, x_row_inv, w_row, w_row_inv, ends, DT)))
+        row.update(_fast_accumulation(x_row, x_row_inv, w_row, w_row_inv, ends, flops))
 
     # Blockwise forward and dgrad: 1x128 activation tiles, 128x128 weight blocks.
     x_blk, dy_blk = qb.quantize_row_tiles(x, E4M3, True), qb.quantize_row_tiles(dy, E4M3, True)
@@ -110,7 +134,7 @@ def main() -> None:
         row = shape_row(shape)
         print(f"{shape.name} (G={shape.G}, M={shape.M}, K={shape.K}, N={shape.N}) TFLOP/s:")
         for key, value in row.items():
-            print(f"  {key:58s} {value:7.0f}" if value else f"  {key:58s}       -", flush=True)
+            print(f"  {key:64s} {value:9.1f}" if value else f"  {key:64s}         -", flush=True)
 
 
 if __name__ == "__main__":
