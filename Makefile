@@ -32,7 +32,7 @@ test: lint
 # `python -m grouped_linear bench --suite transformers`).
 GPU_TEST_GROUPS := tests/gpu/test_bad_input_cuda.py \
 	"tests/gpu/test_grouped_linear_cuda.py tests/gpu/test_fast_path_cuda.py" \
-	"tests/gpu/test_fp8_cuda.py tests/gpu/test_fp8_gemm_cuda.py tests/gpu/test_weight_grad_cuda.py tests/gpu/test_expert_parallel_nccl.py" \
+	"tests/gpu/test_fp8_cuda.py tests/gpu/test_fp8_gemm_cuda.py tests/gpu/test_fp8_fused_cuda.py tests/gpu/test_weight_grad_cuda.py tests/gpu/test_expert_parallel_nccl.py" \
 	tests/gpu/test_transformers_cuda.py \
 	"tests/gpu/test_module_attrs_cuda.py tests/gpu/test_routing_inputs_cuda.py tests/gpu/test_chunks_cuda.py tests/gpu/test_mlp_probs_cuda.py" \
 	"tests/gpu/test_compile_cuda.py tests/gpu/test_cuda_graphs.py tests/gpu/test_launch_cuda.py tests/gpu/test_bench_cuda.py tests/gpu/test_moe_block_cuda.py tests/gpu/test_fp8_primary_cuda.py" \

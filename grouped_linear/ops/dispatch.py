@@ -13,6 +13,8 @@ route             runs
 ``fp8_scaled_mm`` FP8 rowwise/tensorwise on ``torch._scaled_grouped_mm`` (sm90, at most
                   :data:`TORCH_GROUPED_MAX_GROUPS` groups)
 ``fp8_blockwise`` FP8 block scaling on this library's Gluon/Triton GEMMs
+``fp8_fused``     FP8 rowwise/blockwise on small calls: one launch per GEMM, quantizing
+                  inside (any CUDA GPU)
 ``fp8_emulated``  FP8 numerics as quantize -> dequantize in float32 (any device)
 ================  ===============================================================
 
@@ -27,7 +29,7 @@ import torch
 
 from .. import _tuning
 from ..kernels._triton import HAS_TRITON, interpreting
-from ..kernels.gemm import fp8_torch_gemm, triton_gemm
+from ..kernels.gemm import fp8_fused_gemm, fp8_torch_gemm, triton_gemm
 from ..kernels.gemm.triton_gemm import LinearLaunches
 from ..recipes import Float8Blockwise, Float8Recipe, Float8Rowwise, Float8Tensorwise, check_recipe
 from .splits import SPLIT_DTYPES
@@ -133,15 +135,24 @@ def _fp8_gemms_on(device: torch.device) -> bool:
 
 
 def fp8_route(recipe: Float8Recipe, device: torch.device, dtype: torch.dtype, in_features: int,
-              out_features: int, num_groups: int) -> str:
-    """The FP8 route of a call with ``recipe``, whatever its row count:
+              out_features: int, num_groups: int, num_rows: int | None = None) -> str:
+    """The FP8 route of a call with ``recipe`` (``num_rows=None``: of a large call):
 
+    * ``"fp8_fused"``: ``Float8Rowwise``/``Float8Blockwise``, bf16 or fp16, CUDA, at most
+      ``fp8_fused_max_work`` (:mod:`grouped_linear._tuning`) for ``num_rows`` x
+      ``in_features`` x ``out_features``: one launch per GEMM, where the other routes'
+      quantization passes make a small call's host time;
     * ``"fp8_blockwise"``: ``Float8Blockwise``, E4M3, bf16, a GPU with FP8 tensor cores;
     * ``"fp8_scaled_mm"``: ``Float8Rowwise``/``Float8Tensorwise``, bf16, sm90, features that
       are multiples of 16, a format pair and a group count (at most
       :data:`TORCH_GROUPED_MAX_GROUPS`) ``torch._scaled_grouped_mm`` takes;
     * ``"fp8_emulated"``: everything else.
     """
+    if (num_rows is not None and isinstance(recipe, (Float8Rowwise, Float8Blockwise))
+            and dtype in (torch.bfloat16, torch.float16) and device.type == "cuda"
+            and HAS_TRITON and fp8_fused_gemm.fits(num_groups, in_features, out_features)
+            and num_rows * in_features * out_features <= _tuning.current().fp8_fused_max_work):
+        return "fp8_fused"
     if (isinstance(recipe, Float8Blockwise) and recipe.fp8_format == "e4m3"
             and dtype == torch.bfloat16 and _fp8_gemms_on(device)
             and triton_gemm.fits(num_groups, in_features, out_features)):
@@ -166,7 +177,7 @@ def choose_route(backend: str, recipe: Float8Recipe | None, device: torch.device
                                num_groups)
     check_backend(backend)
     check_recipe(recipe, device)
-    return fp8_route(recipe, device, dtype, in_features, out_features, num_groups)
+    return fp8_route(recipe, device, dtype, in_features, out_features, num_groups, num_rows)
 
 
 # --------------------------------------------------------------------------- verdict cache

@@ -25,6 +25,7 @@ from .fp8 import (
     Fp8BlockwiseFunction,
     Fp8Config,
     Fp8EmulatedFunction,
+    Fp8FusedFunction,
     Fp8ScaledMMFunction,
     Fp8Weight,
     Fp8WeightCache,
@@ -186,6 +187,9 @@ def _fp8(route: str, x: torch.Tensor, pieces: list[torch.Tensor] | None, weight:
     if route == "fp8_scaled_mm" and x.shape[0] > 0:
         return Fp8ScaledMMFunction.apply(x, weight, bias, splits.ends, config, cached,
                                          weight_grad_ahead)
+    if route == "fp8_fused" and x.shape[0] > 0:
+        return Fp8FusedFunction.apply(x, weight, bias, splits.sizes, splits.ends, config, cached,
+                                      weight_grad_ahead)
     if route == "fp8_blockwise" and x.shape[0] > 0:
         return Fp8BlockwiseFunction.apply(x, weight, bias, splits.sizes, splits.ends, config,
                                           cached, weight_grad_ahead)

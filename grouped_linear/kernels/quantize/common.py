@@ -24,7 +24,10 @@ def scale_from_amax(amax: torch.Tensor, fp8_dtype: torch.dtype, power_of_two: bo
     """float32 scales mapping ``amax`` onto the format's largest finite value."""
     amax = amax.float()
     fp8_max = torch.finfo(fp8_dtype).max
-    scale = torch.where(amax > 0, fp8_max / amax.clamp(min=1e-30), torch.ones_like(amax))
+    # a tensor by a tensor: torch computes a Python number by a tensor as the number times
+    # the reciprocal, which differs from the kernels' division by an ulp in 1 scale of 6
+    scale = torch.where(amax > 0, torch.full_like(amax, fp8_max) / amax.clamp(min=1e-30),
+                        torch.ones_like(amax))
     scale = scale.clamp(max=_FLOAT32_MAX)
     if power_of_two:
         scale = torch.exp2(torch.floor(torch.log2(scale)))

@@ -67,7 +67,7 @@ def _scaled_mm_weight_input_major(stored: torch.Tensor, recipe: Float8Recipe
     return transpose_groups(dgrad_data), forward_inv, dgrad_data, dgrad_inv
 
 
-_ROUTES = ("fp8_scaled_mm", "fp8_blockwise", "fp8_emulated")
+_ROUTES = ("fp8_scaled_mm", "fp8_blockwise", "fp8_fused", "fp8_emulated")
 
 
 class Fp8Weight:
@@ -78,7 +78,8 @@ class Fp8Weight:
     is ``forward_inv`` where the dgrad multiplies the gradient's columns by it before
     quantizing (``Float8Rowwise``), else ``None``. ``fp8_blockwise``: ``forward_data``
     ``(G, N, K)`` with ``forward_inv`` ``(G, N/128, K/128)``, ``dgrad_data`` its transpose and
-    ``dgrad_inv`` a transposed view of the factors. ``fp8_emulated``: ``emulated``
+    ``dgrad_inv`` a transposed view of the factors. ``fp8_fused``: ``forward_data`` and
+    ``forward_inv`` alone (the dgrad reads them as they lie). ``fp8_emulated``: ``emulated``
     ``(G, N, K)`` float32, the dequantized forward weight. :meth:`refresh_` re-quantizes into
     the same buffers (CUDA graphs keep their addresses).
     """
@@ -125,6 +126,8 @@ class Fp8Weight:
         the gradient (unit factors here)."""
         G, N, K = codes.shape
         self.forward_data, self.forward_inv = codes, inv
+        if self.route == "fp8_fused":
+            return
         self.dgrad_data = transpose_groups(codes)
         if self.route == "fp8_blockwise":
             self.dgrad_inv = inv.transpose(1, 2)
@@ -140,6 +143,8 @@ class Fp8Weight:
             return self.forward_data, self.forward_inv, self.dgrad_data, self.dgrad_inv
         if self.route == "fp8_blockwise":
             return self.forward_data, self.forward_inv, self.dgrad_data
+        if self.route == "fp8_fused":
+            return self.forward_data, self.forward_inv
         return (self.emulated,)
 
     @torch.no_grad()

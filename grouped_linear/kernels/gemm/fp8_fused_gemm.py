@@ -1,0 +1,387 @@
+"""FP8 grouped GEMMs for small problems: each kernel quantizes its high-precision operand
+as it reads it, so a call is one launch per GEMM, with no quantization pass and no FP8 copy.
+
+The forward, dgrad and weight gradient of ``Float8Rowwise`` and ``Float8Blockwise`` on a
+weight already in FP8 (the forward codes ``(G, N, K)`` and their factors: ``(G, N)`` per
+output channel, or ``(G, cdiv(N, 128), cdiv(K, 128))`` per block). The operands take the
+recipes' values bit for bit (``kernels/quantize/emulate.py``, the plain-PyTorch reference):
+
+* forward: ``x`` per row (rowwise; the kernel also writes each row's scale, which the
+  weight gradient uses again) or per 1x128 tile;
+* dgrad: rowwise, ``dy`` times the weight's channel factors, per row, against the codes;
+  blockwise, ``dy`` per 1x128 tile against the 128x128 blocks;
+* wgrad: rowwise, ``dy`` times ``x``'s per-row factors, per (group, column) along the
+  group's rows, against ``x``'s forward codes; blockwise, both per column in blocks of 128
+  rows from each group's start.
+
+FP8 values are exact in bf16, so the tensor cores multiply them in bf16 and accumulate in
+float32 (the CPU interpreter, whose 16-bit dots are wrong, in float32): the results are an
+FP8 GEMM's up to the order of float32 sums. Rounding to FP8 is done in float32 arithmetic
+(round to nearest, ties to even, the casts' rule), the same on GPUs and in the interpreter,
+whose float32 -> FP8 casts round wrongly. Small problems are bound by host time, not by
+the GPU: these kernels trade the FP8 tensor cores' rate for launches (three per step
+against the separate routes' 18).
+"""
+
+import torch
+
+from .._groups import group_rows, tile_list, tile_origin
+from .._triton import cdiv, kernel, next_power_of_2, sm_count, tl, triton
+from ..quantize.common import amax_to_scale
+
+__all__ = ["forward", "dgrad", "wgrad", "fits", "BLOCK"]
+
+BLOCK = 128  # the blockwise recipe's tile, block and token block
+_FORMATS = {torch.float8_e4m3fn: (3, -6), torch.float8_e5m2: (2, -14)}  # mantissa bits,
+# smallest normal exponent
+
+
+@triton.jit
+def _round_fp8(values, scale, FP8_MAX: tl.constexpr, MANT: tl.constexpr,
+               MIN_EXP: tl.constexpr):
+    """``values * scale`` saturated at the format's largest value and rounded to the nearest
+    FP8 value (ties to even), in float32: adding and taking away ``1.5 * 2**23`` steps
+    rounds a float32 to a multiple of the step, the spacing of FP8 values in its binade."""
+    scaled = tl.clamp(values * scale, -FP8_MAX, FP8_MAX)
+    exponent = ((scaled.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    step_exponent = tl.maximum(exponent, MIN_EXP) - MANT
+    step = ((step_exponent + 127) << 23).to(tl.float32, bitcast=True)
+    magic = step * 12582912.0
+    return (scaled + magic) - magic
+
+
+@triton.jit
+def _dot(a, b, acc, UPCAST: tl.constexpr):
+    """``acc + a @ b`` of FP8 values held in float32."""
+    if UPCAST:
+        return tl.dot(a, b, acc, input_precision="ieee")
+    return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16), acc)
+
+
+@kernel
+@triton.jit
+def _forward_kernel(x_ptr, w_ptr, w_inv_ptr, bias_ptr, out_ptr, x_scale_ptr, sizes_ptr,
+                    M, N, K, G, stride_xm, stride_wg, stride_wn, stride_om, stride_bias,
+                    stride_ig, stride_in, BLOCKWISE: tl.constexpr, HAS_BIAS: tl.constexpr,
+                    SAVE_SCALE: tl.constexpr, FP8_MAX: tl.constexpr, MANT: tl.constexpr,
+                    MIN_EXP: tl.constexpr, POW2: tl.constexpr, UPCAST: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    BLOCK_G: tl.constexpr, NUM_PROGRAMS: tl.constexpr):
+    """``out[rows of g] = q(x) @ codes_g^T`` scaled, ``+ bias[g]``; tail rows zero.
+    Persistent over the (group, row tile, column tile) list. Blockwise: ``BLOCK_N`` and
+    ``BLOCK_K`` are the recipe's 128."""
+    gs, starts, ends, tile_begin, tile_end, total = tile_list(sizes_ptr, G, M, N, BLOCK_M,
+                                                              BLOCK_N, BLOCK_G)
+    for tile in range(tl.program_id(0), total, NUM_PROGRAMS):
+        g, end, row0, col_tile = tile_origin(tile, gs, starts, ends, tile_begin, tile_end, N,
+                                             BLOCK_M, BLOCK_N)
+        col0 = col_tile * BLOCK_N
+        rows = tl.arange(0, BLOCK_M)
+        cols = tl.arange(0, BLOCK_N)
+        row_mask = rows < (end - row0).to(tl.int32)
+        col_mask = cols < (N - col0).to(tl.int32)
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        if g < G:
+            x_base = x_ptr + row0.to(tl.int64) * stride_xm
+            w_base = w_ptr + g.to(tl.int64) * stride_wg + col0.to(tl.int64) * stride_wn
+            if BLOCKWISE:
+                for k0 in range(0, K, BLOCK_K):
+                    ks = k0 + tl.arange(0, BLOCK_K)
+                    k_mask = ks < K
+                    x = tl.load(x_base + (rows[:, None] * stride_xm + ks[None, :]),
+                                mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+                    x = x.to(tl.float32)
+                    scale = amax_to_scale(tl.max(tl.abs(x), axis=1), FP8_MAX, POW2)
+                    w = tl.load(w_base + (ks[:, None] + cols[None, :] * stride_wn),
+                                mask=k_mask[:, None] & col_mask[None, :], other=0.0)
+                    part = _dot(_round_fp8(x, scale[:, None], FP8_MAX, MANT, MIN_EXP),
+                                w.to(tl.float32), tl.zeros([BLOCK_M, BLOCK_N], tl.float32),
+                                UPCAST)
+                    factor = tl.load(w_inv_ptr + g.to(tl.int64) * stride_ig
+                                     + col_tile * stride_in + k0 // BLOCK_K)
+                    acc += part * ((1.0 / scale) * factor)[:, None]
+            else:
+                amax = tl.zeros([BLOCK_M], dtype=tl.float32)
+                for k0 in range(0, K, BLOCK_K):  # pass 1: each row's amax
+                    ks = k0 + tl.arange(0, BLOCK_K)
+                    x = tl.load(x_base + (rows[:, None] * stride_xm + ks[None, :]),
+                                mask=row_mask[:, None] & (ks < K)[None, :], other=0.0)
+                    amax = tl.maximum(amax, tl.max(tl.abs(x.to(tl.float32)), axis=1))
+                scale = amax_to_scale(amax, FP8_MAX, POW2)
+                for k0 in range(0, K, BLOCK_K):  # pass 2: quantize and multiply
+                    ks = k0 + tl.arange(0, BLOCK_K)
+                    k_mask = ks < K
+                    x = tl.load(x_base + (rows[:, None] * stride_xm + ks[None, :]),
+                                mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+                    w = tl.load(w_base + (ks[:, None] + cols[None, :] * stride_wn),
+                                mask=k_mask[:, None] & col_mask[None, :], other=0.0)
+                    acc = _dot(_round_fp8(x.to(tl.float32), scale[:, None], FP8_MAX, MANT,
+                                          MIN_EXP), w.to(tl.float32), acc, UPCAST)
+                w_inv = tl.load(w_inv_ptr + g.to(tl.int64) * stride_ig + col0 + cols,
+                                mask=col_mask, other=0.0)
+                acc = acc * (1.0 / scale)[:, None] * w_inv[None, :]
+                if SAVE_SCALE:
+                    if col_tile == 0:  # one column tile per row tile writes the scales
+                        tl.store(x_scale_ptr + row0 + rows, scale, mask=row_mask)
+            if HAS_BIAS:
+                acc += tl.load(bias_ptr + g.to(tl.int64) * stride_bias + col0 + cols,
+                               mask=col_mask, other=0.0).to(tl.float32)[None, :]
+        out = out_ptr + row0.to(tl.int64) * stride_om + col0 \
+            + (rows[:, None] * stride_om + cols[None, :])
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
+
+
+@kernel
+@triton.jit
+def _dgrad_kernel(dy_ptr, w_ptr, w_inv_ptr, dx_ptr, sizes_ptr, M, N, K, G, stride_dym,
+                  stride_wg, stride_wn, stride_dxm, stride_ig, stride_in,
+                  BLOCKWISE: tl.constexpr, FP8_MAX: tl.constexpr, MANT: tl.constexpr,
+                  MIN_EXP: tl.constexpr, POW2: tl.constexpr, UPCAST: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+                  BLOCK_G: tl.constexpr, NUM_PROGRAMS: tl.constexpr):
+    """``dx[rows of g] = q(dy) @ codes_g`` scaled; tail rows zero. ``BLOCK_K`` output
+    columns, ``BLOCK_R`` of ``N`` per step (blockwise: 128, and ``BLOCK_K`` divides 128)."""
+    gs, starts, ends, tile_begin, tile_end, total = tile_list(sizes_ptr, G, M, K, BLOCK_M,
+                                                              BLOCK_K, BLOCK_G)
+    for tile in range(tl.program_id(0), total, NUM_PROGRAMS):
+        g, end, row0, col_tile = tile_origin(tile, gs, starts, ends, tile_begin, tile_end, K,
+                                             BLOCK_M, BLOCK_K)
+        k0 = col_tile * BLOCK_K
+        rows = tl.arange(0, BLOCK_M)
+        ks = tl.arange(0, BLOCK_K)
+        row_mask = rows < (end - row0).to(tl.int32)
+        k_mask = ks < (K - k0).to(tl.int32)
+        acc = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
+        if g < G:
+            dy_base = dy_ptr + row0.to(tl.int64) * stride_dym
+            w_base = w_ptr + g.to(tl.int64) * stride_wg + k0
+            if BLOCKWISE:
+                for n0 in range(0, N, BLOCK_R):
+                    ns = n0 + tl.arange(0, BLOCK_R)
+                    n_mask = ns < N
+                    dy = tl.load(dy_base + (rows[:, None] * stride_dym + ns[None, :]),
+                                 mask=row_mask[:, None] & n_mask[None, :], other=0.0)
+                    dy = dy.to(tl.float32)
+                    scale = amax_to_scale(tl.max(tl.abs(dy), axis=1), FP8_MAX, POW2)
+                    w = tl.load(w_base + (ns.to(tl.int64)[:, None] * stride_wn + ks[None, :]),
+                                mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+                    part = _dot(_round_fp8(dy, scale[:, None], FP8_MAX, MANT, MIN_EXP),
+                                w.to(tl.float32), tl.zeros([BLOCK_M, BLOCK_K], tl.float32),
+                                UPCAST)
+                    factor = tl.load(w_inv_ptr + g.to(tl.int64) * stride_ig
+                                     + (n0 // BLOCK_R) * stride_in + k0 // BLOCK_R)
+                    acc += part * ((1.0 / scale) * factor)[:, None]
+            else:  # dy times the weight's channel factors, one scale per row
+                inv_base = w_inv_ptr + g.to(tl.int64) * stride_ig
+                amax = tl.zeros([BLOCK_M], dtype=tl.float32)
+                for n0 in range(0, N, BLOCK_R):
+                    ns = n0 + tl.arange(0, BLOCK_R)
+                    n_mask = ns < N
+                    dy = tl.load(dy_base + (rows[:, None] * stride_dym + ns[None, :]),
+                                 mask=row_mask[:, None] & n_mask[None, :], other=0.0)
+                    folded = dy.to(tl.float32) * tl.load(inv_base + ns, mask=n_mask,
+                                                         other=0.0)[None, :]
+                    amax = tl.maximum(amax, tl.max(tl.abs(folded), axis=1))
+                scale = amax_to_scale(amax, FP8_MAX, POW2)
+                for n0 in range(0, N, BLOCK_R):
+                    ns = n0 + tl.arange(0, BLOCK_R)
+                    n_mask = ns < N
+                    dy = tl.load(dy_base + (rows[:, None] * stride_dym + ns[None, :]),
+                                 mask=row_mask[:, None] & n_mask[None, :], other=0.0)
+                    folded = dy.to(tl.float32) * tl.load(inv_base + ns, mask=n_mask,
+                                                         other=0.0)[None, :]
+                    w = tl.load(w_base + (ns.to(tl.int64)[:, None] * stride_wn + ks[None, :]),
+                                mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+                    acc = _dot(_round_fp8(folded, scale[:, None], FP8_MAX, MANT, MIN_EXP),
+                               w.to(tl.float32), acc, UPCAST)
+                acc = acc * (1.0 / scale)[:, None]
+        out = dx_ptr + row0.to(tl.int64) * stride_dxm + k0 \
+            + (rows[:, None] * stride_dxm + ks[None, :])
+        tl.store(out, acc.to(dx_ptr.dtype.element_ty), mask=row_mask[:, None] & k_mask[None, :])
+
+
+@kernel
+@triton.jit
+def _wgrad_kernel(dy_ptr, x_ptr, x_scale_ptr, dw_ptr, db_ptr, sizes_ptr, M, N, K, G,
+                  stride_dym, stride_xm, stride_dwg, stride_dwn, BLOCKWISE: tl.constexpr,
+                  HAS_BIAS: tl.constexpr, FP8_MAX: tl.constexpr, GRAD_FP8_MAX: tl.constexpr,
+                  MANT: tl.constexpr, MIN_EXP: tl.constexpr, GRAD_MANT: tl.constexpr,
+                  GRAD_MIN_EXP: tl.constexpr, POW2: tl.constexpr, UPCAST: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                  BLOCK_G: tl.constexpr):
+    """Tile (group, N tile, K tile) of ``dw[g] = q(dy)^T q(x)`` scaled and, with
+    ``HAS_BIAS``, in the K tile 0, ``db[g]``: float32 sums of ``dy`` over the group's rows.
+    Blockwise: ``BLOCK_M`` is the recipe's 128-row block."""
+    pid = tl.program_id(0)
+    n_tiles = tl.cdiv(N, BLOCK_N)
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    g = pid // (n_tiles * k_tiles)
+    n_tile = (pid // k_tiles) % n_tiles
+    k_tile = pid % k_tiles
+    gs, starts, ends = group_rows(sizes_ptr, G, M, BLOCK_G)
+    start = tl.sum(tl.where(gs == g, starts, 0), axis=0)
+    end = tl.sum(tl.where(gs == g, ends, 0), axis=0)
+    cols_n = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols_k = k_tile * BLOCK_K + tl.arange(0, BLOCK_K)
+    n_mask = cols_n < N
+    k_mask = cols_k < K
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    sums = tl.zeros([BLOCK_N], dtype=tl.float32)
+    if BLOCKWISE:
+        for m0 in range(start, end, BLOCK_M):
+            rows = m0 + tl.arange(0, BLOCK_M)
+            row_mask = rows < end
+            dy_t = tl.load(dy_ptr + rows.to(tl.int64)[None, :] * stride_dym + cols_n[:, None],
+                           mask=n_mask[:, None] & row_mask[None, :], other=0.0).to(tl.float32)
+            x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_xm + cols_k[None, :],
+                        mask=row_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
+            dy_scale = amax_to_scale(tl.max(tl.abs(dy_t), axis=1), GRAD_FP8_MAX, POW2)
+            x_scale = amax_to_scale(tl.max(tl.abs(x), axis=0), FP8_MAX, POW2)
+            part = _dot(_round_fp8(dy_t, dy_scale[:, None], GRAD_FP8_MAX, GRAD_MANT,
+                                   GRAD_MIN_EXP),
+                        _round_fp8(x, x_scale[None, :], FP8_MAX, MANT, MIN_EXP),
+                        tl.zeros([BLOCK_N, BLOCK_K], tl.float32), UPCAST)
+            acc += part * (1.0 / dy_scale)[:, None] * (1.0 / x_scale)[None, :]
+            if HAS_BIAS:
+                sums += tl.sum(dy_t, axis=1)
+    else:  # dy times x's per-row factors, one scale per (group, column) along the rows
+        amax = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for m0 in range(start, end, BLOCK_M):
+            rows = m0 + tl.arange(0, BLOCK_M)
+            row_mask = rows < end
+            dy_t = tl.load(dy_ptr + rows.to(tl.int64)[None, :] * stride_dym + cols_n[:, None],
+                           mask=n_mask[:, None] & row_mask[None, :], other=0.0)
+            x_inv = 1.0 / tl.load(x_scale_ptr + rows, mask=row_mask, other=1.0)
+            folded = tl.clamp(dy_t.to(tl.float32) * x_inv[None, :], -3.4028234663852886e38,
+                              3.4028234663852886e38)
+            amax = tl.maximum(amax, tl.max(tl.abs(folded), axis=1))
+            if HAS_BIAS:
+                sums += tl.sum(dy_t.to(tl.float32), axis=1)
+        dy_scale = amax_to_scale(amax, GRAD_FP8_MAX, POW2)
+        for m0 in range(start, end, BLOCK_M):
+            rows = m0 + tl.arange(0, BLOCK_M)
+            row_mask = rows < end
+            dy_t = tl.load(dy_ptr + rows.to(tl.int64)[None, :] * stride_dym + cols_n[:, None],
+                           mask=n_mask[:, None] & row_mask[None, :], other=0.0)
+            x_scale = tl.load(x_scale_ptr + rows, mask=row_mask, other=1.0)
+            folded = tl.clamp(dy_t.to(tl.float32) * (1.0 / x_scale)[None, :],
+                              -3.4028234663852886e38, 3.4028234663852886e38)
+            x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_xm + cols_k[None, :],
+                        mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+            acc = _dot(_round_fp8(folded, dy_scale[:, None], GRAD_FP8_MAX, GRAD_MANT,
+                                  GRAD_MIN_EXP),
+                       _round_fp8(x.to(tl.float32), x_scale[:, None], FP8_MAX, MANT, MIN_EXP),
+                       acc, UPCAST)
+        acc = acc * (1.0 / dy_scale)[:, None]
+    dw = dw_ptr + g.to(tl.int64) * stride_dwg + cols_n.to(tl.int64)[:, None] * stride_dwn \
+        + cols_k[None, :]
+    tl.store(dw, acc.to(dw_ptr.dtype.element_ty), mask=n_mask[:, None] & k_mask[None, :])
+    if HAS_BIAS:
+        if k_tile == 0:
+            tl.store(db_ptr + g.to(tl.int64) * N + cols_n, sums, mask=n_mask)
+
+
+MAX_GROUPS = 4095
+
+
+def fits(num_groups: int, in_features: int, out_features: int) -> bool:
+    """Whether these kernels take the problem (the group schedule is a vector of
+    ``num_groups + 1`` slots; offsets inside one expert's weight are int32)."""
+    return num_groups <= MAX_GROUPS and in_features * out_features < 2**31
+
+
+def _format(fp8_dtype: torch.dtype) -> dict:
+    mant, min_exp = _FORMATS[fp8_dtype]
+    return dict(FP8_MAX=torch.finfo(fp8_dtype).max, MANT=mant, MIN_EXP=min_exp)
+
+
+def _stored(like: torch.Tensor, dtype: torch.dtype) -> torch.dtype:
+    """The CPU interpreter truncates float32 -> 16-bit stores: there the kernels store
+    float32 and torch rounds."""
+    return torch.float32 if like.is_cpu and dtype != torch.float32 else dtype
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _programs(device: torch.device, rows: int, groups: int, width: int, block_m: int,
+              block_n: int) -> int:
+    return max(1, min(sm_count(device), (cdiv(rows, block_m) + groups + 1) * cdiv(width, block_n)))
+
+
+def forward(x: torch.Tensor, codes: torch.Tensor, inv: torch.Tensor, bias: torch.Tensor | None,
+            sizes: torch.Tensor, blockwise: bool, fp8_dtype: torch.dtype, power_of_two: bool,
+            save_scale: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(M, K) x (G, N, K) -> (M, N)`` in ``x``'s dtype, ``x`` quantized in the kernel, the
+    bias added and tail rows zero; with ``save_scale`` (rowwise) also ``x``'s ``(M,)``
+    float32 row scales (rows past the groups unset)."""
+    x, sizes = _rows(x), sizes.contiguous()
+    M, K = x.shape
+    G, N, _ = codes.shape
+    out = x.new_empty((M, N), dtype=_stored(x, x.dtype))
+    scale = x.new_empty(M, dtype=torch.float32) if save_scale else None
+    if M == 0 or N == 0:
+        return out.to(x.dtype), scale
+    block_m, block_n, block_k = (64, BLOCK, BLOCK) if blockwise else (64, 128, 64)
+    programs = _programs(x.device, M, G, N, block_m, block_n)
+    _forward_kernel[(programs,)](
+        x, codes, inv, bias if bias is not None else out, out,
+        scale if scale is not None else out, sizes, M, N, K, G, x.stride(0), codes.stride(0),
+        codes.stride(1), out.stride(0), bias.stride(0) if bias is not None else 0,
+        inv.stride(0), inv.stride(1), BLOCKWISE=blockwise, HAS_BIAS=bias is not None,
+        SAVE_SCALE=save_scale, POW2=power_of_two, UPCAST=x.is_cpu, BLOCK_M=block_m,
+        BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_G=next_power_of_2(G + 1),
+        NUM_PROGRAMS=programs, num_warps=4, num_stages=2, **_format(fp8_dtype))
+    return out.to(x.dtype), scale
+
+
+def dgrad(grad_out: torch.Tensor, codes: torch.Tensor, inv: torch.Tensor, sizes: torch.Tensor,
+          blockwise: bool, fp8_dtype: torch.dtype, power_of_two: bool) -> torch.Tensor:
+    """``(M, N) x (G, N, K) -> (M, K)`` in ``grad_out``'s dtype, ``grad_out`` quantized in
+    the kernel (rowwise: times ``inv``, the weight's channel factors, first); tail rows
+    zero."""
+    grad_out, sizes = _rows(grad_out), sizes.contiguous()
+    M, N = grad_out.shape
+    G, _, K = codes.shape
+    dx = grad_out.new_empty((M, K), dtype=_stored(grad_out, grad_out.dtype))
+    if M == 0 or K == 0:
+        return dx.to(grad_out.dtype)
+    block_m, block_k, block_r = (64, BLOCK, BLOCK) if blockwise else (64, 128, 64)
+    programs = _programs(grad_out.device, M, G, K, block_m, block_k)
+    _dgrad_kernel[(programs,)](
+        grad_out, codes, inv, dx, sizes, M, N, K, G, grad_out.stride(0), codes.stride(0),
+        codes.stride(1), dx.stride(0), inv.stride(0), inv.stride(1), BLOCKWISE=blockwise,
+        POW2=power_of_two, UPCAST=grad_out.is_cpu, BLOCK_M=block_m, BLOCK_K=block_k,
+        BLOCK_R=block_r, BLOCK_G=next_power_of_2(G + 1), NUM_PROGRAMS=programs, num_warps=4,
+        num_stages=2, **_format(fp8_dtype))
+    return dx.to(grad_out.dtype)
+
+
+def wgrad(grad_out: torch.Tensor, x: torch.Tensor, x_scale: torch.Tensor | None,
+          sizes: torch.Tensor, blockwise: bool, fp8_dtype: torch.dtype,
+          grad_fp8_dtype: torch.dtype, power_of_two: bool, out_dtype: torch.dtype,
+          bias_sums: torch.Tensor | None = None) -> torch.Tensor:
+    """``(G, N, K)`` weight gradient in ``out_dtype``, both operands quantized in the kernel
+    (rowwise: ``x`` with its forward row scales ``x_scale``, ``dy`` times their factors);
+    empty groups give zeros. ``bias_sums``: a ``(G, N)`` float32 tensor filled with the
+    groups' sums of ``grad_out``."""
+    grad_out, x, sizes = _rows(grad_out), _rows(x), sizes.contiguous()
+    M, N = grad_out.shape
+    K = x.shape[1]
+    G = sizes.shape[0]
+    dw = x.new_empty((G, N, K), dtype=_stored(x, out_dtype))
+    if N == 0 or K == 0:
+        if bias_sums is not None:
+            bias_sums.zero_()
+        return dw.zero_().to(out_dtype)
+    block_m, block_n, block_k = (BLOCK, 64, 64) if blockwise else (64, 64, 64)
+    grad_format = {f"GRAD_{key}": value for key, value in _format(grad_fp8_dtype).items()}
+    _wgrad_kernel[(G * cdiv(N, block_n) * cdiv(K, block_k),)](
+        grad_out, x, x_scale if x_scale is not None else dw, dw,
+        bias_sums if bias_sums is not None else dw, sizes, M, N, K, G, grad_out.stride(0),
+        x.stride(0), dw.stride(0), dw.stride(1), BLOCKWISE=blockwise,
+        HAS_BIAS=bias_sums is not None, POW2=power_of_two, UPCAST=x.is_cpu, BLOCK_M=block_m,
+        BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_G=next_power_of_2(G + 1), num_warps=4,
+        num_stages=2, **_format(fp8_dtype), **grad_format)
+    return dw.to(out_dtype)
