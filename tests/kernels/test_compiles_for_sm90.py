@@ -24,6 +24,7 @@ import torch
 from grouped_linear.kernels import activation as act
 from grouped_linear.kernels._gluon import HAS_GLUON
 from grouped_linear.kernels._triton import HAS_TRITON
+from grouped_linear.kernels.gemm import fp8_fused_gemm as ff
 from grouped_linear.kernels.gemm import fp8_gluon_gemm as gg
 from grouped_linear.kernels.gemm import fp8_gluon_wgrad as gw
 from grouped_linear.kernels.gemm import fp8_triton_gemm as fg
@@ -109,6 +110,22 @@ CASES = {
                                 "BLOCK_K": fg.GROUP_SCALED_WGRAD_CONFIG[4],
                                 "BLOCK_G": 256, "SCALE_BLOCK": fg.BLOCK},
                                fg.GROUP_SCALED_WGRAD_CONFIG[0]),
+    **{f"fp8 fused {gemm}, {'blockwise' if blockwise else 'rowwise'}": (
+        kernel, {"x_ptr": "*bf16", "dy_ptr": "*bf16", "w_ptr": F8, "bias_ptr": "*bf16",
+                 "out_ptr": "*bf16", "dx_ptr": "*bf16", "dw_ptr": "*bf16", "sizes_ptr": "*i64"},
+        {"BLOCKWISE": blockwise, "POW2": False, "UPCAST": False, "FP8_MAX": FP8_MAX,
+         "MANT": 3, "MIN_EXP": -6, "BLOCK_G": 16, **extra}, ff._WARPS[blockwise])
+        for blockwise in (False, True)
+        for gemm, kernel, extra in (
+            ("forward", ff._forward_kernel,
+             {"HAS_BIAS": True, "SAVE_SCALE": not blockwise, "BLOCK_M": 64,
+              "BLOCK_N": 128, "BLOCK_K": 128 if blockwise else 64, "NUM_PROGRAMS": 132}),
+            ("dgrad", ff._dgrad_kernel,
+             {"BLOCK_M": 64, "BLOCK_K": 128, "BLOCK_R": 128 if blockwise else 64,
+              "NUM_PROGRAMS": 132}),
+            ("wgrad", ff._wgrad_kernel,
+             {"HAS_BIAS": True, "GRAD_FP8_MAX": 57344.0, "GRAD_MANT": 2, "GRAD_MIN_EXP": -14,
+              "BLOCK_M": 128 if blockwise else 64, "BLOCK_N": 64, "BLOCK_K": 64}))},
     "bf16 mm": (tg._grouped_mm_kernel,
                 {"a_ptr": "*bf16", "b_ptr": "*bf16", "bias_ptr": "*bf16", "out_ptr": "*bf16",
                  "sizes_ptr": "*i64"},
@@ -231,7 +248,9 @@ CASES = {
 }
 
 PIPELINED = {"fp8 mm blockwise", "fp8 blockwise wgrad", "fp8 group-scaled wgrad",
-             "bf16 mm", "bf16 wgrad"}
+             "bf16 mm", "bf16 wgrad"} | {name for name in CASES if name.startswith("fp8 fused")}
+# Kernels whose launch shape was chosen so that ptxas keeps every value in registers.
+NO_SPILLS = {name for name in CASES if name.startswith("fp8 fused")}
 # Streaming kernels whose bf16 loads must stay 16-byte vectors (one read at copy speed).
 VECTOR_LOADS = {"rows", "rows of pieces", "columns scaled", "rows, scale per group", "group amax",
                 "bias activation, interleaved forward", "bias activation, interleaved backward",
@@ -345,6 +364,18 @@ GLUON_CASES = {
 GLUON_STREAMING = {"gluon row tiles and token blocks"}
 
 
+def _ptxas_notes(ptx: str) -> str:
+    """What ``ptxas -v`` reports on ``ptx`` for sm90a (registers, spills, serialized MMAs)."""
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "kernel.ptx")
+        with open(path, "w") as f:
+            f.write(ptx)
+        report = subprocess.run([ptxas, "-arch=sm_90a", "-v", path, "-o", os.devnull],
+                                capture_output=True, text=True)
+    return report.stdout + report.stderr
+
+
 def _check_gluon(name: str) -> str:
     kernel, pointers, constants, num_warps, maxnreg = GLUON_CASES[name]
     try:
@@ -368,14 +399,7 @@ def _check_gluon(name: str) -> str:
         return "no register split between warp-specialized partitions"
     # ptxas serializes the asynchronous MMAs when registers run short or an in-flight
     # accumulator is copied (notes C7512-C7515): the kernel would lose its overlap silently
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-    with tempfile.TemporaryDirectory() as folder:
-        path = os.path.join(folder, "kernel.ptx")
-        with open(path, "w") as f:
-            f.write(ptx)
-        report = subprocess.run([ptxas, "-arch=sm_90a", "-v", path, "-o", os.devnull],
-                                capture_output=True, text=True)
-    notes = report.stdout + report.stderr
+    notes = _ptxas_notes(ptx)
     if "wgmma.mma_async instructions are serialized" in notes:
         return "ptxas serializes the MMAs: " + notes.split("Potential Performance Loss:")[-1][:200]
     if " 0 bytes spill stores" not in notes:
@@ -397,6 +421,8 @@ def _check(name: str) -> str:
         return "the dot is not lowered to warp-group MMA"
     if name in PIPELINED and ASYNC_LOAD not in compiled.asm["ttgir"]:
         return "the main loop is not software-pipelined"
+    if name in NO_SPILLS and " 0 bytes spill stores" not in _ptxas_notes(compiled.asm["ptx"]):
+        return "register spills"
     if name in VECTOR_LOADS and ("ld.global.b16" in compiled.asm["ptx"]
                                  or "ld.global.v4" not in compiled.asm["ptx"]):
         return "the bf16 loads are not 16-byte vectors"

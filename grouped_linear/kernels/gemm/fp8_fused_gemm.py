@@ -32,6 +32,9 @@ from ..quantize.common import amax_to_scale
 __all__ = ["forward", "dgrad", "wgrad", "fits", "BLOCK"]
 
 BLOCK = 128  # the blockwise recipe's tile, block and token block
+# Warps per program: blockwise keeps a partial product beside the accumulator, which spills
+# registers at 4 warps on sm90 (ptxas, tests/kernels/test_compiles_for_sm90.py) and not at 8.
+_WARPS = {False: 4, True: 8}
 _FORMATS = {torch.float8_e4m3fn: (3, -6), torch.float8_e5m2: (2, -14)}  # mantissa bits,
 # smallest normal exponent
 
@@ -332,7 +335,7 @@ def forward(x: torch.Tensor, codes: torch.Tensor, inv: torch.Tensor, bias: torch
         inv.stride(0), inv.stride(1), BLOCKWISE=blockwise, HAS_BIAS=bias is not None,
         SAVE_SCALE=save_scale, POW2=power_of_two, UPCAST=x.is_cpu, BLOCK_M=block_m,
         BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_G=next_power_of_2(G + 1),
-        NUM_PROGRAMS=programs, num_warps=4, num_stages=2, **_format(fp8_dtype))
+        NUM_PROGRAMS=programs, num_warps=_WARPS[blockwise], num_stages=2, **_format(fp8_dtype))
     return out.to(x.dtype), scale
 
 
@@ -353,8 +356,8 @@ def dgrad(grad_out: torch.Tensor, codes: torch.Tensor, inv: torch.Tensor, sizes:
         grad_out, codes, inv, dx, sizes, M, N, K, G, grad_out.stride(0), codes.stride(0),
         codes.stride(1), dx.stride(0), inv.stride(0), inv.stride(1), BLOCKWISE=blockwise,
         POW2=power_of_two, UPCAST=grad_out.is_cpu, BLOCK_M=block_m, BLOCK_K=block_k,
-        BLOCK_R=block_r, BLOCK_G=next_power_of_2(G + 1), NUM_PROGRAMS=programs, num_warps=4,
-        num_stages=2, **_format(fp8_dtype))
+        BLOCK_R=block_r, BLOCK_G=next_power_of_2(G + 1), NUM_PROGRAMS=programs,
+        num_warps=_WARPS[blockwise], num_stages=2, **_format(fp8_dtype))
     return dx.to(grad_out.dtype)
 
 
@@ -382,6 +385,6 @@ def wgrad(grad_out: torch.Tensor, x: torch.Tensor, x_scale: torch.Tensor | None,
         bias_sums if bias_sums is not None else dw, sizes, M, N, K, G, grad_out.stride(0),
         x.stride(0), dw.stride(0), dw.stride(1), BLOCKWISE=blockwise,
         HAS_BIAS=bias_sums is not None, POW2=power_of_two, UPCAST=x.is_cpu, BLOCK_M=block_m,
-        BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_G=next_power_of_2(G + 1), num_warps=4,
-        num_stages=2, **_format(fp8_dtype), **grad_format)
+        BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_G=next_power_of_2(G + 1),
+        num_warps=_WARPS[blockwise], num_stages=2, **_format(fp8_dtype), **grad_format)
     return dw.to(out_dtype)
