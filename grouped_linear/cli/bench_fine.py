@@ -59,7 +59,7 @@ import torch.nn.functional as F
 import grouped_linear as gl
 
 from ..ops.checks import check_int
-from ..ops.dispatch import resolve_backend
+from ..ops.dispatch import fp8_route, resolve_backend
 from .demo import resolve_device
 from .timing import format_table, median_seconds, peak_memory_bytes, progress, warm_gpu
 
@@ -263,7 +263,9 @@ def _measure_cell(cell: dict, names: list[str], dev: torch.device, dtype: torch.
     columns = {name: _column(name, x, w, dy, splits, ends, layers) for name in names}
 
     result = {**cell, "M": M, "empty_groups": int(empty.sum()), "columns": {},
-              "gl_route": resolve_backend("auto", dev, dtype, K, N, M, G)}
+              "gl_route": resolve_backend("auto", dev, dtype, K, N, M, G),
+              "fp8_routes": "/".join(fp8_route(RECIPES[r](), dev, dtype, K, N, G, M)
+                                     .removeprefix("fp8_") for r in RECIPES)}
     for name, column in columns.items():
         _clear(column.leaves)
         out = column.call()
@@ -394,7 +396,8 @@ def render_fine_tables(report: dict) -> str:
         failed = [n for n, c in cols.items()
                   if not c["within_tolerance"] or c["empty_wgrad_zero"] is False]
         rows.append([cell["G"], cell["rows_per_group"], cell["split"], cell["K"], cell["N"],
-                     cell["gl_route"], *(_ratio(cols[n]["ratio"]) for n in ratios),
+                     cell["gl_route"], cell.get("fp8_routes", "-"),
+                     *(_ratio(cols[n]["ratio"]) for n in ratios),
                      *(f"{cols[n]['tflops']:.3g}" if n in cols else "-" for n in ("gl", "torch")),
                      ", ".join(failed) or "ok"])
     rounds = report["rounds"]
@@ -404,9 +407,10 @@ def render_fine_tables(report: dict) -> str:
                 if report["smoke_test"] else "")
              + f"; ratio = torch ms / column ms (forward-only against torch_fwd), median of "
              f"{rounds} round{'s' if rounds > 1 else ''}")
-    parts = [format_table(["G", "rows/group", "split", "K", "N", "gl route", *ratios,
-                           "gl TFLOP/s", "torch TFLOP/s", "checks"], rows,
-                          align="rrlrrl" + "r" * len(ratios) + "rrl", title=title)]
+    parts = [format_table(["G", "rows/group", "split", "K", "N", "gl route",
+                           "FP8 routes (row/block)", *ratios, "gl TFLOP/s", "torch TFLOP/s",
+                           "checks"], rows,
+                          align="rrlrrll" + "r" * len(ratios) + "rrl", title=title)]
     summary = [[s["features"], s["column"], s["cells"], s["count"], _ratio(s["min"]),
                 _ratio(s["median"]), _ratio(s["max"]), s["worst"],
                 "-" if s["target"] is None else f">= {s['target'][0]}x min"
