@@ -12,12 +12,19 @@ dtypes|rows]`` (default: both parts):
   ``"triton"`` from 1024 to 65536 rows; forward and forward+backward medians in µs and
   the Triton kernels' TFLOP/s. Where Triton stops winning sets the rows threshold of
   ``auto``.
+* ``fine``: the fine-grained bench's balanced cells (64-256 groups of 8-128 rows, four
+  K x N), µs of forward and forward+backward (no bias, CUDA splits, bf16) of raw
+  ``F.grouped_mm``, this library's ``triton`` and ``grouped`` backends, and
+  ``Float8Rowwise`` / ``Float8Blockwise`` layers with a warm weight cache on the
+  ``fp8_fused`` route and on the FP8 GEMM routes (``fp8_fused_max_work`` moved to either
+  side): where each wins sets ``triton_auto_max_rows`` and ``fp8_fused_max_work``.
 """
 
 import torch
 from _common import CUDA, device_groups, median_ms, part_arguments, randn, tflops, warm_gpu
 
 import grouped_linear as gl
+from grouped_linear import _tuning
 
 DTYPE_CASES = {  # label: (sizes, K, N); None: 128 skewed groups of 131072 rows
     "8x8192 K2048 N2048": ([8192] * 8, 2048, 2048),
@@ -104,13 +111,71 @@ def rows() -> None:
               f"{tflops(flops, t[0] / 1e3):.0f}, {tflops(3 * flops, t[1] / 1e3):.0f}")
 
 
+FINE_FEATURES = [(2048, 768), (768, 2048), (4096, 2048), (7168, 2048)]
+
+
+def _step_us(fn, grad, leaves) -> tuple[float, float]:
+    """Median µs of ``fn()`` and of ``fn().backward(grad)`` (short warm-ups: the caller warms
+    the GPU once per cell)."""
+    options = {"cuda_warmup_ms": 100, "cuda_rep_ms": 100}
+    fwd = median_ms(fn, leaves, **options)
+    step = median_ms(lambda: fn().backward(grad), leaves, **options)
+    return fwd * 1e3, step * 1e3
+
+
+def _fine_cell(groups: int, per_group: int, K: int, N: int) -> dict:
+    """µs (forward, forward+backward) of every column on one balanced cell."""
+    sizes = [per_group] * groups
+    M = sum(sizes)
+    splits, ends = device_groups(sizes)
+    x = randn(M, K, device=CUDA, dtype=torch.bfloat16, requires_grad=True)
+    w = randn(groups, N, K, device=CUDA, dtype=torch.bfloat16, scale=K ** -0.5,
+              requires_grad=True)
+    grad = randn(M, N, device=CUDA, dtype=torch.bfloat16)
+    warm_gpu()
+    times = {"torch": _step_us(
+        lambda: torch.nn.functional.grouped_mm(x, w.transpose(-2, -1), offs=ends), grad, [x, w])}
+    for backend in ("triton", "grouped"):
+        times[backend] = _step_us(
+            lambda b=backend: gl.grouped_linear(x, w, None, splits, backend=b), grad, [x, w])
+    for name, recipe in (("row", gl.recipes.Float8Rowwise()),
+                         ("block", gl.recipes.Float8Blockwise())):
+        for route, limit in (("fused", 2**62), ("gemm", 0)):
+            with _tuning.override(fp8_fused_max_work=limit):
+                layer = gl.GroupedLinear(groups, K, N, bias=False, params_dtype=torch.bfloat16,
+                                         device=CUDA, recipe=recipe)
+                layer(x, splits, is_first_microbatch=True)  # fills the weight cache
+                times[f"{name} {route}"] = _step_us(
+                    lambda layer=layer: layer(x, splits, is_first_microbatch=False), grad,
+                    [x, layer.weight])
+    return times
+
+
+def fine() -> None:
+    """µs per cell of raw grouped_mm, the bf16 backends and the FP8 routes (module doc)."""
+    columns = ["torch", "triton", "grouped", "row fused", "row gemm", "block fused",
+               "block gemm"]
+    print("cell | " + " | ".join(f"{c} fwd, fwd+bwd" for c in columns)
+          + " (µs; each column's forward+backward against torch's in brackets)")
+    for K, N in FINE_FEATURES:
+        for groups in (64, 128, 256):
+            for per_group in (8, 32, 128):
+                times = _fine_cell(groups, per_group, K, N)
+                base = times["torch"][1]
+                cells = [f"{times[c][0]:.0f}, {times[c][1]:.0f} ({base / times[c][1]:.2f}x)"
+                         for c in columns]
+                print(f"G{groups} r{per_group} {K}x{N} | " + " | ".join(cells), flush=True)
+
+
 def main() -> None:
-    args = part_arguments(__doc__, ("dtypes", "rows"))
+    args = part_arguments(__doc__, ("dtypes", "rows", "fine"))
     torch.manual_seed(0)
     if "dtypes" in args.parts:
         dtypes()
     if "rows" in args.parts:
         rows()
+    if "fine" in args.parts:
+        fine()
 
 
 if __name__ == "__main__":
