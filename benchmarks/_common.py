@@ -10,11 +10,16 @@ reaches the GPU's sustained clocks). The scripts run from the repository root as
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
+import socket
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from types import SimpleNamespace
 
 import torch
+import torch.distributed as dist
+import torch.multiprocessing  # noqa: F401 (spawn)
 from torch.profiler import ProfilerActivity, profile
 
 import grouped_linear as gl
@@ -23,8 +28,9 @@ from grouped_linear.cli.timing import median_seconds, randn, warm_gpu
 from grouped_linear.kernels.ends import group_ends
 
 __all__ = ["COPY_BANDWIDTH", "CUDA", "E4M3", "Shape", "Bare", "bench_shapes", "device_groups",
-           "kernel_times", "median_ms", "part_arguments", "profile_steps", "randn",
-           "small_step_case", "tflops", "wall_us", "warm_gpu"]
+           "distributed_arguments", "kernel_times", "median_ms", "part_arguments",
+           "process_group", "profile_steps", "randn", "small_step_case", "spawn", "tflops",
+           "wall_us", "warm_gpu"]
 
 CUDA = torch.device("cuda")
 E4M3 = torch.float8_e4m3fn
@@ -166,3 +172,40 @@ class Bare(torch.autograd.Function):
         x, w, _ = ctx.saved_tensors
         bias_grad = torch.empty(w.shape[0], w.shape[1], device=w.device, dtype=w.dtype)
         return torch.empty_like(x), torch.empty_like(w), bias_grad, None
+
+
+# --------------------------------------------------------------------------- several processes
+def distributed_arguments(doc: str, world: int) -> argparse.ArgumentParser:
+    """A parser with ``--world`` (default ``world``), ``--cpu`` (gloo on CPU instead of NCCL)
+    and ``--tiny`` (a small problem, the smoke test); the script adds its own options."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--world", type=int, default=world)
+    parser.add_argument("--cpu", action="store_true", help="gloo on CPU instead of NCCL")
+    parser.add_argument("--tiny", action="store_true", help="a small problem (smoke test)")
+    return parser
+
+
+def spawn(worker: Callable, args) -> None:
+    """``worker(rank, world, port, args)`` in ``args.world`` processes, NCCL's NVLink
+    multicast off."""
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    torch.multiprocessing.spawn(worker, args=(args.world, port, args), nprocs=args.world,
+                                join=True)
+
+
+@contextlib.contextmanager
+def process_group(rank: int, world: int, port: int, cpu: bool) -> Iterator[torch.device]:
+    """This rank's device (its GPU, or the CPU with ``cpu``) inside an initialised process
+    group (NCCL, or gloo), destroyed on the way out."""
+    device = torch.device("cpu") if cpu else torch.device("cuda", rank)
+    if not cpu:
+        torch.cuda.set_device(device)
+    dist.init_process_group("gloo" if cpu else "nccl", init_method=f"tcp://127.0.0.1:{port}",
+                            rank=rank, world_size=world)
+    try:
+        yield device
+    finally:
+        dist.destroy_process_group()

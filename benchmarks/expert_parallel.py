@@ -14,14 +14,11 @@ timing the same step with the exchanges replaced by local copies of the same siz
 
 from __future__ import annotations
 
-import argparse
-import os
-import socket
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from _common import distributed_arguments, process_group, spawn
 
 import grouped_linear as gl
 from grouped_linear.parallel import expert_parallel
@@ -44,12 +41,7 @@ def _time_steps(step, device, warmup=3, iters=10) -> float:
 
 def _worker(rank, world, port, args):
     cuda = not args.cpu
-    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}",
-                            rank=rank, world_size=world)
-    try:
+    with process_group(rank, world, port, args.cpu) as device:
         dtype = torch.bfloat16 if cuda else torch.float32
         torch.manual_seed(rank)
         moe = gl.ExpertParallelMoE(args.hidden, args.ffn, args.experts_per_rank * world,
@@ -81,15 +73,10 @@ def _worker(rank, world, port, args):
             print(f"world {world}: {seconds * 1e3:.2f} ms per forward+backward, "
                   f"{tokens / seconds:,.0f} tokens/s over all ranks, all-to-all share "
                   f"{exchange:.1%}")
-    finally:
-        dist.destroy_process_group()
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--world", type=int, default=2)
-    parser.add_argument("--cpu", action="store_true", help="gloo on CPU instead of NCCL")
-    parser.add_argument("--tiny", action="store_true", help="a small layer (smoke test)")
+    parser = distributed_arguments(__doc__, world=2)
     parser.add_argument("--hidden", type=int, default=7168)
     parser.add_argument("--ffn", type=int, default=2048)
     parser.add_argument("--experts-per-rank", type=int, default=16)
@@ -98,11 +85,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.tiny:
         args.hidden, args.ffn, args.experts_per_rank, args.top_k, args.tokens = 64, 32, 4, 2, 256
-    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_worker, args=(args.world, port, args), nprocs=args.world, join=True)
+    spawn(_worker, args)
 
 
 if __name__ == "__main__":

@@ -23,15 +23,12 @@ over alternating rounds with its ratio to ``bf16``.
 
 from __future__ import annotations
 
-import argparse
-import os
-import socket
 import statistics
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from _common import distributed_arguments, process_group, spawn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather
@@ -95,12 +92,7 @@ def _build(case: str, args, mesh, device, counter):
 
 def _worker(rank, world, port, args):
     cuda = not args.cpu
-    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}",
-                            rank=rank, world_size=world)
-    try:
+    with process_group(rank, world, port, args.cpu) as device:
         mesh = init_device_mesh(device.type, (world,))
         dtype = torch.bfloat16 if cuda else torch.float32
         sizes = [args.rows // args.experts] * args.experts
@@ -159,15 +151,10 @@ def _worker(rank, world, port, args):
                       f"{args.rows} rows per rank, Float8{args.recipe.capitalize()}, "
                       f"fully_shard over {world} {'GPU' if cuda else 'CPU process'}(s), "
                       f"{args.rounds} rounds of {args.steps} steps"))
-    finally:
-        dist.destroy_process_group()
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--world", type=int, default=1)
-    parser.add_argument("--cpu", action="store_true", help="gloo on CPU instead of NCCL")
-    parser.add_argument("--tiny", action="store_true", help="a small block (smoke test)")
+    parser = distributed_arguments(__doc__, world=1)
     parser.add_argument("--recipe", choices=sorted(RECIPES), default="rowwise")
     parser.add_argument("--experts", type=int, default=32)
     parser.add_argument("--hidden", type=int, default=7168)
@@ -178,11 +165,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.tiny:
         args.experts, args.hidden, args.ffn, args.rows = 4, 128, 256, 64
-    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_worker, args=(args.world, port, args), nprocs=args.world, join=True)
+    spawn(_worker, args)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,8 @@ import torch
 
 from ._triton import tl, triton
 
-__all__ = ["row_groups", "row_group", "group_rows", "tile_list", "tile_origin"]
+__all__ = ["row_groups", "row_group", "group_rows", "tile_list", "tile_origin",
+           "weight_tile"]
 
 
 def row_groups(ends: torch.Tensor, num_rows: int) -> torch.Tensor:
@@ -68,3 +69,22 @@ def tile_origin(tile, gs, starts, ends, tile_begin, tile_end, W, BLOCK_M: tl.con
     end = tl.sum(tl.where(owner, ends, 0), axis=0)
     row0 = tl.sum(tl.where(owner, starts, 0), axis=0) + (local // n_tiles) * BLOCK_M
     return g, end, row0, local % n_tiles
+
+
+@triton.jit
+def weight_tile(pid, sizes_ptr, G, M, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                BLOCK_G: tl.constexpr):
+    """Tile ``pid`` of a ``(G, N, K)`` weight gradient, numbered group, N tile, K tile: its
+    group, K tile, the group's (clamped) start and end rows, and its ``N`` and ``K``
+    columns with their masks."""
+    n_tiles = tl.cdiv(N, BLOCK_N)
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    g = pid // (n_tiles * k_tiles)
+    n_tile = (pid // k_tiles) % n_tiles
+    k_tile = pid % k_tiles
+    gs, starts, ends = group_rows(sizes_ptr, G, M, BLOCK_G)
+    start = tl.sum(tl.where(gs == g, starts, 0), axis=0)
+    end = tl.sum(tl.where(gs == g, ends, 0), axis=0)
+    cols_n = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols_k = k_tile * BLOCK_K + tl.arange(0, BLOCK_K)
+    return g, k_tile, start, end, cols_n, cols_k, cols_n < N, cols_k < K

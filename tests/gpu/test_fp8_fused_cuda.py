@@ -6,9 +6,9 @@ import pytest
 import torch
 
 import grouped_linear as gl
-from grouped_linear.ops.fp8 import fused as fused_module
 from tests.gpu.test_cuda_graphs import check_layer_step_replays
 from tests.gpu.test_grouped_linear_cuda import no_host_sync
+from tests.ops.test_fp8_fused import count_fused_calls
 from tests.reference import reference_grads, rel_err
 
 pytestmark = [
@@ -27,15 +27,7 @@ G, K, N, TAIL = len(SIZES), 320, 200, 6
 
 @pytest.fixture
 def counted(monkeypatch):
-    calls = []
-    real = fused_module.Fp8FusedFunction.forward
-
-    def counting(ctx, *args):
-        calls.append(1)
-        return real(ctx, *args)
-
-    monkeypatch.setattr(fused_module.Fp8FusedFunction, "forward", staticmethod(counting))
-    return calls
+    return count_fused_calls(monkeypatch)
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=IDS)

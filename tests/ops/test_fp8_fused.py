@@ -25,9 +25,8 @@ G, K, N = len(SIZES), 160, 136
 TOL = 1e-5  # the same FP8 values multiplied in float32 on both sides
 
 
-@pytest.fixture
-def fused(monkeypatch):
-    """Every FP8 call in the test takes the fused route; returns a counter of its calls."""
+def count_fused_calls(monkeypatch) -> list:
+    """A list that grows by one at each forward of the fused route's function."""
     from grouped_linear.ops.fp8 import fused as fused_module
 
     calls = []
@@ -37,9 +36,15 @@ def fused(monkeypatch):
         calls.append(1)
         return real(ctx, *args)
 
-    monkeypatch.setattr(ops_linear, "choose_route", lambda *args: "fp8_fused")
     monkeypatch.setattr(fused_module.Fp8FusedFunction, "forward", staticmethod(counting))
     return calls
+
+
+@pytest.fixture
+def fused(monkeypatch):
+    """Every FP8 call in the test takes the fused route; returns a counter of its calls."""
+    monkeypatch.setattr(ops_linear, "choose_route", lambda *args: "fp8_fused")
+    return count_fused_calls(monkeypatch)
 
 
 def _inputs(seed=0):

@@ -25,7 +25,7 @@ against the separate routes' 18).
 
 import torch
 
-from .._groups import group_rows, tile_list, tile_origin
+from .._groups import tile_list, tile_origin, weight_tile
 from .._triton import cdiv, kernel, next_power_of_2, sm_count, tl, triton
 from ..quantize.common import amax_to_scale
 
@@ -215,19 +215,8 @@ def _wgrad_kernel(dy_ptr, x_ptr, x_scale_ptr, dw_ptr, db_ptr, sizes_ptr, M, N, K
     """Tile (group, N tile, K tile) of ``dw[g] = q(dy)^T q(x)`` scaled and, with
     ``HAS_BIAS``, in the K tile 0, ``db[g]``: float32 sums of ``dy`` over the group's rows.
     Blockwise: ``BLOCK_M`` is the recipe's 128-row block."""
-    pid = tl.program_id(0)
-    n_tiles = tl.cdiv(N, BLOCK_N)
-    k_tiles = tl.cdiv(K, BLOCK_K)
-    g = pid // (n_tiles * k_tiles)
-    n_tile = (pid // k_tiles) % n_tiles
-    k_tile = pid % k_tiles
-    gs, starts, ends = group_rows(sizes_ptr, G, M, BLOCK_G)
-    start = tl.sum(tl.where(gs == g, starts, 0), axis=0)
-    end = tl.sum(tl.where(gs == g, ends, 0), axis=0)
-    cols_n = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
-    cols_k = k_tile * BLOCK_K + tl.arange(0, BLOCK_K)
-    n_mask = cols_n < N
-    k_mask = cols_k < K
+    g, k_tile, start, end, cols_n, cols_k, n_mask, k_mask = weight_tile(
+        tl.program_id(0), sizes_ptr, G, M, N, K, BLOCK_N, BLOCK_K, BLOCK_G)
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     sums = tl.zeros([BLOCK_N], dtype=tl.float32)
     if BLOCKWISE:

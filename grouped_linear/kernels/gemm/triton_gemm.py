@@ -16,7 +16,7 @@ Shapes: ``x`` ``(M, K)``, ``weight`` ``(G, N, K)``, ``bias`` ``(G, N)``,
 
 import torch
 
-from .._groups import group_rows, tile_list, tile_origin
+from .._groups import tile_list, tile_origin, weight_tile
 from .._triton import LaunchPlan, cdiv, kernel, next_power_of_2, sm_count, tl, triton
 from ..bias import bias_grad_reference
 from ..ends import group_ends
@@ -97,18 +97,8 @@ def _wgrad_tile(pid, dy_ptr, x_ptr, dw_ptr, db_ptr, sizes_ptr, M, N, K, G,
                 BLOCK_G: tl.constexpr):
     """Tile ``pid`` (group, N tile, K tile) of ``dw[g] = dy[rows of g]^T @ x[rows of g]``
     and, with ``HAS_BIAS``, ``db[g] = sum of dy[rows of g]`` (float32 sums)."""
-    n_tiles = tl.cdiv(N, BLOCK_N)
-    k_tiles = tl.cdiv(K, BLOCK_K)
-    g = pid // (n_tiles * k_tiles)
-    n_tile = (pid // k_tiles) % n_tiles
-    k_tile = pid % k_tiles
-    gs, starts, ends = group_rows(sizes_ptr, G, M, BLOCK_G)
-    start = tl.sum(tl.where(gs == g, starts, 0), axis=0)
-    end = tl.sum(tl.where(gs == g, ends, 0), axis=0)
-    cols_n = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
-    cols_k = k_tile * BLOCK_K + tl.arange(0, BLOCK_K)
-    n_mask = cols_n < N
-    k_mask = cols_k < K
+    g, k_tile, start, end, cols_n, cols_k, n_mask, k_mask = weight_tile(
+        pid, sizes_ptr, G, M, N, K, BLOCK_N, BLOCK_K, BLOCK_G)
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     bias_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     for m0 in range(start, end, BLOCK_M):
