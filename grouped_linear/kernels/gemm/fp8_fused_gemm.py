@@ -27,7 +27,7 @@ import torch
 
 from .._groups import tile_list, tile_origin, weight_tile
 from .._triton import cdiv, kernel, next_power_of_2, sm_count, tl, triton
-from ..quantize.common import amax_to_scale
+from ..quantize.common import amax_to_scale, inverse
 
 __all__ = ["forward", "dgrad", "wgrad", "fits", "BLOCK"]
 
@@ -102,7 +102,7 @@ def _forward_kernel(x_ptr, w_ptr, w_inv_ptr, bias_ptr, out_ptr, x_scale_ptr, siz
                                 UPCAST)
                     factor = tl.load(w_inv_ptr + g.to(tl.int64) * stride_ig
                                      + col_tile * stride_in + k0 // BLOCK_K)
-                    acc += part * ((1.0 / scale) * factor)[:, None]
+                    acc += part * (inverse(scale) * factor)[:, None]
             else:
                 amax = tl.zeros([BLOCK_M], dtype=tl.float32)
                 for k0 in range(0, K, BLOCK_K):  # pass 1: each row's amax
@@ -122,7 +122,7 @@ def _forward_kernel(x_ptr, w_ptr, w_inv_ptr, bias_ptr, out_ptr, x_scale_ptr, siz
                                           MIN_EXP), w.to(tl.float32), acc, UPCAST)
                 w_inv = tl.load(w_inv_ptr + g.to(tl.int64) * stride_ig + col0 + cols,
                                 mask=col_mask, other=0.0)
-                acc = acc * (1.0 / scale)[:, None] * w_inv[None, :]
+                acc = acc * inverse(scale)[:, None] * w_inv[None, :]
                 if SAVE_SCALE:
                     if col_tile == 0:  # one column tile per row tile writes the scales
                         tl.store(x_scale_ptr + row0 + rows, scale, mask=row_mask)
@@ -173,7 +173,7 @@ def _dgrad_kernel(dy_ptr, w_ptr, w_inv_ptr, dx_ptr, sizes_ptr, M, N, K, G, strid
                                 UPCAST)
                     factor = tl.load(w_inv_ptr + g.to(tl.int64) * stride_ig
                                      + (n0 // BLOCK_R) * stride_in + k0 // BLOCK_R)
-                    acc += part * ((1.0 / scale) * factor)[:, None]
+                    acc += part * (inverse(scale) * factor)[:, None]
             else:  # dy times the weight's channel factors, one scale per row
                 inv_base = w_inv_ptr + g.to(tl.int64) * stride_ig
                 amax = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -197,7 +197,7 @@ def _dgrad_kernel(dy_ptr, w_ptr, w_inv_ptr, dx_ptr, sizes_ptr, M, N, K, G, strid
                                 mask=n_mask[:, None] & k_mask[None, :], other=0.0)
                     acc = _dot(_round_fp8(folded, scale[:, None], FP8_MAX, MANT, MIN_EXP),
                                w.to(tl.float32), acc, UPCAST)
-                acc = acc * (1.0 / scale)[:, None]
+                acc = acc * inverse(scale)[:, None]
         out = dx_ptr + row0.to(tl.int64) * stride_dxm + k0 \
             + (rows[:, None] * stride_dxm + ks[None, :])
         tl.store(out, acc.to(dx_ptr.dtype.element_ty), mask=row_mask[:, None] & k_mask[None, :])
@@ -233,7 +233,7 @@ def _wgrad_kernel(dy_ptr, x_ptr, x_scale_ptr, dw_ptr, db_ptr, sizes_ptr, M, N, K
                                    GRAD_MIN_EXP),
                         _round_fp8(x, x_scale[None, :], FP8_MAX, MANT, MIN_EXP),
                         tl.zeros([BLOCK_N, BLOCK_K], tl.float32), UPCAST)
-            acc += part * (1.0 / dy_scale)[:, None] * (1.0 / x_scale)[None, :]
+            acc += part * inverse(dy_scale)[:, None] * inverse(x_scale)[None, :]
             if HAS_BIAS:
                 sums += tl.sum(dy_t, axis=1)
     else:  # dy times x's per-row factors, one scale per (group, column) along the rows
@@ -243,7 +243,7 @@ def _wgrad_kernel(dy_ptr, x_ptr, x_scale_ptr, dw_ptr, db_ptr, sizes_ptr, M, N, K
             row_mask = rows < end
             dy_t = tl.load(dy_ptr + rows.to(tl.int64)[None, :] * stride_dym + cols_n[:, None],
                            mask=n_mask[:, None] & row_mask[None, :], other=0.0)
-            x_inv = 1.0 / tl.load(x_scale_ptr + rows, mask=row_mask, other=1.0)
+            x_inv = inverse(tl.load(x_scale_ptr + rows, mask=row_mask, other=1.0))
             folded = tl.clamp(dy_t.to(tl.float32) * x_inv[None, :], -3.4028234663852886e38,
                               3.4028234663852886e38)
             amax = tl.maximum(amax, tl.max(tl.abs(folded), axis=1))
@@ -256,7 +256,7 @@ def _wgrad_kernel(dy_ptr, x_ptr, x_scale_ptr, dw_ptr, db_ptr, sizes_ptr, M, N, K
             dy_t = tl.load(dy_ptr + rows.to(tl.int64)[None, :] * stride_dym + cols_n[:, None],
                            mask=n_mask[:, None] & row_mask[None, :], other=0.0)
             x_scale = tl.load(x_scale_ptr + rows, mask=row_mask, other=1.0)
-            folded = tl.clamp(dy_t.to(tl.float32) * (1.0 / x_scale)[None, :],
+            folded = tl.clamp(dy_t.to(tl.float32) * inverse(x_scale)[None, :],
                               -3.4028234663852886e38, 3.4028234663852886e38)
             x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_xm + cols_k[None, :],
                         mask=row_mask[:, None] & k_mask[None, :], other=0.0)
@@ -264,7 +264,7 @@ def _wgrad_kernel(dy_ptr, x_ptr, x_scale_ptr, dw_ptr, db_ptr, sizes_ptr, M, N, K
                                   GRAD_MIN_EXP),
                        _round_fp8(x.to(tl.float32), x_scale[:, None], FP8_MAX, MANT, MIN_EXP),
                        acc, UPCAST)
-        acc = acc * (1.0 / dy_scale)[:, None]
+        acc = acc * inverse(dy_scale)[:, None]
     dw = dw_ptr + g.to(tl.int64) * stride_dwg + cols_n.to(tl.int64)[:, None] * stride_dwn \
         + cols_k[None, :]
     tl.store(dw, acc.to(dw_ptr.dtype.element_ty), mask=n_mask[:, None] & k_mask[None, :])

@@ -30,7 +30,15 @@ import torch
 
 from .._groups import group_rows
 from .._triton import cdiv, kernel, next_power_of_2, tl, triton, use_triton
-from .common import amax_to_scale, finish, fp8_buffer, pad_to, saturate, scale_from_amax
+from .common import (
+    amax_to_scale,
+    finish,
+    fp8_buffer,
+    inverse,
+    pad_to,
+    saturate,
+    scale_from_amax,
+)
 
 __all__ = ["quantize_row_tiles", "quantize_row_tiles_reference", "dequantize_row_tiles",
            "quantize_weight_blocks",
@@ -88,7 +96,7 @@ def _quantize_row_tiles_kernel(t_ptr, q_ptr, inv_ptr, M, C, stride_tm, stride_tc
     scale = amax_to_scale(tl.max(tl.abs(values), axis=1), FP8_MAX, POW2)
     scaled = tl.clamp(values * scale[:, None], -FP8_MAX, FP8_MAX)
     tl.store(q_ptr + rows64 * C + cols64, scaled.to(q_ptr.dtype.element_ty), mask=mask)
-    tl.store(inv_ptr + rows.to(tl.int64) * n_blocks + block, 1.0 / scale, mask=row_mask)
+    tl.store(inv_ptr + rows.to(tl.int64) * n_blocks + block, inverse(scale), mask=row_mask)
 
 
 def quantize_row_tiles(t: torch.Tensor, fp8_dtype: torch.dtype, power_of_two: bool,
@@ -153,7 +161,7 @@ def _quantize_weight_blocks_kernel(w_ptr, q_ptr, inv_ptr, N, K, stride_wg, strid
     tl.store(q_ptr + g * N * K + ns64 * K + ks64, scaled.to(q_ptr.dtype.element_ty), mask=mask)
     n_blocks = tl.num_programs(1)
     k_blocks = tl.num_programs(2)
-    tl.store(inv_ptr + (g * n_blocks + nb) * k_blocks + kb, 1.0 / scale)
+    tl.store(inv_ptr + (g * n_blocks + nb) * k_blocks + kb, inverse(scale))
 
 
 def quantize_weight_blocks(weight: torch.Tensor, fp8_dtype: torch.dtype, power_of_two: bool,
@@ -269,7 +277,7 @@ def _quantize_token_blocks_kernel(t_ptr, sizes_ptr, q_ptr, inv_ptr, M, C, G, str
     else:
         tl.store(q_ptr + rows64 * stride_qm + cols64 * stride_qc,
                  scaled.to(q_ptr.dtype.element_ty), mask=mask)
-    tl.store(inv_ptr + b.to(tl.int64) * C + cols, 1.0 / scale, mask=col_mask)
+    tl.store(inv_ptr + b.to(tl.int64) * C + cols, inverse(scale), mask=col_mask)
 
 
 def quantize_token_blocks(t: torch.Tensor, sizes: torch.Tensor, fp8_dtype: torch.dtype,

@@ -41,10 +41,10 @@ WARPS = 8
 @gluon.jit
 def _scale(amax, FP8_MAX: gl.constexpr, POW2: gl.constexpr):
     """As :func:`grouped_linear.kernels.quantize.common.amax_to_scale` (bit for bit)."""
-    scale = gl.where(amax > 0, FP8_MAX / gl.maximum(amax, 1e-30), 1.0)
+    scale = gl.where(amax > 0, gl.div_rn(FP8_MAX, gl.maximum(amax, 1e-30)), 1.0)
     scale = gl.minimum(scale, 3.4028234663852886e38)
     if POW2:
-        scale = gl.exp2(gl.floor(gl.log2(scale)))
+        scale = ((scale.to(gl.int32, bitcast=True) >> 23) << 23).to(gl.float32, bitcast=True)
     return scale
 
 
@@ -79,7 +79,7 @@ def _row_tiles(tile, rq_ptr, rinv_ptr, start, rows_here, valid_rows, col0, C,
         gl.store(rq_ptr + rows[:, None] * C + cols[None, :],
                  _to_fp8(values, scale[:, None], rq_ptr.dtype.element_ty),
                  mask=row_mask[:, None] & (cols < C)[None, :])
-        gl.store(rinv_ptr + rows * gl.num_programs(1) + gl.program_id(1), 1.0 / scale,
+        gl.store(rinv_ptr + rows * gl.num_programs(1) + gl.program_id(1), gl.div_rn(1.0, scale),
                  mask=row_mask)
 
 
@@ -109,7 +109,7 @@ def _token_blocks(tile, q_ptr, inv_ptr, b, valid_rows, col0, C, stride_q,
         gl.store(q_ptr + cols.to(gl.int64)[None, :] * stride_q + slots,
                  _to_fp8(values, scale[None, :], q_ptr.dtype.element_ty),
                  mask=col_mask[None, :])
-        gl.store(inv_ptr + b.to(gl.int64) * C + cols, 1.0 / scale, mask=col_mask)
+        gl.store(inv_ptr + b.to(gl.int64) * C + cols, gl.div_rn(1.0, scale), mask=col_mask)
 
 
 @gluon.jit

@@ -13,7 +13,8 @@ import torch
 
 from .._triton import interpreting, tl, triton
 
-__all__ = ["scale_from_amax", "unit_factors", "saturate", "amax_to_scale", "fp8_buffer", "finish",
+__all__ = ["scale_from_amax", "unit_factors", "saturate", "amax_to_scale", "inverse", "fp8_buffer",
+           "finish",
            "pad_to", "group_amax", "piece_shift", "PieceShifts", "piece_shifts"]
 
 
@@ -29,8 +30,8 @@ def scale_from_amax(amax: torch.Tensor, fp8_dtype: torch.dtype, power_of_two: bo
     scale = torch.where(amax > 0, torch.full_like(amax, fp8_max) / amax.clamp(min=1e-30),
                         torch.ones_like(amax))
     scale = scale.clamp(max=_FLOAT32_MAX)
-    if power_of_two:
-        scale = torch.exp2(torch.floor(torch.log2(scale)))
+    if power_of_two:  # from the exponent: a float32 log2 rounds up just below a power of two
+        scale = torch.ldexp(torch.ones_like(scale), torch.frexp(scale).exponent - 1)
     return scale
 
 
@@ -64,11 +65,18 @@ def saturate(t: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype) -> to
 
 @triton.jit
 def amax_to_scale(amax, FP8_MAX: tl.constexpr, POW2: tl.constexpr):
-    scale = tl.where(amax > 0, FP8_MAX / tl.maximum(amax, 1e-30), 1.0)
+    # div_rn: Triton's ``/`` is PTX's approximate division (2 ulp), not the host's
+    scale = tl.where(amax > 0, tl.math.div_rn(FP8_MAX, tl.maximum(amax, 1e-30)), 1.0)
     scale = tl.minimum(scale, 3.4028234663852886e38)
-    if POW2:
-        scale = tl.math.exp2(tl.floor(tl.math.log2(scale)))
+    if POW2:  # the largest power of two not above: the exponent bits alone
+        scale = ((scale.to(tl.int32, bitcast=True) >> 23) << 23).to(tl.float32, bitcast=True)
     return scale
+
+
+@triton.jit
+def inverse(scale):
+    """``1 / scale`` rounded as the host rounds it (Triton's ``/`` is approximate on GPUs)."""
+    return tl.math.div_rn(1.0, scale)
 
 
 def fp8_buffer(shape, device, fp8_dtype):

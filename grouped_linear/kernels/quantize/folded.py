@@ -19,7 +19,7 @@ import torch
 
 from .._groups import row_group, row_groups
 from .._triton import cdiv, kernel, next_power_of_2, tl, triton, use_triton
-from .common import amax_to_scale, finish, fp8_buffer
+from .common import amax_to_scale, finish, fp8_buffer, inverse
 from .rows import quantize_rows_reference
 
 __all__ = ["ColumnFactors", "quantize_rows_folded", "quantize_rows_folded_reference",
@@ -114,7 +114,7 @@ def _quantize_rows_folded_kernel(t_ptr, factors_ptr, ends_ptr, q_ptr, inv_ptr, R
             scale = amax_to_scale(tl.max(tl.abs(values), axis=0), FP8_MAX, POW2)
             scaled = tl.clamp(values * scale, -FP8_MAX, FP8_MAX)
             tl.store(q_ptr + row * stride_q + cols, scaled.to(q_ptr.dtype.element_ty), mask=mask)
-        tl.store(inv_ptr + row, 1.0 / scale, mask=live)
+        tl.store(inv_ptr + row, inverse(scale), mask=live)
 
 
 def quantize_rows_folded(t: torch.Tensor, column_factors: ColumnFactors, fp8_dtype: torch.dtype,

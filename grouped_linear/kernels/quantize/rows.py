@@ -15,6 +15,7 @@ from .common import (
     amax_to_scale,
     finish,
     fp8_buffer,
+    inverse,
     piece_shift,
     piece_shifts,
     saturate,
@@ -83,7 +84,7 @@ def _quantize_rows_kernel(t_ptr, q_ptr, inv_ptr, scale_ptr, shifts_ptr, ends_ptr
         scaled = tl.clamp(values.to(tl.float32) * scale[:, None], -FP8_MAX, FP8_MAX)
         tl.store(q_ptr + rows.to(tl.int64)[:, None] * stride_q + cols[None, :],
                  scaled.to(q_ptr.dtype.element_ty), mask=mask)
-    tl.store(inv_ptr + rows, 1.0 / scale, mask=row_mask)
+    tl.store(inv_ptr + rows, inverse(scale), mask=row_mask)
 
 
 def _rows_launch_shape(C: int, config: tuple[int, int, int] = ROWS_CONFIG

@@ -7,7 +7,7 @@ import torch
 
 from .._triton import cdiv, kernel, next_power_of_2, tl, triton
 from ..quantize.blocks import dequantize_row_tiles, quantize_row_tiles_reference
-from ..quantize.common import amax_to_scale, finish, fp8_buffer
+from ..quantize.common import amax_to_scale, finish, fp8_buffer, inverse
 from .rows import _rows_kernel_ok, gather_rows_reference
 
 __all__ = ["combine_rows", "combine_rows_reference", "combine_rows_keeping_fp8", "slot_dots",
@@ -64,7 +64,7 @@ def _combine_rows_kernel(src_ptr, dst_ptr, map_ptr, weights_ptr, codes_ptr, fact
             tl.store(codes_ptr + row[:, None] * stride_src + cols[None, :],
                      codes.to(codes_ptr.dtype.element_ty), mask=valid[:, None] & col_mask)
             tile = tl.program_id(1) * (BLOCK_H // TILE) + tl.arange(0, BLOCK_H // TILE)
-            tl.store(factors_ptr + row[:, None] * stride_factors + tile[None, :], 1.0 / scale,
+            tl.store(factors_ptr + row[:, None] * stride_factors + tile[None, :], inverse(scale),
                      mask=valid[:, None] & (tile * TILE < H)[None, :])
         if HAS_WEIGHTS:
             weight = tl.load(weights_ptr + slot, mask=valid, other=0.0).to(tl.float32)
