@@ -22,7 +22,7 @@ class Tuning:
         triton_auto_max_rows: ``backend="auto"`` sends bf16/fp16 CUDA calls of up to this many
             rows to the Triton kernels (one launch per GEMM, bias and tail fused), larger ones
             to the grouped GEMMs.
-        fp8_fused_max_work: ``Float8Rowwise`` / ``Float8Blockwise`` CUDA calls whose rows x
+        fp8_fused_max_work: FP8 CUDA calls whose rows x
             in_features x out_features is at most this run the ``fp8_fused`` route (one
             launch per GEMM, quantization inside: small calls are bound by host time);
             larger ones the FP8 GEMM routes.

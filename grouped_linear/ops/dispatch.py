@@ -13,8 +13,7 @@ route             runs
 ``fp8_scaled_mm`` FP8 rowwise/tensorwise on ``torch._scaled_grouped_mm`` (sm90, at most
                   :data:`TORCH_GROUPED_MAX_GROUPS` groups)
 ``fp8_blockwise`` FP8 block scaling on this library's Gluon/Triton GEMMs
-``fp8_fused``     FP8 rowwise/blockwise on small calls: one launch per GEMM, quantizing
-                  inside (any CUDA GPU)
+``fp8_fused``     FP8 on small calls: one launch per GEMM, quantizing inside
 ``fp8_emulated``  FP8 numerics as quantize -> dequantize in float32 (any device)
 ================  ===============================================================
 
@@ -138,7 +137,7 @@ def fp8_route(recipe: Float8Recipe, device: torch.device, dtype: torch.dtype, in
               out_features: int, num_groups: int, num_rows: int | None = None) -> str:
     """The FP8 route of a call with ``recipe`` (``num_rows=None``: of a large call):
 
-    * ``"fp8_fused"``: ``Float8Rowwise``/``Float8Blockwise``, bf16 or fp16, CUDA, at most
+    * ``"fp8_fused"``: any recipe, bf16 or fp16, CUDA, at most
       ``fp8_fused_max_work`` (:mod:`grouped_linear._tuning`) for ``num_rows`` x
       ``in_features`` x ``out_features``: one launch per GEMM, where the other routes'
       quantization passes make a small call's host time;
@@ -148,8 +147,8 @@ def fp8_route(recipe: Float8Recipe, device: torch.device, dtype: torch.dtype, in
       :data:`TORCH_GROUPED_MAX_GROUPS`) ``torch._scaled_grouped_mm`` takes;
     * ``"fp8_emulated"``: everything else.
     """
-    if (num_rows is not None and isinstance(recipe, (Float8Rowwise, Float8Blockwise))
-            and dtype in (torch.bfloat16, torch.float16) and device.type == "cuda"
+    if (num_rows is not None and dtype in (torch.bfloat16, torch.float16)
+            and device.type == "cuda"
             and HAS_TRITON and fp8_fused_gemm.fits(num_groups, in_features, out_features)
             and num_rows * in_features * out_features <= _tuning.current().fp8_fused_max_work):
         return "fp8_fused"

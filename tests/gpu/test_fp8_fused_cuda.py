@@ -18,9 +18,9 @@ pytestmark = [
 ]
 
 RECIPES = [gl.recipes.Float8Rowwise(), gl.recipes.Float8Blockwise(),
-           gl.recipes.Float8Rowwise(fp8_format="hybrid"),
+           gl.recipes.Float8Tensorwise(), gl.recipes.Float8Rowwise(fp8_format="hybrid"),
            gl.recipes.Float8Blockwise(power_of_two_scales=True)]
-IDS = ["rowwise", "blockwise", "rowwise-hybrid", "blockwise-pow2"]
+IDS = ["rowwise", "blockwise", "tensorwise", "rowwise-hybrid", "blockwise-pow2"]
 SIZES = [37, 0, 130, 3, 64]
 G, K, N, TAIL = len(SIZES), 320, 200, 6
 
@@ -50,7 +50,7 @@ def test_small_calls_take_the_route_and_match_float64(recipe, counted):
     assert torch.all(w.grad[1] == 0)
 
 
-@pytest.mark.parametrize("recipe", RECIPES[:2], ids=IDS[:2])
+@pytest.mark.parametrize("recipe", RECIPES[:3], ids=IDS[:3])
 def test_step_in_a_cuda_graph(recipe, counted):
     layer = gl.GroupedLinear(6, K, N, params_dtype=torch.bfloat16, device="cuda",
                              recipe=recipe)

@@ -110,22 +110,25 @@ CASES = {
                                 "BLOCK_K": fg.GROUP_SCALED_WGRAD_CONFIG[4],
                                 "BLOCK_G": 256, "SCALE_BLOCK": fg.BLOCK},
                                fg.GROUP_SCALED_WGRAD_CONFIG[0]),
-    **{f"fp8 fused {gemm}, {'blockwise' if blockwise else 'rowwise'}": (
+    **{f"fp8 fused {gemm}, {recipe}": (
         kernel, {"x_ptr": "*bf16", "dy_ptr": "*bf16", "w_ptr": F8, "bias_ptr": "*bf16",
                  "out_ptr": "*bf16", "dx_ptr": "*bf16", "dw_ptr": "*bf16", "sizes_ptr": "*i64"},
-        {"BLOCKWISE": blockwise, "POW2": False, "UPCAST": False, "FP8_MAX": FP8_MAX,
-         "MANT": 3, "MIN_EXP": -6, "BLOCK_G": 16, **extra}, ff._WARPS[blockwise])
-        for blockwise in (False, True)
+        {"BLOCKWISE": recipe == "blockwise", "POW2": False, "UPCAST": False,
+         "FP8_MAX": FP8_MAX, "MANT": 3, "MIN_EXP": -6, "BLOCK_G": 16, **extra},
+        ff._WARPS[recipe == "blockwise"])
+        for recipe in ("rowwise", "tensorwise", "blockwise")
         for gemm, kernel, extra in (
             ("forward", ff._forward_kernel,
-             {"HAS_BIAS": True, "SAVE_SCALE": not blockwise, "BLOCK_M": 64,
-              "BLOCK_N": 128, "BLOCK_K": 128 if blockwise else 64, "NUM_PROGRAMS": 132}),
+             {"HAS_BIAS": True, "SAVE_SCALE": recipe != "blockwise",
+              "GROUP_SCALES": recipe == "tensorwise", "BLOCK_M": 64, "BLOCK_N": 128,
+              "BLOCK_K": 128 if recipe == "blockwise" else 64, "NUM_PROGRAMS": 132}),
             ("dgrad", ff._dgrad_kernel,
-             {"BLOCK_M": 64, "BLOCK_K": 128, "BLOCK_R": 128 if blockwise else 64,
-              "NUM_PROGRAMS": 132}),
+             {"GROUP_SCALES": recipe == "tensorwise", "BLOCK_M": 64, "BLOCK_K": 128,
+              "BLOCK_R": 128 if recipe == "blockwise" else 64, "NUM_PROGRAMS": 132}),
             ("wgrad", ff._wgrad_kernel,
              {"HAS_BIAS": True, "GRAD_FP8_MAX": 57344.0, "GRAD_MANT": 2, "GRAD_MIN_EXP": -14,
-              "BLOCK_M": 128 if blockwise else 64, "BLOCK_N": 64, "BLOCK_K": 64}))},
+              "BLOCK_M": 128 if recipe == "blockwise" else 64, "BLOCK_N": 64, "BLOCK_K": 64}))
+        if not (gemm == "wgrad" and recipe == "tensorwise")},  # the rowwise kernel
     "bf16 mm": (tg._grouped_mm_kernel,
                 {"a_ptr": "*bf16", "b_ptr": "*bf16", "bias_ptr": "*bf16", "out_ptr": "*bf16",
                  "sizes_ptr": "*i64"},

@@ -17,9 +17,11 @@ from grouped_linear.recipes import Float8Blockwise, Float8Rowwise, Float8Tensorw
 from tests.reference import rel_err
 
 ops_linear = importlib.import_module("grouped_linear.ops.grouped_linear")
-RECIPES = [Float8Rowwise(), Float8Blockwise(), Float8Rowwise(fp8_format="hybrid"),
-           Float8Blockwise(power_of_two_scales=True)]
-IDS = ["rowwise", "blockwise", "rowwise-hybrid", "blockwise-pow2"]
+RECIPES = [Float8Rowwise(), Float8Blockwise(), Float8Tensorwise(),
+           Float8Rowwise(fp8_format="hybrid"), Float8Blockwise(power_of_two_scales=True),
+           Float8Tensorwise(fp8_format="hybrid", power_of_two_scales=True)]
+IDS = ["rowwise", "blockwise", "tensorwise", "rowwise-hybrid", "blockwise-pow2",
+       "tensorwise-hybrid-pow2"]
 SIZES = [9, 0, 140, 4]
 G, K, N = len(SIZES), 160, 136
 TOL = 1e-5  # the same FP8 values multiplied in float32 on both sides
@@ -81,7 +83,7 @@ def test_matches_the_emulation(recipe, bias, fused, monkeypatch):
     assert torch.all(got[2][1] == 0)
 
 
-@pytest.mark.parametrize("recipe", RECIPES[:2], ids=IDS[:2])
+@pytest.mark.parametrize("recipe", RECIPES[:3], ids=IDS[:3])
 def test_bf16_within_the_recipes_tolerance_of_float64(recipe, fused):
     """bf16 operands: within FP8's tolerance of the float64 product (6e-2 per GEMM)."""
     x, w, b, dy = (t.bfloat16() for t in _inputs())
@@ -100,7 +102,7 @@ def test_bf16_within_the_recipes_tolerance_of_float64(recipe, fused):
         assert rel_err(got, want) < 6e-2
 
 
-@pytest.mark.parametrize("recipe", RECIPES[:2], ids=IDS[:2])
+@pytest.mark.parametrize("recipe", RECIPES[:3], ids=IDS[:3])
 def test_module_cache_and_stored_weights(recipe, fused):
     """A module's cached FP8 weight (``is_first_microbatch``) and an FP8 primary weight run
     the route on their codes: the same results as quantizing in the call."""
@@ -119,7 +121,7 @@ def test_module_cache_and_stored_weights(recipe, fused):
     assert torch.equal(out, first) and stored.weight.grad.shape == (G, N, K)
 
 
-@pytest.mark.parametrize("recipe", RECIPES[:2], ids=IDS[:2])
+@pytest.mark.parametrize("recipe", RECIPES[:3], ids=IDS[:3])
 def test_main_grad_and_a_retained_graph(recipe, fused):
     """The weight gradient accumulated into a float32 ``main_grad`` (bias sums included),
     and a second backward of a retained graph giving the same gradients again."""
@@ -149,15 +151,15 @@ def test_without_a_weight_gradient_nothing_of_x_is_kept(fused):
 
 
 @pytest.mark.fp8_fused
-def test_the_rule_sends_small_rowwise_and_blockwise_cuda_calls(monkeypatch):
-    """Rows x in x out up to ``fp8_fused_max_work``: ``fp8_fused``, for Float8Rowwise and
-    Float8Blockwise in bf16/fp16 on CUDA; tensorwise, float32, CPU, large calls or a call
-    whose rows are not given (``num_rows=None``) take the other routes. Nothing runs (the
-    device's capabilities are faked)."""
+def test_the_rule_sends_small_cuda_calls(monkeypatch):
+    """Rows x in x out up to ``fp8_fused_max_work``: ``fp8_fused``, for every recipe in
+    bf16/fp16 on CUDA; float32, CPU, large calls or a call whose rows are not given
+    (``num_rows=None``) take the other routes. Nothing runs (the device's capabilities are
+    faked)."""
     from grouped_linear.kernels.gemm import fp8_torch_gemm
     from grouped_linear.ops import dispatch
 
-    for recipe in (Float8Rowwise(), Float8Blockwise()):
+    for recipe in (Float8Rowwise(), Float8Blockwise(), Float8Tensorwise()):
         assert fp8_route(recipe, torch.device("cpu"), torch.bfloat16, 2048, 768, 64,
                          8) == "fp8_emulated"
     monkeypatch.setattr(fp8_torch_gemm, "available", lambda device: True)
@@ -166,7 +168,7 @@ def test_the_rule_sends_small_rowwise_and_blockwise_cuda_calls(monkeypatch):
     cuda0 = torch.device("cuda", 0)
     limit = _tuning.current().fp8_fused_max_work
     rows = limit // (2048 * 768)
-    for recipe in (Float8Rowwise(), Float8Blockwise()):
+    for recipe in (Float8Rowwise(), Float8Blockwise(), Float8Tensorwise()):
         for dtype in (torch.bfloat16, torch.float16):
             assert fp8_route(recipe, cuda0, dtype, 2048, 768, 64, rows) == "fp8_fused"
         assert fp8_route(recipe, cuda0, torch.bfloat16, 2048, 768, 64, rows + 1) != "fp8_fused"
@@ -174,5 +176,3 @@ def test_the_rule_sends_small_rowwise_and_blockwise_cuda_calls(monkeypatch):
         assert fp8_route(recipe, cuda0, torch.float32, 2048, 768, 64, 8) != "fp8_fused"
         with _tuning.override(fp8_fused_max_work=0):
             assert fp8_route(recipe, cuda0, torch.bfloat16, 2048, 768, 64, 8) != "fp8_fused"
-    assert fp8_route(Float8Tensorwise(), cuda0, torch.bfloat16, 2048, 768, 64, 8) != \
-        "fp8_fused"

@@ -1,18 +1,19 @@
 """FP8 grouped GEMMs for small problems: each kernel quantizes its high-precision operand
 as it reads it, so a call is one launch per GEMM, with no quantization pass and no FP8 copy.
 
-The forward, dgrad and weight gradient of ``Float8Rowwise`` and ``Float8Blockwise`` on a
-weight already in FP8 (the forward codes ``(G, N, K)`` and their factors: ``(G, N)`` per
-output channel, or ``(G, cdiv(N, 128), cdiv(K, 128))`` per block). The operands take the
-recipes' values bit for bit (``kernels/quantize/emulate.py``, the plain-PyTorch reference):
+The forward, dgrad and weight gradient of the three recipes on a weight already in FP8 (the
+forward codes ``(G, N, K)`` and their factors: ``(G, N)`` per output channel or expert, or
+``(G, cdiv(N, 128), cdiv(K, 128))`` per block). The operands take the recipes' values bit
+for bit (``kernels/quantize/emulate.py``, the plain-PyTorch reference):
 
-* forward: ``x`` per row (rowwise; the kernel also writes each row's scale, which the
-  weight gradient uses again) or per 1x128 tile;
+* forward: ``x`` per row (rowwise), per group (tensorwise, the group's scale given) or per
+  1x128 tile; the kernel also writes each row's scale, which the weight gradient uses again;
 * dgrad: rowwise, ``dy`` times the weight's channel factors, per row, against the codes;
-  blockwise, ``dy`` per 1x128 tile against the 128x128 blocks;
-* wgrad: rowwise, ``dy`` times ``x``'s per-row factors, per (group, column) along the
-  group's rows, against ``x``'s forward codes; blockwise, both per column in blocks of 128
-  rows from each group's start.
+  tensorwise, ``dy`` per group (scale given); blockwise, ``dy`` per 1x128 tile against the
+  128x128 blocks;
+* wgrad: rowwise and tensorwise, ``dy`` times ``x``'s per-row factors, per (group, column)
+  along the group's rows, against ``x``'s forward codes; blockwise, both per column in
+  blocks of 128 rows from each group's start.
 
 FP8 values are exact in bf16, so the tensor cores multiply them in bf16 and accumulate in
 float32 (the CPU interpreter, whose 16-bit dots are wrong, in float32): the results are an
@@ -63,16 +64,18 @@ def _dot(a, b, acc, UPCAST: tl.constexpr):
 
 @kernel
 @triton.jit
-def _forward_kernel(x_ptr, w_ptr, w_inv_ptr, bias_ptr, out_ptr, x_scale_ptr, sizes_ptr,
-                    M, N, K, G, stride_xm, stride_wg, stride_wn, stride_om, stride_bias,
-                    stride_ig, stride_in, BLOCKWISE: tl.constexpr, HAS_BIAS: tl.constexpr,
+def _forward_kernel(x_ptr, w_ptr, w_inv_ptr, bias_ptr, out_ptr, x_scale_ptr, group_scale_ptr,
+                    sizes_ptr, M, N, K, G, stride_xm, stride_wg, stride_wn, stride_om,
+                    stride_bias, stride_ig, stride_in, BLOCKWISE: tl.constexpr,
+                    GROUP_SCALES: tl.constexpr, HAS_BIAS: tl.constexpr,
                     SAVE_SCALE: tl.constexpr, FP8_MAX: tl.constexpr, MANT: tl.constexpr,
                     MIN_EXP: tl.constexpr, POW2: tl.constexpr, UPCAST: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     BLOCK_G: tl.constexpr, NUM_PROGRAMS: tl.constexpr):
     """``out[rows of g] = q(x) @ codes_g^T`` scaled, ``+ bias[g]``; tail rows zero.
     Persistent over the (group, row tile, column tile) list. Blockwise: ``BLOCK_N`` and
-    ``BLOCK_K`` are the recipe's 128."""
+    ``BLOCK_K`` are the recipe's 128. ``GROUP_SCALES``: ``x``'s scale is its group's, given
+    (``(G,)`` at ``group_scale_ptr``), instead of each row's own."""
     gs, starts, ends, tile_begin, tile_end, total = tile_list(sizes_ptr, G, M, N, BLOCK_M,
                                                               BLOCK_N, BLOCK_G)
     for tile in range(tl.program_id(0), total, NUM_PROGRAMS):
@@ -104,13 +107,16 @@ def _forward_kernel(x_ptr, w_ptr, w_inv_ptr, bias_ptr, out_ptr, x_scale_ptr, siz
                                      + col_tile * stride_in + k0 // BLOCK_K)
                     acc += part * (inverse(scale) * factor)[:, None]
             else:
-                amax = tl.zeros([BLOCK_M], dtype=tl.float32)
-                for k0 in range(0, K, BLOCK_K):  # pass 1: each row's amax
-                    ks = k0 + tl.arange(0, BLOCK_K)
-                    x = tl.load(x_base + (rows[:, None] * stride_xm + ks[None, :]),
-                                mask=row_mask[:, None] & (ks < K)[None, :], other=0.0)
-                    amax = tl.maximum(amax, tl.max(tl.abs(x.to(tl.float32)), axis=1))
-                scale = amax_to_scale(amax, FP8_MAX, POW2)
+                if GROUP_SCALES:
+                    scale = tl.zeros([BLOCK_M], dtype=tl.float32) + tl.load(group_scale_ptr + g)
+                else:
+                    amax = tl.zeros([BLOCK_M], dtype=tl.float32)
+                    for k0 in range(0, K, BLOCK_K):  # pass 1: each row's amax
+                        ks = k0 + tl.arange(0, BLOCK_K)
+                        x = tl.load(x_base + (rows[:, None] * stride_xm + ks[None, :]),
+                                    mask=row_mask[:, None] & (ks < K)[None, :], other=0.0)
+                        amax = tl.maximum(amax, tl.max(tl.abs(x.to(tl.float32)), axis=1))
+                    scale = amax_to_scale(amax, FP8_MAX, POW2)
                 for k0 in range(0, K, BLOCK_K):  # pass 2: quantize and multiply
                     ks = k0 + tl.arange(0, BLOCK_K)
                     k_mask = ks < K
@@ -134,16 +140,28 @@ def _forward_kernel(x_ptr, w_ptr, w_inv_ptr, bias_ptr, out_ptr, x_scale_ptr, siz
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & col_mask[None, :])
 
 
+@triton.jit
+def _folded(dy_base, inv_base, rows, ns, row_mask, N, stride_dym):
+    """Columns ``ns`` of the tile's ``dy`` rows times the weight's channel factors, float32."""
+    n_mask = ns < N
+    dy = tl.load(dy_base + (rows[:, None] * stride_dym + ns[None, :]),
+                 mask=row_mask[:, None] & n_mask[None, :], other=0.0)
+    return dy.to(tl.float32) * tl.load(inv_base + ns, mask=n_mask, other=0.0)[None, :]
+
+
 @kernel
 @triton.jit
-def _dgrad_kernel(dy_ptr, w_ptr, w_inv_ptr, dx_ptr, sizes_ptr, M, N, K, G, stride_dym,
-                  stride_wg, stride_wn, stride_dxm, stride_ig, stride_in,
-                  BLOCKWISE: tl.constexpr, FP8_MAX: tl.constexpr, MANT: tl.constexpr,
+def _dgrad_kernel(dy_ptr, w_ptr, w_inv_ptr, dx_ptr, group_scale_ptr, sizes_ptr, M, N, K, G,
+                  stride_dym, stride_wg, stride_wn, stride_dxm, stride_ig, stride_in,
+                  BLOCKWISE: tl.constexpr, GROUP_SCALES: tl.constexpr,
+                  FP8_MAX: tl.constexpr, MANT: tl.constexpr,
                   MIN_EXP: tl.constexpr, POW2: tl.constexpr, UPCAST: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
                   BLOCK_G: tl.constexpr, NUM_PROGRAMS: tl.constexpr):
     """``dx[rows of g] = q(dy) @ codes_g`` scaled; tail rows zero. ``BLOCK_K`` output
-    columns, ``BLOCK_R`` of ``N`` per step (blockwise: 128, and ``BLOCK_K`` divides 128)."""
+    columns, ``BLOCK_R`` of ``N`` per step (blockwise: 128, and ``BLOCK_K`` divides 128).
+    ``GROUP_SCALES`` (tensorwise): ``dy``'s scale is its group's, given, and the weight's
+    factor, one per expert, multiplies the result instead of ``dy``."""
     gs, starts, ends, tile_begin, tile_end, total = tile_list(sizes_ptr, G, M, K, BLOCK_M,
                                                               BLOCK_K, BLOCK_G)
     for tile in range(tl.program_id(0), total, NUM_PROGRAMS):
@@ -174,30 +192,33 @@ def _dgrad_kernel(dy_ptr, w_ptr, w_inv_ptr, dx_ptr, sizes_ptr, M, N, K, G, strid
                     factor = tl.load(w_inv_ptr + g.to(tl.int64) * stride_ig
                                      + (n0 // BLOCK_R) * stride_in + k0 // BLOCK_R)
                     acc += part * (inverse(scale) * factor)[:, None]
-            else:  # dy times the weight's channel factors, one scale per row
+            else:  # rowwise: dy times the weight's channel factors, one scale per row
                 inv_base = w_inv_ptr + g.to(tl.int64) * stride_ig
-                amax = tl.zeros([BLOCK_M], dtype=tl.float32)
+                if GROUP_SCALES:
+                    scale = tl.zeros([BLOCK_M], dtype=tl.float32) + tl.load(group_scale_ptr + g)
+                else:
+                    amax = tl.zeros([BLOCK_M], dtype=tl.float32)
+                    for n0 in range(0, N, BLOCK_R):
+                        ns = n0 + tl.arange(0, BLOCK_R)
+                        amax = tl.maximum(amax, tl.max(tl.abs(_folded(
+                            dy_base, inv_base, rows, ns, row_mask, N, stride_dym)), axis=1))
+                    scale = amax_to_scale(amax, FP8_MAX, POW2)
                 for n0 in range(0, N, BLOCK_R):
                     ns = n0 + tl.arange(0, BLOCK_R)
                     n_mask = ns < N
-                    dy = tl.load(dy_base + (rows[:, None] * stride_dym + ns[None, :]),
-                                 mask=row_mask[:, None] & n_mask[None, :], other=0.0)
-                    folded = dy.to(tl.float32) * tl.load(inv_base + ns, mask=n_mask,
-                                                         other=0.0)[None, :]
-                    amax = tl.maximum(amax, tl.max(tl.abs(folded), axis=1))
-                scale = amax_to_scale(amax, FP8_MAX, POW2)
-                for n0 in range(0, N, BLOCK_R):
-                    ns = n0 + tl.arange(0, BLOCK_R)
-                    n_mask = ns < N
-                    dy = tl.load(dy_base + (rows[:, None] * stride_dym + ns[None, :]),
-                                 mask=row_mask[:, None] & n_mask[None, :], other=0.0)
-                    folded = dy.to(tl.float32) * tl.load(inv_base + ns, mask=n_mask,
-                                                         other=0.0)[None, :]
+                    if GROUP_SCALES:
+                        dy = tl.load(dy_base + (rows[:, None] * stride_dym + ns[None, :]),
+                                     mask=row_mask[:, None] & n_mask[None, :], other=0.0)
+                        dy = dy.to(tl.float32)
+                    else:
+                        dy = _folded(dy_base, inv_base, rows, ns, row_mask, N, stride_dym)
                     w = tl.load(w_base + (ns.to(tl.int64)[:, None] * stride_wn + ks[None, :]),
                                 mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-                    acc = _dot(_round_fp8(folded, scale[:, None], FP8_MAX, MANT, MIN_EXP),
+                    acc = _dot(_round_fp8(dy, scale[:, None], FP8_MAX, MANT, MIN_EXP),
                                w.to(tl.float32), acc, UPCAST)
                 acc = acc * inverse(scale)[:, None]
+                if GROUP_SCALES:
+                    acc = acc * tl.load(inv_base)  # the expert's weight factor
         out = dx_ptr + row0.to(tl.int64) * stride_dxm + k0 \
             + (rows[:, None] * stride_dxm + ks[None, :])
         tl.store(out, acc.to(dx_ptr.dtype.element_ty), mask=row_mask[:, None] & k_mask[None, :])
@@ -304,10 +325,12 @@ def _programs(device: torch.device, rows: int, groups: int, width: int, block_m:
 
 def forward(x: torch.Tensor, codes: torch.Tensor, inv: torch.Tensor, bias: torch.Tensor | None,
             sizes: torch.Tensor, blockwise: bool, fp8_dtype: torch.dtype, power_of_two: bool,
-            save_scale: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+            save_scale: bool = False, group_scale: torch.Tensor | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(M, K) x (G, N, K) -> (M, N)`` in ``x``'s dtype, ``x`` quantized in the kernel, the
-    bias added and tail rows zero; with ``save_scale`` (rowwise) also ``x``'s ``(M,)``
-    float32 row scales (rows past the groups unset)."""
+    bias added and tail rows zero; with ``save_scale`` (per row) also ``x``'s ``(M,)``
+    float32 row scales (rows past the groups unset). ``group_scale`` ``(G,)`` (tensorwise):
+    each row takes its group's scale."""
     x, sizes = _rows(x), sizes.contiguous()
     M, K = x.shape
     G, N, _ = codes.shape
@@ -319,9 +342,10 @@ def forward(x: torch.Tensor, codes: torch.Tensor, inv: torch.Tensor, bias: torch
     programs = _programs(x.device, M, G, N, block_m, block_n)
     _forward_kernel[(programs,)](
         x, codes, inv, bias if bias is not None else out, out,
-        scale if scale is not None else out, sizes, M, N, K, G, x.stride(0), codes.stride(0),
-        codes.stride(1), out.stride(0), bias.stride(0) if bias is not None else 0,
-        inv.stride(0), inv.stride(1), BLOCKWISE=blockwise, HAS_BIAS=bias is not None,
+        scale if scale is not None else out, group_scale if group_scale is not None else out,
+        sizes, M, N, K, G, x.stride(0), codes.stride(0), codes.stride(1), out.stride(0),
+        bias.stride(0) if bias is not None else 0, inv.stride(0), inv.stride(1),
+        BLOCKWISE=blockwise, GROUP_SCALES=group_scale is not None, HAS_BIAS=bias is not None,
         SAVE_SCALE=save_scale, POW2=power_of_two, UPCAST=x.is_cpu, BLOCK_M=block_m,
         BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_G=next_power_of_2(G + 1),
         NUM_PROGRAMS=programs, num_warps=_WARPS[blockwise], num_stages=2, **_format(fp8_dtype))
@@ -329,10 +353,12 @@ def forward(x: torch.Tensor, codes: torch.Tensor, inv: torch.Tensor, bias: torch
 
 
 def dgrad(grad_out: torch.Tensor, codes: torch.Tensor, inv: torch.Tensor, sizes: torch.Tensor,
-          blockwise: bool, fp8_dtype: torch.dtype, power_of_two: bool) -> torch.Tensor:
+          blockwise: bool, fp8_dtype: torch.dtype, power_of_two: bool,
+          group_scale: torch.Tensor | None = None) -> torch.Tensor:
     """``(M, N) x (G, N, K) -> (M, K)`` in ``grad_out``'s dtype, ``grad_out`` quantized in
-    the kernel (rowwise: times ``inv``, the weight's channel factors, first); tail rows
-    zero."""
+    the kernel (rowwise: times ``inv``, the weight's channel factors, first; with
+    ``group_scale`` ``(G,)``, tensorwise, by its group's scale, the expert's factor applied
+    to the result); tail rows zero."""
     grad_out, sizes = _rows(grad_out), sizes.contiguous()
     M, N = grad_out.shape
     G, _, K = codes.shape
@@ -342,8 +368,9 @@ def dgrad(grad_out: torch.Tensor, codes: torch.Tensor, inv: torch.Tensor, sizes:
     block_m, block_k, block_r = (64, BLOCK, BLOCK) if blockwise else (64, 128, 64)
     programs = _programs(grad_out.device, M, G, K, block_m, block_k)
     _dgrad_kernel[(programs,)](
-        grad_out, codes, inv, dx, sizes, M, N, K, G, grad_out.stride(0), codes.stride(0),
-        codes.stride(1), dx.stride(0), inv.stride(0), inv.stride(1), BLOCKWISE=blockwise,
+        grad_out, codes, inv, dx, group_scale if group_scale is not None else dx, sizes, M, N,
+        K, G, grad_out.stride(0), codes.stride(0), codes.stride(1), dx.stride(0), inv.stride(0),
+        inv.stride(1), BLOCKWISE=blockwise, GROUP_SCALES=group_scale is not None,
         POW2=power_of_two, UPCAST=grad_out.is_cpu, BLOCK_M=block_m, BLOCK_K=block_k,
         BLOCK_R=block_r, BLOCK_G=next_power_of_2(G + 1), NUM_PROGRAMS=programs,
         num_warps=_WARPS[blockwise], num_stages=2, **_format(fp8_dtype))

@@ -1,14 +1,15 @@
-"""The ``fp8_fused`` route: ``Float8Rowwise`` and ``Float8Blockwise`` on small problems, one
-launch per GEMM (:mod:`grouped_linear.kernels.gemm.fp8_fused_gemm`).
+"""The ``fp8_fused`` route: the FP8 recipes on small problems, one launch per GEMM
+(:mod:`grouped_linear.kernels.gemm.fp8_fused_gemm`).
 
 Each GEMM quantizes its high-precision operand as it reads it, to the recipe's values: the
-forward ``x`` (rowwise: and writes its row scales), the dgrad ``dy``, the weight gradient
-``dy`` and ``x`` again (from the forward's scales, rowwise: the same codes). The weight is
+forward ``x`` (per row or group: and writes its row scales), the dgrad ``dy``, the weight
+gradient ``dy`` and ``x`` again (from the forward's scales: the same codes). Tensorwise
+finds its group scales first (one launch each way). The weight is
 read as its forward FP8 codes and factors, by both the forward and the dgrad (quantized once
-per step by the module's cache, or stored so). Backward keeps ``x`` as it is. A step is three
-launches where the other routes' quantization passes make 18: small problems are bound by
-host time, and this route is what makes FP8 cost what bf16 costs there
-(:func:`grouped_linear.ops.dispatch.fp8_route` says where it runs).
+per step by the module's cache, or stored so). Backward keeps ``x`` as it is. A step is
+three launches (tensorwise five) where the other routes' quantization passes make 18 (25):
+small problems are bound by host time, and this route is what makes FP8 cost what bf16
+costs there (:func:`grouped_linear.ops.dispatch.fp8_route` says where it runs).
 """
 
 from __future__ import annotations
@@ -16,10 +17,20 @@ from __future__ import annotations
 import torch
 
 from ...kernels.gemm import fp8_fused_gemm
-from ...recipes import Float8Blockwise
+from ...kernels.quantize import groups
+from ...recipes import Float8Blockwise, Float8Recipe, Float8Tensorwise
 from .weight import Fp8Config, Fp8Weight, weight_and_bias_grads
 
 __all__ = ["Fp8FusedFunction"]
+
+
+def _group_scales(t: torch.Tensor, ends: torch.Tensor, fp8_dtype: torch.dtype,
+                  recipe: Float8Recipe) -> torch.Tensor | None:
+    """Tensorwise: ``(G,)`` scales of ``t``'s row groups (one launch before the GEMM's);
+    the other recipes: ``None``."""
+    if not isinstance(recipe, Float8Tensorwise):
+        return None
+    return groups.group_amax_scales(t, ends, fp8_dtype, recipe.power_of_two_scales)
 
 
 class Fp8FusedFunction(torch.autograd.Function):
@@ -34,9 +45,11 @@ class Fp8FusedFunction(torch.autograd.Function):
         recipe = config.recipe
         blockwise = isinstance(recipe, Float8Blockwise)
         w = cached if cached is not None else Fp8Weight(weight.detach(), recipe, "fp8_fused")
+        group_scale = _group_scales(x, ends, recipe.forward_dtype, recipe)
         out, x_scale = fp8_fused_gemm.forward(
             x, w.forward_data, w.forward_inv, bias, sizes, blockwise, recipe.forward_dtype,
-            recipe.power_of_two_scales, save_scale=weight_grad_ahead and not blockwise)
+            recipe.power_of_two_scales, save_scale=weight_grad_ahead and not blockwise,
+            group_scale=group_scale)
         ctx.save_for_backward(x if weight_grad_ahead else None, x_scale, weight, sizes, ends)
         # on ctx, as the other routes' dgrad weights: a cached copy is the cache's, and one
         # quantized for this call goes with the graph
@@ -54,8 +67,9 @@ class Fp8FusedFunction(torch.autograd.Function):
         grad_out = grad_out.contiguous()
         grad_x = None
         if ctx.needs_input_grad[0]:
-            grad_x = fp8_fused_gemm.dgrad(grad_out, codes, inv, sizes, blockwise,
-                                          recipe.gradient_dtype, pow2)
+            grad_x = fp8_fused_gemm.dgrad(
+                grad_out, codes, inv, sizes, blockwise, recipe.gradient_dtype, pow2,
+                _group_scales(grad_out, ends, recipe.gradient_dtype, recipe))
 
         def grad_weight(out_dtype, bias_sums=None):
             if x is None:

@@ -10,8 +10,9 @@ from grouped_linear.kernels.gemm.fp8_fused_gemm import _round_fp8
 from grouped_linear.kernels.quantize import emulate, rows, transposed
 from grouped_linear.kernels.quantize.common import saturate, scale_from_amax
 from grouped_linear.kernels.quantize.folded import ColumnFactors
+from grouped_linear.kernels.quantize.groups import group_amax_scales_reference
 from grouped_linear.ops.fp8.primary import dequantize_codes, quantize_weight_codes
-from grouped_linear.recipes import Float8Blockwise, Float8Rowwise
+from grouped_linear.recipes import Float8Blockwise, Float8Rowwise, Float8Tensorwise
 from tests.reference import rel_err
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -22,7 +23,8 @@ M = sum(SIZES) + TAIL
 # Both sides multiply the same FP8 values (the kernels' scales are the host's, bit for bit)
 # in float32: they differ by the order of the sums alone.
 TOL = 1e-5
-RECIPES = {"rowwise": (Float8Rowwise(), False), "blockwise": (Float8Blockwise(), True)}
+RECIPES = {"rowwise": (Float8Rowwise(), False), "tensorwise": (Float8Tensorwise(), False),
+           "blockwise": (Float8Blockwise(), True)}
 
 
 @triton.jit
@@ -91,11 +93,21 @@ def test_forward_matches_the_recipe(name, power_of_two, bias, dtype):
     b = torch.randn(G, N).to(dtype) if bias else None
     codes, inv = quantize_weight_codes(w, recipe)
     sizes = torch.tensor(SIZES, device=DEVICE)
+    ends = torch.tensor(_ends(), dtype=torch.int32)
+    tensorwise = name == "tensorwise"
+    group_scale = group_amax_scales_reference(x, ends, E4M3, power_of_two) if tensorwise \
+        else None
     out, scale = ff.forward(x.to(DEVICE), codes.to(DEVICE), inv.to(DEVICE),
                             None if b is None else b.to(DEVICE), sizes, blockwise, E4M3,
-                            power_of_two, save_scale=not blockwise)
-    fake = emulate.fake_quant_column_tiles if blockwise else emulate.fake_quant_rows
-    xq, wq = fake(x, E4M3, power_of_two), dequantize_codes(codes, inv, torch.float32)
+                            power_of_two, save_scale=not blockwise,
+                            group_scale=None if group_scale is None else group_scale.to(DEVICE))
+    if tensorwise:
+        xq = emulate.fake_quant_groups(x.float(), ends, E4M3, power_of_two)
+    elif blockwise:
+        xq = emulate.fake_quant_column_tiles(x, E4M3, power_of_two)
+    else:
+        xq = emulate.fake_quant_rows(x, E4M3, power_of_two)
+    wq = dequantize_codes(codes, inv, torch.float32)
 
     def group(g, s, e, o):
         o[s:e] = xq[s:e] @ wq[g].T + (b[g].float() if b is not None else 0)
@@ -104,23 +116,33 @@ def test_forward_matches_the_recipe(name, power_of_two, bias, dtype):
     assert out.dtype == dtype
     assert rel_err(out.float().cpu(), want) < (TOL if dtype == torch.float32 else 1e-2)
     assert torch.all(out[sum(SIZES):] == 0)
-    if not blockwise:
+    if tensorwise:  # each row's saved scale is its group's
+        rows = torch.repeat_interleave(group_scale, torch.tensor(SIZES))
+        assert torch.equal(scale[:sum(SIZES)].cpu(), rows)
+    elif not blockwise:
         host = scale_from_amax(x.float().abs().amax(dim=1), E4M3, power_of_two)
-        assert rel_err(scale[:sum(SIZES)].cpu(), host[:sum(SIZES)]) < 1e-6
+        assert torch.equal(scale[:sum(SIZES)].cpu(), host[:sum(SIZES)])
 
 
 @pytest.mark.parametrize("name", RECIPES)
 @pytest.mark.parametrize("fp8", [E4M3, E5M2], ids=["e4m3", "e5m2"])
 def test_dgrad_matches_the_recipe(name, fp8):
     """Rowwise: ``dy`` times the weight's channel factors, per row, against the codes;
-    blockwise: ``dy`` per 1x128 tile against the dequantized blocks."""
+    tensorwise: ``dy`` per group; blockwise: ``dy`` per 1x128 tile against the dequantized
+    blocks."""
     recipe, blockwise = RECIPES[name]
     _, w, dy = _operands(blockwise, seed=1)
     codes, inv = quantize_weight_codes(w, recipe)
     sizes = torch.tensor(SIZES, device=DEVICE)
-    dx = ff.dgrad(dy.to(DEVICE), codes.to(DEVICE), inv.to(DEVICE), sizes, blockwise, fp8, False)
     ends = torch.tensor(_ends(), dtype=torch.int32)
-    if blockwise:
+    group_scale = group_amax_scales_reference(dy, ends, fp8, False) \
+        if name == "tensorwise" else None
+    dx = ff.dgrad(dy.to(DEVICE), codes.to(DEVICE), inv.to(DEVICE), sizes, blockwise, fp8, False,
+                  None if group_scale is None else group_scale.to(DEVICE))
+    if name == "tensorwise":  # dy per group against the weight per expert
+        dyq = emulate.fake_quant_groups(dy, ends, fp8, False)
+        wq = dequantize_codes(codes, inv, torch.float32)
+    elif blockwise:
         dyq = emulate.fake_quant_column_tiles(dy, fp8, False)
         wq = dequantize_codes(codes, inv, torch.float32)
     else:
@@ -136,24 +158,30 @@ def test_dgrad_matches_the_recipe(name, fp8):
 @pytest.mark.parametrize("name", RECIPES)
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_wgrad_matches_the_recipe(name, out_dtype):
-    """Rowwise: ``dy`` times ``x``'s row factors per (group, column) against ``x``'s forward
-    codes; blockwise: both per column in 128-row blocks from each group's start. The bias
-    sums are ``dy``'s per group; the empty group's gradient is zero."""
+    """Rowwise and tensorwise: ``dy`` times ``x``'s row (group) factors per (group, column)
+    against ``x``'s forward codes; blockwise: both per column in 128-row blocks from each
+    group's start. The bias sums are ``dy``'s per group; the empty group's gradient is
+    zero."""
     recipe, blockwise = RECIPES[name]
     x, w, dy = _operands(blockwise, seed=2)
     codes, inv = quantize_weight_codes(w, recipe)
     sizes = torch.tensor(SIZES, device=DEVICE)
+    ends = torch.tensor(_ends(), dtype=torch.int32)
     x_d, dy_d = x.to(DEVICE), dy.to(DEVICE)
+    group_scale = group_amax_scales_reference(x, ends, E4M3, False) \
+        if name == "tensorwise" else None
     _, scale = ff.forward(x_d, codes.to(DEVICE), inv.to(DEVICE), None, sizes, blockwise, E4M3,
-                          False, save_scale=not blockwise)
+                          False, save_scale=not blockwise,
+                          group_scale=None if group_scale is None else group_scale.to(DEVICE))
     sums = torch.empty(G, N, device=DEVICE)
     dw = ff.wgrad(dy_d, x_d, scale, sizes, blockwise, E4M3, E5M2, False, out_dtype, sums)
-    ends = torch.tensor(_ends(), dtype=torch.int32)
     if blockwise:
         a = emulate.fake_quant_row_tiles(dy, ends, E5M2, False)
         b = emulate.fake_quant_row_tiles(x, ends, E4M3, False)
     else:
-        x_codes, x_inv = rows.quantize_rows_reference(x, E4M3, False)
+        row_scale = None if group_scale is None else \
+            emulate.group_scales_per_row(x, ends, E4M3, False)
+        x_codes, x_inv = rows.quantize_rows_reference(x, E4M3, False, row_scale)
         a = emulate.fake_quant_group_columns(transposed.fold_row_factors(dy, x_inv), ends,
                                              E5M2, False)
         b = x_codes.float()
