@@ -10,7 +10,7 @@ import torch
 
 from ._triton import tl, triton
 
-__all__ = ["row_groups", "row_group", "group_rows", "tile_list", "tile_origin",
+__all__ = ["row_groups", "row_group", "group_rows", "tile_list", "tile_origin", "tile_masks",
            "weight_tile"]
 
 
@@ -69,6 +69,16 @@ def tile_origin(tile, gs, starts, ends, tile_begin, tile_end, W, BLOCK_M: tl.con
     end = tl.sum(tl.where(owner, ends, 0), axis=0)
     row0 = tl.sum(tl.where(owner, starts, 0), axis=0) + (local // n_tiles) * BLOCK_M
     return g, end, row0, local % n_tiles
+
+
+@triton.jit
+def tile_masks(end, row0, col0, W, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """A tile's row and column offsets from ``row0`` / ``col0`` and their masks: rows before
+    the group's ``end``, columns inside ``W``. The offsets stay int32 (int64 scalar bases:
+    64-bit pointer tensors live across a K loop spill registers on sm90, ptxas -v)."""
+    rows = tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_N)
+    return rows, cols, rows < (end - row0).to(tl.int32), cols < (W - col0).to(tl.int32)
 
 
 @triton.jit

@@ -26,7 +26,7 @@ against the separate routes' 18).
 
 import torch
 
-from .._groups import tile_list, tile_origin, weight_tile
+from .._groups import tile_list, tile_masks, tile_origin, weight_tile
 from .._triton import cdiv, kernel, next_power_of_2, sm_count, tl, triton
 from ..quantize.common import amax_to_scale, inverse
 
@@ -82,10 +82,7 @@ def _forward_kernel(x_ptr, w_ptr, w_inv_ptr, bias_ptr, out_ptr, x_scale_ptr, gro
         g, end, row0, col_tile = tile_origin(tile, gs, starts, ends, tile_begin, tile_end, N,
                                              BLOCK_M, BLOCK_N)
         col0 = col_tile * BLOCK_N
-        rows = tl.arange(0, BLOCK_M)
-        cols = tl.arange(0, BLOCK_N)
-        row_mask = rows < (end - row0).to(tl.int32)
-        col_mask = cols < (N - col0).to(tl.int32)
+        rows, cols, row_mask, col_mask = tile_masks(end, row0, col0, N, BLOCK_M, BLOCK_N)
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         if g < G:
             x_base = x_ptr + row0.to(tl.int64) * stride_xm
@@ -168,10 +165,7 @@ def _dgrad_kernel(dy_ptr, w_ptr, w_inv_ptr, dx_ptr, group_scale_ptr, sizes_ptr, 
         g, end, row0, col_tile = tile_origin(tile, gs, starts, ends, tile_begin, tile_end, K,
                                              BLOCK_M, BLOCK_K)
         k0 = col_tile * BLOCK_K
-        rows = tl.arange(0, BLOCK_M)
-        ks = tl.arange(0, BLOCK_K)
-        row_mask = rows < (end - row0).to(tl.int32)
-        k_mask = ks < (K - k0).to(tl.int32)
+        rows, ks, row_mask, k_mask = tile_masks(end, row0, k0, K, BLOCK_M, BLOCK_K)
         acc = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
         if g < G:
             dy_base = dy_ptr + row0.to(tl.int64) * stride_dym

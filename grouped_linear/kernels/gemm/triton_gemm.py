@@ -16,7 +16,7 @@ Shapes: ``x`` ``(M, K)``, ``weight`` ``(G, N, K)``, ``bias`` ``(G, N)``,
 
 import torch
 
-from .._groups import tile_list, tile_origin, weight_tile
+from .._groups import tile_list, tile_masks, tile_origin, weight_tile
 from .._triton import LaunchPlan, cdiv, kernel, next_power_of_2, sm_count, tl, triton
 from ..bias import bias_grad_reference
 from ..ends import group_ends
@@ -51,12 +51,7 @@ def _mm_tiles(first_tile, a_ptr, b_ptr, bias_ptr, out_ptr, sizes_ptr, M, N, K, G
         g, end, row0, col_tile = tile_origin(tile, gs, starts, ends, tile_begin, tile_end, N,
                                              BLOCK_M, BLOCK_N)
         col0 = col_tile * BLOCK_N
-        # int64 scalar bases, int32 ends inside the tile: 64-bit pointer tensors live
-        # across the K loop spill registers on sm90 (ptxas -v).
-        rows = tl.arange(0, BLOCK_M)
-        cols = tl.arange(0, BLOCK_N)
-        row_mask = rows < (end - row0).to(tl.int32)
-        col_mask = cols < (N - col0).to(tl.int32)
+        rows, cols, row_mask, col_mask = tile_masks(end, row0, col0, N, BLOCK_M, BLOCK_N)
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         if g < G:
             a_base = a_ptr + row0.to(tl.int64) * stride_am
