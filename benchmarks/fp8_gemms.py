@@ -2,9 +2,10 @@
 torch's ``_scaled_grouped_mm`` (rowwise) and the blockwise Triton and Gluon kernels (CUDA,
 the Gluon kernels on sm90).
 
-From the repository root, ``PYTHONPATH=. python benchmarks/fp8_gemms.py [SHAPE ...]``
-(SHAPE: the bench's, or ``uniform:G:M:K:N``; default all). Per shape, TFLOP/s
-(median, ``2 M K N`` per GEMM) of:
+From the repository root, ``PYTHONPATH=. python benchmarks/fp8_gemms.py [--part
+gemms|wgrad-configs] [SHAPE ...]`` (SHAPE: the bench's, or ``uniform:G:M:K:N``; default
+all). Per shape, TFLOP/s (median, ``2 M K N`` per GEMM); ``wgrad-configs``: the group-scaled
+weight gradient at each launch shape of ``WGRAD_CONFIGS``; ``gemms``:
 
 * forward: bf16 ``grouped_mm``, torch's FP8 GEMM on rowwise operands, the blockwise Triton
   and Gluon kernels;
@@ -20,11 +21,19 @@ with, for each Gluon kernel, whether its bf16 output is identical to the Triton 
 (The Triton kernels' launch shapes are settled; ``fp8_triton_gemm`` records the figures.)
 """
 
-import argparse
-
 import torch
 import torch.nn.functional as F
-from _common import CUDA, E4M3, bench_shapes, device_groups, median_ms, randn, tflops, warm_gpu
+from _common import (
+    CUDA,
+    E4M3,
+    bench_shapes,
+    device_groups,
+    median_ms,
+    part_arguments,
+    randn,
+    tflops,
+    warm_gpu,
+)
 
 from grouped_linear.kernels.gemm import fp8_gluon_gemm as gg
 from grouped_linear.kernels.gemm import fp8_gluon_wgrad as gw
@@ -124,17 +133,45 @@ def shape_row(shape) -> dict:
     return row
 
 
+# Launch shapes of the group-scaled weight gradient (warps, stages, tokens per step, N tile,
+# K tile) timed by ``--part wgrad-configs``: the kernel's own first (ptxas serializes its
+# MMAs), one stage more, and the 128 x 128 tiles it does not serialize (without spills).
+WGRAD_CONFIGS = [fg.GROUP_SCALED_WGRAD_CONFIG, (8, 4, 128, 256, 128), (8, 3, 128, 128, 128),
+                 (8, 4, 128, 128, 128)]
+
+
+def wgrad_configs_row(shape) -> dict:
+    """TFLOP/s of the group-scaled weight gradient at each of ``WGRAD_CONFIGS``."""
+    M, flops = shape.M, 2 * shape.M * shape.K * shape.N
+    x = randn(M, shape.K, device=CUDA, dtype=DT)
+    dy = randn(M, shape.N, device=CUDA, dtype=DT)
+    sizes, ends = device_groups(shape.splits)
+    dy_c, dy_inv, _ = qt.quantize_group_columns_t(dy, ends, E4M3, False, align=fg.BLOCK)
+    x_c, x_inv, _ = qt.quantize_group_columns_t(x, ends, E4M3, False, align=fg.BLOCK)
+    row, default = {}, fg.GROUP_SCALED_WGRAD_CONFIG
+    try:
+        for config in WGRAD_CONFIGS:
+            fg.GROUP_SCALED_WGRAD_CONFIG = config
+            row[f"group-scaled wgrad {config}"] = tflops(flops, median_ms(
+                lambda: fg.blockwise_wgrad(dy_c, dy_inv, x_c, x_inv, sizes, M,
+                                           group_scales=True)))
+    finally:
+        fg.GROUP_SCALED_WGRAD_CONFIG = default
+    return row
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("shapes", nargs="*", help="bench shapes or uniform:G:M:K:N (default: all)")
-    args = parser.parse_args()
+    args = part_arguments(__doc__, ("gemms", "wgrad-configs"),
+                          "bench shapes or uniform:G:M:K:N (default: all)")
     torch.manual_seed(0)
     for shape in bench_shapes(args.shapes):
-        warm_gpu()
-        row = shape_row(shape)
-        print(f"{shape.name} (G={shape.G}, M={shape.M}, K={shape.K}, N={shape.N}) TFLOP/s:")
-        for key, value in row.items():
-            print(f"  {key:64s} {value:9.1f}" if value else f"  {key:64s}         -", flush=True)
+        for part in args.parts:
+            warm_gpu()
+            row = shape_row(shape) if part == "gemms" else wgrad_configs_row(shape)
+            print(f"{shape.name} (G={shape.G}, M={shape.M}, K={shape.K}, N={shape.N}) TFLOP/s:")
+            for key, value in row.items():
+                print(f"  {key:64s} {value:9.1f}" if value else f"  {key:64s}         -",
+                      flush=True)
 
 
 if __name__ == "__main__":
