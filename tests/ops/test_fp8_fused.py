@@ -1,8 +1,8 @@
 """The ``fp8_fused`` route (small FP8 calls, one launch per GEMM) against the emulation of
 the same recipe, through the public calls: outputs and every gradient, the module's weight
 cache, stored FP8 weights, gradients routed into ``main_grad``, a retained graph; and where
-the dispatch rule sends a call. On CPU the route is forced (the rule sends only CUDA calls
-there) and its kernels run under Triton's interpreter."""
+the dispatch rule sends a call. The route is forced (the rule sends only CUDA calls to it);
+on CPU its kernels run under Triton's interpreter."""
 
 import importlib
 
@@ -25,6 +25,9 @@ IDS = ["rowwise", "blockwise", "tensorwise", "rowwise-hybrid", "blockwise-pow2",
 SIZES = [9, 0, 140, 4]
 G, K, N = len(SIZES), 160, 136
 TOL = 1e-5  # the same FP8 values multiplied in float32 on both sides
+# On a GPU the numerics test runs the kernels themselves (elsewhere here, on CPU tensors,
+# the kernel module's references stand in for them, as under the interpreter the kernels).
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def count_fused_calls(monkeypatch) -> list:
@@ -72,7 +75,7 @@ def test_matches_the_emulation(recipe, bias, fused, monkeypatch):
     """Output, input, weight and bias gradients as the emulated route computes them; the
     empty expert's weight gradient zero (rows past the splits, which only device splits
     allow: tests/kernels/gemm/test_fp8_fused_gemm.py)."""
-    x, w, b, dy = _inputs()
+    x, w, b, dy = (t.to(DEVICE) for t in _inputs())
     splits = torch.tensor(SIZES)
     got = _step(x, w, b if bias else None, dy, recipe, splits)
     assert fused

@@ -4,7 +4,8 @@ as it reads it, so a call is one launch per GEMM, with no quantization pass and 
 The forward, dgrad and weight gradient of the three recipes on a weight already in FP8 (the
 forward codes ``(G, N, K)`` and their factors: ``(G, N)`` per output channel or expert, or
 ``(G, cdiv(N, 128), cdiv(K, 128))`` per block). The operands take the recipes' values bit
-for bit (``kernels/quantize/emulate.py``, the plain-PyTorch reference):
+for bit (``kernels/quantize/emulate.py``; :func:`forward_reference`, :func:`dgrad_reference`
+and :func:`wgrad_reference` run them in plain PyTorch where Triton cannot):
 
 * forward: ``x`` per row (rowwise), per group (tensorwise, the group's scale given) or per
   1x128 tile; the kernel also writes each row's scale, which the weight gradient uses again;
@@ -27,10 +28,14 @@ against the separate routes' 18).
 import torch
 
 from .._groups import tile_list, tile_masks, tile_origin, weight_tile
-from .._triton import cdiv, kernel, next_power_of_2, sm_count, tl, triton
-from ..quantize.common import amax_to_scale, inverse
+from .._triton import cdiv, kernel, next_power_of_2, sm_count, tl, triton, use_triton
+from ..ends import group_ends_reference
+from ..quantize import emulate, transposed
+from ..quantize.common import amax_to_scale, inverse, saturate, scale_from_amax
+from ..quantize.emulate import dequantize_codes
 
-__all__ = ["forward", "dgrad", "wgrad", "fits", "BLOCK"]
+__all__ = ["forward", "dgrad", "wgrad", "forward_reference", "dgrad_reference",
+           "wgrad_reference", "fits", "BLOCK"]
 
 BLOCK = 128  # the blockwise recipe's tile, block and token block
 # Warps per program: blockwise keeps a partial product beside the accumulator, which spills
@@ -317,6 +322,86 @@ def _programs(device: torch.device, rows: int, groups: int, width: int, block_m:
     return max(1, min(sm_count(device), (cdiv(rows, block_m) + groups + 1) * cdiv(width, block_n)))
 
 
+# --------------------------------------------------------------------------- references
+def _bounds(sizes: torch.Tensor, num_rows: int) -> list[tuple[int, int]]:
+    ends = group_ends_reference(sizes, num_rows).tolist()
+    return list(zip([0] + ends[:-1], ends))
+
+
+def _row_quantized(t: torch.Tensor, sizes: torch.Tensor, blockwise: bool, fp8: torch.dtype,
+                   pow2: bool, group_scale: torch.Tensor | None) -> torch.Tensor:
+    """The token-side operand's FP8 values (float32): per 1x128 tile, per row, or per group."""
+    if blockwise:
+        return emulate.fake_quant_column_tiles(t, fp8, pow2)
+    if group_scale is None:
+        return emulate.fake_quant_rows(t, fp8, pow2)
+    rows = torch.ones(t.shape[0], device=t.device)
+    for g, (start, end) in enumerate(_bounds(sizes, t.shape[0])):
+        rows[start:end] = group_scale[g]
+    return emulate.fake_quant(t.float(), rows[:, None], fp8)
+
+
+def forward_reference(x, codes, inv, bias, sizes, blockwise, fp8_dtype, power_of_two,
+                      save_scale=False, group_scale=None):
+    """:func:`forward` in plain PyTorch (the same values, float32 products)."""
+    xq = _row_quantized(x, sizes, blockwise, fp8_dtype, power_of_two, group_scale)
+    w = dequantize_codes(codes, inv, torch.float32)
+    out = x.new_zeros((x.shape[0], codes.shape[1]), dtype=torch.float32)
+    for g, (start, end) in enumerate(_bounds(sizes, x.shape[0])):
+        out[start:end] = xq[start:end] @ w[g].T + (bias[g].float() if bias is not None else 0)
+    scale = None
+    if save_scale:
+        scale = (group_scale[torch.searchsorted(group_ends_reference(sizes, x.shape[0]),
+                                                torch.arange(x.shape[0], device=x.device),
+                                                right=True).clamp(max=sizes.shape[0] - 1)]
+                 if group_scale is not None else
+                 scale_from_amax(x.float().abs().amax(dim=1), fp8_dtype, power_of_two))
+    return out.to(x.dtype), scale
+
+
+def dgrad_reference(grad_out, codes, inv, sizes, blockwise, fp8_dtype, power_of_two,
+                    group_scale=None):
+    """:func:`dgrad` in plain PyTorch."""
+    bounds = _bounds(sizes, grad_out.shape[0])
+    if blockwise or group_scale is not None:
+        dyq = _row_quantized(grad_out, sizes, blockwise, fp8_dtype, power_of_two, group_scale)
+        w = dequantize_codes(codes, inv, torch.float32)
+    else:  # the weight's channel factors moved onto dy
+        folded = grad_out.float().clone()
+        for g, (start, end) in enumerate(bounds):
+            folded[start:end] *= inv[g]
+        dyq, w = emulate.fake_quant_rows(folded, fp8_dtype, power_of_two), codes.float()
+    dx = grad_out.new_zeros((grad_out.shape[0], codes.shape[2]), dtype=torch.float32)
+    for g, (start, end) in enumerate(bounds):
+        dx[start:end] = dyq[start:end] @ w[g]
+    return dx.to(grad_out.dtype)
+
+
+def wgrad_reference(grad_out, x, x_scale, sizes, blockwise, fp8_dtype, grad_fp8_dtype,
+                    power_of_two, out_dtype, bias_sums=None):
+    """:func:`wgrad` in plain PyTorch."""
+    bounds = _bounds(sizes, x.shape[0])
+    ends = group_ends_reference(sizes, x.shape[0])
+    if blockwise:
+        a = emulate.fake_quant_row_tiles(grad_out, ends, grad_fp8_dtype, power_of_two)
+        b = emulate.fake_quant_row_tiles(x, ends, fp8_dtype, power_of_two)
+    elif x.shape[1] == 0 or grad_out.shape[1] == 0:  # nothing to multiply
+        a, b = grad_out.float(), x.float()
+    else:  # x's forward codes, its row factors moved onto dy
+        scale = x_scale.clone()
+        scale[bounds[-1][1] if bounds else 0:] = 1.0  # rows past the groups: unset
+        b = saturate(x, scale[:, None], fp8_dtype).float()
+        a = emulate.fake_quant_group_columns(transposed.fold_row_factors(grad_out, 1.0 / scale),
+                                             ends, grad_fp8_dtype, power_of_two)
+    dw = x.new_zeros((sizes.shape[0], grad_out.shape[1], x.shape[1]), dtype=torch.float32)
+    for g, (start, end) in enumerate(bounds):
+        dw[g] = a[start:end].T @ b[start:end]
+        if bias_sums is not None:
+            bias_sums[g] = grad_out[start:end].float().sum(0)
+    return dw.to(out_dtype)
+
+
+# --------------------------------------------------------------------------- launches
 def forward(x: torch.Tensor, codes: torch.Tensor, inv: torch.Tensor, bias: torch.Tensor | None,
             sizes: torch.Tensor, blockwise: bool, fp8_dtype: torch.dtype, power_of_two: bool,
             save_scale: bool = False, group_scale: torch.Tensor | None = None
@@ -325,6 +410,9 @@ def forward(x: torch.Tensor, codes: torch.Tensor, inv: torch.Tensor, bias: torch
     bias added and tail rows zero; with ``save_scale`` (per row) also ``x``'s ``(M,)``
     float32 row scales (rows past the groups unset). ``group_scale`` ``(G,)`` (tensorwise):
     each row takes its group's scale."""
+    if not use_triton(x):
+        return forward_reference(x, codes, inv, bias, sizes, blockwise, fp8_dtype,
+                                 power_of_two, save_scale, group_scale)
     x, sizes = _rows(x), sizes.contiguous()
     M, K = x.shape
     G, N, _ = codes.shape
@@ -353,6 +441,9 @@ def dgrad(grad_out: torch.Tensor, codes: torch.Tensor, inv: torch.Tensor, sizes:
     the kernel (rowwise: times ``inv``, the weight's channel factors, first; with
     ``group_scale`` ``(G,)``, tensorwise, by its group's scale, the expert's factor applied
     to the result); tail rows zero."""
+    if not use_triton(grad_out):
+        return dgrad_reference(grad_out, codes, inv, sizes, blockwise, fp8_dtype, power_of_two,
+                               group_scale)
     grad_out, sizes = _rows(grad_out), sizes.contiguous()
     M, N = grad_out.shape
     G, _, K = codes.shape
@@ -379,15 +470,17 @@ def wgrad(grad_out: torch.Tensor, x: torch.Tensor, x_scale: torch.Tensor | None,
     (rowwise: ``x`` with its forward row scales ``x_scale``, ``dy`` times their factors);
     empty groups give zeros. ``bias_sums``: a ``(G, N)`` float32 tensor filled with the
     groups' sums of ``grad_out``."""
+    if not use_triton(x):
+        return wgrad_reference(grad_out, x, x_scale, sizes, blockwise, fp8_dtype,
+                               grad_fp8_dtype, power_of_two, out_dtype, bias_sums)
     grad_out, x, sizes = _rows(grad_out), _rows(x), sizes.contiguous()
     M, N = grad_out.shape
     K = x.shape[1]
     G = sizes.shape[0]
+    if N == 0 or K == 0:  # nothing to multiply; the bias sums still cover the groups' rows
+        return wgrad_reference(grad_out, x, x_scale, sizes, blockwise, fp8_dtype,
+                               grad_fp8_dtype, power_of_two, out_dtype, bias_sums)
     dw = x.new_empty((G, N, K), dtype=_stored(x, out_dtype))
-    if N == 0 or K == 0:
-        if bias_sums is not None:
-            bias_sums.zero_()
-        return dw.zero_().to(out_dtype)
     block_m, block_n, block_k = (BLOCK, 64, 64) if blockwise else (64, 64, 64)
     grad_format = {f"GRAD_{key}": value for key, value in _format(grad_fp8_dtype).items()}
     _wgrad_kernel[(G * cdiv(N, block_n) * cdiv(K, block_k),)](

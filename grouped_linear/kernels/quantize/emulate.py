@@ -22,7 +22,8 @@ import torch
 from .._groups import row_groups
 from .common import group_amax, pad_to, saturate, scale_from_amax
 
-__all__ = ["fake_quant", "fake_quant_rows", "fake_quant_group_columns", "fake_quant_groups",
+__all__ = ["dequantize_codes", "fake_quant", "fake_quant_rows", "fake_quant_group_columns",
+           "fake_quant_groups",
            "group_scales_per_row",
            "fake_quant_weight", "fake_quant_column_tiles", "fake_quant_weight_blocks",
            "fake_quant_row_tiles"]
@@ -111,3 +112,17 @@ def fake_quant_row_tiles(t: torch.Tensor, ends: torch.Tensor, fp8_dtype: torch.d
         return torch.zeros_like(t, dtype=torch.float32)
     scale = scale_from_amax(group_amax(t, tile_ends), fp8_dtype, power_of_two)
     return fake_quant(t, _per_row(scale, tile_ends, t.shape[0]), fp8_dtype)
+
+
+def dequantize_codes(codes: torch.Tensor, inv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A ``(G, N, K)`` weight's values from its FP8 codes and factors, in ``dtype``: ``inv``
+    ``(G, N)`` per output channel (or expert, repeated), or ``(G, cdiv(N, 128),
+    cdiv(K, 128))`` per 128x128 block."""
+    values = codes.float()
+    if inv.dim() == 2:  # per output channel
+        values = values * inv[:, :, None]
+    else:  # per 128x128 block
+        G, N, K = codes.shape
+        factors = inv.repeat_interleave(128, 1).repeat_interleave(128, 2)
+        values = values * factors[:, :N, :K]
+    return values.to(dtype)

@@ -23,11 +23,11 @@ import torch
 from torch.utils._pytree import tree_map_only
 
 from ...kernels.quantize import blocks, groups, rows
+from ...kernels.quantize.emulate import dequantize_codes
 from ...recipes import Float8Blockwise, Float8Recipe, Float8Rowwise, Float8Tensorwise, check_recipe
 
-__all__ = ["Float8WeightTensor", "MasterWeights", "dequantize_codes", "quantize_weight_codes"]
+__all__ = ["Float8WeightTensor", "MasterWeights", "quantize_weight_codes"]
 
-_BLOCK = 128
 _aten = torch.ops.aten
 # Ops that would hand out a view or a piece of the weight other than whole experts or a
 # reshape of the whole: refused rather than answered with a dequantized copy that writes
@@ -52,18 +52,6 @@ def quantize_weight_codes(weight: torch.Tensor, recipe: Float8Recipe
     if isinstance(recipe, Float8Tensorwise):
         group_scale, _ = groups.weight_group_scales(weight, fp8, pow2)
     return rows.quantize_weight_rows(weight, fp8, pow2, group_scale)
-
-
-def dequantize_codes(codes: torch.Tensor, inv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The values of :func:`quantize_weight_codes`'s codes and factors, in ``dtype``."""
-    values = codes.float()
-    if inv.dim() == 2:  # per output channel
-        values = values * inv[:, :, None]
-    else:  # per 128x128 block
-        G, N, K = codes.shape
-        factors = inv.repeat_interleave(_BLOCK, 1).repeat_interleave(_BLOCK, 2)
-        values = values * factors[:, :N, :K]
-    return values.to(dtype)
 
 
 class Float8WeightTensor(torch.Tensor):

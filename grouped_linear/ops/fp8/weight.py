@@ -15,10 +15,11 @@ import torch
 from ...kernels import bias as bias_kernels
 from ...kernels.gemm.gluon_gemm import is_input_major
 from ...kernels.quantize import common, emulate, folded, groups, rows
+from ...kernels.quantize.emulate import dequantize_codes
 from ...kernels.quantize.transpose import transpose_groups
 from ...recipes import Float8Blockwise, Float8Recipe, Float8Rowwise, Float8Tensorwise
 from ..weight_grad import WeightGradSink, route_weight_grads
-from .primary import Float8WeightTensor, dequantize_codes, quantize_weight_codes
+from .primary import Float8WeightTensor, quantize_weight_codes
 
 __all__ = ["Fp8Config", "Fp8Weight", "Fp8WeightCache", "quantize_weight_emulated",
            "stash_dgrad_weight", "take_dgrad_weight", "weight_and_bias_grads"]

@@ -9,9 +9,10 @@ from grouped_linear.kernels.gemm import fp8_fused_gemm as ff
 from grouped_linear.kernels.gemm.fp8_fused_gemm import _round_fp8
 from grouped_linear.kernels.quantize import emulate, rows, transposed
 from grouped_linear.kernels.quantize.common import saturate, scale_from_amax
+from grouped_linear.kernels.quantize.emulate import dequantize_codes
 from grouped_linear.kernels.quantize.folded import ColumnFactors
 from grouped_linear.kernels.quantize.groups import group_amax_scales_reference
-from grouped_linear.ops.fp8.primary import dequantize_codes, quantize_weight_codes
+from grouped_linear.ops.fp8.primary import quantize_weight_codes
 from grouped_linear.recipes import Float8Blockwise, Float8Rowwise, Float8Tensorwise
 from tests.reference import rel_err
 
@@ -196,13 +197,16 @@ def test_wgrad_matches_the_recipe(name, out_dtype):
 
 
 def test_no_rows_or_columns():
-    """Empty problems: outputs of the right shapes, zero weight gradients and sums."""
+    """Empty problems: outputs of the right shapes; without input columns a zero weight
+    gradient, and the bias sums still ``dy``'s per group."""
     codes, inv = quantize_weight_codes(torch.randn(2, 8, 16), Float8Rowwise())
     sizes = torch.tensor([0, 0], device=DEVICE)
     out, _ = ff.forward(torch.zeros(0, 16, device=DEVICE).bfloat16(), codes.to(DEVICE),
                         inv.to(DEVICE), None, sizes, False, E4M3, False)
     assert out.shape == (0, 8)
+    dy = torch.randn(3, 8, device=DEVICE)
     sums = torch.full((2, 8), 5.0, device=DEVICE)
-    dw = ff.wgrad(torch.zeros(3, 8, device=DEVICE), torch.zeros(3, 0, device=DEVICE), None,
-                  sizes, False, E4M3, E5M2, False, torch.float32, sums)
-    assert dw.shape == (2, 8, 0) and torch.all(sums == 0)
+    dw = ff.wgrad(dy, torch.zeros(3, 0, device=DEVICE), None, torch.tensor([1, 2], device=DEVICE),
+                  False, E4M3, E5M2, False, torch.float32, sums)
+    assert dw.shape == (2, 8, 0)
+    assert torch.allclose(sums, torch.stack([dy[:1].sum(0), dy[1:].sum(0)]))
