@@ -9,17 +9,14 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import grouped_linear as gl
-from tests.parallel.test_tensor_parallel import _free_port
+from tests.parallel.test_tensor_parallel import _free_port, gloo_ranks
 from tests.reference import rel_err
 
 H, FFN, E, TOP_K, T = 16, 8, 4, 2, 24
 
 
 def _worker(rank, world, port):
-    os.environ.pop("TRITON_INTERPRET", None)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world)
-    try:
+    with gloo_ranks(rank, world, port):
         singles = [dist.new_group([r]) for r in range(world)]
         torch.manual_seed(0)
         ref = gl.ExpertParallelMoE(H, FFN, E, TOP_K, ep_group=singles[rank])
@@ -47,9 +44,6 @@ def _worker(rank, world, port):
         router_grad = ep.router.weight.grad.clone()
         dist.all_reduce(router_grad)  # replicated router: data-parallel reduction
         assert rel_err(router_grad, ref.router.weight.grad) < 1e-6
-        dist.barrier()  # neither rank tears down while the other still talks
-    finally:
-        dist.destroy_process_group()
 
 
 def test_expert_parallel_moe_matches_single_process():

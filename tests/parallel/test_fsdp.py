@@ -1,10 +1,8 @@
 """FSDP2 (fully_shard) of GroupedMLP on 2 CPU ranks, and torch.distributed.checkpoint."""
 
-import os
 import tempfile
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
@@ -12,7 +10,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import grouped_linear as gl
-from tests.parallel.test_tensor_parallel import _free_port
+from tests.parallel.test_tensor_parallel import _free_port, gloo_ranks
 from tests.reference import rel_err
 
 E, H, FFN = 4, 16, 8
@@ -32,10 +30,7 @@ def _shard(model, mesh):
 
 
 def _worker(rank, world, port, checkpoint_dir):
-    os.environ.pop("TRITON_INTERPRET", None)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world)
-    try:
+    with gloo_ranks(rank, world, port):
         mesh = init_device_mesh("cpu", (world,))
         ref, sharded = _model(0), _shard(_model(0), mesh)
         local = sharded.fc1.weight.to_local()
@@ -61,9 +56,6 @@ def _worker(rank, world, port, checkpoint_dir):
         set_model_state_dict(restored, state)
         x = torch.randn(12, H)
         assert torch.equal(restored(x, SIZES), sharded(x, SIZES))
-        dist.barrier()  # neither rank tears its process group down while the other still talks
-    finally:
-        dist.destroy_process_group()
 
 
 def test_fully_shard_trains_like_one_process_and_checkpoints():
@@ -72,10 +64,7 @@ def test_fully_shard_trains_like_one_process_and_checkpoints():
 
 
 def _deferred_init_worker(rank, world, port):
-    os.environ.pop("TRITON_INTERPRET", None)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world)
-    try:
+    with gloo_ranks(rank, world, port):
         mesh = init_device_mesh("cpu", (world,))
         for single in (True, False):  # both layouts
             layouts = {"single_grouped_weight": single, "single_grouped_bias": single}
@@ -99,9 +88,6 @@ def _deferred_init_worker(rank, world, port):
             assert "does not work under FSDP2's fully_shard" in str(error)
         else:
             raise AssertionError("backward_dw under fully_shard did not raise")
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
 
 
 def test_deferred_init_under_fully_shard_and_delayed_wgrad_error():

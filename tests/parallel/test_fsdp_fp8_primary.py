@@ -1,11 +1,9 @@
 """FSDP2 (fully_shard) of FP8 primary weights on 2 CPU ranks: sharded by experts, the FP8
 codes and factors all-gathered, float32 masters sharded alike, distributed checkpoints."""
 
-import os
 import tempfile
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
@@ -14,7 +12,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather
 
 import grouped_linear as gl
-from tests.parallel.test_tensor_parallel import _free_port
+from tests.parallel.test_tensor_parallel import _free_port, gloo_ranks
 from tests.reference import rel_err
 
 E, H, FFN = 4, 128, 256
@@ -117,19 +115,13 @@ def _uneven_experts_are_refused(mesh):
 
 
 def _worker(rank, world, port, checkpoint_dir):
-    os.environ.pop("TRITON_INTERPRET", None)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world)
-    try:
+    with gloo_ranks(rank, world, port):
         mesh = init_device_mesh("cpu", (world,))
         for recipe in RECIPES:
             _trains_like_one_process(rank, world, mesh, recipe)
             _gathers_half_the_bytes(mesh, recipe)
         _checkpoints(mesh, checkpoint_dir)
         _uneven_experts_are_refused(mesh)
-        dist.barrier()  # neither rank tears its process group down while the other still talks
-    finally:
-        dist.destroy_process_group()
 
 
 def test_fp8_primary_weights_under_fully_shard():

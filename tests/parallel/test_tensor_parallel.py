@@ -1,5 +1,6 @@
 """Tensor-parallel GroupedLinear / GroupedMLP on 2 CPU ranks (gloo) against one process."""
 
+import contextlib
 import os
 import socket
 
@@ -19,6 +20,21 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def gloo_ranks(rank: int, world: int, port: int, **options):
+    """The body inside this rank's gloo process group on CPU, with Triton's interpreter off
+    (plain PyTorch paths: fast and exact on CPU), then a barrier, so that no rank tears its
+    group down while another still talks."""
+    os.environ.pop("TRITON_INTERPRET", None)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, **options)
+    try:
+        yield
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
 
 
 def _pair(make_ref, make_tp):
@@ -126,17 +142,11 @@ def _check_interleaved_mlp(rank):
 
 
 def _worker(rank, world, port):
-    os.environ.pop("TRITON_INTERPRET", None)  # plain PyTorch paths: fast and exact on CPU
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world)
-    try:
+    with gloo_ranks(rank, world, port):
         _check_column(rank)
         _check_row(rank)
         _check_mlp(rank)
         _check_interleaved_mlp(rank)
-        dist.barrier()  # neither rank tears down while the other still talks
-    finally:
-        dist.destroy_process_group()
 
 
 def test_tensor_parallel_matches_single_process():
