@@ -17,20 +17,10 @@ from __future__ import annotations
 import torch
 
 from ...kernels.gemm import fp8_fused_gemm
-from ...kernels.quantize import groups
-from ...recipes import Float8Blockwise, Float8Recipe, Float8Tensorwise
-from .weight import Fp8Config, Fp8Weight, weight_and_bias_grads
+from ...recipes import Float8Blockwise
+from .weight import Fp8Config, Fp8Weight, token_group_scales, weight_and_bias_grads
 
 __all__ = ["Fp8FusedFunction"]
-
-
-def _group_scales(t: torch.Tensor, ends: torch.Tensor, fp8_dtype: torch.dtype,
-                  recipe: Float8Recipe) -> torch.Tensor | None:
-    """Tensorwise: ``(G,)`` scales of ``t``'s row groups (one launch before the GEMM's);
-    the other recipes: ``None``."""
-    if not isinstance(recipe, Float8Tensorwise):
-        return None
-    return groups.group_amax_scales(t, ends, fp8_dtype, recipe.power_of_two_scales)
 
 
 class Fp8FusedFunction(torch.autograd.Function):
@@ -45,7 +35,7 @@ class Fp8FusedFunction(torch.autograd.Function):
         recipe = config.recipe
         blockwise = isinstance(recipe, Float8Blockwise)
         w = cached if cached is not None else Fp8Weight(weight.detach(), recipe, "fp8_fused")
-        group_scale = _group_scales(x, ends, recipe.forward_dtype, recipe)
+        group_scale = token_group_scales(x, ends, recipe.forward_dtype, recipe)
         out, x_scale = fp8_fused_gemm.forward(
             x, w.forward_data, w.forward_inv, bias, sizes, blockwise, recipe.forward_dtype,
             recipe.power_of_two_scales, save_scale=weight_grad_ahead and not blockwise,
@@ -69,7 +59,7 @@ class Fp8FusedFunction(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             grad_x = fp8_fused_gemm.dgrad(
                 grad_out, codes, inv, sizes, blockwise, recipe.gradient_dtype, pow2,
-                _group_scales(grad_out, ends, recipe.gradient_dtype, recipe))
+                token_group_scales(grad_out, ends, recipe.gradient_dtype, recipe))
 
         def grad_weight(out_dtype, bias_sums=None):
             if x is None:

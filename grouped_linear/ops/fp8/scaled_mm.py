@@ -33,25 +33,18 @@ from ...kernels import bias as bias_kernels
 from ...kernels.ends import group_sizes
 from ...kernels.gemm import fp8_torch_gemm, fp8_triton_gemm
 from ...kernels.gemm.gluon_gemm import is_input_major
-from ...kernels.quantize import common, folded, groups, rows, transposed
+from ...kernels.quantize import common, folded, rows, transposed
 from ...recipes import Float8Recipe, Float8Tensorwise
 from .weight import (
     Fp8Config,
     Fp8Weight,
     stash_dgrad_weight,
     take_dgrad_weight,
+    token_group_scales,
     weight_and_bias_grads,
 )
 
 __all__ = ["Fp8ScaledMMFunction"]
-
-def _group_scales(t: torch.Tensor, ends: torch.Tensor, fp8_dtype: torch.dtype,
-                  recipe: Float8Recipe) -> torch.Tensor | None:
-    """Tensorwise: ``(G,)`` scales of ``t``'s row groups; rowwise: ``None``."""
-    if not isinstance(recipe, Float8Tensorwise):
-        return None
-    return groups.group_amax_scales(t, ends, fp8_dtype, recipe.power_of_two_scales)
-
 
 def _folds_x(config: Fp8Config) -> bool:
     """Whether the wgrad takes the forward's FP8 ``x`` with its per-token factors (per group,
@@ -96,7 +89,7 @@ class Fp8ScaledMMFunction(torch.autograd.Function):
                                                    x_scale, ends=ends)
             dtype = pieces[0].dtype
         else:
-            x_scale = _group_scales(x, ends, fp8, recipe)
+            x_scale = token_group_scales(x, ends, fp8, recipe)
             x_data, x_inv = _quantize_tokens(x, ends, fp8, recipe, x_scale)
             dtype = x.dtype
         w = cached if cached is not None else Fp8Weight(weight.detach(), recipe, "fp8_scaled_mm")
@@ -128,7 +121,7 @@ class Fp8ScaledMMFunction(torch.autograd.Function):
         recipe = config.recipe
         fp8_grad, pow2 = recipe.gradient_dtype, recipe.power_of_two_scales
         grad_out = grad_out.contiguous()
-        dy_scale = _group_scales(grad_out, ends, fp8_grad, recipe)
+        dy_scale = token_group_scales(grad_out, ends, fp8_grad, recipe)
         grad_x = None
         if ctx.needs_input_grad[0] or any(ctx.needs_input_grad[7:]):
             wt_data, wt_inv, wt_fold = take_dgrad_weight(ctx, weight, recipe, "fp8_scaled_mm")

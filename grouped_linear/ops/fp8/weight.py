@@ -22,7 +22,8 @@ from ..weight_grad import WeightGradSink, route_weight_grads
 from .primary import Float8WeightTensor, quantize_weight_codes
 
 __all__ = ["Fp8Config", "Fp8Weight", "Fp8WeightCache", "quantize_weight_emulated",
-           "stash_dgrad_weight", "take_dgrad_weight", "weight_and_bias_grads"]
+           "stash_dgrad_weight", "take_dgrad_weight", "token_group_scales",
+           "weight_and_bias_grads"]
 
 
 @dataclass(frozen=True)
@@ -181,6 +182,15 @@ class Fp8WeightCache:
         """Re-quantize a held copy from ``weight`` (e.g. after a state-dict load)."""
         if self.entry is not None:
             self.entry.refresh_(weight)
+
+
+def token_group_scales(t: torch.Tensor, ends: torch.Tensor, fp8_dtype: torch.dtype,
+                       recipe: Float8Recipe) -> torch.Tensor | None:
+    """Tensorwise: ``(G,)`` scales of the row groups of ``t`` (tokens) ending at ``ends``;
+    the other recipes: ``None``."""
+    if not isinstance(recipe, Float8Tensorwise):
+        return None
+    return groups.group_amax_scales(t, ends, fp8_dtype, recipe.power_of_two_scales)
 
 
 def stash_dgrad_weight(ctx, w: Fp8Weight) -> None:
