@@ -33,6 +33,7 @@ from ..ends import group_ends_reference
 from ..quantize import emulate, transposed
 from ..quantize.common import amax_to_scale, inverse, saturate, scale_from_amax
 from ..quantize.emulate import dequantize_codes
+from ..quantize.folded import ColumnFactors
 
 __all__ = ["forward", "dgrad", "wgrad", "forward_reference", "dgrad_reference",
            "wgrad_reference", "fits", "BLOCK"]
@@ -335,9 +336,7 @@ def _row_quantized(t: torch.Tensor, sizes: torch.Tensor, blockwise: bool, fp8: t
         return emulate.fake_quant_column_tiles(t, fp8, pow2)
     if group_scale is None:
         return emulate.fake_quant_rows(t, fp8, pow2)
-    rows = torch.ones(t.shape[0], device=t.device)
-    for g, (start, end) in enumerate(_bounds(sizes, t.shape[0])):
-        rows[start:end] = group_scale[g]
+    rows = emulate.per_row(group_scale, group_ends_reference(sizes, t.shape[0]), t.shape[0])
     return emulate.fake_quant(t.float(), rows[:, None], fp8)
 
 
@@ -350,10 +349,9 @@ def forward_reference(x, codes, inv, bias, sizes, blockwise, fp8_dtype, power_of
     for g, (start, end) in enumerate(_bounds(sizes, x.shape[0])):
         out[start:end] = xq[start:end] @ w[g].T + (bias[g].float() if bias is not None else 0)
     scale = None
-    if save_scale:
-        scale = (group_scale[torch.searchsorted(group_ends_reference(sizes, x.shape[0]),
-                                                torch.arange(x.shape[0], device=x.device),
-                                                right=True).clamp(max=sizes.shape[0] - 1)]
+    if save_scale:  # rows past the groups: 1 (the kernel leaves them unset)
+        scale = (emulate.per_row(group_scale, group_ends_reference(sizes, x.shape[0]),
+                                 x.shape[0])
                  if group_scale is not None else
                  scale_from_amax(x.float().abs().amax(dim=1), fp8_dtype, power_of_two))
     return out.to(x.dtype), scale
@@ -367,9 +365,8 @@ def dgrad_reference(grad_out, codes, inv, sizes, blockwise, fp8_dtype, power_of_
         dyq = _row_quantized(grad_out, sizes, blockwise, fp8_dtype, power_of_two, group_scale)
         w = dequantize_codes(codes, inv, torch.float32)
     else:  # the weight's channel factors moved onto dy
-        folded = grad_out.float().clone()
-        for g, (start, end) in enumerate(bounds):
-            folded[start:end] *= inv[g]
+        ends = group_ends_reference(sizes, grad_out.shape[0])
+        folded = ColumnFactors.of_groups(inv, ends, grad_out.shape[0]).apply(grad_out)
         dyq, w = emulate.fake_quant_rows(folded, fp8_dtype, power_of_two), codes.float()
     dx = grad_out.new_zeros((grad_out.shape[0], codes.shape[2]), dtype=torch.float32)
     for g, (start, end) in enumerate(bounds):

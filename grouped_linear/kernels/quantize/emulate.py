@@ -24,7 +24,7 @@ from .common import group_amax, pad_to, saturate, scale_from_amax
 
 __all__ = ["dequantize_codes", "fake_quant", "fake_quant_rows", "fake_quant_group_columns",
            "fake_quant_groups",
-           "group_scales_per_row",
+           "group_scales_per_row", "per_row",
            "fake_quant_weight", "fake_quant_column_tiles", "fake_quant_weight_blocks",
            "fake_quant_row_tiles"]
 
@@ -40,7 +40,7 @@ def fake_quant_rows(t: torch.Tensor, fp8_dtype: torch.dtype, power_of_two: bool)
     return fake_quant(t, scale_from_amax(amax, fp8_dtype, power_of_two), fp8_dtype)
 
 
-def _per_row(values: torch.Tensor, ends: torch.Tensor, num_rows: int) -> torch.Tensor:
+def per_row(values: torch.Tensor, ends: torch.Tensor, num_rows: int) -> torch.Tensor:
     """Spread per-group ``(G, ...)`` values onto rows; rows past the last group get 1."""
     padded = torch.cat([values, torch.ones_like(values[:1])])
     return padded.index_select(0, row_groups(ends, num_rows))
@@ -50,7 +50,7 @@ def fake_quant_group_columns(t: torch.Tensor, ends: torch.Tensor, fp8_dtype: tor
                              power_of_two: bool) -> torch.Tensor:
     """One scale per (group, column) of ``(M, C)``: amax over the group's rows."""
     scale = scale_from_amax(group_amax(t, ends), fp8_dtype, power_of_two)
-    return fake_quant(t, _per_row(scale, ends, t.shape[0]), fp8_dtype)
+    return fake_quant(t, per_row(scale, ends, t.shape[0]), fp8_dtype)
 
 
 def group_scales_per_row(t: torch.Tensor, ends: torch.Tensor, fp8_dtype: torch.dtype,
@@ -58,7 +58,7 @@ def group_scales_per_row(t: torch.Tensor, ends: torch.Tensor, fp8_dtype: torch.d
     """``(M,)``: each row of ``(M, C)`` gets its group's scale (from the group's amax); rows
     past the last group 1."""
     amax = group_amax(t, ends).amax(dim=1) if t.shape[1] else t.new_zeros(ends.shape[0])
-    return _per_row(scale_from_amax(amax, fp8_dtype, power_of_two), ends, t.shape[0])
+    return per_row(scale_from_amax(amax, fp8_dtype, power_of_two), ends, t.shape[0])
 
 
 def fake_quant_groups(t: torch.Tensor, ends: torch.Tensor, fp8_dtype: torch.dtype,
@@ -111,7 +111,7 @@ def fake_quant_row_tiles(t: torch.Tensor, ends: torch.Tensor, fp8_dtype: torch.d
     if tile_ends.numel() == 0:  # every group empty: wgrad reads none of these rows
         return torch.zeros_like(t, dtype=torch.float32)
     scale = scale_from_amax(group_amax(t, tile_ends), fp8_dtype, power_of_two)
-    return fake_quant(t, _per_row(scale, tile_ends, t.shape[0]), fp8_dtype)
+    return fake_quant(t, per_row(scale, tile_ends, t.shape[0]), fp8_dtype)
 
 
 def dequantize_codes(codes: torch.Tensor, inv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
