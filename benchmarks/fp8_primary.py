@@ -90,67 +90,71 @@ def _build(case: str, args, mesh, device, counter):
     return model, opt, update, kept
 
 
-def _worker(rank, world, port, args):
+def _measure(rank, world, device, args):
     cuda = not args.cpu
-    with process_group(rank, world, port, args.cpu) as device:
-        mesh = init_device_mesh(device.type, (world,))
-        dtype = torch.bfloat16 if cuda else torch.float32
-        sizes = [args.rows // args.experts] * args.experts
-        x = torch.randn(sum(sizes), args.hidden, device=device, dtype=dtype)
-        splits = torch.tensor(sizes, device=device)
-        cases = ["bf16", "fp32+bf16", "fp8"]
-        built, counters = {}, {}
+    mesh = init_device_mesh(device.type, (world,))
+    dtype = torch.bfloat16 if cuda else torch.float32
+    sizes = [args.rows // args.experts] * args.experts
+    x = torch.randn(sum(sizes), args.hidden, device=device, dtype=dtype)
+    splits = torch.tensor(sizes, device=device)
+    cases = ["bf16", "fp32+bf16", "fp8"]
+    built, counters = {}, {}
+    for case in cases:
+        counters[case] = _CountingAllGather()
+        built[case] = _build(case, args, mesh, device, counters[case])
+
+    def step(case):
+        model, _, update, _ = built[case]
+        model(x, splits).float().square().mean().backward()
+        update()
+
+    def sync():
+        if cuda:
+            torch.cuda.synchronize(device)
+        dist.barrier()
+
+    sent = {}
+    for case in cases:
+        step(case)  # first step: lazy initialisation, compilation
+        counters[case].sent = 0
+        step(case)
+        sent[case] = counters[case].sent
+    times = {case: [] for case in cases}
+    for _ in range(args.rounds):
         for case in cases:
-            counters[case] = _CountingAllGather()
-            built[case] = _build(case, args, mesh, device, counters[case])
-
-        def step(case):
-            model, _, update, _ = built[case]
-            model(x, splits).float().square().mean().backward()
-            update()
-
-        def sync():
             if cuda:
-                torch.cuda.synchronize(device)
-            dist.barrier()
-
-        sent = {}
+                warm_gpu(200, device)
+            sync()
+            start = time.perf_counter()
+            for _ in range(args.steps):
+                step(case)
+            sync()
+            times[case].append((time.perf_counter() - start) / args.steps)
+    if rank == 0:
+        rows = []
+        base = statistics.median(times["bf16"])
         for case in cases:
-            step(case)  # first step: lazy initialisation, compilation
-            counters[case].sent = 0
-            step(case)
-            sent[case] = counters[case].sent
-        times = {case: [] for case in cases}
-        for _ in range(args.rounds):
-            for case in cases:
-                if cuda:
-                    warm_gpu(200, device)
-                sync()
-                start = time.perf_counter()
-                for _ in range(args.steps):
-                    step(case)
-                sync()
-                times[case].append((time.perf_counter() - start) / args.steps)
-        if rank == 0:
-            rows = []
-            base = statistics.median(times["bf16"])
-            for case in cases:
-                model, opt, _, kept = built[case]
-                weights = sum(_nbytes(p) for p in model.parameters())
-                state = sum(_nbytes(t) for s in opt.state.values() for t in s.values()
-                            if isinstance(t, torch.Tensor) and t.dim() > 0)
-                masters = sum(_nbytes(t) for t in kept)
-                ms = statistics.median(times[case]) * 1e3
-                rows.append([case, f"{weights / 2**20:.1f}", f"{masters / 2**20:.1f}",
-                             f"{state / 2**20:.1f}", f"{sent[case] / 2**20:.1f}", f"{ms:.2f}",
-                             f"{ms / (base * 1e3):.3f}"])
-            print(format_table(
-                ["weights", "weight MiB", "master MiB", "AdamW MiB", "all-gather MiB/step",
-                 "step ms", "vs bf16"], rows,
-                title=f"GroupedMLP {args.experts} experts {args.hidden} -> {args.ffn}, "
-                      f"{args.rows} rows per rank, Float8{args.recipe.capitalize()}, "
-                      f"fully_shard over {world} {'GPU' if cuda else 'CPU process'}(s), "
-                      f"{args.rounds} rounds of {args.steps} steps"))
+            model, opt, _, kept = built[case]
+            weights = sum(_nbytes(p) for p in model.parameters())
+            state = sum(_nbytes(t) for s in opt.state.values() for t in s.values()
+                        if isinstance(t, torch.Tensor) and t.dim() > 0)
+            masters = sum(_nbytes(t) for t in kept)
+            ms = statistics.median(times[case]) * 1e3
+            rows.append([case, f"{weights / 2**20:.1f}", f"{masters / 2**20:.1f}",
+                         f"{state / 2**20:.1f}", f"{sent[case] / 2**20:.1f}", f"{ms:.2f}",
+                         f"{ms / (base * 1e3):.3f}"])
+        print(format_table(
+            ["weights", "weight MiB", "master MiB", "AdamW MiB", "all-gather MiB/step",
+             "step ms", "vs bf16"], rows,
+            title=f"GroupedMLP {args.experts} experts {args.hidden} -> {args.ffn}, "
+                  f"{args.rows} rows per rank, Float8{args.recipe.capitalize()}, "
+                  f"fully_shard over {world} {'GPU' if cuda else 'CPU process'}(s), "
+                  f"{args.rounds} rounds of {args.steps} steps"))
+
+
+def _worker(rank, world, port, args):
+    with process_group(rank, world, port, args.cpu) as device:
+        _measure(rank, world, device, args)
 
 
 def main() -> None:

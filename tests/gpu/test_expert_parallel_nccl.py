@@ -13,7 +13,7 @@ import torch.multiprocessing as mp
 
 import grouped_linear as gl
 from grouped_linear.recipes import Float8Rowwise
-from tests.parallel.test_tensor_parallel import _free_port
+from tests.parallel.ranks import free_port
 from tests.reference import rel_err
 
 pytestmark = [
@@ -74,4 +74,4 @@ def _worker(rank, world, port, case):
 
 @pytest.mark.parametrize("case", list(TOLERANCE))
 def test_expert_parallel_moe_over_nccl_matches_one_gpu(case):
-    mp.spawn(_worker, args=(2, _free_port(), case), nprocs=2, join=True)
+    mp.spawn(_worker, args=(2, free_port(), case), nprocs=2, join=True)

@@ -79,12 +79,44 @@ def test_stored_block_in_a_cuda_graph(recipe):
         assert torch.equal(a, b)
 
 
+def _fsdp_trains_in_step(rank, world, device, mesh, recipe):
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    kwargs = dict(bias=False, params_dtype=torch.bfloat16, device=device, recipe=recipe)
+    sharded = gl.to_fp8_weights(gl.GroupedMLP(4, 256, 128, **kwargs))
+    ref = gl.to_fp8_weights(gl.GroupedMLP(4, 256, 128, **kwargs))
+    ref.load_state_dict(sharded.state_dict())
+    for layer in (sharded.fc1, sharded.fc2, sharded):
+        fully_shard(layer, mesh=mesh)
+    masters, ref_masters = gl.MasterWeights(sharded.parameters()), gl.MasterWeights(
+        ref.parameters())
+    opt = torch.optim.AdamW(masters.params, lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref_masters.params, lr=1e-2)
+    splits = torch.tensor(SIZES, device=device)
+    gen = torch.Generator(device=device).manual_seed(1)
+    xs = [torch.randn(sum(SIZES), 256, device=device, generator=gen).bfloat16()
+          for _ in range(world)]
+    for _ in range(3):
+        sharded(xs[rank], splits).float().square().mean().backward()
+        masters.step(opt)
+        opt.zero_grad()
+        torch.stack([ref(x, splits).float().square().mean() for x in xs]).mean().backward()
+        ref_masters.step(ref_opt)
+        ref_opt.zero_grad()
+    for master, ref_master in zip(masters.params, ref_masters.params):
+        assert master.to_local().shape[0] == 4 // world
+        assert rel_err(master.full_tensor(), ref_master) < 1e-2, recipe
+    y = sharded(xs[0], splits)
+    assert rel_err(y, ref(xs[0], splits)) < 2e-2, recipe
+
+
 def _fsdp_worker(rank, world, port):
+    import gc
     import os
 
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
 
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     device = torch.device("cuda", rank)
@@ -94,34 +126,8 @@ def _fsdp_worker(rank, world, port):
     try:
         mesh = init_device_mesh("cuda", (world,))
         for recipe in RECIPES:
-            torch.manual_seed(0)
-            kwargs = dict(bias=False, params_dtype=torch.bfloat16, device=device, recipe=recipe)
-            sharded = gl.to_fp8_weights(gl.GroupedMLP(4, 256, 128, **kwargs))
-            ref = gl.to_fp8_weights(gl.GroupedMLP(4, 256, 128, **kwargs))
-            ref.load_state_dict(sharded.state_dict())
-            for layer in (sharded.fc1, sharded.fc2, sharded):
-                fully_shard(layer, mesh=mesh)
-            masters, ref_masters = gl.MasterWeights(sharded.parameters()), gl.MasterWeights(
-                ref.parameters())
-            opt = torch.optim.AdamW(masters.params, lr=1e-2)
-            ref_opt = torch.optim.AdamW(ref_masters.params, lr=1e-2)
-            splits = torch.tensor(SIZES, device=device)
-            gen = torch.Generator(device=device).manual_seed(1)
-            xs = [torch.randn(sum(SIZES), 256, device=device, generator=gen).bfloat16()
-                  for _ in range(world)]
-            for _ in range(3):
-                sharded(xs[rank], splits).float().square().mean().backward()
-                masters.step(opt)
-                opt.zero_grad()
-                torch.stack([ref(x, splits).float().square().mean() for x in xs]).mean() \
-                    .backward()
-                ref_masters.step(ref_opt)
-                ref_opt.zero_grad()
-            for master, ref_master in zip(masters.params, ref_masters.params):
-                assert master.to_local().shape[0] == 4 // world
-                assert rel_err(master.full_tensor(), ref_master) < 1e-2, recipe
-            y = sharded(xs[0], splits)
-            assert rel_err(y, ref(xs[0], splits)) < 2e-2, recipe
+            _fsdp_trains_in_step(rank, world, device, mesh, recipe)
+        gc.collect()  # fully_shard's module cycles hold the group: free them while it lives
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -132,7 +138,7 @@ def test_fully_shard_gathers_fp8_weights_on_cuda():
     the device train in step with the unsharded FP8 block on the mean loss."""
     import torch.multiprocessing as mp
 
-    from tests.parallel.test_tensor_parallel import _free_port
+    from tests.parallel.ranks import free_port
 
     world = min(2, torch.cuda.device_count())
-    mp.spawn(_fsdp_worker, args=(world, _free_port()), nprocs=world, join=True)
+    mp.spawn(_fsdp_worker, args=(world, free_port()), nprocs=world, join=True)

@@ -1,53 +1,50 @@
 """Expert parallelism on 2 CPU ranks (gloo) against a single-process reference (float32)."""
 
-import os
 from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import grouped_linear as gl
-from tests.parallel.test_tensor_parallel import _free_port, gloo_ranks
+from tests.parallel.ranks import free_port, spawn_gloo
 from tests.reference import rel_err
 
 H, FFN, E, TOP_K, T = 16, 8, 4, 2, 24
 
 
-def _worker(rank, world, port):
-    with gloo_ranks(rank, world, port):
-        singles = [dist.new_group([r]) for r in range(world)]
-        torch.manual_seed(0)
-        ref = gl.ExpertParallelMoE(H, FFN, E, TOP_K, ep_group=singles[rank])
-        ep = gl.ExpertParallelMoE(H, FFN, E, TOP_K)
-        assert ref.ep_size == 1 and ep.ep_size == world and ep.num_local_experts == E // world
-        local = slice(rank * E // world, (rank + 1) * E // world)
-        with torch.no_grad():
-            ep.router.weight.copy_(ref.router.weight)
-            for name, p in ep.experts.named_parameters():
-                p.copy_(dict(ref.experts.named_parameters())[name][local])
-        # every rank routes its own tokens
-        xs = [torch.randn(T, H, generator=torch.Generator().manual_seed(10 + r)) for r in range(world)]
-        x = xs[rank].clone().requires_grad_()
-        y = ep(x)
-        y.square().sum().backward()
-        x_all = torch.cat(xs).requires_grad_()
-        y_ref = ref(x_all)
-        y_ref.square().sum().backward()
-        rows = slice(rank * T, (rank + 1) * T)
-        assert rel_err(y, y_ref[rows]) < 1e-6, rel_err(y, y_ref[rows])
-        assert rel_err(x.grad, x_all.grad[rows]) < 1e-6
+def _worker(rank, world):
+    singles = [dist.new_group([r]) for r in range(world)]
+    torch.manual_seed(0)
+    ref = gl.ExpertParallelMoE(H, FFN, E, TOP_K, ep_group=singles[rank])
+    ep = gl.ExpertParallelMoE(H, FFN, E, TOP_K)
+    assert ref.ep_size == 1 and ep.ep_size == world and ep.num_local_experts == E // world
+    local = slice(rank * E // world, (rank + 1) * E // world)
+    with torch.no_grad():
+        ep.router.weight.copy_(ref.router.weight)
         for name, p in ep.experts.named_parameters():
-            want = dict(ref.experts.named_parameters())[name].grad[local]
-            assert rel_err(p.grad, want) < 1e-6, name
-        router_grad = ep.router.weight.grad.clone()
-        dist.all_reduce(router_grad)  # replicated router: data-parallel reduction
-        assert rel_err(router_grad, ref.router.weight.grad) < 1e-6
+            p.copy_(dict(ref.experts.named_parameters())[name][local])
+    # every rank routes its own tokens
+    xs = [torch.randn(T, H, generator=torch.Generator().manual_seed(10 + r)) for r in range(world)]
+    x = xs[rank].clone().requires_grad_()
+    y = ep(x)
+    y.square().sum().backward()
+    x_all = torch.cat(xs).requires_grad_()
+    y_ref = ref(x_all)
+    y_ref.square().sum().backward()
+    rows = slice(rank * T, (rank + 1) * T)
+    assert rel_err(y, y_ref[rows]) < 1e-6, rel_err(y, y_ref[rows])
+    assert rel_err(x.grad, x_all.grad[rows]) < 1e-6
+    for name, p in ep.experts.named_parameters():
+        want = dict(ref.experts.named_parameters())[name].grad[local]
+        assert rel_err(p.grad, want) < 1e-6, name
+    router_grad = ep.router.weight.grad.clone()
+    dist.all_reduce(router_grad)  # replicated router: data-parallel reduction
+    assert rel_err(router_grad, ref.router.weight.grad) < 1e-6
 
 
 def test_expert_parallel_moe_matches_single_process():
-    mp.spawn(_worker, args=(2, _free_port()), nprocs=2, join=True)
+    spawn_gloo(_worker)
 
 
 def test_dispatch_rejects_bad_counts():
@@ -60,7 +57,7 @@ def test_dispatch_rejects_bad_counts():
         gl.parallel.dispatch(x, torch.tensor([3.0, 3.0]))
     with pytest.raises(ValueError, match=r"counts has shape \(1, 2\)"):
         gl.parallel.dispatch(x, torch.tensor([[3, 3]]))
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0,
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
                             world_size=1)
     try:
         with pytest.raises(ValueError, match="negative count"):
@@ -78,26 +75,19 @@ def test_dispatch_rejects_bad_counts():
         dist.destroy_process_group()
 
 
-def _bad_counts_worker(rank, world, port, bad_rank, counts_of_bad_rank, match_bad):
+def _bad_counts_worker(rank, world, bad_rank, counts_of_bad_rank, match_bad):
     """Every rank raises a ValueError when one rank's counts are bad (the others naming that
     rank), and the group stays usable: no rank is left inside an exchange."""
-    os.environ.pop("TRITON_INTERPRET", None)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, timeout=timedelta(seconds=60))
-    try:
-        x = torch.arange(6 * 2, dtype=torch.float32).view(6, 2) + 100 * rank
-        good = torch.tensor([1, 2, 0, 3])
-        counts = torch.tensor(counts_of_bad_rank) if rank == bad_rank else good
-        match = match_bad if rank == bad_rank else f"counts of rank {bad_rank} hold"
-        with pytest.raises(ValueError, match=match):
-            gl.parallel.dispatch(x, counts)
-        received, local_counts, plan = gl.parallel.dispatch(x, good)
-        # each rank gets its 2 experts' rows from both ranks: counts (1, 2) or (0, 3) per rank
-        assert local_counts.tolist() == [2 * v for v in good.view(world, 2)[rank].tolist()]
-        assert torch.equal(gl.parallel.combine(received, plan), x)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+    x = torch.arange(6 * 2, dtype=torch.float32).view(6, 2) + 100 * rank
+    good = torch.tensor([1, 2, 0, 3])
+    counts = torch.tensor(counts_of_bad_rank) if rank == bad_rank else good
+    match = match_bad if rank == bad_rank else f"counts of rank {bad_rank} hold"
+    with pytest.raises(ValueError, match=match):
+        gl.parallel.dispatch(x, counts)
+    received, local_counts, plan = gl.parallel.dispatch(x, good)
+    # each rank gets its 2 experts' rows from both ranks: counts (1, 2) or (0, 3) per rank
+    assert local_counts.tolist() == [2 * v for v in good.view(world, 2)[rank].tolist()]
+    assert torch.equal(gl.parallel.combine(received, plan), x)
 
 
 @pytest.mark.parametrize("counts, match", [
@@ -106,7 +96,7 @@ def _bad_counts_worker(rank, world, port, bad_rank, counts_of_bad_rank, match_ba
     ([4, 2, 0, 3], "sums to 9, more than the 6 rows of x_perm"),
 ])
 def test_dispatch_bad_counts_on_one_rank_fail_on_every_rank(counts, match):
-    mp.spawn(_bad_counts_worker, args=(2, _free_port(), 1, counts, match), nprocs=2, join=True)
+    spawn_gloo(_bad_counts_worker, 1, counts, match, timeout=timedelta(seconds=60))
 
 
 def test_moe_checks_x_before_routing():

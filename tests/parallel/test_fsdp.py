@@ -4,13 +4,12 @@ import tempfile
 
 import torch
 import torch.distributed.checkpoint as dcp
-import torch.multiprocessing as mp
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import grouped_linear as gl
-from tests.parallel.test_tensor_parallel import _free_port, gloo_ranks
+from tests.parallel.ranks import spawn_gloo
 from tests.reference import rel_err
 
 E, H, FFN = 4, 16, 8
@@ -29,68 +28,66 @@ def _shard(model, mesh):
     return model
 
 
-def _worker(rank, world, port, checkpoint_dir):
-    with gloo_ranks(rank, world, port):
-        mesh = init_device_mesh("cpu", (world,))
-        ref, sharded = _model(0), _shard(_model(0), mesh)
-        local = sharded.fc1.weight.to_local()
-        assert local.shape == (E // world, 2 * FFN, H)  # sharded along the experts
-        assert torch.equal(local, ref.fc1.weight[rank * E // world:(rank + 1) * E // world])
-        xs = [torch.randn(12, H, generator=torch.Generator().manual_seed(r)) for r in range(world)]
-        sgd = torch.optim.SGD(sharded.parameters(), lr=0.1)
-        sgd_ref = torch.optim.SGD(ref.parameters(), lr=0.1)
-        for _ in range(2):
-            sgd.zero_grad()
-            sharded(xs[rank], SIZES).square().mean().backward()
-            sgd.step()
-            sgd_ref.zero_grad()
-            torch.stack([ref(x, SIZES).square().mean() for x in xs]).mean().backward()
-            sgd_ref.step()
-        for (name, p), p_ref in zip(sharded.named_parameters(), ref.parameters()):
-            assert rel_err(p.full_tensor(), p_ref) < 1e-6, name
-        # torch.distributed.checkpoint: save, load into a differently initialised model
-        dcp.save(get_model_state_dict(sharded), checkpoint_id=checkpoint_dir)
-        restored = _shard(_model(123), mesh)
-        state = get_model_state_dict(restored)
-        dcp.load(state, checkpoint_id=checkpoint_dir)
-        set_model_state_dict(restored, state)
-        x = torch.randn(12, H)
-        assert torch.equal(restored(x, SIZES), sharded(x, SIZES))
+def _worker(rank, world, checkpoint_dir):
+    mesh = init_device_mesh("cpu", (world,))
+    ref, sharded = _model(0), _shard(_model(0), mesh)
+    local = sharded.fc1.weight.to_local()
+    assert local.shape == (E // world, 2 * FFN, H)  # sharded along the experts
+    assert torch.equal(local, ref.fc1.weight[rank * E // world:(rank + 1) * E // world])
+    xs = [torch.randn(12, H, generator=torch.Generator().manual_seed(r)) for r in range(world)]
+    sgd = torch.optim.SGD(sharded.parameters(), lr=0.1)
+    sgd_ref = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for _ in range(2):
+        sgd.zero_grad()
+        sharded(xs[rank], SIZES).square().mean().backward()
+        sgd.step()
+        sgd_ref.zero_grad()
+        torch.stack([ref(x, SIZES).square().mean() for x in xs]).mean().backward()
+        sgd_ref.step()
+    for (name, p), p_ref in zip(sharded.named_parameters(), ref.parameters()):
+        assert rel_err(p.full_tensor(), p_ref) < 1e-6, name
+    # torch.distributed.checkpoint: save, load into a differently initialised model
+    dcp.save(get_model_state_dict(sharded), checkpoint_id=checkpoint_dir)
+    restored = _shard(_model(123), mesh)
+    state = get_model_state_dict(restored)
+    dcp.load(state, checkpoint_id=checkpoint_dir)
+    set_model_state_dict(restored, state)
+    x = torch.randn(12, H)
+    assert torch.equal(restored(x, SIZES), sharded(x, SIZES))
 
 
 def test_fully_shard_trains_like_one_process_and_checkpoints():
     with tempfile.TemporaryDirectory() as checkpoint_dir:
-        mp.spawn(_worker, args=(2, _free_port(), checkpoint_dir), nprocs=2, join=True)
+        spawn_gloo(_worker, checkpoint_dir)
 
 
-def _deferred_init_worker(rank, world, port):
-    with gloo_ranks(rank, world, port):
-        mesh = init_device_mesh("cpu", (world,))
-        for single in (True, False):  # both layouts
-            layouts = {"single_grouped_weight": single, "single_grouped_bias": single}
-            torch.manual_seed(0)
-            ref = gl.GroupedMLP(E, H, FFN, **layouts)
-            with torch.device("meta"):
-                model = gl.GroupedMLP(E, H, FFN, **layouts)
-            _shard(model, mesh).to_empty(device="cpu")
-            torch.manual_seed(0)
-            model.fc1.reset_parameters()
-            model.fc2.reset_parameters()
-            for (name, p), p_ref in zip(model.named_parameters(), ref.parameters()):
-                assert torch.equal(p.full_tensor(), p_ref), (single, name)
-        # A delayed weight gradient cannot reach parameters that fully_shard swapped back.
-        layer = gl.GroupedLinear(E, H, FFN, delay_wgrad_compute=True)
-        fully_shard(layer, mesh=mesh)
-        layer(torch.randn(sum(SIZES), H), SIZES).sum().backward()
-        try:
-            layer.backward_dw()
-        except ValueError as error:
-            assert "does not work under FSDP2's fully_shard" in str(error)
-        else:
-            raise AssertionError("backward_dw under fully_shard did not raise")
+def _deferred_init_worker(rank, world):
+    mesh = init_device_mesh("cpu", (world,))
+    for single in (True, False):  # both layouts
+        layouts = {"single_grouped_weight": single, "single_grouped_bias": single}
+        torch.manual_seed(0)
+        ref = gl.GroupedMLP(E, H, FFN, **layouts)
+        with torch.device("meta"):
+            model = gl.GroupedMLP(E, H, FFN, **layouts)
+        _shard(model, mesh).to_empty(device="cpu")
+        torch.manual_seed(0)
+        model.fc1.reset_parameters()
+        model.fc2.reset_parameters()
+        for (name, p), p_ref in zip(model.named_parameters(), ref.parameters()):
+            assert torch.equal(p.full_tensor(), p_ref), (single, name)
+    # A delayed weight gradient cannot reach parameters that fully_shard swapped back.
+    layer = gl.GroupedLinear(E, H, FFN, delay_wgrad_compute=True)
+    fully_shard(layer, mesh=mesh)
+    layer(torch.randn(sum(SIZES), H), SIZES).sum().backward()
+    try:
+        layer.backward_dw()
+    except ValueError as error:
+        assert "does not work under FSDP2's fully_shard" in str(error)
+    else:
+        raise AssertionError("backward_dw under fully_shard did not raise")
 
 
 def test_deferred_init_under_fully_shard_and_delayed_wgrad_error():
     """meta -> fully_shard -> to_empty -> reset_parameters gives the unsharded layer's values
     for the same seed (both layouts); delay_wgrad_compute under fully_shard raises."""
-    mp.spawn(_deferred_init_worker, args=(2, _free_port()), nprocs=2, join=True)
+    spawn_gloo(_deferred_init_worker)

@@ -5,14 +5,13 @@ import tempfile
 
 import torch
 import torch.distributed.checkpoint as dcp
-import torch.multiprocessing as mp
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather
 
 import grouped_linear as gl
-from tests.parallel.test_tensor_parallel import _free_port, gloo_ranks
+from tests.parallel.ranks import spawn_gloo
 from tests.reference import rel_err
 
 E, H, FFN = 4, 128, 256
@@ -114,16 +113,15 @@ def _uneven_experts_are_refused(mesh):
         raise AssertionError("an uneven expert count did not raise")
 
 
-def _worker(rank, world, port, checkpoint_dir):
-    with gloo_ranks(rank, world, port):
-        mesh = init_device_mesh("cpu", (world,))
-        for recipe in RECIPES:
-            _trains_like_one_process(rank, world, mesh, recipe)
-            _gathers_half_the_bytes(mesh, recipe)
-        _checkpoints(mesh, checkpoint_dir)
-        _uneven_experts_are_refused(mesh)
+def _worker(rank, world, checkpoint_dir):
+    mesh = init_device_mesh("cpu", (world,))
+    for recipe in RECIPES:
+        _trains_like_one_process(rank, world, mesh, recipe)
+        _gathers_half_the_bytes(mesh, recipe)
+    _checkpoints(mesh, checkpoint_dir)
+    _uneven_experts_are_refused(mesh)
 
 
 def test_fp8_primary_weights_under_fully_shard():
     with tempfile.TemporaryDirectory() as checkpoint_dir:
-        mp.spawn(_worker, args=(2, _free_port(), checkpoint_dir), nprocs=2, join=True)
+        spawn_gloo(_worker, checkpoint_dir)

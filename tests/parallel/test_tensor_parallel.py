@@ -1,40 +1,15 @@
 """Tensor-parallel GroupedLinear / GroupedMLP on 2 CPU ranks (gloo) against one process."""
 
-import contextlib
-import os
-import socket
-
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import grouped_linear as gl
+from tests.parallel.ranks import free_port, spawn_gloo
 
 G, K, N, F = 3, 8, 6, 4
 SIZES = [3, 0, 5]
 TOL = {"rtol": 1e-10, "atol": 1e-12}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextlib.contextmanager
-def gloo_ranks(rank: int, world: int, port: int, **options):
-    """The body inside this rank's gloo process group on CPU, with Triton's interpreter off
-    (plain PyTorch paths: fast and exact on CPU), then a barrier, so that no rank tears its
-    group down while another still talks."""
-    os.environ.pop("TRITON_INTERPRET", None)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, **options)
-    try:
-        yield
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
 
 
 def _pair(make_ref, make_tp):
@@ -141,16 +116,15 @@ def _check_interleaved_mlp(rank):
                                ref.fc2.weight.grad[:, :, rank * F:(rank + 1) * F], **TOL)
 
 
-def _worker(rank, world, port):
-    with gloo_ranks(rank, world, port):
-        _check_column(rank)
-        _check_row(rank)
-        _check_mlp(rank)
-        _check_interleaved_mlp(rank)
+def _worker(rank, world):
+    _check_column(rank)
+    _check_row(rank)
+    _check_mlp(rank)
+    _check_interleaved_mlp(rank)
 
 
 def test_tensor_parallel_matches_single_process():
-    mp.spawn(_worker, args=(2, _free_port()), nprocs=2, join=True)
+    spawn_gloo(_worker)
 
 
 def test_row_layer_without_reduction_needs_the_bias_returned():
@@ -159,7 +133,7 @@ def test_row_layer_without_reduction_needs_the_bias_returned():
     at construction."""
     with pytest.raises(ValueError, match="GroupedMLP with reduce_output=False"):
         gl.GroupedMLP(2, 8, 6, tp_size=2, reduce_output=False)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0,
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
                             world_size=1)
     try:
         layer = gl.GroupedLinear(3, 8, 6, parallel_mode="row", tp_size=1,
