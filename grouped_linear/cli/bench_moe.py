@@ -7,16 +7,19 @@ by 8 and tokens by 256 on CPU, a smoke test that the emulated FP8 columns keep s
 renormalised to sum to 1: the ``probs`` ``unpermute`` weighs the expert outputs by).
 Columns: ``bf16`` (the block in the input dtype, no recipe) and, where FP8 GEMMs exist (CUDA
 with compute capability 8.9 or more) or emulated on CPU, ``fp8_rowwise``, ``fp8_tensorwise``
-and ``fp8_blockwise``: the same block inside ``gl.autocast(recipe)``. Every column runs the
-same module on the same inputs; a timed step is permute, the MLP, unpermute and the backward
-of a fixed output gradient (gradients of ``x``, ``probs`` and the parameters, reset before
-every step), in alternating rounds after a warm-up at sustained clocks, the median over
-rounds reported. TFLOP/s count the expert GEMMs only, twice more for the backward:
+and ``fp8_blockwise``: the same block inside ``gl.autocast(recipe)``, the weights quantized
+once per step into the module's cache (``is_first_microbatch=True``, as a training step with
+one microbatch passes it); ``*_recompute``: the same with ``recompute_activation=True``
+(fc2's input rebuilt in backward from fc1's output, nothing of it kept). Every column runs
+the same module on the same inputs; a timed step is permute, the MLP, unpermute and the
+backward of a fixed output gradient (gradients of ``x``, ``probs`` and the parameters, reset
+before every step), in alternating rounds after a warm-up at sustained clocks, the median
+over rounds reported. TFLOP/s count the expert GEMMs only, twice more for the backward:
 ``6 * T * k * H * (2F + F)``. Also reported: each column against ``bf16``, peak CUDA memory,
 the memory a forward leaves allocated for its backward (its output not counted; against the
-bf16 column's), and the relative error (``||a - b|| / ||b||``) of the block's output and of ``x``'s gradient
-against a float64 block with the same weights and inputs, computed once per case by a plain
-loop over the experts.
+bf16 column's), and the relative error (``||a - b|| / ||b||``) of the block's output and of
+``x``'s gradient against a float64 block with the same weights and inputs, computed once
+per case by a plain loop over the experts.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from ..recipes import Float8Blockwise, Float8Recipe, Float8Rowwise, Float8Tensor
 from .demo import resolve_device
 from .timing import format_table, median_seconds, peak_memory_bytes, run_cases, warm_gpu
 
-__all__ = ["CASES", "Case", "run_moe_bench", "render_moe_table"]
+__all__ = ["CASES", "Case", "Column", "run_moe_bench", "render_moe_table"]
 
 BASELINE = "bf16"
 CPU_DIVISOR = 8
@@ -44,6 +47,17 @@ RECIPES: dict[str, Float8Recipe] = {
     "fp8_tensorwise": Float8Tensorwise(),
     "fp8_blockwise": Float8Blockwise(),
 }
+#: The recipes also run with ``recompute_activation=True``, as ``<name>_recompute``.
+RECOMPUTED = ("fp8_rowwise", "fp8_blockwise")
+
+
+@dataclass(frozen=True)
+class Column:
+    """How one column runs the block: a recipe (``None``: the input dtype) and whether fc2's
+    input is recomputed in backward."""
+
+    recipe: Float8Recipe | None = None
+    recompute: bool = False
 
 
 @dataclass(frozen=True)
@@ -74,11 +88,13 @@ def _flops(case: Case) -> float:
     return 6 * case.tokens * case.top_k * case.hidden * (2 * case.ffn + case.ffn)
 
 
-def _columns(dev: torch.device) -> dict[str, Float8Recipe | None]:
-    columns: dict[str, Float8Recipe | None] = {BASELINE: None}
+def _columns(dev: torch.device) -> dict[str, Column]:
+    columns = {BASELINE: Column()}
     if dev.type == "cpu" or (dev.type == "cuda"
                              and torch.cuda.get_device_capability(dev) >= (8, 9)):
-        columns.update(RECIPES)
+        columns.update({name: Column(recipe) for name, recipe in RECIPES.items()})
+        columns.update({f"{name}_recompute": Column(RECIPES[name], recompute=True)
+                        for name in RECOMPUTED})
     return columns
 
 
@@ -111,32 +127,40 @@ def _inputs(case: Case, dev: torch.device, dtype: torch.dtype) -> _Inputs:
     return _Inputs(mlp, x.requires_grad_(), indices, probs.requires_grad_(), grad_out)
 
 
-def _forward(inputs: _Inputs, recipe: Float8Recipe | None) -> torch.Tensor:
-    """The block's forward under ``recipe`` (``None``: the input dtype)."""
-    with gl.autocast(recipe):
+def _forward(inputs: _Inputs, column: Column) -> torch.Tensor:
+    """The block's forward as ``column`` says (a column without a recipe first frees the FP8
+    weights an earlier column cached: they are no part of the bf16 block)."""
+    inputs.mlp.recompute_activation = column.recompute
+    if column.recipe is None:
+        for layer in (inputs.mlp.fc1, inputs.mlp.fc2):
+            layer._fp8_weights.entry = None
+    with gl.autocast(column.recipe):
         rows, m_splits, row_map = gl.permute(inputs.x, inputs.indices, inputs.mlp.num_experts)
-        y = inputs.mlp(rows, m_splits)
+        y = inputs.mlp(rows, m_splits, is_first_microbatch=True)
         return gl.unpermute(y, row_map, inputs.probs)
 
 
-def _step(inputs: _Inputs, recipe: Float8Recipe | None) -> Callable[[], torch.Tensor]:
-    """One forward+backward of the block under ``recipe``."""
+def _step(inputs: _Inputs, column: Column) -> Callable[[], torch.Tensor]:
+    """One forward+backward of the block as ``column`` says."""
     def run() -> torch.Tensor:
-        out = _forward(inputs, recipe)
+        out = _forward(inputs, column)
         out.backward(inputs.grad_out)
         return out
     return run
 
 
-def _saved_bytes(inputs: _Inputs, recipe: Float8Recipe | None, dev: torch.device) -> int | None:
-    """CUDA memory the forward leaves allocated for backward, its output not counted."""
+def _saved_bytes(inputs: _Inputs, column: Column, dev: torch.device) -> int | None:
+    """CUDA memory the forward leaves allocated for backward, its output not counted (a step
+    before fills the module's FP8 weight cache for this column's recipe: module state, held
+    across steps, not kept for one backward)."""
     if dev.type != "cuda":
         return None
+    _step(inputs, column)()
     for leaf in inputs.leaves():
         leaf.grad = None
     torch.cuda.synchronize(dev)
     before = torch.cuda.memory_allocated(dev)
-    out = _forward(inputs, recipe)
+    out = _forward(inputs, column)
     torch.cuda.synchronize(dev)
     held = torch.cuda.memory_allocated(dev) - before - out.nbytes
     out.backward(inputs.grad_out)
@@ -178,28 +202,29 @@ def _measure_case(case: Case, dev: torch.device, dtype: torch.dtype, rounds: int
     ref_out, ref_dx = _reference(inputs)
     columns = _columns(dev)
     errors = {}
-    for name, recipe in columns.items():  # also each column's first, untimed run
+    for name, column in columns.items():  # also each column's first, untimed run
         for leaf in leaves:
             leaf.grad = None
-        out = _step(inputs, recipe)()
+        out = _step(inputs, column)()
         errors[name] = (_rel_err(out.detach(), ref_out), _rel_err(inputs.x.grad, ref_dx))
     seconds: dict[str, list[float]] = {name: [] for name in columns}
     for _ in range(rounds):
         warm_gpu(device=dev)
-        for name, recipe in columns.items():
-            seconds[name].append(median_seconds(_step(inputs, recipe), dev, reps=reps,
+        for name, column in columns.items():
+            seconds[name].append(median_seconds(_step(inputs, column), dev, reps=reps,
                                                 grad_to_none=leaves))
     flops = _flops(case)
     result = {"case": case.name, "tokens": case.tokens, "top_k": case.top_k,
               "num_experts": case.num_experts, "hidden": case.hidden, "ffn": case.ffn,
               "flops": flops, "columns": {}}
-    for name, recipe in columns.items():
+    for name, column in columns.items():
         median = sorted(seconds[name])[len(seconds[name]) // 2]
+        saved = _saved_bytes(inputs, column, dev)  # after a step: this column's weight cache
         result["columns"][name] = {
             "ms": median * 1e3,
             "tflops": flops / median / 1e12,
-            "peak_bytes": peak_memory_bytes(_step(inputs, recipe), dev, grad_to_none=leaves),
-            "saved_bytes": _saved_bytes(inputs, recipe, dev),
+            "peak_bytes": peak_memory_bytes(_step(inputs, column), dev, grad_to_none=leaves),
+            "saved_bytes": saved,
             "rel_err_out": errors[name][0],
             "rel_err_dx": errors[name][1],
         }

@@ -9,7 +9,9 @@ applied: :mod:`.linear_function` / :mod:`.fast_path` for the high-precision rout
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+import contextvars
+from collections.abc import Iterator, Sequence
 from typing import Protocol
 
 import torch
@@ -34,8 +36,23 @@ from .linear_function import CallConfig, run_linear
 from .splits import SPLIT_DTYPES, GroupSplits, debug_checks_enabled, normalize_splits
 from .weight_grad import WeightGradSink
 
-__all__ = ["grouped_linear", "apply_grouped_linear", "flatten_rows", "join_inputs", "split_rows",
-           "TensorParallelHooks"]
+__all__ = ["grouped_linear", "apply_grouped_linear", "flatten_rows", "inputs_rebuilt_in_backward",
+           "join_inputs", "split_rows", "TensorParallelHooks"]
+
+_INPUTS_REBUILT = contextvars.ContextVar("grouped_linear_inputs_rebuilt", default=False)
+
+
+@contextlib.contextmanager
+def inputs_rebuilt_in_backward() -> Iterator[None]:
+    """Inside, the FP8 routes keep their input for backward as it was given (as with
+    ``save_original_input``), not the FP8 copies they derive from it, so that the caller's
+    saved-tensor hooks can stand in for the input and rebuild it when backward needs it
+    (the high-precision routes keep the input as given anyway)."""
+    token = _INPUTS_REBUILT.set(True)
+    try:
+        yield
+    finally:
+        _INPUTS_REBUILT.reset(token)
 
 
 class TensorParallelHooks(Protocol):
@@ -154,7 +171,8 @@ def apply_grouped_linear(
             cached = Fp8Weight.from_codes(weight.codes, weight.inv, recipe, route)
         elif weight_cache is not None and is_first_microbatch is not None:
             cached = weight_cache.get(weight, recipe, route, refresh=is_first_microbatch)
-        config = Fp8Config(recipe, splits.may_have_tail, sink, save_original_input)
+        config = Fp8Config(recipe, splits.may_have_tail, sink,
+                           save_original_input or _INPUTS_REBUILT.get())
         out = _fp8(route, x, pieces, weight, bias, splits, config, cached)
     if tp is not None:
         out = tp.leave(out)

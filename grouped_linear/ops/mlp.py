@@ -20,7 +20,12 @@ import torch
 from ..recipes import Float8Recipe, check_recipe
 from .activation import Activation, bias_activation, check_activation
 from .checks import check_operands, check_tensor
-from .grouped_linear import apply_grouped_linear, flatten_rows, join_inputs
+from .grouped_linear import (
+    apply_grouped_linear,
+    flatten_rows,
+    inputs_rebuilt_in_backward,
+    join_inputs,
+)
 from .splits import GroupSplits, normalize_splits
 
 __all__ = ["PROBS_ON", "PROBS_DTYPES", "check_probs", "check_probs_on",
@@ -44,8 +49,9 @@ def _with_recomputed_input(fc2: Fc2, a: torch.Tensor,
                            recompute: Callable[[], torch.Tensor]) -> torch.Tensor:
     """``fc2(a)`` where autograd saves no reference to ``a`` itself: when backward unpacks
     it, ``recompute()`` builds it again (from fc1's output, which the activation's own
-    backward keeps anyway). The hooks hold ``a`` only weakly: autograd keeps them with
-    every tensor they packed."""
+    backward keeps anyway). An FP8 fc2 keeps ``a`` as given rather than its FP8 copies, and
+    quantizes the rebuilt ``a`` in backward. The hooks hold ``a`` only weakly: autograd
+    keeps them with every tensor they packed."""
     target = weakref.ref(a)
 
     def pack(tensor):
@@ -57,7 +63,7 @@ def _with_recomputed_input(fc2: Fc2, a: torch.Tensor,
                 return recompute()
         return saved
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack), inputs_rebuilt_in_backward():
         return fc2(a)
 
 
@@ -100,8 +106,8 @@ def run_mlp(x: torch.Tensor, splits: GroupSplits, fc1: Fc1, fc2: Fc2, act: Activ
     """``fc2(act(fc1(x) + b1[g]))`` over the rows of ``splits``; with ``probs`` (``(M,)``,
     checked by :func:`check_probs`) each row's activation output (``probs_on="activation"``)
     or input (``"input"``) times its probability. With ``recompute``, fc2's input is not kept
-    for backward but rebuilt from fc1's output (eager only: under ``torch.compile`` the
-    compiler decides what to recompute)."""
+    for backward, in any precision, but rebuilt from fc1's output (eager only: under
+    ``torch.compile`` the compiler decides what to recompute)."""
     if probs is not None and probs_on == "input":
         x, probs = _scale_rows(x, probs), None
     pre, bias = fc1(x)

@@ -81,3 +81,32 @@ def test_fp8_block_in_a_cuda_graph_replays_new_routings(recipe):
             assert torch.equal(a, b), (seed, name)
         if seed == 1:
             assert torch.all(got[3][3] == 0) and torch.all(got[4][3] == 0)
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: type(r).__name__)
+def test_fp8_block_recomputing_the_activation_keeps_no_copy_of_fc2_input(recipe):
+    """With ``recompute_activation`` the device route keeps nothing of fc2's input (its FP8
+    codes were ``TOKENS * K * FFN`` bytes at least) and gives the results of a block whose
+    fc2 keeps its input as given (``save_original_input``), bit for bit."""
+    results, held = [], []
+    for recompute in (False, True):
+        block = _Block(recipe)
+        block.mlp.recompute_activation = recompute
+        block.mlp.fc2.save_original_input = True
+        block.step()  # compiles; the weights' lazily made state
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        with gl.autocast(recipe):
+            rows, m_splits, row_map = gl.permute(block.x, block.indices, E)
+            out = gl.unpermute(block.mlp(rows, m_splits), row_map, block.probs)
+        del rows
+        held.append(torch.cuda.memory_allocated() - before)
+        block.mlp.zero_grad(set_to_none=True)
+        block.x.grad = block.probs.grad = None
+        out.backward(block.grad)
+        results.append((out, block.x.grad, block.probs.grad, block.mlp.fc1.weight.grad,
+                        block.mlp.fc2.weight.grad))
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+    # fc2's input as given (bf16) was kept without recompute: 2 bytes per element
+    assert held[0] - held[1] >= TOKENS * K * FFN * 2, held
