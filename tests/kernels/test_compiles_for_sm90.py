@@ -303,7 +303,7 @@ def _compile_gluon(kernel, pointers, constants, num_warps, maxnreg=None):
 def _bf16_descriptor(rows: int, cols: int, dtype: str = "bf16") -> str:
     from triton.experimental.gluon import language as gl
 
-    gl_dtype = {"bf16": gl.bfloat16, "fp32": gl.float32}[dtype]
+    gl_dtype = {"bf16": gl.bfloat16, "fp32": gl.float32, "fp8e4nv": gl.float8e4nv}[dtype]
     layout = gl.NVMMASharedLayout.get_default_for([rows, cols], gl_dtype)
     return f"tensordesc<{dtype}[{rows}, {cols}],{layout!r}>"
 
@@ -318,7 +318,23 @@ def _bf16_mm_case(transposed: bool):
                 "b_desc": _bf16_descriptor(*((bk, bn) if transposed else (bn, bk))),
                 "out_desc": _bf16_descriptor(bm, bn), "bias_ptr": "*bf16", "out_ptr": "*bf16",
                 "ends_ptr": "*i32"}
-    constants = {"HAS_BIAS": not transposed, "TRANSPOSED": transposed,
+    constants = {"HAS_BIAS": not transposed, "TRANSPOSED": transposed, "SCALED": False,
+                 "TMA_STORE": config.tma_store, "GROUP_M": config.group_m, "BLOCK_G": 32,
+                 "NUM_PROGRAMS": 132, "STAGES": config.stages}
+    return bg._mm_kernel, pointers, constants, config.warps, None
+
+
+def _fp8_rowwise_mm_case():
+    """The same kernel on FP8 tiles with the row and column factors (the rowwise GEMM)."""
+    if not (HAS_TRITON and HAS_GLUON):
+        return None, {}, {}, 4, None
+    config = gg.ROWWISE_CONFIG
+    bm, bn, bk = config.block_m, config.block_n, config.block_k
+    pointers = {"a_desc": _bf16_descriptor(bm, bk, "fp8e4nv"),
+                "b_desc": _bf16_descriptor(bn, bk, "fp8e4nv"),
+                "out_desc": _bf16_descriptor(bm, bn), "bias_ptr": "*bf16", "out_ptr": "*bf16",
+                "ends_ptr": "*i32"}
+    constants = {"HAS_BIAS": False, "TRANSPOSED": False, "SCALED": True,
                  "TMA_STORE": config.tma_store, "GROUP_M": config.group_m, "BLOCK_G": 32,
                  "NUM_PROGRAMS": 132, "STAGES": config.stages}
     return bg._mm_kernel, pointers, constants, config.warps, None
@@ -345,6 +361,7 @@ def _bf16_wgrad_case(out: str = "bf16"):
 GLUON_CASES = {
     "gluon bf16 mm (bias)": _bf16_mm_case(False),
     "gluon bf16 mm (dgrad)": _bf16_mm_case(True),
+    "gluon rowwise fp8 mm": _fp8_rowwise_mm_case(),
     "gluon bf16 wgrad (bias sums)": _bf16_wgrad_case(),
     "gluon bf16 wgrad (float32 out)": _bf16_wgrad_case("fp32"),
     "gluon blockwise mm": (gg._blockwise_mm_kernel if HAS_TRITON and HAS_GLUON else None,

@@ -16,6 +16,12 @@ group are written as zeros. The weight gradient is
 Same contract, arguments and reference as :mod:`grouped_linear.kernels.gemm.fp8_triton_gemm`,
 whose kernels serve CPU (the interpreter has no Gluon), other GPUs and operands TMA cannot
 describe (:func:`supported`).
+
+:func:`rowwise_mm`: the rowwise (and tensorwise) recipes' forward and dgrad with
+:mod:`grouped_linear.kernels.gemm.fp8_torch_gemm`'s contract, on the bf16 kernel of
+:mod:`grouped_linear.kernels.gemm.gluon_gemm` run on FP8 tiles: the whole reduction
+accumulates in the tensor cores (as torch's with ``use_fast_accum=True``) and the row and
+column factors scale the tile once, before the store.
 """
 
 from __future__ import annotations
@@ -41,8 +47,10 @@ from .._gluon import (
     wgmma_layout,
 )
 from .._triton import cdiv, next_power_of_2, sm_count
+from . import gluon_gemm
 
-__all__ = ["supported", "grouped_mm", "MM_CONFIG", "BLOCK"]
+__all__ = ["supported", "grouped_mm", "MM_CONFIG", "BLOCK", "ROWWISE_CONFIG", "rowwise_supported",
+           "rowwise_mm"]
 
 BLOCK = 128  # the scaling block, also every tile's depth and the weight-side tile width
 # (rows per tile, warps, shared-memory stages): the tile is two warp groups of 64 rows;
@@ -51,6 +59,8 @@ BLOCK = 128  # the scaling block, also every tile's depth and the weight-side ti
 MM_CONFIG = (128, 8, 4)
 # Blocks per compile-time unrolled run: the tensor cores wait for one rescale per run.
 MM_UNROLL = 2
+# The bf16 kernel's launch shape with 128-deep FP8 tiles: the same bytes per stage.
+ROWWISE_CONFIG = gluon_gemm.MMConfig(128, 256, 128, 8, 3, group_m=8, tma_store=True)
 
 
 @gluon.jit
@@ -223,3 +233,29 @@ def grouped_mm(a: torch.Tensor, a_inv: torch.Tensor, weight: torch.Tensor, w_inv
         BLOCK_G=max(32, next_power_of_2(G + 1)), NUM_PROGRAMS=programs, STAGES=stages,
         UNROLL=MM_UNROLL, num_warps=warps)
     return out
+
+
+def rowwise_supported(a: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether :func:`rowwise_mm` takes these operands: CUDA sm90, E4M3 both, contiguous,
+    16-byte aligned rows (TMA), the reduction at least the pipeline's ``STAGES - 1`` tiles
+    deep, row coordinates within int32."""
+    block_k, stages = ROWWISE_CONFIG.block_k, ROWWISE_CONFIG.stages
+    return (HAS_GLUON and a.is_cuda and a.dim() == 2 and weight.dim() == 3
+            and is_sm90(a.device.index or 0) and a.dtype == torch.float8_e4m3fn
+            and weight.dtype == torch.float8_e4m3fn and a.is_contiguous()
+            and weight.is_contiguous() and a.shape[1] == weight.shape[2]
+            and a.shape[1] % 16 == 0 and cdiv(a.shape[1], block_k) >= stages - 1
+            and a.data_ptr() % 16 == 0 and weight.data_ptr() % 16 == 0
+            and max(a.shape[0], weight.shape[0] * weight.shape[1]) < 2**31 - 512)
+
+
+def rowwise_mm(a: torch.Tensor, a_inv: torch.Tensor, weight: torch.Tensor, w_inv: torch.Tensor,
+               ends: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """FP8 ``a`` ``(M, R)`` with ``(M,)`` factors times each group's ``weight`` ``(G, W, R)``
+    transposed with ``(G, W)`` factors (any stride along ``W``: a group's factor repeated
+    is a stride of 0): ``(M, W)`` in ``out_dtype``, rows past ``ends[-1]`` zero. Forward:
+    ``x`` and ``W``; dgrad: ``dy`` and the transposed weight copy. Needs
+    :func:`rowwise_supported` operands."""
+    out = torch.empty(a.shape[0], weight.shape[1], device=a.device, dtype=out_dtype)
+    return gluon_gemm.launch(a, weight, ends, out, factors=(a_inv.contiguous(), w_inv),
+                             config=ROWWISE_CONFIG)

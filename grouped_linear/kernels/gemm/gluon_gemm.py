@@ -22,6 +22,11 @@ rows are the next group's). Rows past the last group are written as zeros (their
 read the weight out of bounds, which TMA fills with zeros). The reference is
 :func:`grouped_mm_reference` (a per-group matmul in float32); CPU, other GPUs and operands
 TMA cannot describe use the callers' other paths (:func:`supported`).
+
+The same kernel, given per-row factors of ``a`` and per-column factors of each group's
+weight (:func:`launch`), runs FP8 operands with 32-deep MMA instructions and scales the
+float32 accumulator in the epilogue: the rowwise FP8 GEMM of
+:mod:`grouped_linear.kernels.gemm.fp8_gluon_gemm`.
 """
 
 from __future__ import annotations
@@ -51,7 +56,7 @@ from .._gluon import (
 from .._triton import cdiv, next_power_of_2, sm_count
 from ..ends import group_sizes
 
-__all__ = ["MMConfig", "MM_CONFIG", "is_input_major", "supported", "grouped_mm",
+__all__ = ["MMConfig", "MM_CONFIG", "is_input_major", "supported", "grouped_mm", "launch",
            "grouped_mm_reference"]
 
 
@@ -100,16 +105,20 @@ def _store_rows(out_ptr, values, rows, cols, row0, rows_left, col0, col_mask, st
 
 
 @gluon.jit
-def _mm_kernel(a_desc, b_desc, out_desc, bias_ptr, out_ptr, ends_ptr, M, W, R, G,
-               stride_bias, stride_om, HAS_BIAS: gl.constexpr, TRANSPOSED: gl.constexpr,
+def _mm_kernel(a_desc, b_desc, out_desc, bias_ptr, out_ptr, ends_ptr, a_inv_ptr, b_inv_ptr,
+               M, W, R, G, stride_bias, stride_om, stride_big, stride_biw,
+               HAS_BIAS: gl.constexpr, TRANSPOSED: gl.constexpr, SCALED: gl.constexpr,
                TMA_STORE: gl.constexpr, GROUP_M: gl.constexpr,
                BLOCK_G: gl.constexpr, NUM_PROGRAMS: gl.constexpr, STAGES: gl.constexpr,
                num_warps: gl.constexpr):
     BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
     BLOCK_N: gl.constexpr = b_desc.block_type.shape[1 if TRANSPOSED else 0]
+    # SCALED: FP8 operands (32-deep MMA instructions), the accumulator scaled by a's
+    # per-row and the group's per-column factors in the epilogue
+    INSTR_K: gl.constexpr = 32 if SCALED else 16
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_N, 16])
+        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_N, INSTR_K])
     table_layout: gl.constexpr = gl.BlockedLayout([BLOCK_G // 32], [32], [num_warps], [0])
 
     a_bufs, b_bufs, bars = operand_ring(a_desc, b_desc, STAGES)
@@ -164,6 +173,13 @@ def _mm_kernel(a_desc, b_desc, out_desc, bias_ptr, out_ptr, ends_ptr, M, W, R, G
         acc = warpgroup_mma_wait(0, deps=[acc])
         col0 = col_tile * BLOCK_N
         col_mask = cols < W - col0
+        if SCALED:  # rows past the groups (g == G) get factor 0
+            row_inv = gl.load(a_inv_ptr + (row0.to(gl.int64) + rows), mask=rows < end - row0,
+                              other=0.0)
+            col_inv = gl.load(b_inv_ptr + (g.to(gl.int64) * stride_big
+                                           + (col0 + cols).to(gl.int64) * stride_biw),
+                              mask=col_mask & (g < G), other=0.0)
+            acc = acc * row_inv[:, None] * col_inv[None, :]
         if HAS_BIAS:
             bias = gl.load(bias_ptr + (g.to(gl.int64) * stride_bias + col0) + cols,
                            mask=col_mask & (g < G), other=0.0)
@@ -245,11 +261,22 @@ def grouped_mm(a: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor,
     tensor (a layer stored input-major): its tiles are then read in the other order, with
     no copy. Needs :func:`supported` operands; ``config``: the launch shape.
     """
-    M, R = a.shape
-    G = weight.shape[0]
     width = weight.shape[2] if transposed_weight else weight.shape[1]
     weight, transposed_weight = _stored(weight, transposed_weight)
-    out = a.new_empty(M, width)
+    return launch(a, weight, ends, a.new_empty(a.shape[0], width), bias,
+                  transposed_weight=transposed_weight, config=config)
+
+
+def launch(a: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor, out: torch.Tensor,
+           bias: torch.Tensor | None = None, factors: tuple[torch.Tensor, torch.Tensor]
+           | None = None, *, transposed_weight: bool = False,
+           config: MMConfig = MM_CONFIG) -> torch.Tensor:
+    """Runs the kernel into ``out`` ``(M, W)`` for a contiguous ``weight`` (as it lies):
+    :func:`grouped_mm`'s work, and with ``factors`` = ``(a_inv (M,), b_inv (G, W))`` (any
+    strides along ``W``, 0 included) the FP8 product ``a_inv[m] * b_inv[g, w] * (a @ B_g)``
+    (:mod:`grouped_linear.kernels.gemm.fp8_gluon_gemm`)."""
+    M, R = a.shape
+    G, width = weight.shape[0], out.shape[1]
     if M == 0 or width == 0:
         return out
     if G == 0:
@@ -269,12 +296,14 @@ def grouped_mm(a: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor,
     has_bias = bias is not None
     if has_bias and bias.stride(-1) != 1:
         bias = bias.contiguous()
+    a_inv, b_inv = factors if factors is not None else (out, out)  # unread without factors
     _mm_kernel[(programs,)](
-        a_desc, b_desc, out_desc, bias if has_bias else out, out, ends, M, width, R, G,
-        bias.stride(0) if has_bias else 0, out.stride(0),
-        HAS_BIAS=has_bias, TRANSPOSED=transposed_weight, TMA_STORE=tma_store,
-        GROUP_M=config.group_m, BLOCK_G=max(32, next_power_of_2(G + 1)),
-        NUM_PROGRAMS=programs, STAGES=config.stages, num_warps=config.warps)
+        a_desc, b_desc, out_desc, bias if has_bias else out, out, ends, a_inv, b_inv, M,
+        width, R, G, bias.stride(0) if has_bias else 0, out.stride(0), b_inv.stride(0),
+        b_inv.stride(1), HAS_BIAS=has_bias, TRANSPOSED=transposed_weight,
+        SCALED=factors is not None, TMA_STORE=tma_store, GROUP_M=config.group_m,
+        BLOCK_G=max(32, next_power_of_2(G + 1)), NUM_PROGRAMS=programs,
+        STAGES=config.stages, num_warps=config.warps)
     return out
 
 
