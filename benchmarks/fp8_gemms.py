@@ -7,8 +7,8 @@ gemms|wgrad-configs] [SHAPE ...]`` (SHAPE: the bench's, or ``uniform:G:M:K:N``; 
 all). Per shape, TFLOP/s (median, ``2 M K N`` per GEMM); ``wgrad-configs``: the group-scaled
 weight gradient at each launch shape of ``WGRAD_CONFIGS``; ``gemms``:
 
-* forward: bf16 ``grouped_mm``, torch's FP8 GEMM on rowwise operands, the blockwise Triton
-  and Gluon kernels;
+* forward: bf16 ``grouped_mm``, torch's FP8 GEMM and the Gluon rowwise kernel on rowwise
+  operands (also the rowwise dgrad on both), the blockwise Triton and Gluon kernels;
 * dgrad (``dy @ W``, as the blockwise recipe runs it: the transposed weight copy) and wgrad
   (token-block operands): the blockwise Triton and Gluon kernels;
 * the rowwise recipes' wgrad: torch's FP8 GEMM (16-token group alignment) against the
@@ -40,8 +40,10 @@ from grouped_linear.kernels.gemm import fp8_gluon_wgrad as gw
 from grouped_linear.kernels.gemm import fp8_torch_gemm
 from grouped_linear.kernels.gemm import fp8_triton_gemm as fg
 from grouped_linear.kernels.quantize import blocks as qb
+from grouped_linear.kernels.quantize import folded as qf
 from grouped_linear.kernels.quantize import rows as qr
 from grouped_linear.kernels.quantize import transposed as qt
+from grouped_linear.kernels.quantize.transpose import transpose_groups
 
 DT = torch.bfloat16
 
@@ -75,6 +77,33 @@ def _fast_accumulation(x, x_inv, w, w_inv, ends, flops) -> dict:
     return row
 
 
+def _rowwise_pairs(x, x_inv, w, w_inv, dy, ends, flops) -> dict:
+    """The rowwise recipes' forward and dgrad (``dy`` times the weight's channel factors
+    against the transposed weight copy) on torch's FP8 GEMM and on the Gluon kernel, with
+    the relative difference of their outputs (times 1e4)."""
+    G, K = w.shape[0], w.shape[2]
+    dy_data, dy_inv = qf.quantize_rows_folded(
+        dy, qf.ColumnFactors.of_groups(w_inv, ends, dy.shape[0]), E4M3, False)
+    wt, wt_inv = transpose_groups(w), torch.ones(G, K, device=CUDA)
+    row = {}
+    for gemm, a, a_inv, b, b_inv in (("fwd", x, x_inv, w, w_inv),
+                                      ("dgrad", dy_data, dy_inv, wt, wt_inv)):
+        def theirs(a=a, a_inv=a_inv, b=b, b_inv=b_inv):
+            return fp8_torch_gemm.forward(a, a_inv, b, b_inv, ends, DT)
+
+        row[f"torch scaled rowwise {gemm}"] = tflops(flops, median_ms(theirs))
+        if gg.rowwise_supported(a, b):
+            def ours(a=a, a_inv=a_inv, b=b, b_inv=b_inv):
+                return gg.rowwise_mm(a, a_inv, b, b_inv, ends, DT)
+
+            rows = int(ends[-1])
+            diff = ((ours()[:rows].double() - theirs()[:rows].double()).norm()
+                    / theirs()[:rows].double().norm()).item()
+            row[f"gluon rowwise {gemm} (diff to torch x 1e4: {diff * 1e4:.1f})"] = tflops(
+                flops, median_ms(ours))
+    return row
+
+
 def shape_row(shape) -> dict:
     """TFLOP/s of every GEMM form on one shape."""
     G, M, K, N = shape.G, shape.M, shape.K, shape.N
@@ -88,8 +117,7 @@ def shape_row(shape) -> dict:
     if fp8_torch_gemm.shapes_supported(K, N):
         x_row, x_row_inv = qr.quantize_rows(x, E4M3, False)
         w_row, w_row_inv = qr.quantize_weight_rows(w, E4M3, False)
-        row["torch scaled rowwise fwd"] = tflops(flops, median_ms(
-            lambda: fp8_torch_gemm.forward(x_row, x_row_inv, w_row, w_row_inv, ends, DT)))
+        row.update(_rowwise_pairs(x_row, x_row_inv, w_row, w_row_inv, dy, ends, flops))
         row.update(_fast_accumulation(x_row, x_row_inv, w_row, w_row_inv, ends, flops))
 
     # Blockwise forward and dgrad: 1x128 activation tiles, 128x128 weight blocks.
