@@ -10,13 +10,15 @@ with compute capability 8.9 or more) or emulated on CPU, ``fp8_rowwise``, ``fp8_
 and ``fp8_blockwise``: the same block inside ``gl.autocast(recipe)``, the weights quantized
 once per step into the module's cache (``is_first_microbatch=True``, as a training step with
 one microbatch passes it); ``*_recompute``: the same with ``recompute_activation=True``
-(fc2's input rebuilt in backward from fc1's output, nothing of it kept). Every column runs
-the same module on the same inputs; a timed step is permute, the MLP, unpermute and the
-backward of a fixed output gradient (gradients of ``x``, ``probs`` and the parameters, reset
-before every step), in alternating rounds after a warm-up at sustained clocks, the median
-over rounds reported. TFLOP/s count the expert GEMMs only, twice more for the backward:
-``6 * T * k * H * (2F + F)``. Also reported: each column against ``bf16``, peak CUDA memory,
-the memory a forward leaves allocated for its backward (its output not counted; against the
+(fc2's input rebuilt in backward from fc1's output, nothing of it kept); ``*_primary``: a
+copy of the module with its weights stored in FP8 (``gl.to_fp8_weights``: no weight
+quantized in the step). Every column runs the same weights on the same inputs; a timed step
+is permute, the MLP, unpermute and the backward of a fixed output gradient (gradients of
+``x``, ``probs`` and the parameters, reset before every step), in alternating rounds after a
+warm-up at sustained clocks, the median over rounds reported. TFLOP/s count the expert
+GEMMs only, twice more for the backward: ``6 * T * k * H * (2F + F)``. Also reported: each
+column against ``bf16``, peak CUDA memory (without the other columns' module copies), the
+memory a forward leaves allocated for its backward (its output not counted; against the
 bf16 column's), and the relative error (``||a - b|| / ||b||``) of the block's output and of
 ``x``'s gradient against a float64 block with the same weights and inputs, computed once
 per case by a plain loop over the experts.
@@ -25,7 +27,8 @@ per case by a plain loop over the experts.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from copy import deepcopy
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
@@ -47,17 +50,19 @@ RECIPES: dict[str, Float8Recipe] = {
     "fp8_tensorwise": Float8Tensorwise(),
     "fp8_blockwise": Float8Blockwise(),
 }
-#: The recipes also run with ``recompute_activation=True``, as ``<name>_recompute``.
-RECOMPUTED = ("fp8_rowwise", "fp8_blockwise")
+#: These recipes also run with ``recompute_activation=True`` (``<name>_recompute``) and on
+#: FP8 primary weights (``<name>_primary``).
+RECOMPUTED = PRIMARY = ("fp8_rowwise", "fp8_blockwise")
 
 
 @dataclass(frozen=True)
 class Column:
-    """How one column runs the block: a recipe (``None``: the input dtype) and whether fc2's
-    input is recomputed in backward."""
+    """How one column runs the block: a recipe (``None``: the input dtype), whether fc2's
+    input is recomputed in backward, whether the weights are stored in FP8."""
 
     recipe: Float8Recipe | None = None
     recompute: bool = False
+    primary: bool = False
 
 
 @dataclass(frozen=True)
@@ -95,21 +100,45 @@ def _columns(dev: torch.device) -> dict[str, Column]:
         columns.update({name: Column(recipe) for name, recipe in RECIPES.items()})
         columns.update({f"{name}_recompute": Column(RECIPES[name], recompute=True)
                         for name in RECOMPUTED})
+        columns.update({f"{name}_primary": Column(RECIPES[name], primary=True)
+                        for name in PRIMARY})
     return columns
 
 
 @dataclass
 class _Inputs:
-    """What every column of one case shares: the module, tokens, routing, output gradient."""
+    """What every column of one case shares: the module, tokens, routing, output gradient;
+    the FP8-weight copies of the module, made when a column first asks, and their bytes."""
 
     mlp: gl.GroupedMLP
     x: torch.Tensor  # (T, H) leaf
     indices: torch.Tensor  # (T, k) experts
     probs: torch.Tensor  # (T, k) float32 leaf, renormalised
     grad_out: torch.Tensor  # (T, H)
+    primary: dict[Float8Recipe, tuple[gl.GroupedMLP, int]] = field(default_factory=dict)
 
-    def leaves(self) -> list[torch.Tensor]:
-        return [self.x, self.probs, *self.mlp.parameters()]
+    def module(self, column: Column) -> gl.GroupedMLP:
+        """The module ``column`` runs."""
+        if not column.primary:
+            return self.mlp
+        if column.recipe not in self.primary:
+            dev = self.x.device
+            before = torch.cuda.memory_allocated(dev) if dev.type == "cuda" else 0
+            copy = gl.to_fp8_weights(deepcopy(self.mlp), column.recipe)
+            after = torch.cuda.memory_allocated(dev) if dev.type == "cuda" else 0
+            self.primary[column.recipe] = (copy, after - before)
+        return self.primary[column.recipe][0]
+
+    def leaves(self, column: Column) -> list[torch.Tensor]:
+        return [self.x, self.probs, *self.module(column).parameters()]
+
+    def other_modules_bytes(self, column: Column) -> int:
+        """CUDA bytes of the module copies ``column`` does not run (its peak leaves them
+        out)."""
+        mine = self.module(column)
+        held = [(self.mlp, sum(p.nbytes for p in self.mlp.parameters()))]
+        held += list(self.primary.values())
+        return sum(nbytes for module, nbytes in held if module is not mine)
 
 
 def _inputs(case: Case, dev: torch.device, dtype: torch.dtype) -> _Inputs:
@@ -130,13 +159,14 @@ def _inputs(case: Case, dev: torch.device, dtype: torch.dtype) -> _Inputs:
 def _forward(inputs: _Inputs, column: Column) -> torch.Tensor:
     """The block's forward as ``column`` says (a column without a recipe first frees the FP8
     weights an earlier column cached: they are no part of the bf16 block)."""
-    inputs.mlp.recompute_activation = column.recompute
-    if column.recipe is None:
+    mlp = inputs.module(column)
+    mlp.recompute_activation = column.recompute
+    if column.recipe is None or column.primary:
         for layer in (inputs.mlp.fc1, inputs.mlp.fc2):
             layer._fp8_weights.entry = None
     with gl.autocast(column.recipe):
-        rows, m_splits, row_map = gl.permute(inputs.x, inputs.indices, inputs.mlp.num_experts)
-        y = inputs.mlp(rows, m_splits, is_first_microbatch=True)
+        rows, m_splits, row_map = gl.permute(inputs.x, inputs.indices, mlp.num_experts)
+        y = mlp(rows, m_splits, is_first_microbatch=True)
         return gl.unpermute(y, row_map, inputs.probs)
 
 
@@ -156,7 +186,7 @@ def _saved_bytes(inputs: _Inputs, column: Column, dev: torch.device) -> int | No
     if dev.type != "cuda":
         return None
     _step(inputs, column)()
-    for leaf in inputs.leaves():
+    for leaf in inputs.leaves(column):
         leaf.grad = None
     torch.cuda.synchronize(dev)
     before = torch.cuda.memory_allocated(dev)
@@ -164,7 +194,7 @@ def _saved_bytes(inputs: _Inputs, column: Column, dev: torch.device) -> int | No
     torch.cuda.synchronize(dev)
     held = torch.cuda.memory_allocated(dev) - before - out.nbytes
     out.backward(inputs.grad_out)
-    for leaf in inputs.leaves():
+    for leaf in inputs.leaves(column):
         leaf.grad = None
     return held
 
@@ -198,12 +228,11 @@ def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 def _measure_case(case: Case, dev: torch.device, dtype: torch.dtype, rounds: int,
                   reps: int) -> dict:
     inputs = _inputs(case, dev, dtype)
-    leaves = inputs.leaves()
     ref_out, ref_dx = _reference(inputs)
     columns = _columns(dev)
     errors = {}
     for name, column in columns.items():  # also each column's first, untimed run
-        for leaf in leaves:
+        for leaf in inputs.leaves(column):
             leaf.grad = None
         out = _step(inputs, column)()
         errors[name] = (_rel_err(out.detach(), ref_out), _rel_err(inputs.x.grad, ref_dx))
@@ -212,7 +241,7 @@ def _measure_case(case: Case, dev: torch.device, dtype: torch.dtype, rounds: int
         warm_gpu(device=dev)
         for name, column in columns.items():
             seconds[name].append(median_seconds(_step(inputs, column), dev, reps=reps,
-                                                grad_to_none=leaves))
+                                                grad_to_none=inputs.leaves(column)))
     flops = _flops(case)
     result = {"case": case.name, "tokens": case.tokens, "top_k": case.top_k,
               "num_experts": case.num_experts, "hidden": case.hidden, "ffn": case.ffn,
@@ -220,10 +249,12 @@ def _measure_case(case: Case, dev: torch.device, dtype: torch.dtype, rounds: int
     for name, column in columns.items():
         median = sorted(seconds[name])[len(seconds[name]) // 2]
         saved = _saved_bytes(inputs, column, dev)  # after a step: this column's weight cache
+        peak = peak_memory_bytes(_step(inputs, column), dev,
+                                 grad_to_none=inputs.leaves(column))
         result["columns"][name] = {
             "ms": median * 1e3,
             "tflops": flops / median / 1e12,
-            "peak_bytes": peak_memory_bytes(_step(inputs, column), dev, grad_to_none=leaves),
+            "peak_bytes": None if peak is None else peak - inputs.other_modules_bytes(column),
             "saved_bytes": saved,
             "rel_err_out": errors[name][0],
             "rel_err_dx": errors[name][1],

@@ -9,6 +9,7 @@ import grouped_linear.cli.bench_moe as bench_moe
 from grouped_linear.cli.bench_moe import (
     BASELINE,
     CASES,
+    PRIMARY,
     RECIPES,
     RECOMPUTED,
     Case,
@@ -38,7 +39,8 @@ def test_every_column_is_reported_with_its_errors(tmp_path, capsys):
     T, k, H, F = case["tokens"], case["top_k"], case["hidden"], case["ffn"]
     assert case["flops"] == 6 * T * k * H * 3 * F
     assert list(case["columns"]) == [BASELINE, *RECIPES,
-                                     *(f"{name}_recompute" for name in RECOMPUTED)]
+                                     *(f"{name}_recompute" for name in RECOMPUTED),
+                                     *(f"{name}_primary" for name in PRIMARY)]
     assert case["columns"][BASELINE]["speedup"] == 1.0
     base_ms = case["columns"][BASELINE]["ms"]
     for name, column in case["columns"].items():
@@ -51,6 +53,10 @@ def test_every_column_is_reported_with_its_errors(tmp_path, capsys):
         for name in case["columns"]:  # the FP8 columns quantize, within FP8's error
             if name != BASELINE:
                 assert 1e-4 < case["columns"][name][key] < 1e-1, (name, key)
+    for name in PRIMARY:  # the weights' FP8 codes are the ones the recipe makes per step
+        for key in ("rel_err_out", "rel_err_dx"):
+            assert case["columns"][f"{name}_primary"][key] == pytest.approx(
+                case["columns"][name][key], rel=1e-3)
     out = capsys.readouterr().out
     assert render_moe_table(report) in out
     assert "rel. err dx" in out and "fp8_blockwise" in out
