@@ -30,3 +30,24 @@ def test_fp8_columns_measure_and_compare():
         assert result["ratios"][label]["fwd_bwd_tflops"] > 0, label
     table = render_table(report)
     assert "rowc" in table and "rowc/torch" in table
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or not fp8_gemm.available(torch.device("cuda")),
+                    reason="needs the FP8 GEMMs (sm90)")
+def test_moe_suite_memory_columns_on_cuda():
+    """Every column of the block bench reports its peak and the memory kept for backward;
+    recomputing fc2's input keeps at least its FP8 codes (T * k * F bytes) less."""
+    from grouped_linear.cli.bench_moe import PRIMARY, RECOMPUTED, Case, run_moe_bench
+
+    case = Case("tiny", num_experts=4, top_k=2, hidden=256, ffn=384, tokens=1024)
+    report = run_moe_bench(device="cuda", reps=1, rounds=1, cases=(case,))
+    columns = report["cases"][0]["columns"]
+    for name, column in columns.items():
+        assert column["peak_bytes"] > 0 and column["saved_bytes"] > 0, name
+        assert math.isfinite(column["tflops"]) and column["rel_err_out"] < 0.1, name
+    for name in RECOMPUTED:
+        saved = columns[name]["saved_bytes"] - columns[f"{name}_recompute"]["saved_bytes"]
+        assert saved >= case.tokens * case.top_k * case.ffn, (name, saved)
+    for name in PRIMARY:  # the same codes as the recipe makes per step
+        assert columns[f"{name}_primary"]["rel_err_out"] == pytest.approx(
+            columns[name]["rel_err_out"], rel=1e-2)
