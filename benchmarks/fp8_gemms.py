@@ -12,7 +12,7 @@ weight gradient at each launch shape of ``WGRAD_CONFIGS``; ``gemms``:
 * dgrad (``dy @ W``, as the blockwise recipe runs it: the transposed weight copy) and wgrad
   (token-block operands): the blockwise Triton and Gluon kernels;
 * the rowwise recipes' wgrad: torch's FP8 GEMM (16-token group alignment) against the
-  group-scaled Triton kernel (128-token group blocks), on the same values;
+  group-scaled Triton and Gluon kernels (128-token group blocks), on the same values;
 * torch's rowwise forward without fast accumulation (the forward and dgrad use it), and the
   relative error of each against the dequantized operands' float64 product (times 1e4), on
   random and on all-positive operands;
@@ -152,6 +152,15 @@ def shape_row(shape) -> dict:
                                           group_scales=True)
 
             row["triton group-scaled wgrad"] = tflops(flops, median_ms(group_scaled))
+            if gw.wgrad_supported(dy_c, dy_c_inv, x_c, x_c_inv):
+                def gluon_scaled(dy_c=dy_c, dy_c_inv=dy_c_inv, x_c=x_c, x_c_inv=x_c_inv):
+                    return gw.blockwise_wgrad(dy_c, dy_c_inv, x_c, x_c_inv, sizes, M,
+                                              group_scales=True)
+
+                diff = ((gluon_scaled().double() - group_scaled().double()).norm()
+                        / group_scaled().double().norm()).item()
+                row[f"gluon group-scaled wgrad (diff to triton x 1e4: {diff * 1e4:.2f})"] = \
+                    tflops(flops, median_ms(gluon_scaled))
         else:
             row["torch scaled rowwise wgrad"] = tflops(flops, median_ms(
                 lambda dy_c=dy_c, dy_c_inv=dy_c_inv, x_c=x_c, x_c_inv=x_c_inv, aligned=aligned:

@@ -373,7 +373,13 @@ GLUON_CASES = {
         gw._blockwise_wgrad_kernel if HAS_TRITON and HAS_GLUON else None,
         {"dw_ptr": "*bf16", "sizes_ptr": "*i64"},
         {"BLOCK_G": 32, "STAGES": gw.WGRAD_CONFIG[2], "UNROLL": gg.MM_UNROLL,
-         "GROUP_N": gw.WGRAD_GROUP_N, "NUM_PROGRAMS": 132},
+         "GROUP_N": gw.WGRAD_GROUP_N, "NUM_PROGRAMS": 132, "GROUP_SCALES": False},
+        gw.WGRAD_CONFIG[1], gw.WGRAD_MAXNREG),
+    "gluon group-scaled wgrad": (
+        gw._blockwise_wgrad_kernel if HAS_TRITON and HAS_GLUON else None,
+        {"dw_ptr": "*bf16", "sizes_ptr": "*i64"},
+        {"BLOCK_G": 32, "STAGES": gw.WGRAD_CONFIG[2], "UNROLL": gg.MM_UNROLL,
+         "GROUP_N": gw.WGRAD_GROUP_N, "NUM_PROGRAMS": 132, "GROUP_SCALES": True},
         gw.WGRAD_CONFIG[1], gw.WGRAD_MAXNREG),
     "gluon row tiles and token blocks": (
         qbg._quantize_both_kernel if HAS_TRITON and HAS_GLUON else None,

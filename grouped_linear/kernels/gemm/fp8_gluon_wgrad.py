@@ -14,7 +14,10 @@ groups on the H200: each tile paid its own pipeline fill and an unhidden store.)
 
 Same contract, arguments and reference as
 :func:`grouped_linear.kernels.gemm.fp8_triton_gemm.blockwise_wgrad`, whose kernel serves CPU,
-other GPUs and operands TMA cannot describe (:func:`wgrad_supported`).
+other GPUs and operands TMA cannot describe (:func:`wgrad_supported`). With
+``group_scales`` (the rowwise recipes' operands: one factor per group and row) no factor
+travels through the ring: each block's product is added unscaled, which keeps the exact
+float32 sum, and the tile is scaled by its group's factors before the store.
 """
 
 from __future__ import annotations
@@ -62,25 +65,37 @@ WGRAD_MAXNREG = 168
 
 @gluon.jit
 def _issue_wgrad_loads(dy_desc, x_desc, dy_inv_desc, x_inv_desc, n0, k0, block, bars,
-                       dy_bufs, x_bufs, dy_inv_bufs, x_inv_bufs, step, STAGES: gl.constexpr):
+                       dy_bufs, x_bufs, dy_inv_bufs, x_inv_bufs, step, STAGES: gl.constexpr,
+                       GROUP_SCALES: gl.constexpr):
     """TMA token block ``block``'s operand tiles and their factors (a 128-float row of
-    each, zero past the matrix's edge) into step ``step``'s stage."""
+    each, zero past the matrix's edge; none with ``GROUP_SCALES``) into step ``step``'s
+    stage."""
     stage = step % STAGES
     bar = bars.index(stage)
     BLOCK_T: gl.constexpr = dy_desc.block_type.shape[1]
-    mbarrier.expect(bar, dy_desc.block_type.nbytes + x_desc.block_type.nbytes
-                    + dy_inv_desc.block_type.nbytes + x_inv_desc.block_type.nbytes)
+    if GROUP_SCALES:
+        mbarrier.expect(bar, dy_desc.block_type.nbytes + x_desc.block_type.nbytes)
+    else:
+        mbarrier.expect(bar, dy_desc.block_type.nbytes + x_desc.block_type.nbytes
+                        + dy_inv_desc.block_type.nbytes + x_inv_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(dy_desc, [n0, block * BLOCK_T], bar, dy_bufs.index(stage))
     tma.async_copy_global_to_shared(x_desc, [k0, block * BLOCK_T], bar, x_bufs.index(stage))
-    tma.async_copy_global_to_shared(dy_inv_desc, [block, n0], bar, dy_inv_bufs.index(stage))
-    tma.async_copy_global_to_shared(x_inv_desc, [block, k0], bar, x_inv_bufs.index(stage))
+    if not GROUP_SCALES:
+        tma.async_copy_global_to_shared(dy_inv_desc, [block, n0], bar,
+                                        dy_inv_bufs.index(stage))
+        tma.async_copy_global_to_shared(x_inv_desc, [block, k0], bar, x_inv_bufs.index(stage))
 
 
 @gluon.jit
 def _rescale_outer(acc, partial, dy_inv_bufs, x_inv_bufs, step, STAGES: gl.constexpr,
-                   PENDING: gl.constexpr):
+                   PENDING: gl.constexpr, GROUP_SCALES: gl.constexpr):
     """As :func:`_rescale_rows` with step ``step``'s factors per row and per column, read
-    from its stage (the column factors after the wait: they take 32 registers a thread)."""
+    from its stage (the column factors after the wait: they take 32 registers a thread);
+    with ``GROUP_SCALES`` the partial product joins unscaled (the tile is scaled once, at
+    its store)."""
+    if GROUP_SCALES:
+        done = warpgroup_mma_wait(PENDING, deps=[partial])
+        return acc + done, done
     layout: gl.constexpr = acc.type.layout
     stage = step % STAGES
     dy_scale = dy_inv_bufs.index(stage).reshape([acc.shape[0]]).load(gl.SliceLayout(1, layout))
@@ -91,7 +106,8 @@ def _rescale_outer(acc, partial, dy_inv_bufs, x_inv_bufs, step, STAGES: gl.const
 
 @gluon.jit
 def _load_tile(dy_desc, x_desc, dy_inv_desc, x_inv_desc, dy_bufs, x_bufs, dy_inv_bufs,
-               x_inv_bufs, ready, empty, step0, n0, k0, first_block, n_blocks):
+               x_inv_bufs, ready, empty, step0, n0, k0, first_block, n_blocks,
+               GROUP_SCALES: gl.constexpr):
     """Loader: one tile's token blocks ``first_block + i`` into the stages of steps
     ``step0 + i``, each once the MMA warps have released it."""
     STAGES: gl.constexpr = dy_bufs.type.shape[0]
@@ -99,12 +115,13 @@ def _load_tile(dy_desc, x_desc, dy_inv_desc, x_inv_desc, dy_bufs, x_bufs, dy_inv
         step = step0 + i
         mbarrier.wait(empty.index(step % STAGES), ((step // STAGES) & 1) ^ 1)
         _issue_wgrad_loads(dy_desc, x_desc, dy_inv_desc, x_inv_desc, n0, k0, first_block + i,
-                           ready, dy_bufs, x_bufs, dy_inv_bufs, x_inv_bufs, step, STAGES)
+                           ready, dy_bufs, x_bufs, dy_inv_bufs, x_inv_bufs, step, STAGES,
+                           GROUP_SCALES)
 
 
 @gluon.jit
 def _tile_product(dy_bufs, x_bufs, dy_inv_bufs, x_inv_bufs, ready, empty, step0, n_blocks,
-                  UNROLL: gl.constexpr, layout: gl.constexpr):
+                  UNROLL: gl.constexpr, layout: gl.constexpr, GROUP_SCALES: gl.constexpr):
     """The product over one tile's ``n_blocks`` token blocks (pipeline steps ``step0 +
     i``), pairs of MMAs in flight, each stage released once done with."""
     STAGES: gl.constexpr = dy_bufs.type.shape[0]
@@ -119,16 +136,16 @@ def _tile_product(dy_bufs, x_bufs, dy_inv_bufs, x_inv_bufs, ready, empty, step0,
         for j in gl.static_range(1, UNROLL):
             following = issue_mma(ready, dy_bufs, x_bufs, step0 + i + j, free_b, STAGES)
             acc, free_b = _rescale_outer(acc, running, dy_inv_bufs, x_inv_bufs,
-                                         step0 + i + j - 1, STAGES, 1)
+                                         step0 + i + j - 1, STAGES, 1, GROUP_SCALES)
             release_stage(empty, step0 + i + j - 1, STAGES)
             running = following
         acc, free_a = _rescale_outer(acc, running, dy_inv_bufs, x_inv_bufs,
-                                     step0 + i + UNROLL - 1, STAGES, 0)
+                                     step0 + i + UNROLL - 1, STAGES, 0, GROUP_SCALES)
         release_stage(empty, step0 + i + UNROLL - 1, STAGES)
     for i in range(unrolled, n_blocks):
         running = issue_mma(ready, dy_bufs, x_bufs, step0 + i, free_a, STAGES)
         acc, free_a = _rescale_outer(acc, running, dy_inv_bufs, x_inv_bufs, step0 + i,
-                                     STAGES, 0)
+                                     STAGES, 0, GROUP_SCALES)
         release_stage(empty, step0 + i, STAGES)
     return acc
 
@@ -174,7 +191,8 @@ def _program_tile(t, pid, gs, firsts, blocks, n_tiles, k_tiles, GROUP_N: gl.cons
 @gluon.jit
 def _wgrad_loader(dy_desc, x_desc, dy_inv_desc, x_inv_desc, dy_bufs, x_bufs, dy_inv_bufs,
                   x_inv_bufs, ready, empty, sizes_ptr, M, N, K, G, BLOCK_G: gl.constexpr,
-                  GROUP_N: gl.constexpr, NUM_PROGRAMS: gl.constexpr):
+                  GROUP_N: gl.constexpr, NUM_PROGRAMS: gl.constexpr,
+                  GROUP_SCALES: gl.constexpr):
     """Loader partition (one warp): the program's tiles in order, the ring filled across
     tile boundaries (a stage refilled once the MMA warps release it)."""
     BLOCK_N: gl.constexpr = dy_desc.block_type.shape[0]
@@ -190,17 +208,20 @@ def _wgrad_loader(dy_desc, x_desc, dy_inv_desc, x_inv_desc, dy_bufs, x_bufs, dy_
             t, pid, gs, firsts, blocks, n_tiles, k_tiles, GROUP_N, BLOCK_N, BLOCK_K,
             NUM_PROGRAMS)
         _load_tile(dy_desc, x_desc, dy_inv_desc, x_inv_desc, dy_bufs, x_bufs, dy_inv_bufs,
-                   x_inv_bufs, ready, empty, step, n0, k0, first_block, n_blocks)
+                   x_inv_bufs, ready, empty, step, n0, k0, first_block, n_blocks,
+                   GROUP_SCALES)
         step += n_blocks
 
 
 @gluon.jit
 def _wgrad_tiles(dy_bufs, x_bufs, dy_inv_bufs, x_inv_bufs, ready, empty, dw_ptr, sizes_ptr,
-                 M, N, K, G, stride_dwg, stride_dwn, BLOCK_G: gl.constexpr,
-                 GROUP_N: gl.constexpr, NUM_PROGRAMS: gl.constexpr, UNROLL: gl.constexpr,
+                 dy_inv_ptr, x_inv_ptr, M, N, K, G, stride_dwg, stride_dwn, stride_dyi,
+                 stride_xi, BLOCK_G: gl.constexpr, GROUP_N: gl.constexpr,
+                 NUM_PROGRAMS: gl.constexpr, UNROLL: gl.constexpr, GROUP_SCALES: gl.constexpr,
                  num_warps: gl.constexpr):
     """MMA partition: each tile's product, then its store (the loader meanwhile fills the
-    ring with the next tile's blocks)."""
+    ring with the next tile's blocks); with ``GROUP_SCALES`` the tile times its group's
+    factors per row of ``dy`` and per row of ``x`` first."""
     BLOCK_N: gl.constexpr = dy_bufs.type.shape[1]
     BLOCK_T: gl.constexpr = dy_bufs.type.shape[2]
     BLOCK_K: gl.constexpr = x_bufs.type.shape[1]
@@ -215,30 +236,41 @@ def _wgrad_tiles(dy_bufs, x_bufs, dy_inv_bufs, x_inv_bufs, ready, empty, dw_ptr,
             t, pid, gs, firsts, blocks, n_tiles, k_tiles, GROUP_N, BLOCK_N, BLOCK_K,
             NUM_PROGRAMS)
         acc = _tile_product(dy_bufs, x_bufs, dy_inv_bufs, x_inv_bufs, ready, empty, step,
-                            n_blocks, UNROLL, mma_layout)
+                            n_blocks, UNROLL, mma_layout, GROUP_SCALES)
+        if GROUP_SCALES:
+            ns = n0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma_layout))
+            ks = k0 + gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, mma_layout))
+            dy_scale = gl.load(dy_inv_ptr + g.to(gl.int64) * stride_dyi + ns, mask=ns < N,
+                               other=0.0)
+            x_scale = gl.load(x_inv_ptr + g.to(gl.int64) * stride_xi + ks, mask=ks < K,
+                              other=0.0)
+            acc = acc * dy_scale[:, None] * x_scale[None, :]
         store_tile(dw_ptr + g.to(gl.int64) * stride_dwg, acc, n0, N - n0, k0, K - k0,
                    stride_dwn, num_warps, BLOCK_N, BLOCK_K)
         step += n_blocks
 
 
 @gluon.jit
-def _blockwise_wgrad_kernel(dy_desc, x_desc, dy_inv_desc, x_inv_desc, dw_ptr, sizes_ptr, M,
-                            N, K, G, stride_dwg, stride_dwn, BLOCK_G: gl.constexpr,
+def _blockwise_wgrad_kernel(dy_desc, x_desc, dy_inv_desc, x_inv_desc, dw_ptr, sizes_ptr,
+                            dy_inv_ptr, x_inv_ptr, M, N, K, G, stride_dwg, stride_dwn,
+                            stride_dyi, stride_xi, BLOCK_G: gl.constexpr,
                             STAGES: gl.constexpr, UNROLL: gl.constexpr,
                             GROUP_N: gl.constexpr, NUM_PROGRAMS: gl.constexpr,
-                            num_warps: gl.constexpr):
+                            GROUP_SCALES: gl.constexpr, num_warps: gl.constexpr):
     """Tiles ``pid, pid + NUM_PROGRAMS, ...`` of the (group, N tile, K tile) list of ``dW_g
     = dy_g^T x_g``, each over its group's token blocks (whole 128-token blocks, zero past
-    the group's end: no masks along the tokens)."""
+    the group's end: no masks along the tokens). Factors per (block, row) by TMA through
+    the ring, or with ``GROUP_SCALES`` per (group, row) at ``dy_inv_ptr`` / ``x_inv_ptr``."""
     dy_bufs, x_bufs, ready = operand_ring(dy_desc, x_desc, STAGES)
     dy_inv_bufs, x_inv_bufs, empty = operand_ring(dy_inv_desc, x_inv_desc, STAGES)
     gl.warp_specialize([
         (_wgrad_tiles, (dy_bufs, x_bufs, dy_inv_bufs, x_inv_bufs, ready, empty, dw_ptr,
-                        sizes_ptr, M, N, K, G, stride_dwg, stride_dwn, BLOCK_G, GROUP_N,
-                        NUM_PROGRAMS, UNROLL, num_warps)),
+                        sizes_ptr, dy_inv_ptr, x_inv_ptr, M, N, K, G, stride_dwg, stride_dwn,
+                        stride_dyi, stride_xi, BLOCK_G, GROUP_N, NUM_PROGRAMS, UNROLL,
+                        GROUP_SCALES, num_warps)),
         (_wgrad_loader, (dy_desc, x_desc, dy_inv_desc, x_inv_desc, dy_bufs, x_bufs,
                          dy_inv_bufs, x_inv_bufs, ready, empty, sizes_ptr, M, N, K, G,
-                         BLOCK_G, GROUP_N, NUM_PROGRAMS)),
+                         BLOCK_G, GROUP_N, NUM_PROGRAMS, GROUP_SCALES)),
     ], [1], [24])
     release_ring(ready, STAGES)
     release_ring(empty, STAGES)
@@ -273,10 +305,12 @@ def _factor_descriptor(inv: torch.Tensor):
 
 def blockwise_wgrad(dy_blocks: torch.Tensor, dy_inv: torch.Tensor, x_blocks: torch.Tensor,
                     x_inv: torch.Tensor, sizes: torch.Tensor, num_rows: int,
-                    out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+                    out_dtype: torch.dtype = torch.bfloat16, *,
+                    group_scales: bool = False) -> torch.Tensor:
     """``(G, N, K)``: ``dW_g = dy_g^T @ x_g``; arguments as
-    :func:`grouped_linear.kernels.gemm.fp8_triton_gemm.blockwise_wgrad` (per-block factors).
-    Needs :func:`wgrad_supported` operands."""
+    :func:`grouped_linear.kernels.gemm.fp8_triton_gemm.blockwise_wgrad` (per-block factors,
+    or per-group ones with ``group_scales``: each block's product then joins the float32
+    sum unscaled and the tile is scaled once). Needs :func:`wgrad_supported` operands."""
     N, K, G = dy_blocks.shape[0], x_blocks.shape[0], sizes.shape[0]
     dw = torch.empty(G, N, K, device=dy_blocks.device, dtype=out_dtype)
     if N == 0 or K == 0 or G == 0 or dy_blocks.shape[1] == 0:
@@ -286,8 +320,9 @@ def blockwise_wgrad(dy_blocks: torch.Tensor, dy_inv: torch.Tensor, x_blocks: tor
     programs = min(sm_count(dw.device), tiles)
     _blockwise_wgrad_kernel[(programs,)](
         descriptor(dy_blocks, tile, BLOCK), descriptor(x_blocks, tile, BLOCK),
-        _factor_descriptor(dy_inv), _factor_descriptor(x_inv), dw, sizes, num_rows, N, K, G,
-        dw.stride(0), dw.stride(1), BLOCK_G=max(32, next_power_of_2(G)), STAGES=stages,
-        UNROLL=MM_UNROLL, GROUP_N=WGRAD_GROUP_N, NUM_PROGRAMS=programs, num_warps=warps,
-        maxnreg=WGRAD_MAXNREG)
+        _factor_descriptor(dy_inv), _factor_descriptor(x_inv), dw, sizes, dy_inv, x_inv,
+        num_rows, N, K, G, dw.stride(0), dw.stride(1), dy_inv.stride(0), x_inv.stride(0),
+        BLOCK_G=max(32, next_power_of_2(G)), STAGES=stages, UNROLL=MM_UNROLL,
+        GROUP_N=WGRAD_GROUP_N, NUM_PROGRAMS=programs, GROUP_SCALES=group_scales,
+        num_warps=warps, maxnreg=WGRAD_MAXNREG)
     return dw

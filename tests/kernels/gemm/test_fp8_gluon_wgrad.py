@@ -79,3 +79,35 @@ def test_many_tiles_per_program_match_the_triton_kernel_bit_for_bit():
     gluon = gw.blockwise_wgrad(*dy_t, *x_t, sizes, M)
     assert torch.equal(gluon, fg.blockwise_wgrad(*dy_t, *x_t, sizes, M))
     assert torch.equal(gluon[1], torch.zeros_like(gluon[1]))
+
+
+@pytest.mark.gpu
+@sm90
+@pytest.mark.parametrize("sizes, tail, N, K", [([70, 0, 133, 1], 9, 136, 200),
+                                               ([3000, 0, 5, 1800, 700], 0, 1024, 768)])
+def test_group_scaled_wgrad_against_float64_and_the_triton_kernel(sizes, tail, N, K):
+    """The rowwise recipes' operands (one factor per group and row, 128-token group
+    alignment): each block's product joins the float32 sum unscaled, the tile is scaled once;
+    against float64 and against the Triton kernel, which scales every block."""
+    from grouped_linear.kernels.quantize import transposed as qt
+
+    M = sum(sizes) + tail
+    sizes_t = torch.tensor(sizes, device="cuda")
+    ends = sizes_t.cumsum(0).to(torch.int32)
+    dy = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+    dy_t, dy_inv, _ = qt.quantize_group_columns_t(dy, ends, E4M3, False, align=fg.BLOCK)
+    x_t, x_inv, _ = qt.quantize_group_columns_t(x, ends, E4M3, False, align=fg.BLOCK)
+    assert gw.wgrad_supported(dy_t, dy_inv, x_t, x_inv)
+    got = gw.blockwise_wgrad(dy_t, dy_inv, x_t, x_inv, sizes_t, M, out_dtype=torch.float32,
+                             group_scales=True)
+    want = fg.blockwise_wgrad_reference(dy_t, dy_inv.double(), x_t, x_inv.double(), sizes_t,
+                                        M, out_dtype=torch.float64, group_scales=True)
+    triton = fg.blockwise_wgrad(dy_t, dy_inv, x_t, x_inv, sizes_t, M, torch.float32,
+                                group_scales=True)
+    for g, size in enumerate(sizes):
+        if size == 0:
+            assert torch.equal(got[g], torch.zeros_like(got[g]))
+        else:
+            assert rel_err(got[g], want[g]) < TOL
+            assert rel_err(got[g], triton[g]) < 1e-5
