@@ -80,13 +80,15 @@ def test_gluon_rowwise_against_dequantized_float32_and_torch(sizes, tail, K, N):
                                   torch.bfloat16)
         assert rel_err(y[:rows], theirs[:rows]) < 1e-2
     folded = qf.ColumnFactors.of_groups(w_inv, offsets, M)
-    dy_data, dy_inv = qf.quantize_rows_folded(dy, folded, E4M3, False)
     wt_data = transpose_groups(w_data)
     wt_inv = torch.ones(G, K, device="cuda")
-    if N % 16 == 0 and N > 128:  # TMA rows; the pipeline needs two 128-deep blocks
-        dx = fp8_gluon_gemm.rowwise_mm(dy_data, dy_inv, wt_data, wt_inv, offsets, torch.bfloat16)
-        want = fp8_gemm.dequantized_reference(dy_data, dy_inv, wt_data, wt_inv, offsets)
-        assert rel_err(dx[:rows], want[:rows]) < 1e-2
-        assert torch.all(dx[rows:] == 0)
-    else:
-        assert not fp8_gluon_gemm.rowwise_supported(dy_data, wt_data)
+    for dy_format in (E4M3, torch.float8_e5m2):  # E5M2: the hybrid format's gradients
+        dy_data, dy_inv = qf.quantize_rows_folded(dy, folded, dy_format, False)
+        if N % 16 == 0 and N > 128:  # TMA rows; the pipeline needs two 128-deep blocks
+            dx = fp8_gluon_gemm.rowwise_mm(dy_data, dy_inv, wt_data, wt_inv, offsets,
+                                           torch.bfloat16)
+            want = fp8_gemm.dequantized_reference(dy_data, dy_inv, wt_data, wt_inv, offsets)
+            assert rel_err(dx[:rows], want[:rows]) < 1e-2
+            assert torch.all(dx[rows:] == 0)
+        else:
+            assert not fp8_gluon_gemm.rowwise_supported(dy_data, wt_data)
