@@ -19,17 +19,24 @@ pytestmark = [
 E4M3 = torch.float8_e4m3fn
 
 
+def _operands(sizes, tail, K, N):
+    """Group ends, ``dy`` and the weight in bf16; ``x`` quantized per row, the weight per
+    output channel."""
+    M, G = sum(sizes) + tail, len(sizes)
+    offsets = torch.tensor(sizes, device="cuda").cumsum(0).to(torch.int32)
+    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(G, N, K, device="cuda", dtype=torch.bfloat16)
+    return (offsets, dy, w, *q.quantize_rows(x, E4M3, False),
+            *q.quantize_weight_rows(w, E4M3, False))
+
+
 @pytest.mark.parametrize("sizes, tail", [([100, 0, 333, 79, 512], 11), ([1, 15, 0, 17], 0),
                                          ([0, 0, 64], 3)])
 def test_forward_and_dgrad_against_dequantized_float32(sizes, tail):
     G, K, N = len(sizes), 96, 64
     M = sum(sizes) + tail
-    offsets = torch.tensor(sizes, device="cuda").cumsum(0).to(torch.int32)
-    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
-    dy = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
-    w = torch.randn(G, N, K, device="cuda", dtype=torch.bfloat16)
-    x_data, x_inv = q.quantize_rows(x, E4M3, False)
-    w_data, w_inv = q.quantize_weight_rows(w, E4M3, False)
+    offsets, dy, w, x_data, x_inv, w_data, w_inv = _operands(sizes, tail, K, N)
     y = fp8_gemm.forward(x_data, x_inv, w_data, w_inv, offsets, torch.bfloat16)
     want = fp8_gemm.dequantized_reference(x_data, x_inv, w_data, w_inv, offsets)
     rows = sum(sizes)
@@ -62,12 +69,7 @@ def test_gluon_rowwise_against_dequantized_float32_and_torch(sizes, tail, K, N):
     on the transposed copy: within 1e-2 of the dequantized float32 product and of torch's
     GEMM (both accumulate in the tensor cores), rows past the groups zero."""
     G, M, rows = len(sizes), sum(sizes) + tail, sum(sizes)
-    offsets = torch.tensor(sizes, device="cuda").cumsum(0).to(torch.int32)
-    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
-    dy = torch.randn(M, N, device="cuda", dtype=torch.bfloat16)
-    w = torch.randn(G, N, K, device="cuda", dtype=torch.bfloat16)
-    x_data, x_inv = q.quantize_rows(x, E4M3, False)
-    w_data, w_inv = q.quantize_weight_rows(w, E4M3, False)
+    offsets, dy, _w, x_data, x_inv, w_data, w_inv = _operands(sizes, tail, K, N)
     group_inv = w_inv.amax(1)  # any positive per-group factor, repeated along N
     for factors in (w_inv, group_inv[:, None].expand(G, N)):
         assert fp8_gluon_gemm.rowwise_supported(x_data, w_data)
