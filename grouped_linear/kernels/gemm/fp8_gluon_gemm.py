@@ -239,9 +239,10 @@ def rowwise_supported(a: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether :func:`rowwise_mm` takes these operands: CUDA sm90, ``a`` E4M3 or E5M2 (the
     ``hybrid`` format's gradients), the weight E4M3, contiguous, 16-byte aligned rows (TMA),
     the reduction at least the pipeline's ``STAGES - 1`` tiles deep, row coordinates within
-    int32."""
+    int32, fewer than 1024 groups (each warp holds the group table in registers)."""
     block_k, stages = ROWWISE_CONFIG.block_k, ROWWISE_CONFIG.stages
     return (HAS_GLUON and a.is_cuda and a.dim() == 2 and weight.dim() == 3
+            and weight.shape[0] < 1024
             and is_sm90(a.device.index or 0) and a.dtype in (torch.float8_e4m3fn,
                                                             torch.float8_e5m2)
             and weight.dtype == torch.float8_e4m3fn and a.is_contiguous()
