@@ -196,3 +196,41 @@ def test_a_weight_stored_input_major_quantizes_as_its_contiguous_copy(route, rec
             assert torch.allclose(a, b, rtol=1e-6, atol=0)
         else:
             assert codes_close(a.contiguous(), b.contiguous())
+
+
+@pytest.mark.parametrize("route, recipe", [
+    ("fp8_scaled_mm", Float8Rowwise()), ("fp8_scaled_mm", Float8Tensorwise()),
+    ("fp8_blockwise", gl.recipes.Float8Blockwise()), ("fp8_fused", Float8Rowwise()),
+    ("fp8_fused", Float8Tensorwise()), ("fp8_emulated", Float8Rowwise())])
+@pytest.mark.parametrize("input_major", [False, True])
+def test_refresh_rewrites_every_buffer_in_place(route, recipe, input_major, monkeypatch):
+    """A cached FP8 weight re-quantized from new values holds what a fresh one of them holds,
+    bit for bit, in the buffers it had (captured CUDA graphs keep reading them); the kernels
+    write there directly, no second copy is built (but for the emulation and an input-major
+    weight on the ``fp8_scaled_mm`` route)."""
+    from grouped_linear.ops.fp8 import Fp8Weight
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+
+    def weight(seed):
+        g = torch.Generator().manual_seed(seed)
+        w = (torch.randn(3, 136, 200, generator=g) * torch.logspace(-2, 2, 200))
+        w = w.to(device, torch.bfloat16)
+        return w.transpose(1, 2).contiguous().transpose(1, 2) if input_major else w
+
+    cached = Fp8Weight(weight(0), recipe, route)
+    addresses = [t.data_ptr() for t in cached.buffers()]
+    built = []
+    init = Fp8Weight.__init__
+    monkeypatch.setattr(Fp8Weight, "__init__", lambda self, *a: built.append(init(self, *a)))
+    cached.refresh_(weight(1))
+    copies = route == "fp8_emulated" or (input_major and route == "fp8_scaled_mm")
+    assert len(built) == (1 if copies else 0)
+    monkeypatch.undo()
+    fresh = Fp8Weight(weight(1), recipe, route)
+    assert [t.data_ptr() for t in cached.buffers()] == addresses
+    for got, want in zip(cached.buffers(), fresh.buffers(), strict=True):
+        assert torch.equal(got.view(torch.uint8) if got.element_size() == 1 else got,
+                           want.view(torch.uint8) if want.element_size() == 1 else want)
+    if cached.dgrad_fold is not None:  # rowwise: the dgrad's fold is the forward's factors
+        assert cached.dgrad_fold.data_ptr() == cached.forward_inv.data_ptr()

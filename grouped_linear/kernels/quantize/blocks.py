@@ -165,18 +165,29 @@ def _quantize_weight_blocks_kernel(w_ptr, q_ptr, inv_ptr, N, K, stride_wg, strid
 
 
 def quantize_weight_blocks(weight: torch.Tensor, fp8_dtype: torch.dtype, power_of_two: bool,
-                           block: int = 128, *, config: tuple[int] = WEIGHT_BLOCKS_CONFIG
+                           block: int = 128, *,
+                           out: tuple[torch.Tensor, torch.Tensor] | None = None,
+                           config: tuple[int] = WEIGHT_BLOCKS_CONFIG
                            ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(G, N, K)`` (any float dtype, any strides) -> contiguous FP8 ``(G, N, K)`` and
     float32 ``(G, cdiv(N, block), cdiv(K, block))`` factors:
-    ``w[g, n, k] ~= data[g, n, k] * inv[g, n // block, k // block]``. ``config``: the launch
-    shape (``(warps,)``)."""
-    if not use_triton(weight) or weight.numel() == 0:
-        return quantize_weight_blocks_reference(weight, fp8_dtype, power_of_two, block)
+    ``w[g, n, k] ~= data[g, n, k] * inv[g, n // block, k // block]``, written into ``out``
+    (such a pair, contiguous) if given. ``config``: the launch shape (``(warps,)``)."""
+    if not use_triton(weight) or weight.numel() == 0 or (out is not None
+                                                          and weight.device.type == "cpu"):
+        result = quantize_weight_blocks_reference(weight, fp8_dtype, power_of_two, block)
+        if out is None:
+            return result
+        out[0].copy_(result[0])
+        out[1].copy_(result[1])
+        return out
     G, N, K = weight.shape
     nb, kb = cdiv(N, block), cdiv(K, block)
-    data = fp8_buffer((G, N, K), weight.device, fp8_dtype)
-    inv = torch.empty(G, nb, kb, device=weight.device, dtype=torch.float32)
+    if out is not None:
+        data, inv = out
+    else:
+        data = fp8_buffer((G, N, K), weight.device, fp8_dtype)
+        inv = torch.empty(G, nb, kb, device=weight.device, dtype=torch.float32)
     (warps,) = config
     _quantize_weight_blocks_kernel[(G, nb, kb)](
         weight, data, inv, N, K, weight.stride(0), weight.stride(1), weight.stride(2),

@@ -217,14 +217,18 @@ def quantize_rows_pieces(pieces: list[torch.Tensor], fp8_dtype: torch.dtype, pow
 
 
 def quantize_weight_rows(weight: torch.Tensor, fp8_dtype: torch.dtype, power_of_two: bool,
-                         group_scale: torch.Tensor | None = None
+                         group_scale: torch.Tensor | None = None,
+                         out: tuple[torch.Tensor, torch.Tensor] | None = None
                          ) -> tuple[torch.Tensor, torch.Tensor]:
     """The forward GEMM's weight: ``(G, N, K)`` -> FP8 ``(G, N, K)`` scaled per output
-    channel (or per group with ``group_scale`` ``(G,)``), and ``(G, N)`` factors."""
+    channel (or per group with ``group_scale`` ``(G,)``), and ``(G, N)`` factors, written
+    into ``out`` (such a pair, contiguous) if given."""
     G, N, K = weight.shape
     if N == 0:
-        return weight.new_empty(G, 0, K, dtype=fp8_dtype), weight.new_empty(G, 0,
-                                                                           dtype=torch.float32)
+        return out if out is not None else (
+            weight.new_empty(G, 0, K, dtype=fp8_dtype),
+            weight.new_empty(G, 0, dtype=torch.float32))
+    flat_out = None if out is None else (out[0].view(G * N, K), out[1].view(G * N))
     data, inv = quantize_rows(weight.reshape(G * N, K), fp8_dtype, power_of_two, group_scale,
-                              group_rows=N if group_scale is not None else 0)
+                              flat_out, group_rows=N if group_scale is not None else 0)
     return data.view(G, N, K), inv.view(G, N)

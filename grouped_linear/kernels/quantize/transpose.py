@@ -38,16 +38,19 @@ def _transpose_kernel(src_ptr, dst_ptr, R, C, BLOCK_R: tl.constexpr, BLOCK_C: tl
     tl.store(dst_ptr + base + cols.to(tl.int64)[None, :] * R + rows[:, None], tile, mask=mask)
 
 
-def transpose_groups(data: torch.Tensor) -> torch.Tensor:
-    """``(G, R, C)`` 1-byte tensor -> contiguous ``(G, C, R)`` of the same dtype, in one
-    Triton pass on GPUs (the reference elsewhere, and for non-contiguous input)."""
+def transpose_groups(data: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``(G, R, C)`` 1-byte tensor -> contiguous ``(G, C, R)`` of the same dtype (written into
+    ``out``, such a tensor, if given), in one Triton pass on GPUs (the reference elsewhere,
+    and for non-contiguous input)."""
     if data.dim() != 3 or data.element_size() != 1:
         raise ValueError(f"data has shape {tuple(data.shape)} and {data.element_size()}-byte "
                          "elements: expected a (G, R, C) tensor of 1-byte elements")
     G, R, C = data.shape
     if not use_triton(data) or not data.is_contiguous() or data.numel() == 0 or G > 65535:
-        return transpose_groups_reference(data)
-    out = torch.empty(G, C, R, device=data.device, dtype=data.dtype)
+        result = transpose_groups_reference(data)
+        return result if out is None else out.copy_(result)
+    if out is None:
+        out = torch.empty(G, C, R, device=data.device, dtype=data.dtype)
     block_r, block_c, warps = TRANSPOSE_CONFIG
     # Byte views: the kernel only moves bytes (and the CPU interpreter has no FP8 loads).
     _transpose_kernel[(cdiv(R, block_r), cdiv(C, block_c), G)](

@@ -39,19 +39,21 @@ _VIEWS = {_aten.split, _aten.split_with_sizes, _aten.chunk, _aten.slice, _aten.n
           _aten.index, _aten.diagonal, _aten.unfold}
 
 
-def quantize_weight_codes(weight: torch.Tensor, recipe: Float8Recipe
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_weight_codes(weight: torch.Tensor, recipe: Float8Recipe,
+                          out: tuple[torch.Tensor, torch.Tensor] | None = None
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(G, N, K)`` -> FP8 codes ``(G, N, K)`` and float32 factors: ``(G, N)`` per output
     channel (rowwise; tensorwise: the expert's factor in every channel) or
-    ``(G, cdiv(N, 128), cdiv(K, 128))`` per block (blockwise)."""
+    ``(G, cdiv(N, 128), cdiv(K, 128))`` per block (blockwise); written into ``out`` (such a
+    pair, contiguous) if given."""
     fp8, pow2 = recipe.forward_dtype, recipe.power_of_two_scales
     weight = weight.detach()
     if isinstance(recipe, Float8Blockwise):
-        return blocks.quantize_weight_blocks(weight, fp8, pow2)
+        return blocks.quantize_weight_blocks(weight, fp8, pow2, out=out)
     group_scale = None
     if isinstance(recipe, Float8Tensorwise):
         group_scale, _ = groups.weight_group_scales(weight, fp8, pow2)
-    return rows.quantize_weight_rows(weight, fp8, pow2, group_scale)
+    return rows.quantize_weight_rows(weight, fp8, pow2, group_scale, out)
 
 
 class Float8WeightTensor(torch.Tensor):
@@ -112,8 +114,11 @@ class Float8WeightTensor(torch.Tensor):
                 self.inv.copy_(values.inv)
                 return self
             values = values.dequantize()
-        codes, inv = quantize_weight_codes(values.to(self.device).reshape(self.codes.shape),
-                                           self.recipe)
+        values = values.to(self.device).reshape(self.codes.shape)
+        if self.codes.is_contiguous() and self.inv.is_contiguous():
+            quantize_weight_codes(values, self.recipe, out=(self.codes, self.inv))
+            return self
+        codes, inv = quantize_weight_codes(values, self.recipe)
         self.codes.copy_(codes)
         self.inv.copy_(inv)
         return self

@@ -151,9 +151,22 @@ class Fp8Weight:
 
     @torch.no_grad()
     def refresh_(self, weight: torch.Tensor) -> Fp8Weight:
-        fresh = Fp8Weight(weight, self.recipe, self.route)
-        for mine, new in zip(self.buffers(), fresh.buffers()):
-            mine.copy_(new)
+        """Re-quantize ``weight`` into the same buffers: the kernels write the codes and
+        factors where they lie, and the dgrad's transposed codes from them (the emulation and
+        an input-major weight quantize afresh and copy)."""
+        weight = weight.detach()
+        if self.route == "fp8_emulated" or (self.route == "fp8_scaled_mm"
+                                            and is_input_major(weight)):
+            fresh = Fp8Weight(weight, self.recipe, self.route)
+            for mine, new in zip(self.buffers(), fresh.buffers()):
+                mine.copy_(new)
+            return self
+        quantize_weight_codes(weight, self.recipe, out=(self.forward_data, self.forward_inv))
+        if self.route == "fp8_fused" or self.forward_data.shape[1] == 0:
+            return self
+        transpose_groups(self.forward_data, out=self.dgrad_data)
+        if self.route == "fp8_scaled_mm" and isinstance(self.recipe, Float8Tensorwise):
+            self.dgrad_inv.copy_(self.forward_inv[:, :1].expand_as(self.dgrad_inv))
         return self
 
 
