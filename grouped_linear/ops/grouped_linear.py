@@ -168,7 +168,7 @@ def apply_grouped_linear(
     else:
         cached = None
         if primary:  # stored in FP8: read as it is
-            cached = Fp8Weight.from_codes(weight.codes, weight.inv, recipe, route)
+            cached = Fp8Weight.from_codes(weight.codes, weight.inv, recipe, route, dgrad=False)
         elif weight_cache is not None and is_first_microbatch is not None:
             cached = weight_cache.get(weight, recipe, route, refresh=is_first_microbatch)
         config = Fp8Config(recipe, splits.may_have_tail, sink,

@@ -179,3 +179,38 @@ def test_scaled_mm_route_reads_the_stored_codes(recipe, monkeypatch):
     want.backward(grad)
     assert rel_err(y, want) < 1e-2 and rel_err(first[0], x.grad) < 1e-2
     assert rel_err(first[1], plain.grad) < 1e-2
+
+
+@pytest.mark.parametrize("route, recipe", [("fp8_scaled_mm", RECIPES[0]),
+                                           ("fp8_blockwise", RECIPES[2])], ids=["row", "block"])
+def test_the_dgrad_codes_are_made_in_backward_not_kept_from_the_forward(route, recipe,
+                                                                       monkeypatch):
+    """A stored weight's forward transposes none of its codes; backward transposes them once
+    for the dgrad (nothing of them held between the passes); the results are unchanged."""
+    from grouped_linear.kernels.gemm import fp8_torch_gemm
+    from grouped_linear.ops.fp8 import weight as fp8_weight
+    ops_linear = importlib.import_module("grouped_linear.ops.grouped_linear")
+
+    def gemm(a, a_inv, b, b_inv, ends, out_dtype):
+        return fp8_torch_gemm.dequantized_reference(a, a_inv, b, b_inv, ends).to(out_dtype)
+
+    monkeypatch.setattr(fp8_torch_gemm, "forward", gemm)
+    monkeypatch.setattr(fp8_torch_gemm, "dgrad", gemm)
+    monkeypatch.setattr(ops_linear, "choose_route", lambda *args: route)
+    transposed = []
+    transpose = fp8_weight.transpose_groups
+    monkeypatch.setattr(fp8_weight, "transpose_groups",
+                        lambda data, out=None: transposed.append(data) or transpose(data, out))
+    w = torch.randn(len(SIZES), 256, 128).bfloat16()
+    stored = torch.nn.Parameter(Float8WeightTensor.quantize(w, recipe))
+    x = torch.randn(40, 128).bfloat16().requires_grad_()
+    grad = torch.randn(40, 256).bfloat16()
+    y = gl.grouped_linear(x, stored, None, SIZES)
+    assert transposed == []
+    y.backward(grad)
+    assert len(transposed) == 1 and transposed[0] is stored.codes
+    plain = stored.dequantize().detach().requires_grad_()
+    xx = x.detach().clone().requires_grad_()
+    want = gl.grouped_linear(xx, plain, None, SIZES, recipe=recipe)
+    want.backward(grad)
+    assert rel_err(y, want) < 1e-2 and rel_err(x.grad, xx.grad) < 1e-2

@@ -91,7 +91,7 @@ class Fp8Weight:
             raise ValueError(f"route={route!r} is not an FP8 route")
         self.recipe, self.route = recipe, route
         weight = weight.detach()
-        self.emulated = self.dgrad_fold = None
+        self.emulated = self.dgrad_data = self.dgrad_inv = self.dgrad_fold = None
         G, N, K = weight.shape
         if route == "fp8_emulated":
             self.emulated = quantize_weight_emulated(weight, recipe)
@@ -105,22 +105,24 @@ class Fp8Weight:
 
     @classmethod
     def from_codes(cls, codes: torch.Tensor, inv: torch.Tensor, recipe: Float8Recipe,
-                   route: str) -> Fp8Weight:
+                   route: str, *, dgrad: bool = True) -> Fp8Weight:
         """The weight of ``route`` from stored forward codes and factors (an FP8 primary
         weight, :mod:`grouped_linear.ops.fp8.primary`): nothing is quantized; the dgrad's
-        transposed codes are written for the call (one byte read and written per weight)."""
+        transposed codes are written for the call (one byte read and written per weight),
+        or with ``dgrad=False`` not at all (the forward's operands alone: backward makes the
+        dgrad's from the codes when it runs, so nothing of them is kept in between)."""
         if route not in _ROUTES:
             raise ValueError(f"route={route!r} is not an FP8 route")
         self = cls.__new__(cls)
         self.recipe, self.route = recipe, route
-        self.emulated = self.dgrad_fold = None
+        self.emulated = self.dgrad_data = self.dgrad_inv = self.dgrad_fold = None
         if route == "fp8_emulated":
             self.emulated = dequantize_codes(codes, inv, torch.float32)
         else:
-            self._read_codes(codes, inv)
+            self._read_codes(codes, inv, dgrad)
         return self
 
-    def _read_codes(self, codes: torch.Tensor, inv: torch.Tensor) -> None:
+    def _read_codes(self, codes: torch.Tensor, inv: torch.Tensor, dgrad: bool = True) -> None:
         """The GEMMs' operands from the forward codes and factors of
         :func:`~grouped_linear.ops.fp8.primary.quantize_weight_codes`: the dgrad reads the
         codes transposed (one tiled pass) with blockwise's factors transposed (a view),
@@ -128,7 +130,7 @@ class Fp8Weight:
         the gradient (unit factors here)."""
         G, N, K = codes.shape
         self.forward_data, self.forward_inv = codes, inv
-        if self.route == "fp8_fused":
+        if self.route == "fp8_fused" or not dgrad:
             return
         self.dgrad_data = transpose_groups(codes)
         if self.route == "fp8_blockwise":
@@ -211,15 +213,17 @@ def stash_dgrad_weight(ctx, w: Fp8Weight) -> None:
     ``ctx`` rather than among its saved tensors, so that :func:`take_dgrad_weight` can hand it
     over once: a copy quantized for this call alone is then freed right after the dgrad,
     before the weight gradient allocates its operands (a module's cached copy stays with the
-    cache)."""
-    ctx.dgrad_weight = (w.dgrad_data, w.dgrad_inv, w.dgrad_fold)
+    cache). A ``w`` without them (an FP8 primary weight's forward operands) keeps nothing."""
+    ctx.dgrad_weight = (None if w.dgrad_data is None
+                        else (w.dgrad_data, w.dgrad_inv, w.dgrad_fold))
 
 
 def take_dgrad_weight(ctx, weight: torch.Tensor, recipe: Float8Recipe, route: str
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """``(dgrad_data, dgrad_inv, dgrad_fold)`` stashed by :func:`stash_dgrad_weight`,
-    removed from ``ctx``; a second backward through a retained graph finds none and
-    quantizes ``weight`` (the saved parameter, unchanged since the forward) again."""
+    removed from ``ctx``; where none is (an FP8 primary weight, or a second backward through
+    a retained graph) they are made from ``weight``, the saved parameter, unchanged since the
+    forward: its codes transposed, or quantized again."""
     parts = getattr(ctx, "dgrad_weight", None)
     ctx.dgrad_weight = None
     if parts is None:
