@@ -78,9 +78,10 @@ def test_gluon_rowwise_against_dequantized_float32_and_torch(sizes, tail, K, N):
                                               offsets)
         assert rel_err(y[:rows], want[:rows]) < 1e-2
         assert torch.all(y[rows:] == 0)
-        theirs = fp8_gemm.forward(x_data, x_inv, w_data, factors.contiguous(), offsets,
-                                  torch.bfloat16)
-        assert rel_err(y[:rows], theirs[:rows]) < 1e-2
+        if fp8_gemm.shapes_supported(K, N):  # torch's GEMM wants 16-byte output rows too
+            theirs = fp8_gemm.forward(x_data, x_inv, w_data, factors.contiguous(), offsets,
+                                      torch.bfloat16)
+            assert rel_err(y[:rows], theirs[:rows]) < 1e-2
     folded = qf.ColumnFactors.of_groups(w_inv, offsets, M)
     wt_data = transpose_groups(w_data)
     wt_inv = torch.ones(G, K, device="cuda")
