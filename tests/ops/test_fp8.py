@@ -234,3 +234,22 @@ def test_refresh_rewrites_every_buffer_in_place(route, recipe, input_major, monk
                            want.view(torch.uint8) if want.element_size() == 1 else want)
     if cached.dgrad_fold is not None:  # rowwise: the dgrad's fold is the forward's factors
         assert cached.dgrad_fold.data_ptr() == cached.forward_inv.data_ptr()
+
+
+def test_a_cached_copy_is_refreshed_only_from_a_weight_of_its_shape():
+    """Another shape is refused by the copy (its buffers untouched) and gets a new copy from
+    the cache."""
+    from grouped_linear.ops.fp8 import Fp8Weight, Fp8WeightCache
+
+    recipe = gl.recipes.Float8Blockwise()
+    w = torch.randn(2, 256, 128)
+    cached = Fp8Weight(w, recipe, "fp8_blockwise")
+    before = [t.clone() for t in cached.buffers()]
+    with pytest.raises(ValueError, match=r"weight has shape \(2, 128, 128\): this FP8 copy holds"):
+        cached.refresh_(torch.randn(2, 128, 128))
+    assert all(torch.equal(a, b) for a, b in zip(cached.buffers(), before))
+    cache = Fp8WeightCache()
+    first = cache.get(w, recipe, "fp8_blockwise", refresh=True)
+    assert cache.get(w, recipe, "fp8_blockwise", refresh=False) is first
+    other = cache.get(torch.randn(2, 128, 128), recipe, "fp8_blockwise", refresh=False)
+    assert other is not first and other.shape == (2, 128, 128)

@@ -89,7 +89,7 @@ class Fp8Weight:
     def __init__(self, weight: torch.Tensor, recipe: Float8Recipe, route: str) -> None:
         if route not in _ROUTES:
             raise ValueError(f"route={route!r} is not an FP8 route")
-        self.recipe, self.route = recipe, route
+        self.recipe, self.route, self.shape = recipe, route, tuple(weight.shape)
         weight = weight.detach()
         self.emulated = self.dgrad_data = self.dgrad_inv = self.dgrad_fold = None
         G, N, K = weight.shape
@@ -114,7 +114,7 @@ class Fp8Weight:
         if route not in _ROUTES:
             raise ValueError(f"route={route!r} is not an FP8 route")
         self = cls.__new__(cls)
-        self.recipe, self.route = recipe, route
+        self.recipe, self.route, self.shape = recipe, route, tuple(codes.shape)
         self.emulated = self.dgrad_data = self.dgrad_inv = self.dgrad_fold = None
         if route == "fp8_emulated":
             self.emulated = dequantize_codes(codes, inv, torch.float32)
@@ -157,6 +157,9 @@ class Fp8Weight:
         factors where they lie, and the dgrad's transposed codes from them (the emulation and
         an input-major weight quantize afresh and copy)."""
         weight = weight.detach()
+        if tuple(weight.shape) != self.shape:
+            raise ValueError(f"weight has shape {tuple(weight.shape)}: this FP8 copy holds "
+                             f"{self.shape}")
         if self.route == "fp8_emulated" or (self.route == "fp8_scaled_mm"
                                             and is_input_major(weight)):
             fresh = Fp8Weight(weight, self.recipe, self.route)
@@ -176,8 +179,8 @@ class Fp8WeightCache:
     """A module's FP8 weight across the microbatches of a step.
 
     :meth:`get` returns the copy for a recipe and route, quantizing it when there is none (or
-    it was made for another recipe or route) and re-quantizing it in place on the first
-    microbatch, so that captured CUDA graphs keep reading the same buffers.
+    it was made for another recipe, route or weight shape) and re-quantizing it in place on
+    the first microbatch, so that captured CUDA graphs keep reading the same buffers.
     """
 
     def __init__(self) -> None:
@@ -186,7 +189,8 @@ class Fp8WeightCache:
     def get(self, weight: torch.Tensor, recipe: Float8Recipe, route: str,
             refresh: bool) -> Fp8Weight:
         entry = self.entry
-        if entry is None or entry.recipe != recipe or entry.route != route:
+        if (entry is None or entry.recipe != recipe or entry.route != route
+                or entry.shape != tuple(weight.shape)):
             entry = self.entry = Fp8Weight(weight, recipe, route)
         elif refresh:
             entry.refresh_(weight)
