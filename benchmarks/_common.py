@@ -24,7 +24,7 @@ import torch.multiprocessing  # noqa: F401 (spawn)
 from torch.profiler import ProfilerActivity, profile
 
 import grouped_linear as gl
-from grouped_linear.cli.bench import COPY_BANDWIDTH, Shape, load_shapes
+from grouped_linear.cli.bench import COPY_BANDWIDTH, Shape, load_shapes, uniform_shape
 from grouped_linear.cli.timing import median_seconds, randn, warm_gpu
 from grouped_linear.kernels.ends import group_ends
 
@@ -48,8 +48,7 @@ def bench_shapes(names: Sequence[str] = ()) -> list[Shape]:
     selected = []
     for name in names:
         if name.startswith("uniform:"):
-            G, M, K, N = (int(v) for v in name.split(":")[1:])
-            selected.append(Shape(name, (M // G,) * G, K, N))
+            selected.append(uniform_shape(name))
         elif name in shapes:
             selected.append(shapes[name])
         else:

@@ -47,7 +47,8 @@ from .demo import resolve_device
 from .report import RATIOS, SMALL_SHAPE_NAME, ratio, render_table, write_plot
 from .timing import median_seconds, peak_memory_bytes, progress, randn
 
-__all__ = ["COLUMNS", "Shape", "load_shapes", "scale_for_cpu", "run_bench", "render_table"]
+__all__ = ["COLUMNS", "Shape", "load_shapes", "uniform_shape", "scale_for_cpu", "run_bench",
+           "render_table"]
 
 COLUMNS = ("dense", "loop", "torch", "torchao", "gl_nobias", "grouped_linear", "fp8_row",
            "fp8_row_cached", "fp8_tensor", "fp8_block")
@@ -94,6 +95,19 @@ def load_shapes() -> dict[str, Shape]:
         for name, entry in raw.items()
         if not name.startswith("_")
     }
+
+
+def uniform_shape(name: str) -> Shape:
+    """``uniform:G:M:K:N``: ``G`` groups of ``M // G`` rows each, ``K`` -> ``N``."""
+    parts = name.split(":")
+    try:
+        G, M, K, N = (int(v) for v in parts[1:])
+    except ValueError:
+        raise ValueError(f"shape {name!r}: expected uniform:G:M:K:N with four integers") \
+            from None
+    if parts[0] != "uniform" or min(G, M, K, N) < 1 or M < G:
+        raise ValueError(f"shape {name!r}: expected uniform:G:M:K:N, all positive, M >= G")
+    return Shape(name, (M // G,) * G, K, N)
 
 
 def scale_for_cpu(shape: Shape) -> Shape:
@@ -314,8 +328,8 @@ def run_bench(
     """Measure every column on every shape, print the table and return all numbers.
 
     Args:
-        shapes: names from ``shapes.json`` (default: all of them), or a dict of
-            :class:`Shape` to measure as given.
+        shapes: names from ``shapes.json`` (default: all of them) or ``uniform:G:M:K:N``
+            (:func:`uniform_shape`), or a dict of :class:`Shape` to measure as given.
         device: ``"auto"``, ``"cpu"`` or ``"cuda"``.
         dtype: ``"bf16"`` or ``"fp32"`` (default: bf16 on CUDA, fp32 on CPU).
         json_path: write the returned dict there as JSON.
@@ -354,9 +368,13 @@ def run_bench(
             available[SMALL_SHAPE_NAME] = _small_shape()
             if not shapes:
                 names.append(SMALL_SHAPE_NAME)
+        for name in names:
+            if name.startswith("uniform:"):
+                available[name] = uniform_shape(name)
         unknown = [n for n in names if n not in available]
         if unknown:
-            raise ValueError(f"unknown shape(s) {unknown}; available: {sorted(available)}")
+            raise ValueError(f"unknown shape(s) {unknown}; available: {sorted(available)} or "
+                             "uniform:G:M:K:N")
         selected = [available[n] for n in names]
     if scale:
         selected = [scale_for_cpu(s) for s in selected]

@@ -50,7 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "and GroupedMLP overhead; transformers: its experts modules; moe: a "
                        "MoE block, bf16 and FP8; fine: many small groups against grouped_mm")
     bench.add_argument("--shapes", default=None,
-                       help="comma-separated shape names from shapes.json (default: all; "
+                       help="comma-separated shape names from shapes.json, or "
+                       "uniform:G:M:K:N (G groups of M/G rows, K -> N) (default: all; "
                        "--suite gemm only)")
     bench.add_argument("--json", dest="json_path", default=None, metavar="PATH",
                        help="write every measured number to this JSON file")

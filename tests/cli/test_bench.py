@@ -88,6 +88,14 @@ def test_shapes_load_and_scale_keeps_zeros_and_unaligned_sizes():
         run_bench(["no_such_shape"], device="cpu", quiet=True)
 
 
+def test_uniform_shapes_are_measured_as_given(tmp_path):
+    """``uniform:G:M:K:N`` beside the packaged names: G groups of M // G rows, not scaled."""
+    report = run_bench(["uniform:4:64:32:16"], device="cpu", quiet=True, reps=1,
+                       columns=["grouped_linear"])
+    (result,) = report["results"]
+    assert (result["G"], result["M"], result["K"], result["N"]) == (4, 64, 32, 16)
+
+
 def test_format_table_and_text_progress(capsys):
     table = format_table(["name", "x"], [["a", 1], ["bbb", 22.5]], title="T")
     lines = table.splitlines()
@@ -105,6 +113,8 @@ def test_format_table_and_text_progress(capsys):
     (["bench", "--columns", "nosuch"], "unknown column(s) ['nosuch']"),
     (["bench", "--columns", ","], "--columns ',' names nothing"),
     (["bench", "--shapes", ",,"], "--shapes ',,' names nothing"),
+    (["bench", "--shapes", "uniform:8:64:32"], "expected uniform:G:M:K:N with four integers"),
+    (["bench", "--shapes", "uniform:8:4:32:16"], "all positive, M >= G"),
     (["bench", "--rounds", "0"], "--rounds must be >= 1, got 0"),
     (["bench", "--json", "/nonexistent-dir/x.json"], "its directory does not exist"),
     (["demo", "--ep", "3"], "ep=3 must divide num_experts=8"),
