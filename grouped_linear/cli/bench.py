@@ -336,7 +336,8 @@ def run_bench(
         plot_path: write a PNG bar chart there (matplotlib).
         reps: timed repetitions per case on CPU (CUDA uses ``do_bench``'s budget).
         quiet: no progress bar and no table.
-        scale: scale the shapes down (default: on CPU, for packaged shapes only).
+        scale: scale the shapes down (default: on CPU, for packaged shapes only; not the
+            ``uniform`` ones).
         columns: the columns to measure (default: every one available here; the
             FP8 columns need an sm90 GPU and bf16, ``torchao`` needs torchao).
         rounds: measure each shape's columns this many times in alternation and report
@@ -356,6 +357,7 @@ def run_bench(
     if dtype_name not in _DTYPES:
         raise ValueError(f"dtype={dtype_name!r} is not one of {tuple(_DTYPES)}")
     torch_dtype = _DTYPES[dtype_name]
+    scale_given = scale is not None
     if scale is None:
         scale = dev.type == "cpu" and not isinstance(shapes, dict)
 
@@ -376,8 +378,9 @@ def run_bench(
             raise ValueError(f"unknown shape(s) {unknown}; available: {sorted(available)} or "
                              "uniform:G:M:K:N")
         selected = [available[n] for n in names]
-    if scale:
-        selected = [scale_for_cpu(s) for s in selected]
+    if scale:  # by default the packaged shapes only: a uniform one is measured as asked
+        selected = [scale_for_cpu(s) if scale_given or not s.name.startswith("uniform:")
+                    else s for s in selected]
     if columns is not None:
         unknown = [c for c in columns if c not in COLUMNS]
         if unknown:
