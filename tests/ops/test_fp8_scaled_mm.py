@@ -154,3 +154,37 @@ def test_activation_checkpointing_recomputes_what_backward_keeps(reentrant, monk
         assert torch.equal(plain, checkpointed)
     want = reference_grads(x, w, b, SIZES, grad_out)
     assert rel_err(results[1][2], want[2]) < 6e-2
+
+
+def test_gluon_kernels_take_the_operands_they_support(monkeypatch):
+    """Where the Gluon kernels take the operands (sm90) the forward and dgrad run the rowwise
+    Gluon GEMM and the wgrad the group-scaled Gluon one (stood in for here by the references
+    of the same contract); the results are those of the other path."""
+    from grouped_linear.kernels.gemm import fp8_gluon_gemm, fp8_gluon_wgrad
+    from grouped_linear.kernels.gemm import fp8_triton_gemm as fg
+
+    x, w, b, grad_out = _leaves()
+    want = _apply(x, w, b, Float8Rowwise())
+    want.backward(grad_out)
+    want_grads = [t.grad for t in (x, w, b)]
+    calls = []
+
+    def gluon_mm(a, a_inv, b_, b_inv, ends, out_dtype):
+        calls.append("mm")
+        return fp8_torch_gemm.dequantized_reference(a, a_inv, b_, b_inv, ends).to(out_dtype)
+
+    def gluon_wgrad(*args, **kwargs):
+        calls.append("wgrad")
+        return fg.blockwise_wgrad(*args, **kwargs)
+
+    monkeypatch.setattr(fp8_gluon_gemm, "rowwise_supported", lambda a, b_: True)
+    monkeypatch.setattr(fp8_gluon_gemm, "rowwise_mm", gluon_mm)
+    monkeypatch.setattr(fp8_gluon_wgrad, "wgrad_supported", lambda *args: True)
+    monkeypatch.setattr(fp8_gluon_wgrad, "blockwise_wgrad", gluon_wgrad)
+    leaves = [t.detach().clone().requires_grad_() for t in (x, w, b)]
+    got = _apply(*leaves, Float8Rowwise())
+    got.backward(grad_out)
+    assert calls == ["mm", "mm", "wgrad"]
+    assert torch.equal(got, want)
+    for a, b_ in zip((t.grad for t in leaves), want_grads):
+        assert torch.equal(a, b_)

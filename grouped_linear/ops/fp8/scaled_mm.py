@@ -1,17 +1,19 @@
 """The ``fp8_scaled_mm`` route: rowwise and tensorwise recipes on real FP8 GEMMs (sm90).
 
 Per call, one fused quantization kernel per operand and direction
-(:mod:`grouped_linear.kernels.quantize.rows`), then torch's FP8 grouped GEMM
-(:mod:`grouped_linear.kernels.gemm.fp8_torch_gemm`):
+(:mod:`grouped_linear.kernels.quantize.rows`), then the FP8 grouped GEMM: the Gluon kernel
+(:func:`grouped_linear.kernels.gemm.fp8_gluon_gemm.rowwise_mm`) on the sm90 operands it
+takes, torch's (:mod:`grouped_linear.kernels.gemm.fp8_torch_gemm`) on the others:
 
 * forward: ``x`` per token (rowwise) or per group (tensorwise), the weight per output
   channel or group (cached per step by the module);
 * dgrad: the forward's FP8 weight, transposed (one byte read and written per weight), with
   ``dy`` per group (tensorwise) or, rowwise, ``dy`` times the weight's per-output-channel
   factors per token: the rows kernel applies the factors as it quantizes;
-* wgrad: this library's group-scaled Triton GEMM
-  (:func:`grouped_linear.kernels.gemm.fp8_triton_gemm.blockwise_wgrad`; torch's 2-D x 2-D
-  FP8 GEMM, without fast accumulation, ran 1.2-2.9x slower at 8 to 128 groups), its operands
+* wgrad: this library's group-scaled GEMM, the Gluon kernel on sm90
+  (:func:`grouped_linear.kernels.gemm.fp8_gluon_wgrad.blockwise_wgrad`), the Triton one
+  elsewhere (:func:`grouped_linear.kernels.gemm.fp8_triton_gemm.blockwise_wgrad`; torch's
+  2-D x 2-D FP8 GEMM, without fast accumulation, ran 1.2-2.9x slower at 8 to 128 groups), its operands
   written transposed by the quantization kernels themselves, each group starting on a
   128-column boundary, with the alignment zeros written by the same kernels. ``x``: its
   forward FP8 codes, moved into that layout by the forward (backward keeps them, half the
@@ -31,7 +33,7 @@ import torch
 
 from ...kernels import bias as bias_kernels
 from ...kernels.ends import group_sizes
-from ...kernels.gemm import fp8_torch_gemm, fp8_triton_gemm
+from ...kernels.gemm import fp8_gluon_gemm, fp8_gluon_wgrad, fp8_torch_gemm, fp8_triton_gemm
 from ...kernels.gemm.gluon_gemm import is_input_major
 from ...kernels.quantize import common, folded, rows, transposed
 from ...recipes import Float8Recipe, Float8Tensorwise
@@ -45,6 +47,16 @@ from .weight import (
 )
 
 __all__ = ["Fp8ScaledMMFunction"]
+
+
+def _gemm(torch_gemm, a: torch.Tensor, a_inv: torch.Tensor, b: torch.Tensor,
+          b_inv: torch.Tensor, ends: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """The forward's or the dgrad's FP8 GEMM: the Gluon kernel where it takes the operands,
+    else ``torch_gemm`` (rows past the groups then left for the caller to zero)."""
+    if fp8_gluon_gemm.rowwise_supported(a, b):
+        return fp8_gluon_gemm.rowwise_mm(a, a_inv, b, b_inv, ends, out_dtype)
+    return torch_gemm(a, a_inv, b, b_inv, ends, out_dtype)
+
 
 def _folds_x(config: Fp8Config) -> bool:
     """Whether the wgrad takes the forward's FP8 ``x`` with its per-token factors (per group,
@@ -93,7 +105,8 @@ class Fp8ScaledMMFunction(torch.autograd.Function):
             x_data, x_inv = _quantize_tokens(x, ends, fp8, recipe, x_scale)
             dtype = x.dtype
         w = cached if cached is not None else Fp8Weight(weight.detach(), recipe, "fp8_scaled_mm")
-        out = fp8_torch_gemm.forward(x_data, x_inv, w.forward_data, w.forward_inv, ends, dtype)
+        out = _gemm(fp8_torch_gemm.forward, x_data, x_inv, w.forward_data, w.forward_inv,
+                    ends, dtype)
         out = bias_kernels.bias_epilogue_(out, bias, ends, config.zero_tail)
         # The wgrad reads the forward's FP8 rows, moved now into its token-contiguous layout
         # (the row-major codes are freed with the forward: backward holds one FP8 copy of x,
@@ -130,7 +143,7 @@ class Fp8ScaledMMFunction(torch.autograd.Function):
                 dy_data, dy_inv = folded.quantize_rows_folded(grad_out, factors, fp8_grad, pow2)
             else:
                 dy_data, dy_inv = _quantize_tokens(grad_out, ends, fp8_grad, recipe, dy_scale)
-            grad_x = fp8_torch_gemm.dgrad(dy_data, dy_inv, wt_data, wt_inv, ends, dtype)
+            grad_x = _gemm(fp8_torch_gemm.dgrad, dy_data, dy_inv, wt_data, wt_inv, ends, dtype)
             # the FP8 dy and weight freed before the weight gradient quantizes dy again
             del dy_data, dy_inv, wt_data, wt_inv, wt_fold
             if config.zero_tail:
@@ -160,8 +173,10 @@ class Fp8ScaledMMFunction(torch.autograd.Function):
             # input-major gets x^T dy per group, its own layout (no copy into the parameter)
             pair = ((x_t, x_t_inv, dy_t, dy_t_inv) if is_input_major(weight)
                     else (dy_t, dy_t_inv, x_t, x_t_inv))
-            grad_w = fp8_triton_gemm.blockwise_wgrad(*pair, group_sizes(ends), grad_out.shape[0],
-                                                     out_dtype, group_scales=True)
+            wgrad = (fp8_gluon_wgrad.blockwise_wgrad if fp8_gluon_wgrad.wgrad_supported(*pair)
+                     else fp8_triton_gemm.blockwise_wgrad)
+            grad_w = wgrad(*pair, group_sizes(ends), grad_out.shape[0], out_dtype,
+                           group_scales=True)
             return grad_w.transpose(1, 2) if is_input_major(weight) else grad_w
 
         grad_w, grad_b = weight_and_bias_grads(ctx, grad_out, ends, grad_weight, weight.dtype,
