@@ -15,6 +15,7 @@ RECIPES = [gl.recipes.Float8Rowwise(), gl.recipes.Float8Tensorwise(),
            gl.recipes.Float8Blockwise()]
 IDS = [type(r).__name__ for r in RECIPES]
 SIZES = [10, 0, 30]
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the routes' kernels
 G, N, K = 3, 256, 160
 
 
@@ -165,10 +166,11 @@ def test_scaled_mm_route_reads_the_stored_codes(recipe, monkeypatch):
     monkeypatch.setattr(fp8_torch_gemm, "forward", gemm)
     monkeypatch.setattr(fp8_torch_gemm, "dgrad", gemm)
     monkeypatch.setattr(ops_linear, "choose_route", lambda *args: "fp8_scaled_mm")
-    stored = torch.nn.Parameter(Float8WeightTensor.quantize(_weight().bfloat16(), recipe))
+    stored = torch.nn.Parameter(Float8WeightTensor.quantize(
+        _weight().to(DEVICE, torch.bfloat16), recipe))
     plain = stored.dequantize().detach().requires_grad_()
-    x = torch.randn(40, K).bfloat16().requires_grad_()
-    grad = torch.randn(40, N).bfloat16()
+    x = torch.randn(40, K).to(DEVICE, torch.bfloat16).requires_grad_()
+    grad = torch.randn(40, N).to(DEVICE, torch.bfloat16)
     y = gl.grouped_linear(x, stored, None, SIZES)
     y.backward(grad, retain_graph=True)
     first = (x.grad.clone(), stored.grad.clone())
@@ -201,10 +203,10 @@ def test_the_dgrad_codes_are_made_in_backward_not_kept_from_the_forward(route, r
     transpose = fp8_weight.transpose_groups
     monkeypatch.setattr(fp8_weight, "transpose_groups",
                         lambda data, out=None: transposed.append(data) or transpose(data, out))
-    w = torch.randn(len(SIZES), 256, 128).bfloat16()
+    w = torch.randn(len(SIZES), 256, 128).to(DEVICE, torch.bfloat16)
     stored = torch.nn.Parameter(Float8WeightTensor.quantize(w, recipe))
-    x = torch.randn(40, 128).bfloat16().requires_grad_()
-    grad = torch.randn(40, 256).bfloat16()
+    x = torch.randn(40, 128).to(DEVICE, torch.bfloat16).requires_grad_()
+    grad = torch.randn(40, 256).to(DEVICE, torch.bfloat16)
     y = gl.grouped_linear(x, stored, None, SIZES)
     assert transposed == []
     y.backward(grad)
