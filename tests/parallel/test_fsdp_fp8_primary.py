@@ -125,3 +125,15 @@ def _worker(rank, world, checkpoint_dir):
 def test_fp8_primary_weights_under_fully_shard():
     with tempfile.TemporaryDirectory() as checkpoint_dir:
         spawn_gloo(_worker, checkpoint_dir)
+
+
+def _one_rank_worker(rank, world):
+    """One rank: FSDP2 then copies each weight's single all-gather input instead of
+    gathering; the FP8 weights still train as one process does."""
+    mesh = init_device_mesh("cpu", (world,))
+    for recipe in RECIPES:
+        _trains_like_one_process(rank, world, mesh, recipe)
+
+
+def test_fp8_primary_weights_under_fully_shard_on_one_rank():
+    spawn_gloo(_one_rank_worker, world=1)

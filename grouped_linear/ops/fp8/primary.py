@@ -56,6 +56,28 @@ def quantize_weight_codes(weight: torch.Tensor, recipe: Float8Recipe,
     return rows.quantize_weight_rows(weight, fp8, pow2, group_scale, out)
 
 
+def _codes_bytes(codes: torch.Tensor) -> int:
+    """Bytes of ``codes`` rounded up to 16: where the factors start in a packed buffer."""
+    return -(-codes.numel() // 16) * 16
+
+
+def _pack(codes: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:
+    """``codes`` and ``inv`` (float32) in one uint8 buffer, the factors 16-byte aligned."""
+    start = _codes_bytes(codes)
+    packed = torch.empty(start + 4 * inv.numel(), dtype=torch.uint8, device=codes.device)
+    packed[:codes.numel()].copy_(codes.reshape(-1).view(torch.uint8))
+    packed[start:].view(torch.float32).copy_(inv.reshape(-1))
+    return packed
+
+
+def _unpack(packed: torch.Tensor, codes: torch.Tensor, inv: torch.Tensor
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Views of a :func:`_pack` buffer shaped and typed as ``codes`` and ``inv``."""
+    start = _codes_bytes(codes)
+    return (packed[:codes.numel()].view(codes.dtype).view(codes.shape),
+            packed[start:start + 4 * inv.numel()].view(torch.float32).view(inv.shape))
+
+
 class Float8WeightTensor(torch.Tensor):
     """A ``(G, N, K)`` expert weight stored as ``recipe``'s FP8 codes and factors (module doc).
 
@@ -152,17 +174,24 @@ class Float8WeightTensor(torch.Tensor):
             raise ValueError(f"a Float8WeightTensor of {outer_size[0]} experts is sharded over "
                              f"{mesh.size()} ranks: FP8 primary weights shard by whole experts, "
                              "so the expert count must divide evenly")
+        if mesh.size() == 1:  # FSDP2 copies a one-rank group's first input alone
+            return (_pack(self.codes, self.inv),), None
         return (self.codes, self.inv), None
 
     def fsdp_post_all_gather(self, outputs, metadata, param_dtype, *, out=None):
-        """FSDP2: the gathered codes and factors as the whole weight (no copy)."""
-        codes, inv = outputs
+        """FSDP2: the gathered codes and factors as the whole weight (no copy); on one rank
+        the codes and factors travel packed in one byte buffer, and the weight views it."""
+        if len(outputs) == 1:
+            (packed,) = outputs
+            (codes, inv), inner = _unpack(packed, self.codes, self.inv), (packed,)
+        else:
+            (codes, inv), inner = outputs, tuple(outputs)
         if out is not None:  # FSDP2 gathered into the buffers ``out`` already reads
             if out.codes.data_ptr() != codes.data_ptr():
                 out.codes.copy_(codes)
                 out.inv.copy_(inv)
             return None
-        return self._like(codes, inv, param_dtype), (codes, inv)
+        return self._like(codes, inv, param_dtype), inner
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
