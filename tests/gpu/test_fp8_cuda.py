@@ -67,17 +67,20 @@ def test_each_recipe_takes_its_fp8_gemm_path():
 @pytest.mark.skipif(not SM90, reason="the FP8 grouped GEMM is sm90's")
 @pytest.mark.parametrize("recipe", [Float8Rowwise(), Float8Tensorwise()], ids=repr)
 @pytest.mark.parametrize("split_kind", ["list", "cuda"])
-def test_rowwise_recipes_take_the_group_scaled_triton_wgrad(recipe, split_kind, monkeypatch):
-    """The weight gradient runs this library's group-scaled Triton GEMM (128-token group
-    blocks), once per call, and every gradient matches float64."""
-    from grouped_linear.kernels.gemm import fp8_triton_gemm
+def test_rowwise_recipes_take_the_group_scaled_gluon_wgrad(recipe, split_kind, monkeypatch):
+    """The weight gradient runs this library's group-scaled Gluon GEMM (128-token group
+    blocks) on sm90, once per call, not the Triton one, and every gradient matches
+    float64."""
+    from grouped_linear.kernels.gemm import fp8_gluon_wgrad, fp8_triton_gemm
 
     calls = []
-    original = fp8_triton_gemm.blockwise_wgrad
-    monkeypatch.setattr(fp8_triton_gemm, "blockwise_wgrad",
-                        lambda *a, **k: calls.append(k.get("group_scales")) or original(*a, **k))
+    for module, name in ((fp8_gluon_wgrad, "gluon"), (fp8_triton_gemm, "triton")):
+        original = module.blockwise_wgrad
+        monkeypatch.setattr(module, "blockwise_wgrad",
+                            lambda *a, _o=original, _n=name, **k:
+                            calls.append((_n, k.get("group_scales"))) or _o(*a, **k))
     got, ref, _ = _step(recipe, split_kind)
-    assert calls == [True]
+    assert calls == [("gluon", True)]
     for name, a, b in zip(("y", "dx", "dW", "db"), got, ref):
         assert rel_err(a, b) < 6e-2, (name, rel_err(a, b))
 
