@@ -132,6 +132,12 @@ class _Inputs:
     def leaves(self, column: Column) -> list[torch.Tensor]:
         return [self.x, self.probs, *self.module(column).parameters()]
 
+    def drop_grads(self) -> None:
+        """Every gradient of every copy freed: one column's peak holds its own alone."""
+        modules = [self.mlp, *(module for module, _ in self.primary.values())]
+        for t in (self.x, self.probs, *(p for m in modules for p in m.parameters())):
+            t.grad = None
+
     def other_modules_bytes(self, column: Column) -> int:
         """CUDA bytes of the module copies ``column`` does not run (its peak leaves them
         out)."""
@@ -186,8 +192,7 @@ def _saved_bytes(inputs: _Inputs, column: Column, dev: torch.device) -> int | No
     if dev.type != "cuda":
         return None
     _step(inputs, column)()
-    for leaf in inputs.leaves(column):
-        leaf.grad = None
+    inputs.drop_grads()
     torch.cuda.synchronize(dev)
     before = torch.cuda.memory_allocated(dev)
     out = _forward(inputs, column)
@@ -249,6 +254,7 @@ def _measure_case(case: Case, dev: torch.device, dtype: torch.dtype, rounds: int
     for name, column in columns.items():
         median = sorted(seconds[name])[len(seconds[name]) // 2]
         saved = _saved_bytes(inputs, column, dev)  # after a step: this column's weight cache
+        inputs.drop_grads()
         peak = peak_memory_bytes(_step(inputs, column), dev,
                                  grad_to_none=inputs.leaves(column))
         result["columns"][name] = {
