@@ -124,21 +124,29 @@ class Fp8Weight:
 
     def _read_codes(self, codes: torch.Tensor, inv: torch.Tensor, dgrad: bool = True) -> None:
         """The GEMMs' operands from the forward codes and factors of
-        :func:`~grouped_linear.ops.fp8.primary.quantize_weight_codes`: the dgrad reads the
-        codes transposed (one tiled pass) with blockwise's factors transposed (a view),
-        tensorwise's expert factor in every column, or rowwise's channel factors folded into
-        the gradient (unit factors here)."""
-        G, N, K = codes.shape
+        :func:`~grouped_linear.ops.fp8.primary.quantize_weight_codes` (the dgrad's unless
+        ``dgrad`` is false or the route reads the forward's)."""
         self.forward_data, self.forward_inv = codes, inv
-        if self.route == "fp8_fused" or not dgrad:
-            return
-        self.dgrad_data = transpose_groups(codes)
+        if self.route != "fp8_fused" and dgrad:
+            self._write_dgrad()
+
+    def _write_dgrad(self) -> None:
+        """The dgrad's operands from the forward codes and factors, into the buffers this copy
+        holds (new ones the first time): the codes transposed (one tiled pass) with
+        blockwise's factors transposed (a view), tensorwise's expert factor in every column,
+        or rowwise's channel factors folded into the gradient (unit factors here)."""
+        codes, inv = self.forward_data, self.forward_inv
+        G, N, K = codes.shape
+        self.dgrad_data = transpose_groups(codes, out=self.dgrad_data)
         if self.route == "fp8_blockwise":
             self.dgrad_inv = inv.transpose(1, 2)
         elif isinstance(self.recipe, Float8Tensorwise) and N:
-            self.dgrad_inv = inv[:, :1].expand(G, K).contiguous()
+            spread = inv[:, :1].expand(G, K)
+            self.dgrad_inv = (spread.contiguous() if self.dgrad_inv is None
+                              else self.dgrad_inv.copy_(spread))
         else:
-            self.dgrad_inv = common.unit_factors((G, K), codes.device)
+            if self.dgrad_inv is None:
+                self.dgrad_inv = common.unit_factors((G, K), codes.device)
             if isinstance(self.recipe, Float8Rowwise):
                 self.dgrad_fold = inv
 
@@ -167,11 +175,8 @@ class Fp8Weight:
                 mine.copy_(new)
             return self
         quantize_weight_codes(weight, self.recipe, out=(self.forward_data, self.forward_inv))
-        if self.route == "fp8_fused" or self.forward_data.shape[1] == 0:
-            return self
-        transpose_groups(self.forward_data, out=self.dgrad_data)
-        if self.route == "fp8_scaled_mm" and isinstance(self.recipe, Float8Tensorwise):
-            self.dgrad_inv.copy_(self.forward_inv[:, :1].expand_as(self.dgrad_inv))
+        if self.route != "fp8_fused":
+            self._write_dgrad()
         return self
 
 
