@@ -132,19 +132,22 @@ class _Inputs:
     def leaves(self, column: Column) -> list[torch.Tensor]:
         return [self.x, self.probs, *self.module(column).parameters()]
 
+    def copies(self) -> list[tuple[gl.GroupedMLP, int]]:
+        """Every module copy made so far, with the CUDA bytes of its parameters."""
+        return [(self.mlp, sum(p.nbytes for p in self.mlp.parameters())),
+                *self.primary.values()]
+
     def drop_grads(self) -> None:
         """Every gradient of every copy freed: one column's peak holds its own alone."""
-        modules = [self.mlp, *(module for module, _ in self.primary.values())]
-        for t in (self.x, self.probs, *(p for m in modules for p in m.parameters())):
+        params = [p for module, _ in self.copies() for p in module.parameters()]
+        for t in (self.x, self.probs, *params):
             t.grad = None
 
     def other_modules_bytes(self, column: Column) -> int:
         """CUDA bytes of the module copies ``column`` does not run (its peak leaves them
         out)."""
         mine = self.module(column)
-        held = [(self.mlp, sum(p.nbytes for p in self.mlp.parameters()))]
-        held += list(self.primary.values())
-        return sum(nbytes for module, nbytes in held if module is not mine)
+        return sum(nbytes for module, nbytes in self.copies() if module is not mine)
 
 
 def _inputs(case: Case, dev: torch.device, dtype: torch.dtype) -> _Inputs:
