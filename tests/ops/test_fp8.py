@@ -234,6 +234,15 @@ def test_refresh_rewrites_every_buffer_in_place(route, recipe, input_major, monk
                            want.view(torch.uint8) if want.element_size() == 1 else want)
     if cached.dgrad_fold is not None:  # rowwise: the dgrad's fold is the forward's factors
         assert cached.dgrad_fold.data_ptr() == cached.forward_inv.data_ptr()
+    # the refreshed values are the new weight's, within FP8's rounding (float64)
+    from grouped_linear.kernels.quantize.emulate import dequantize_codes
+
+    values = (cached.emulated if route == "fp8_emulated"
+              else dequantize_codes(cached.forward_data, cached.forward_inv, torch.float64))
+    assert 1e-4 < rel_err(values, weight(1).double()) < 6e-2
+    if cached.dgrad_data is not None:  # the dgrad's codes are the forward's, transposed
+        assert torch.equal(cached.dgrad_data.view(torch.uint8),
+                           cached.forward_data.view(torch.uint8).transpose(1, 2))
 
 
 def test_a_cached_copy_is_refreshed_only_from_a_weight_of_its_shape():
