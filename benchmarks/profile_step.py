@@ -9,6 +9,11 @@ From the repository root:
 * ``... profile_step.py fp8 RECIPE SHAPE [SHAPE ...]`` (RECIPE: rowwise, tensorwise,
   blockwise; SHAPE: the bench's): the kernels of one FP8 training step of ``GroupedLinear``
   (no bias, CUDA splits, as the bench's FP8 columns);
+* ``... profile_step.py block CASE [COLUMN ...]`` (CASE: the moe suite's, e.g.
+  ``qwen3_30b_a3b``; COLUMN: its columns, default ``bf16 fp8_rowwise fp8_blockwise``): the
+  kernels of one step of the whole MoE block as that suite times it, each kernel's GPU time
+  per step, and the GEMMs' share against everything else (quantization, permutation,
+  activation, reductions);
 * ``... profile_step.py launches``: the small step under each recipe (bf16 and the three
   FP8 ones, no bias): the host time to enqueue one forward+backward (synchronize, time the
   call, median of 20: the GPU work is ~0.1 ms, so this is what the step costs on a
@@ -26,6 +31,7 @@ from _common import CUDA, bench_shapes, device_groups, kernel_times, profile_ste
 from torch.profiler import ProfilerActivity
 
 import grouped_linear as gl
+from grouped_linear.cli import bench_moe
 
 RECIPES = {"rowwise": gl.recipes.Float8Rowwise, "tensorwise": gl.recipes.Float8Tensorwise,
            "blockwise": gl.recipes.Float8Blockwise}
@@ -76,6 +82,34 @@ def fp8_table(recipe_name: str, shape_name: str) -> None:
                                     max_name_column_width=50))
 
 
+GEMM_KERNELS = ("mm_kernel", "wgrad", "_dgrad_kernel", "_forward_kernel", "_grouped_backward_kernel",
+                "gemm", "nvjet", "cutlass", "xmma")
+
+
+def block_table(case_name: str, columns: list[str]) -> None:
+    """Per column: every kernel of one step of the moe suite's block, by GPU time, and the
+    split between the expert GEMMs and the rest."""
+    cases = {case.name: case for case in bench_moe.CASES}
+    inputs = bench_moe._inputs(cases[case_name], torch.device(CUDA), DT)
+    known = bench_moe._columns(torch.device(CUDA))
+    for name in columns:
+        step = bench_moe._step(inputs, known[name])
+
+        def run(step=step) -> None:
+            step()
+            inputs.drop_grads()
+
+        kernels = kernel_times(run, 3, 5)
+        total = sum(us for us, _ in kernels.values())
+        gemm = sum(us for key, (us, _) in kernels.items()
+                   if any(tag in key.lower() for tag in GEMM_KERNELS))
+        print(f"===== {case_name} {name}: {total:.0f} µs per step, GEMMs {gemm:.0f} µs "
+              f"({gemm / total:.0%}), the rest {total - gemm:.0f} µs")
+        print(f"{'µs/step':>8}  {'share':>5}  {'calls':>5}  kernel")
+        for key, (us, count) in sorted(kernels.items(), key=lambda kv: -kv[1][0])[:24]:
+            print(f"{us:8.0f}  {us / total:5.1%}  {count:5.0f}  {key[:90]}")
+
+
 def launches() -> None:
     """Host time, GPU time and kernel count per small step, per recipe."""
     small = randn(8, device=CUDA, dtype=torch.float32)
@@ -108,11 +142,16 @@ def main() -> None:
     fp8 = sub.add_parser("fp8", help="the kernels of one FP8 step on bench shapes")
     fp8.add_argument("recipe", choices=sorted(RECIPES))
     fp8.add_argument("shapes", nargs="+")
+    block = sub.add_parser("block", help="the kernels of one step of the moe suite's block")
+    block.add_argument("case", choices=[case.name for case in bench_moe.CASES])
+    block.add_argument("columns", nargs="*", default=["bf16", "fp8_rowwise", "fp8_blockwise"])
     sub.add_parser("launches", help="host time, GPU time and kernels per small step, per recipe")
     args = parser.parse_args()
     if args.mode == "fp8":
         for name in args.shapes:
             fp8_table(args.recipe, name)
+    elif args.mode == "block":
+        block_table(args.case, args.columns)
     elif args.mode == "launches":
         launches()
     else:
