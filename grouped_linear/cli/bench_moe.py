@@ -7,7 +7,8 @@ by 8 and tokens by 256 on CPU, a smoke test that the emulated FP8 columns keep s
 renormalised to sum to 1: the ``probs`` ``unpermute`` weighs the expert outputs by).
 Columns: ``bf16`` (the block in the input dtype, no recipe) and, where FP8 GEMMs exist (CUDA
 with compute capability 8.9 or more) or emulated on CPU, ``fp8_rowwise``, ``fp8_tensorwise``
-and ``fp8_blockwise``: the same block inside ``gl.autocast(recipe)``, the weights quantized
+and ``fp8_blockwise``: the same block inside ``gl.autocast(recipe)`` with ``permute`` given
+the recipe too (Float8Rowwise: the rows permuted as FP8 codes), the weights quantized
 once per step into the module's cache (``is_first_microbatch=True``, as a training step with
 one microbatch passes it); ``*_recompute``: the same with ``recompute_activation=True``
 (fc2's input rebuilt in backward from fc1's output, nothing of it kept); ``*_primary``: a
@@ -174,7 +175,8 @@ def _forward(inputs: _Inputs, column: Column) -> torch.Tensor:
         for layer in (inputs.mlp.fc1, inputs.mlp.fc2):
             layer._fp8_weights.entry = None
     with gl.autocast(column.recipe):
-        rows, m_splits, row_map = gl.permute(inputs.x, inputs.indices, mlp.num_experts)
+        rows, m_splits, row_map = gl.permute(inputs.x, inputs.indices, mlp.num_experts,
+                                             recipe=column.recipe)
         y = mlp(rows, m_splits, is_first_microbatch=True)
         return gl.unpermute(y, row_map, inputs.probs)
 

@@ -107,16 +107,19 @@ def experts_forward(module: torch.nn.Module, hidden_states: torch.Tensor,
     w1, b1 = _projection(module, "gate_up_proj" if module.has_gate else "up_proj")
     w2, b2 = _projection(module, "down_proj")
     fused = _fused_activation(module)
+    # a rowwise recipe's rows travel as FP8 codes from the permutation to fc1
+    rows_recipe = recipe if recipe is not None else recipes.current_recipe()
     if fused is not None and b2 is None and not module.has_post_expert_norm:
         # sum_j w_j * fc2(a_j) = sum_j fc2(w_j * a_j) without fc2 bias or norm: the weights
         # scale the activation's rows in its kernel, and the unweighted sum keeps no copy of
         # the expert outputs for their gradient (rows x H of memory, one pass in backward).
         rows, m_splits, row_map, row_weights = permute(hidden_states, top_k_index, num_experts,
-                                                       probs=top_k_weights)
+                                                       probs=top_k_weights, recipe=rows_recipe)
         out = grouped_mlp(rows, w1, b1, w2, None, m_splits, recipe=recipe, probs=row_weights,
                           **fused)
         return unpermute(out, row_map).to(hidden_states.dtype)
-    rows, m_splits, row_map = permute(hidden_states, top_k_index, num_experts)
+    rows, m_splits, row_map = permute(hidden_states, top_k_index, num_experts,
+                                      recipe=rows_recipe)
     if fused is not None:  # fc1, the bias and the activation in one pass, fc2
         out = grouped_mlp(rows, w1, b1, w2, b2, m_splits, recipe=recipe, **fused)
     else:  # a gate of the module's own

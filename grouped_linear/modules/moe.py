@@ -10,6 +10,7 @@ from torch import nn
 from ..ops.checks import check_int
 from ..ops.permutation import permute, unpermute
 from ..parallel.expert_parallel import combine, dispatch
+from ..recipes import current_recipe
 from .mlp import GroupedMLP
 
 __all__ = ["ExpertParallelMoE"]
@@ -67,7 +68,11 @@ class ExpertParallelMoE(nn.Module):
         probs = F.softmax(self.router(x).float(), dim=-1)
         top_probs, top_experts = probs.topk(self.top_k, dim=-1)
         top_probs = (top_probs / top_probs.sum(dim=-1, keepdim=True)).to(x.dtype)
-        x_perm, counts, row_map = permute(x, top_experts, self.num_experts)
+        # the local experts' rowwise recipe: rows permuted as its FP8 codes (not over ranks)
+        recipe = None
+        if self.ep_size == 1:
+            recipe = self.experts.fc1.recipe or current_recipe()
+        x_perm, counts, row_map = permute(x, top_experts, self.num_experts, recipe=recipe)
         if self.ep_size > 1:
             x_local, local_counts, plan = dispatch(x_perm, counts, self.ep_group)
             y_perm = combine(self.experts(x_local, local_counts), plan)

@@ -23,6 +23,7 @@ from .checks import check_operands, check_tensor, describe
 from .dispatch import cached_verdict, choose_route
 from .fast_path import apply_triton_linear, functorch_involved
 from .fp8 import (
+    Float8Rows,
     Float8WeightTensor,
     Fp8BlockwiseFunction,
     Fp8Config,
@@ -31,6 +32,7 @@ from .fp8 import (
     Fp8ScaledMMFunction,
     Fp8Weight,
     Fp8WeightCache,
+    plain_rows,
 )
 from .linear_function import CallConfig, run_linear
 from .splits import SPLIT_DTYPES, GroupSplits, debug_checks_enabled, normalize_splits
@@ -105,6 +107,8 @@ def apply_grouped_linear(
     if primary and recipe != weight.recipe:
         raise ValueError(f"recipe={recipe!r}: the weight is stored in FP8 for "
                          f"{weight.recipe!r} and runs only with it")
+    if isinstance(x, Float8Rows) and not x.fits(recipe):
+        x = plain_rows(x)
     if recipe is None and sink is None and tp is None:
         verdict = cached_verdict(x, weight, bias, m_splits, backend)
         if (verdict is not None and verdict[0] and not torch.is_autocast_enabled("cuda")
@@ -156,6 +160,11 @@ def apply_grouped_linear(
     # Only the FP8 rowwise/tensorwise GEMMs quantize a list piece by piece where it lies.
     if pieces is not None and (route != "fp8_scaled_mm" or num_rows == 0 or tp is not None):
         x, pieces = torch.cat(pieces), None
+
+    # FP8 rows from permute: read as they are by the rowwise GEMMs alone.
+    if isinstance(x, Float8Rows) and (route != "fp8_scaled_mm" or num_rows == 0
+                                      or tp is not None):
+        x = plain_rows(x)
 
     # Checked: from here on state may change.
     bias_after = None

@@ -14,13 +14,15 @@ from __future__ import annotations
 
 import torch
 
+from grouped_linear.kernels.quantize import rows as quantize_rows
 from grouped_linear.kernels.routing import combine as combine_kernels
 from grouped_linear.kernels.routing import routing_map as routing
 from grouped_linear.kernels.routing import rows as row_kernels
 from grouped_linear.ops import routing_inputs as inputs
 from grouped_linear.ops.checks import MAX_ROWS, check_int, check_matrix, host_checks
+from grouped_linear.ops.fp8.rows import Float8Rows, rows_recipe
 from grouped_linear.ops.splits import SPLIT_DTYPES, debug_checks_enabled
-from grouped_linear.recipes import current_recipe
+from grouped_linear.recipes import Float8Recipe, check_recipe, current_recipe
 
 __all__ = ["permute", "unpermute"]
 
@@ -72,6 +74,27 @@ class _PermuteRows(torch.autograd.Function):
     def backward(ctx, grad):  # type: ignore[override]
         (row_map,) = ctx.saved_tensors
         return _combine(grad, row_map, None), None, None, None, None
+
+
+class _PermuteFp8Rows(torch.autograd.Function):
+    """:class:`_PermuteRows` for rows quantized per token beforehand: the codes and factors
+    move, the result is their :class:`~grouped_linear.ops.fp8.rows.Float8Rows`."""
+
+    @staticmethod
+    def forward(ctx, x, codes, inv, recipe, token_of_row, row_map, m_splits,  # type: ignore[override]
+                counts):
+        ctx.save_for_backward(row_map)
+        groups = (m_splits, counts)
+        rows = row_kernels.scatter_rows(codes.view(torch.uint8), row_map, token_of_row, groups)
+        factors = row_kernels.scatter_rows(inv.view(-1, 1), row_map, token_of_row, groups)
+        # rows no slot holds: zero codes with a unit factor, as quantizing a zero row gives
+        factors = factors.view(-1).masked_fill_(token_of_row < 0, 1.0)
+        return Float8Rows(rows.view(codes.dtype), factors, recipe, x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        (row_map,) = ctx.saved_tensors
+        return _combine(grad, row_map, None), None, None, None, None, None, None, None
 
 
 class _Unpermute(torch.autograd.Function):
@@ -149,6 +172,7 @@ def permute(
     capacity: int | float | None = None,
     drop_policy: str = "probs",
     pad_to_capacity: bool = False,
+    recipe: Float8Recipe | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """Group the routed copies of the tokens by expert.
 
@@ -186,6 +210,16 @@ def permute(
         pad_to_capacity: with a ``capacity``, pad every group to exactly
             ``capacity`` rows (``capacity`` must be a multiple of ``multiple``):
             ``N = E * capacity`` on every device.
+        recipe: the FP8 recipe of the layer that reads ``x_perm`` (or ``None``). With
+            ``Float8Rowwise`` (and a bfloat16, float16 or float32 ``x``), each token is
+            quantized once and its codes copied into its rows: ``x_perm`` is then a
+            ``Float8Rows`` tensor (its FP8 codes and per-row factors; shape and dtype as
+            without), which a ``grouped_linear``/``GroupedLinear``/``GroupedMLP`` of that
+            recipe reads as it is on its FP8 GEMM route: half the bytes written, and no
+            second read to quantize. Any other use of it sees the dequantized values, as
+            that layer would. Other recipes scale by groups of rows, known only after
+            permuting: ``x_perm`` is then plain. An enclosing ``gl.autocast`` does not
+            change ``x_perm`` (rows may go elsewhere first, e.g. to an all-to-all).
 
     Returns:
         ``(x_perm, m_splits, row_map)``, and ``permuted_probs`` after them when
@@ -227,6 +261,7 @@ def permute(
     capacity = inputs.check_capacity(capacity, tokens, k, num_experts, is_map)
     drop_policy = inputs.check_drop_policy(drop_policy, capacity, probs)
     padded = inputs.check_pad_to_capacity(pad_to_capacity, capacity, num_experts, multiple)
+    fp8 = rows_recipe(check_recipe(recipe, x.device), x)
     # The upper bound of the rows, and with it every padded size and row index, is an int64.
     num_rows = slots + num_experts * (multiple - 1)
     if num_rows > MAX_ROWS:
@@ -244,6 +279,12 @@ def permute(
         )
 
     with torch.no_grad():
+        # Before the routing kernel: the row scatter, launched right after it, may read its
+        # source while the routing finishes.
+        codes = inv = None
+        if fp8 is not None:
+            codes, inv = quantize_rows.quantize_rows(x.contiguous(), fp8.forward_dtype,
+                                                     fp8.power_of_two_scales)
         experts = topk_indices
         if is_map or topk_indices.dim() == 1 or capacity is not None or num_out_tokens is not None:
             experts = inputs.slot_experts(topk_indices, num_experts)
@@ -271,7 +312,11 @@ def permute(
             m_splits, row_map, token_of_row, counts = routing.routing_map(
                 experts, num_experts, multiple, num_rows)
 
-    x_perm = _PermuteRows.apply(x, token_of_row, row_map, m_splits, counts)
+    if fp8 is not None:
+        x_perm = _PermuteFp8Rows.apply(x, codes, inv, fp8, token_of_row, row_map, m_splits,
+                                       counts)
+    else:
+        x_perm = _PermuteRows.apply(x, token_of_row, row_map, m_splits, counts)
     if probs is None:
         return x_perm, m_splits, row_map
     return x_perm, m_splits, row_map, inputs.permute_probs(probs, row_map, x_perm.shape[0])

@@ -1,6 +1,6 @@
 """The whole MoE block (``permute`` -> ``GroupedMLP`` -> ``unpermute``) under each FP8 recipe on
-CUDA: no host sync with device routing, and one forward+backward captured in a CUDA graph
-replayed on new routings written into the same index tensor (the same results as eager
+CUDA, ``permute`` given the recipe too: no host sync with device routing, and one
+forward+backward captured in a CUDA graph replayed on new routings written into the same index tensor (the same results as eager
 calls on those routings). The numerics against float64 are ``tests/ops/test_moe_block_fp8.py``."""
 
 import pytest
@@ -40,7 +40,8 @@ class _Block:
         self.mlp.zero_grad(set_to_none=True)
         x.grad = probs.grad = None
         with gl.autocast(self.recipe):
-            rows, m_splits, row_map = gl.permute(x, self.indices, E)
+            # given the recipe: Float8Rowwise's rows permuted as FP8 codes
+            rows, m_splits, row_map = gl.permute(x, self.indices, E, recipe=self.recipe)
             out = gl.unpermute(self.mlp(rows, m_splits), row_map, probs)
         out.backward(self.grad)
         return (out, x.grad, probs.grad, self.mlp.fc1.weight.grad, self.mlp.fc2.weight.grad)

@@ -1,6 +1,7 @@
-"""A whole MoE block (``permute`` -> ``GroupedMLP`` -> ``unpermute``) under each FP8 recipe
-against the same block in float64: empty experts, dropped slots, zero and large activations.
-On CPU the recipes run their emulation; on CUDA (``make test-gpu``) the device routes."""
+"""A whole MoE block (``permute`` given the recipe -> ``GroupedMLP`` -> ``unpermute``) under
+each FP8 recipe against the same block in float64: empty experts, dropped slots, zero and
+large activations. On CPU the recipes run their emulation; on CUDA (``make test-gpu``) the
+device routes."""
 
 from __future__ import annotations
 
@@ -49,7 +50,7 @@ def _block(scale: float, zero_tokens: bool, seed: int = 0):
 
 def _run(mlp, x, index, probs, grad, recipe):
     with gl.autocast(recipe):
-        rows, m_splits, row_map = gl.permute(x, index, E)
+        rows, m_splits, row_map = gl.permute(x, index, E, recipe=recipe)
         out = gl.unpermute(mlp(rows, m_splits), row_map, probs)
     out.backward(grad)
     return out

@@ -20,7 +20,11 @@ takes, torch's (:mod:`grouped_linear.kernels.gemm.fp8_torch_gemm`) on the others
   bytes of ``x``, and no row-major copy); ``dy``: multiplied row by row by ``x``'s per-token
   factors (per group, tensorwise) and quantized per (group, column) along the tokens: the
   tokens are the reduced dimension, so the factors may move across it. With
-  ``save_original_input`` backward keeps ``x`` and quantizes it again along the tokens.
+  ``save_original_input`` backward keeps ``x`` and quantizes it again along the tokens
+  (not for :class:`~.rows.Float8Rows`, whose codes are all there is of ``x``).
+
+``x`` may come as :class:`~.rows.Float8Rows` (rowwise rows quantized per token by
+``permute``): its codes and factors are the forward's operand as they are.
 
 A list input (one tensor per group) is quantized piece by piece in both directions, never
 concatenated. Any group size works (0 and unaligned included);
@@ -37,6 +41,7 @@ from ...kernels.gemm import fp8_gluon_gemm, fp8_gluon_wgrad, fp8_torch_gemm, fp8
 from ...kernels.gemm.gluon_gemm import is_input_major
 from ...kernels.quantize import common, folded, rows, transposed
 from ...recipes import Float8Recipe, Float8Tensorwise
+from .rows import Float8Rows
 from .weight import (
     Fp8Config,
     Fp8Weight,
@@ -100,6 +105,8 @@ class Fp8ScaledMMFunction(torch.autograd.Function):
             x_data, x_inv = rows.quantize_rows_pieces(list(pieces), fp8, recipe.power_of_two_scales,
                                                    x_scale, ends=ends)
             dtype = pieces[0].dtype
+        elif isinstance(x, Float8Rows):  # quantized per token by permute: read as they are
+            x_scale, x_data, x_inv, dtype = None, x.codes, x.inv, x.dtype
         else:
             x_scale = token_group_scales(x, ends, fp8, recipe)
             x_data, x_inv = _quantize_tokens(x, ends, fp8, recipe, x_scale)
@@ -113,7 +120,7 @@ class Fp8ScaledMMFunction(torch.autograd.Function):
         # half the bytes of x); save_original_input quantizes x again along the tokens.
         if not weight_grad_ahead:
             saved = (None, None)
-        elif _folds_x(config):
+        elif _folds_x(config) or isinstance(x, Float8Rows):  # FP8 rows: nothing finer exists
             saved = (transposed.transpose_group_columns(x_data, ends, fp8_triton_gemm.BLOCK),
                      x_inv)
         else:

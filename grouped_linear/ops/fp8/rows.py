@@ -1,0 +1,98 @@
+"""Rows already in ``Float8Rowwise``'s FP8 form, handed from :func:`~grouped_linear.permute`
+to the GEMM that reads them.
+
+A rowwise recipe scales each row by its own amax, so a token's routed copies share its codes
+and factor: ``permute(..., recipe=Float8Rowwise())`` quantizes each token once and copies its
+codes into its slots' rows (one byte per element instead of two), and the ``fp8_scaled_mm``
+route of a layer of the same recipe reads them as they are, instead of reading bf16 rows to
+quantize them. :class:`Float8Rows` is that result as a tensor: its shape, dtype and device
+are the rows' own, and any other operation sees the dequantized values (a route that cannot
+read the codes, another recipe, plain compute: :func:`plain_rows`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils._pytree import tree_map_only
+
+from ...recipes import Float8Recipe, Float8Rowwise
+
+__all__ = ["Float8Rows", "plain_rows", "rows_recipe"]
+
+_aten = torch.ops.aten
+
+
+def rows_recipe(recipe: Float8Recipe | None, x: torch.Tensor) -> Float8Rowwise | None:
+    """``recipe`` where rows of ``x`` can travel as its codes (a rowwise recipe, a 2-D half or
+    float32 input, not while ``torch.compile`` traces), else ``None``."""
+    if (isinstance(recipe, Float8Rowwise) and x.dim() == 2
+            and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
+            and not torch.compiler.is_compiling()):
+        return recipe
+    return None
+
+
+class Float8Rows(torch.Tensor):
+    """``(N, H)`` rows as E4M3/E5M2 ``codes`` ``(N, H)`` and float32 ``inv`` ``(N,)`` factors
+    of ``recipe`` (module doc); the tensor's dtype is the rows' high-precision one."""
+
+    codes: torch.Tensor
+    inv: torch.Tensor
+    recipe: Float8Rowwise
+
+    @staticmethod
+    def __new__(cls, codes: torch.Tensor, inv: torch.Tensor, recipe: Float8Rowwise,
+                dtype: torch.dtype):
+        return torch.Tensor._make_wrapper_subclass(cls, codes.shape, dtype=dtype,
+                                                   device=codes.device)
+
+    def __init__(self, codes: torch.Tensor, inv: torch.Tensor, recipe: Float8Rowwise,
+                 dtype: torch.dtype) -> None:
+        self.codes, self.inv, self.recipe = codes, inv, recipe
+
+    def fits(self, recipe: Float8Recipe | None) -> bool:
+        """Whether a layer of ``recipe`` reads these codes as its forward operand."""
+        return (isinstance(recipe, Float8Rowwise)
+                and recipe.forward_dtype == self.recipe.forward_dtype
+                and recipe.power_of_two_scales == self.recipe.power_of_two_scales)
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The rows' values, ``codes * inv[:, None]``, in ``dtype`` (default: the tensor's)."""
+        return (self.codes.float() * self.inv[:, None]).to(dtype or self.dtype)
+
+    def __repr__(self, *, tensor_contents=None) -> str:
+        return (f"Float8Rows(shape={tuple(self.shape)}, dtype={self.dtype}, "
+                f"recipe={self.recipe!r}, device={self.device})")
+
+    def __tensor_flatten__(self):
+        return ["codes", "inv"], (self.recipe, self.dtype)
+
+    @staticmethod
+    def __tensor_unflatten__(inner, meta, outer_size, outer_stride):
+        recipe, dtype = meta
+        return Float8Rows(inner["codes"], inner["inv"], recipe, dtype)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in (_aten.detach.default, _aten.alias.default):
+            t = args[0]
+            return Float8Rows(t.codes, t.inv, t.recipe, t.dtype)
+        plain_args, plain_kwargs = tree_map_only(cls, lambda t: t.dequantize(), (args, kwargs))
+        return func(*plain_args, **plain_kwargs)
+
+
+class _Dequantize(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, rows):  # type: ignore[override]
+        return rows.dequantize()
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        return grad
+
+
+def plain_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as a plain tensor: :class:`Float8Rows` dequantized (differentiably), anything
+    else as it is."""
+    return _Dequantize.apply(x) if isinstance(x, Float8Rows) else x

@@ -1,0 +1,159 @@
+"""Rows permuted as ``Float8Rowwise`` codes (``permute(..., recipe=...)``): each token's
+codes in its rows, read as they are by the rowwise GEMM route, the dequantized values for
+anything else. On CPU the route's Triton kernels run under the interpreter and torch's FP8
+grouped GEMM (sm90 only) as its dequantized reference."""
+
+import importlib
+
+import pytest
+import torch
+
+import grouped_linear as gl
+from grouped_linear.kernels.gemm import fp8_torch_gemm
+from grouped_linear.kernels.quantize.rows import quantize_rows_reference
+from grouped_linear.ops.fp8 import Float8Rows, plain_rows, scaled_mm
+from grouped_linear.recipes import Float8Blockwise, Float8Rowwise, Float8Tensorwise
+from tests.reference import rel_err
+
+ops_linear = importlib.import_module("grouped_linear.ops.grouped_linear")
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+E, H, F, TOKENS, K = 4, 128, 64, 48, 2
+ROWWISE = Float8Rowwise()
+
+
+def _tokens(seed: int = 0):
+    """bf16 tokens (one all zero), their routing (expert 2 never chosen, dropped slots)."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(TOKENS, H, generator=gen) * torch.rand(TOKENS, 1, generator=gen) * 4
+    x[3] = 0
+    choices = torch.tensor([0, 1, 3])
+    index = choices[torch.stack([torch.randperm(3, generator=gen)[:K] for _ in range(TOKENS)])]
+    index[::5, 1] = -1
+    probs = torch.rand(TOKENS, K, generator=gen).softmax(-1)
+    return (x.to(DEVICE, torch.bfloat16).requires_grad_(), index.to(DEVICE),
+            probs.to(DEVICE).requires_grad_())
+
+
+@pytest.mark.parametrize("multiple", [1, 4])
+@pytest.mark.parametrize("recipe", [ROWWISE, Float8Rowwise(power_of_two_scales=True)], ids=repr)
+def test_permute_writes_each_tokens_codes_into_its_rows(multiple, recipe):
+    """The codes and factors of every row are those of quantizing the plain permuted row
+    (torch's reference), padding and unheld rows included (zero codes, unit factor); the
+    gradient of ``x`` is the plain permutation's."""
+    x, index, _ = _tokens()
+    rows, m_splits, row_map = gl.permute(x, index, E, multiple, recipe=recipe)
+    plain, plain_splits, plain_map = gl.permute(x, index, E, multiple)
+    assert isinstance(rows, Float8Rows)
+    assert rows.shape == plain.shape and rows.dtype == torch.bfloat16 and rows.requires_grad
+    assert torch.equal(m_splits, plain_splits) and torch.equal(row_map, plain_map)
+    codes, inv = quantize_rows_reference(plain.detach(), recipe.forward_dtype,
+                                         recipe.power_of_two_scales)
+    assert torch.equal(rows.codes.view(torch.uint8), codes.view(torch.uint8))
+    assert torch.equal(rows.inv, inv)
+    # within half an E4M3 step (2**-4 relative) of the row's values
+    err = (rows.dequantize().float() - plain.detach().float()).abs()
+    assert torch.all(err <= plain.detach().float().abs() * 2 ** -4 + 1e-30)
+    grad = torch.randn(plain.shape, device=DEVICE).bfloat16()
+    got, = torch.autograd.grad(plain_rows(rows), x, grad)
+    want, = torch.autograd.grad(plain, x, grad)
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("recipe", [None, Float8Tensorwise(), Float8Blockwise()], ids=repr)
+def test_other_recipes_permute_plain_rows(recipe):
+    """Recipes that scale by groups of rows leave the rows plain (scales known only after
+    permuting), equal to the permutation without a recipe."""
+    x, index, _ = _tokens()
+    rows, _, _ = gl.permute(x, index, E, recipe=recipe)
+    plain, _, _ = gl.permute(x, index, E)
+    assert type(rows) is torch.Tensor and torch.equal(rows, plain)
+
+
+def test_a_recipe_that_is_not_one_is_refused():
+    x, index, _ = _tokens()
+    with pytest.raises(ValueError, match="recipe='rowwise' is not a known recipe"):
+        gl.permute(x, index, E, recipe="rowwise")
+
+
+def test_any_other_use_sees_the_dequantized_values():
+    """Arithmetic, and a layer without the recipe (or of another), read the values the codes
+    stand for; gradients reach ``x`` through them."""
+    x, index, _ = _tokens()
+    rows, m_splits, _ = gl.permute(x, index, E, recipe=ROWWISE)
+    values = rows.dequantize()
+    assert torch.equal(rows * 2, values * 2)
+    torch.manual_seed(0)
+    weight = (torch.randn(E, F, H, device=DEVICE) * H ** -0.5).bfloat16()
+    for recipe in (None, Float8Tensorwise()):
+        got = gl.grouped_linear(rows, weight, None, m_splits, recipe=recipe)
+        want = gl.grouped_linear(values, weight, None, m_splits, recipe=recipe)
+        assert torch.equal(got, want)
+    # the bf16 layer's input gradient does not depend on the values: equal to the plain
+    # rows' one
+    x.grad = None
+    gl.grouped_linear(rows, weight, None, m_splits).float().sum().backward()
+    x2 = x.detach().clone().requires_grad_()
+    plain, _, _ = gl.permute(x2, index, E)
+    gl.grouped_linear(plain, weight, None, m_splits).float().sum().backward()
+    assert torch.equal(x.grad, x2.grad) and x.grad.abs().sum() > 0
+
+
+@pytest.fixture
+def rowwise_route(monkeypatch):
+    """Every FP8 call on the ``fp8_scaled_mm`` route; on CPU torch's FP8 grouped GEMM as its
+    float32 reference of the dequantized operands. Counts the route's token quantizations."""
+    monkeypatch.setattr(ops_linear, "choose_route", lambda *args: "fp8_scaled_mm")
+    if DEVICE == "cpu":
+        def gemm(a, a_inv, b, b_inv, ends, out_dtype):
+            return fp8_torch_gemm.dequantized_reference(a, a_inv, b, b_inv, ends).to(out_dtype)
+
+        monkeypatch.setattr(fp8_torch_gemm, "forward", gemm)
+        monkeypatch.setattr(fp8_torch_gemm, "dgrad", gemm)
+    calls = []
+    quantize = scaled_mm._quantize_tokens
+
+    def counting(t, *args):
+        calls.append(t.shape)
+        return quantize(t, *args)
+
+    monkeypatch.setattr(scaled_mm, "_quantize_tokens", counting)
+    return calls
+
+
+def _block(mlp, x, index, probs, grad, fp8_rows: bool):
+    with gl.autocast(ROWWISE):
+        rows, m_splits, row_map = gl.permute(x, index, E, recipe=ROWWISE if fp8_rows else None)
+        out = gl.unpermute(mlp(rows, m_splits), row_map, probs)
+    out.backward(grad)
+    return [out, x.grad, probs.grad, *(p.grad for p in mlp.parameters())]
+
+
+def test_the_rowwise_route_reads_the_codes_as_they_are(rowwise_route):
+    """The block with rows permuted as codes equals, bit for bit, the block whose fc1
+    quantizes the permuted bf16 rows itself (output, gradients of x, probs and weights),
+    and its fc1 quantizes nothing (fc2 still quantizes its input); both within FP8's error
+    of float64."""
+    torch.manual_seed(0)
+    mlp = gl.GroupedMLP(E, H, F, bias=True, params_dtype=torch.bfloat16, device=DEVICE)
+    grad = torch.randn(TOKENS, H, device=DEVICE).bfloat16()
+    results, quantized = [], []
+    for fp8_rows in (True, False):
+        x, index, probs = _tokens()
+        mlp.zero_grad(set_to_none=True)
+        rowwise_route.clear()
+        results.append(_block(mlp, x, index, probs, grad, fp8_rows))
+        quantized.append(len([s for s in rowwise_route if s[1] == H]))
+    assert quantized == [0, 1]  # fc1's input: by permute, or by fc1
+    for got, want in zip(*results, strict=True):
+        assert torch.equal(got, want)
+    x, index, probs = _tokens()
+    out64 = torch.zeros(TOKENS, H, dtype=torch.float64)
+    w1, b1, w2, b2 = (p.detach().double().cpu() for p in mlp.parameters())
+    x64 = x.detach().double().cpu()
+    for e in range(E):
+        token, slot = (index.cpu() == e).nonzero(as_tuple=True)
+        gate, up = (x64[token] @ w1[e].T + b1[e]).chunk(2, dim=1)
+        y = (torch.nn.functional.silu(gate) * up) @ w2[e].T + b2[e]
+        out64 = out64.index_add(0, token, probs.detach().double().cpu()[token, slot, None] * y)
+    assert rel_err(results[0][0], out64) < 7e-2
