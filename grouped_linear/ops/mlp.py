@@ -20,6 +20,7 @@ import torch
 from ..recipes import Float8Recipe, check_recipe
 from .activation import Activation, bias_activation, check_activation
 from .checks import check_operands, check_tensor
+from .fp8.rows import Float8Rows, scale_rows
 from .grouped_linear import (
     apply_grouped_linear,
     flatten_rows,
@@ -95,7 +96,10 @@ def check_probs(probs: object, probs_on: object, x: torch.Tensor,
 
 
 def _scale_rows(x: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
-    """``probs[:, None] * x`` in float32 (float64 where either is), rounded to ``x.dtype``."""
+    """``probs[:, None] * x`` in float32 (float64 where either is), rounded to ``x.dtype``;
+    FP8 rows keep their codes, their factors scaled."""
+    if isinstance(x, Float8Rows):
+        return scale_rows(x, probs)
     compute = torch.float64 if torch.float64 in (x.dtype, probs.dtype) else torch.float32
     return (x.to(compute) * probs.to(compute).unsqueeze(1)).to(x.dtype)
 

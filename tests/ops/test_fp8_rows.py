@@ -157,3 +157,35 @@ def test_the_rowwise_route_reads_the_codes_as_they_are(rowwise_route):
         y = (torch.nn.functional.silu(gate) * up) @ w2[e].T + b2[e]
         out64 = out64.index_add(0, token, probs.detach().double().cpu()[token, slot, None] * y)
     assert rel_err(results[0][0], out64) < 7e-2
+
+
+def test_no_tokens_and_probabilities_on_the_input():
+    """No tokens: empty FP8 rows, an empty block. ``probs_on="input"`` keeps the codes and
+    scales each row's factor: the block within FP8's error of float64 (output, gradients of
+    x and probs), as the plain rows' block is."""
+    torch.manual_seed(0)
+    mlp = gl.GroupedMLP(E, H, F, bias=False, params_dtype=torch.bfloat16, device=DEVICE,
+                        probs_on="input", recipe=ROWWISE)
+    empty = torch.zeros(0, H, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
+    rows, m_splits, row_map, row_probs = gl.permute(
+        empty, torch.zeros(0, K, dtype=torch.int64, device=DEVICE), E,
+        probs=torch.zeros(0, K, device=DEVICE), recipe=ROWWISE)
+    out = gl.unpermute(mlp(rows, m_splits, row_probs), row_map)
+    assert out.shape == (0, H)
+    mlp64 = gl.GroupedMLP(E, H, F, bias=False, params_dtype=torch.float64, device=DEVICE,
+                          probs_on="input")
+    mlp64.load_state_dict({k: v.double() for k, v in mlp.state_dict().items()})
+    results = []
+    for recipe, module, dtype in ((ROWWISE, mlp, torch.bfloat16), (None, mlp, torch.bfloat16),
+                                  (None, mlp64, torch.float64)):
+        x, index, probs = _tokens()
+        x = x.detach().to(dtype).requires_grad_()
+        probs = probs.detach().to(dtype).requires_grad_()
+        rows, m_splits, row_map, row_probs = gl.permute(x, index, E, probs=probs,
+                                                        recipe=recipe)
+        out = gl.unpermute(module(rows, m_splits, row_probs), row_map)
+        out.backward(torch.ones_like(out))
+        results.append((out, x.grad, probs.grad))
+    fused, plain, exact = results
+    for got, near, want in zip(fused, plain, exact, strict=True):
+        assert rel_err(got, want) < 7e-2 and rel_err(near, want) < 7e-2

@@ -17,7 +17,7 @@ from torch.utils._pytree import tree_map_only
 
 from ...recipes import Float8Recipe, Float8Rowwise
 
-__all__ = ["Float8Rows", "plain_rows", "rows_recipe"]
+__all__ = ["Float8Rows", "plain_rows", "rows_recipe", "scale_rows"]
 
 _aten = torch.ops.aten
 
@@ -90,6 +90,37 @@ class _Dequantize(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
         return grad
+
+
+class _ScaleRows(torch.autograd.Function):
+    """``probs[:, None] * rows`` as FP8 rows: the codes stay, each row's factor is scaled."""
+
+    @staticmethod
+    def forward(ctx, rows, probs):  # type: ignore[override]
+        # the codes and factors for the probabilities' gradient (what the rows stand for)
+        ctx.save_for_backward(probs, *((rows.codes, rows.inv) if ctx.needs_input_grad[1]
+                                       else ()))
+        ctx.dtype = rows.dtype
+        return Float8Rows(rows.codes, rows.inv * probs.float(), rows.recipe, rows.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        probs, *codes_inv = ctx.saved_tensors
+        grad = grad.float()
+        grad_rows = grad_probs = None
+        if ctx.needs_input_grad[0]:
+            grad_rows = (grad * probs.float()[:, None]).to(ctx.dtype)
+        if ctx.needs_input_grad[1]:
+            codes, inv = codes_inv
+            grad_probs = (grad * (codes.float() * inv[:, None])).sum(1).to(probs.dtype)
+        return grad_rows, grad_probs
+
+
+def scale_rows(rows: Float8Rows, probs: torch.Tensor) -> Float8Rows:
+    """``probs[:, None] * rows`` (``probs`` ``(N,)``) as FP8 rows of the same codes, each
+    factor times its row's probability: exact, where scaling the values and quantizing them
+    again would round twice. Differentiable in both."""
+    return _ScaleRows.apply(rows, probs)
 
 
 def plain_rows(x: torch.Tensor) -> torch.Tensor:
