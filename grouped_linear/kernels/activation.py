@@ -16,6 +16,10 @@ gradient of ``probs``, ``sum over columns of a * grad_a`` per row, from the same
 program stores the partial sum over its columns, and a ``(M, column programs)`` float32 sum
 follows (deterministic, no atomics).
 
+For a ``Float8Rowwise`` fc2 the forward can write ``a`` as FP8 codes per row with their
+factors instead (:func:`bias_act_forward_fp8`: each program over whole rows, the row amax
+first, then the codes), the bytes of ``a`` once, in FP8, with no pass to quantize it.
+
 Rows past ``ends[-1]`` give zero. One read of ``h`` and one write of ``a`` forward; backward
 recomputes from ``h`` (nothing else saved) in one read of ``h`` and ``grad_a`` and one write
 of ``grad_h``, in ``h``'s column layout. Float32 math for every I/O dtype. A Triton kernel
@@ -27,9 +31,11 @@ import torch.nn.functional as F
 
 from ._groups import row_group, row_groups
 from ._triton import cdiv, kernel, next_power_of_2, tl, triton, use_triton
+from .quantize.common import amax_to_scale, finish, fp8_buffer, inverse
+from .quantize.rows import quantize_rows_reference
 
 __all__ = ["ACTIVATION_KINDS", "ACT_CONFIG", "GATED_KINDS", "GPT_OSS_ALPHA", "GPT_OSS_LIMIT",
-           "bias_act_forward", "bias_act_backward", "bias_act_reference",
+           "bias_act_forward", "bias_act_forward_fp8", "bias_act_backward", "bias_act_reference",
            "bias_act_backward_reference"]
 
 # Each kind's function of the gate (or of the whole input), as the kernel numbers it.
@@ -245,6 +251,30 @@ def _load_input(h_ptr, bias_ptr, rows, cols, groups, in_group, mask, stride_h, s
     return value
 
 
+@triton.jit
+def _gate_up(h_ptr, bias_ptr, rows, block, groups, in_group, M, F, stride_h, stride_bias,
+             HAS_BIAS: tl.constexpr, GATED: tl.constexpr, INTERLEAVED: tl.constexpr,
+             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The gate and up values (the input twice where not gated) of output columns
+    ``block * BLOCK_N + [0, BLOCK_N)`` of ``rows``, bias added, float32."""
+    cols = block * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (rows < M)[:, None] & (cols < F)[None, :]
+    if INTERLEAVED:  # one contiguous (BLOCK_M, 2 * BLOCK_N) tile of h, split into gate, up
+        pair_cols = block * (2 * BLOCK_N) + tl.arange(0, 2 * BLOCK_N)
+        pair_mask = (rows < M)[:, None] & (pair_cols < 2 * F)[None, :]
+        pairs = _load_input(h_ptr, bias_ptr, rows, pair_cols, groups, in_group, pair_mask,
+                            stride_h, stride_bias, HAS_BIAS)
+        gate, up = tl.split(tl.reshape(pairs, (BLOCK_M, BLOCK_N, 2)))
+    else:
+        gate = _load_input(h_ptr, bias_ptr, rows, cols, groups, in_group, mask, stride_h,
+                           stride_bias, HAS_BIAS)
+        up = gate
+        if GATED:
+            up = _load_input(h_ptr, bias_ptr, rows, cols + F, groups, in_group, mask,
+                             stride_h, stride_bias, HAS_BIAS)
+    return gate, up
+
+
 @kernel
 @triton.jit
 def _bias_act_kernel(h_ptr, bias_ptr, ends_ptr, grad_a_ptr, out_ptr, probs_ptr, partials_ptr,
@@ -260,18 +290,8 @@ def _bias_act_kernel(h_ptr, bias_ptr, ends_ptr, grad_a_ptr, out_ptr, probs_ptr, 
     in_group = groups < G
     keep = in_group[:, None]
     out_rows = out_ptr + rows.to(tl.int64)[:, None] * stride_out
-    if INTERLEAVED:  # one contiguous (BLOCK_M, 2 * BLOCK_N) tile of h, split into gate, up
-        pair_cols = tl.program_id(1) * (2 * BLOCK_N) + tl.arange(0, 2 * BLOCK_N)
-        pair_mask = (rows < M)[:, None] & (pair_cols < 2 * F)[None, :]
-        pairs = _load_input(h_ptr, bias_ptr, rows, pair_cols, groups, in_group, pair_mask,
-                            stride_h, stride_bias, HAS_BIAS)
-        gate, up = tl.split(tl.reshape(pairs, (BLOCK_M, BLOCK_N, 2)))
-    else:
-        gate = _load_input(h_ptr, bias_ptr, rows, cols, groups, in_group, mask, stride_h,
-                           stride_bias, HAS_BIAS)
-        if GATED:
-            up = _load_input(h_ptr, bias_ptr, rows, cols + F, groups, in_group, mask,
-                             stride_h, stride_bias, HAS_BIAS)
+    gate, up = _gate_up(h_ptr, bias_ptr, rows, tl.program_id(1), groups, in_group, M, F,
+                        stride_h, stride_bias, HAS_BIAS, GATED, INTERLEAVED, BLOCK_M, BLOCK_N)
     if HAS_PROBS:  # one probability per row, as a (BLOCK_M, 1) column
         probs = tl.load(probs_ptr + rows, mask=rows < M, other=0.0).to(tl.float32)[:, None]
     if not BACKWARD:
@@ -299,6 +319,8 @@ def _bias_act_kernel(h_ptr, bias_ptr, ends_ptr, grad_a_ptr, out_ptr, probs_ptr, 
         if GATED:
             grad_gate, grad_up = _glu_grads(gate, up, grad_a, alpha, limit, ACT)
             if INTERLEAVED:  # gate and up gradients joined back into h's column order
+                pair_cols = tl.program_id(1) * (2 * BLOCK_N) + tl.arange(0, 2 * BLOCK_N)
+                pair_mask = (rows < M)[:, None] & (pair_cols < 2 * F)[None, :]
                 grad_h = tl.reshape(tl.join(grad_gate, grad_up), (BLOCK_M, 2 * BLOCK_N))
                 tl.store(out_rows + pair_cols[None, :], grad_h.to(out_ptr.dtype.element_ty),
                          mask=pair_mask)
@@ -312,8 +334,58 @@ def _bias_act_kernel(h_ptr, bias_ptr, ends_ptr, grad_a_ptr, out_ptr, probs_ptr, 
                 out_ptr.dtype.element_ty), mask=mask)
 
 
+@kernel
+@triton.jit
+def _bias_act_fp8_kernel(h_ptr, bias_ptr, ends_ptr, probs_ptr, q_ptr, inv_ptr, M, F, G,
+                         stride_h, stride_bias, stride_q, alpha, limit, FP8_MAX: tl.constexpr,
+                         POW2: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
+                         INTERLEAVED: tl.constexpr, ACT: tl.constexpr,
+                         HAS_PROBS: tl.constexpr, BLOCK_M: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr):
+    """The forward with its output quantized per row: each program's rows twice over their
+    columns (the second read mostly from L2), the row amax of the activation as the plain
+    kernel would store it (rounded to ``h``'s dtype), then its codes and the row factors."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_mask = rows < M
+    groups = row_group(ends_ptr, rows, G, BLOCK_G)
+    in_group = groups < G
+    if HAS_PROBS:
+        probs = tl.load(probs_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)[:, None]
+    amax = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for block in range(0, tl.cdiv(F, BLOCK_N)):  # pass 1: row amax
+        gate, up = _gate_up(h_ptr, bias_ptr, rows, block, groups, in_group, M, F, stride_h,
+                            stride_bias, HAS_BIAS, GATED, INTERLEAVED, BLOCK_M, BLOCK_N)
+        if GATED:
+            result = _glu(gate, up, alpha, limit, ACT)
+        else:
+            result = _act(gate, ACT)
+        if HAS_PROBS:
+            result = result * probs
+        result = tl.where(in_group[:, None], result, 0.0).to(h_ptr.dtype.element_ty)
+        amax = tl.maximum(amax, tl.max(tl.abs(result.to(tl.float32)), axis=1))
+    scale = amax_to_scale(amax, FP8_MAX, POW2)
+    for block in range(0, tl.cdiv(F, BLOCK_N)):  # pass 2: scale, saturate, round
+        gate, up = _gate_up(h_ptr, bias_ptr, rows, block, groups, in_group, M, F, stride_h,
+                            stride_bias, HAS_BIAS, GATED, INTERLEAVED, BLOCK_M, BLOCK_N)
+        if GATED:
+            result = _glu(gate, up, alpha, limit, ACT)
+        else:
+            result = _act(gate, ACT)
+        if HAS_PROBS:
+            result = result * probs
+        result = tl.where(in_group[:, None], result, 0.0).to(h_ptr.dtype.element_ty)
+        cols = block * BLOCK_N + tl.arange(0, BLOCK_N)
+        scaled = tl.clamp(result.to(tl.float32) * scale[:, None], -FP8_MAX, FP8_MAX)
+        tl.store(q_ptr + rows.to(tl.int64)[:, None] * stride_q + cols[None, :],
+                 scaled.to(q_ptr.dtype.element_ty),
+                 mask=row_mask[:, None] & (cols < F)[None, :])
+    tl.store(inv_ptr + rows, inverse(scale), mask=row_mask)
+
+
 # Launch shape: (rows, output columns, warps) per program.
 ACT_CONFIG = (32, 64, 4)
+# The FP8 output's: a program loops over whole rows.
+ACT_FP8_CONFIG = (16, 128, 4)
 
 
 def _launch(h: torch.Tensor, bias: torch.Tensor | None, ends: torch.Tensor, kind: str,
@@ -363,6 +435,34 @@ def bias_act_forward(h: torch.Tensor, bias: torch.Tensor | None, ends: torch.Ten
                                       probs)
     out = torch.empty(h.shape[0], width, device=h.device, dtype=h.dtype)
     return _launch(h, bias, ends, kind, interleaved, alpha, limit, None, out, width, probs)
+
+
+def bias_act_forward_fp8(h: torch.Tensor, bias: torch.Tensor | None, ends: torch.Tensor,
+                         kind: str, fp8_dtype: torch.dtype, power_of_two: bool,
+                         interleaved: bool = False, alpha: float = GPT_OSS_ALPHA,
+                         limit: float = GPT_OSS_LIMIT, probs: torch.Tensor | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`bias_act_forward`'s output quantized per row, written by the activation itself:
+    FP8 codes ``(M, F)`` and float32 factors ``(M,)``, those of quantizing that output (rows
+    past ``ends[-1]``: zero codes, factor 1)."""
+    width = h.shape[1] // 2 if kind in GATED_KINDS else h.shape[1]
+    if h.shape[0] == 0 or not _triton_ok(h, bias, probs):
+        a = bias_act_forward(h, bias, ends, kind, True, interleaved, alpha, limit, probs)
+        return quantize_rows_reference(a, fp8_dtype, power_of_two)
+    M, G = h.shape[0], ends.shape[0]
+    codes = fp8_buffer((M, width), h.device, fp8_dtype)
+    inv = torch.empty(M, device=h.device, dtype=torch.float32)
+    block_m, block_n, warps = ACT_FP8_CONFIG
+    gated = kind in GATED_KINDS
+    _bias_act_fp8_kernel[(cdiv(M, block_m),)](
+        h, bias if bias is not None else h, ends, probs if probs is not None else h, codes, inv,
+        M, width, G, h.stride(0), bias.stride(0) if bias is not None else 0, codes.stride(0),
+        float(alpha), float(limit), FP8_MAX=torch.finfo(fp8_dtype).max, POW2=power_of_two,
+        HAS_BIAS=bias is not None, GATED=gated, INTERLEAVED=gated and interleaved,
+        ACT=ACTIVATION_KINDS[kind], HAS_PROBS=probs is not None, BLOCK_M=block_m,
+        BLOCK_N=block_n, BLOCK_G=min(64, next_power_of_2(G)), num_warps=warps,
+    )
+    return finish(codes, fp8_dtype), inv
 
 
 def bias_act_backward(grad_a: torch.Tensor, h: torch.Tensor, bias: torch.Tensor | None,

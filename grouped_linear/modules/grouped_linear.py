@@ -11,11 +11,11 @@ from torch import nn
 
 from ..ops.checks import check_int
 from ..ops.dispatch import check_backend
-from ..ops.fp8 import Fp8WeightCache
-from ..ops.grouped_linear import apply_grouped_linear, flatten_rows
+from ..ops.fp8 import Float8WeightTensor, Fp8WeightCache
+from ..ops.grouped_linear import apply_grouped_linear, flatten_rows, reads_fp8_rows
 from ..ops.weight_grad import WeightGradSink, check_main_grad
 from ..parallel.tensor_parallel import TensorParallel
-from ..recipes import check_recipe
+from ..recipes import Float8Rowwise, check_recipe
 
 try:  # sharded parameters (FSDP2's fully_shard); absent from builds without distributed
     from torch.distributed.tensor import DTensor, distribute_tensor
@@ -193,6 +193,17 @@ class GroupedLinear(nn.Module):
         if self.single_grouped_bias:
             return [self.bias]
         return [getattr(self, f"bias{i}") for i in range(self.num_gemms)]
+
+    def reads_fp8_rows(self, num_rows: int, dtype: torch.dtype, device: torch.device
+                       ) -> Float8Rowwise | None:
+        """The rowwise recipe whose FP8 rows (``gl.permute(..., recipe=)``, ``GroupedMLP``'s
+        activation) a call on ``num_rows`` rows reads as they are, else ``None``."""
+        if self._tp_hooks is not None:
+            return None
+        weight = self._parameters.get("weight") if self.single_grouped_weight else None
+        recipe = weight.recipe if isinstance(weight, Float8WeightTensor) else self.recipe
+        return reads_fp8_rows(self.num_gemms, self.out_features, self.in_features, recipe,
+                              num_rows, dtype, device, self.backend)
 
     def grouped_weight(self) -> torch.Tensor:
         """The weight as one ``(G, out, in)`` tensor (stacked in the per-expert layout)."""

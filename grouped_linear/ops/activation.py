@@ -11,6 +11,8 @@ from dataclasses import dataclass
 import torch
 
 from ..kernels import activation as act_kernels
+from ..recipes import Float8Rowwise
+from .fp8.rows import Float8Rows
 from .steps import bias_grad_impl, bias_grad_op, compute_op, register_fake, step
 
 __all__ = ["ACTIVATIONS", "GATED_ACTIVATIONS", "GATE_UP_ORDERS", "Activation",
@@ -111,9 +113,15 @@ def _(grad_a, h, bias, ends, kind, zero_tail, interleaved, alpha, limit, probs, 
 
 class BiasActivationFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h, bias, ends, act: Activation, zero_tail, probs):
+    def forward(ctx, h, bias, ends, act: Activation, zero_tail, probs,
+                fp8: Float8Rowwise | None = None):
         ctx.save_for_backward(h, bias, ends, probs)
         ctx.act, ctx.zero_tail = act, zero_tail
+        if fp8 is not None:  # the output as fc2's FP8 rows, written by the activation
+            codes, inv = act_kernels.bias_act_forward_fp8(
+                h, bias, ends, act.kind, fp8.forward_dtype, fp8.power_of_two_scales,
+                act.interleaved, act.alpha, act.limit, probs)
+            return Float8Rows(codes, inv, fp8, h.dtype)
         return step(_forward_op, _forward_impl)(h, bias, ends, act.kind, zero_tail,
                                                 act.interleaved, act.alpha, act.limit, probs)
 
@@ -129,12 +137,13 @@ class BiasActivationFunction(torch.autograd.Function):
         grad_bias = None
         if bias is not None and ctx.needs_input_grad[1]:
             grad_bias = step(bias_grad_op, bias_grad_impl)(grad_h, ends, bias.dtype)
-        return grad_h, grad_bias, None, None, None, (grad_probs if probs_grad else None)
+        return grad_h, grad_bias, None, None, None, (grad_probs if probs_grad else None), None
 
 
 def bias_activation(h: torch.Tensor, bias: torch.Tensor | None, ends: torch.Tensor,
                     kind: str | Activation, zero_tail: bool,
-                    probs: torch.Tensor | None = None) -> torch.Tensor:
+                    probs: torch.Tensor | None = None,
+                    fp8: Float8Rowwise | None = None) -> torch.Tensor:
     """``(M, W) -> (M, F)``: ``act(h + bias[g])`` per row group, each row times its
     ``probs`` value where given.
 
@@ -142,7 +151,9 @@ def bias_activation(h: torch.Tensor, bias: torch.Tensor | None, ends: torch.Tens
     cumulative group ends on ``h``'s device; ``kind``: a name of :data:`ACTIVATIONS` (gate half
     first if gated, ``gpt_oss_swiglu`` with its default parameters) or an
     :class:`Activation` from :func:`check_activation`; ``probs``: ``(M,)`` contiguous
-    floating-point on ``h``'s device, or ``None`` (checked by the callers).
+    floating-point on ``h``'s device, or ``None`` (checked by the callers); ``fp8``: a rowwise
+    recipe whose FP8 rows the next layer reads (:class:`~.fp8.rows.Float8Rows`, the
+    activation's values quantized per row by its own kernel), or ``None``.
     """
     act = kind if isinstance(kind, Activation) else check_activation(kind)
-    return BiasActivationFunction.apply(h, bias, ends, act, zero_tail, probs)
+    return BiasActivationFunction.apply(h, bias, ends, act, zero_tail, probs, fp8)

@@ -17,7 +17,7 @@ from typing import Protocol
 import torch
 
 from ..kernels.ends import group_ends
-from ..recipes import Float8Recipe, current_recipe
+from ..recipes import Float8Recipe, Float8Rowwise, current_recipe
 from .bias_add import add_group_bias
 from .checks import check_operands, check_tensor, describe
 from .dispatch import cached_verdict, choose_route
@@ -39,7 +39,7 @@ from .splits import SPLIT_DTYPES, GroupSplits, debug_checks_enabled, normalize_s
 from .weight_grad import WeightGradSink
 
 __all__ = ["grouped_linear", "apply_grouped_linear", "flatten_rows", "inputs_rebuilt_in_backward",
-           "join_inputs", "split_rows", "TensorParallelHooks"]
+           "join_inputs", "reads_fp8_rows", "split_rows", "TensorParallelHooks"]
 
 _INPUTS_REBUILT = contextvars.ContextVar("grouped_linear_inputs_rebuilt", default=False)
 
@@ -188,6 +188,21 @@ def apply_grouped_linear(
     if bias_after is not None:
         out = add_group_bias(out, bias_after, splits, sink)
     return out
+
+
+def reads_fp8_rows(num_groups: int, out_features: int, in_features: int,
+                   recipe: Float8Recipe | None, num_rows: int, dtype: torch.dtype,
+                   device: torch.device, backend: str = "auto") -> Float8Rowwise | None:
+    """The rowwise recipe whose :class:`~.fp8.rows.Float8Rows` a call of this geometry reads
+    as they are (its route ``fp8_scaled_mm``; ``recipe=None``: ``gl.autocast``'s), so that
+    the op before it may write them; else ``None``."""
+    recipe = recipe if recipe is not None else current_recipe()
+    if (not isinstance(recipe, Float8Rowwise) or num_rows == 0
+            or torch.is_autocast_enabled(device.type)):
+        return None
+    route = choose_route(backend, recipe, device, dtype, in_features, out_features, num_rows,
+                         num_groups)
+    return recipe if route == "fp8_scaled_mm" else None
 
 
 def _high_precision(route: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

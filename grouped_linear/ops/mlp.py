@@ -17,15 +17,17 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from ..recipes import Float8Recipe, check_recipe
+from ..recipes import Float8Recipe, Float8Rowwise, check_recipe
 from .activation import Activation, bias_activation, check_activation
 from .checks import check_operands, check_tensor
-from .fp8.rows import Float8Rows, scale_rows
+from .fp8 import Float8WeightTensor
+from .fp8.rows import Float8Rows, rows_recipe, scale_rows
 from .grouped_linear import (
     apply_grouped_linear,
     flatten_rows,
     inputs_rebuilt_in_backward,
     join_inputs,
+    reads_fp8_rows,
 )
 from .splits import GroupSplits, normalize_splits
 
@@ -106,22 +108,26 @@ def _scale_rows(x: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
 
 def run_mlp(x: torch.Tensor, splits: GroupSplits, fc1: Fc1, fc2: Fc2, act: Activation, *,
             recompute: bool = False, probs: torch.Tensor | None = None,
-            probs_on: str = "activation") -> torch.Tensor:
+            probs_on: str = "activation", fc2_rows: Float8Rowwise | None = None
+            ) -> torch.Tensor:
     """``fc2(act(fc1(x) + b1[g]))`` over the rows of ``splits``; with ``probs`` (``(M,)``,
     checked by :func:`check_probs`) each row's activation output (``probs_on="activation"``)
     or input (``"input"``) times its probability. With ``recompute``, fc2's input is not kept
     for backward, in any precision, but rebuilt from fc1's output (eager only: under
-    ``torch.compile`` the compiler decides what to recompute)."""
+    ``torch.compile`` the compiler decides what to recompute). ``fc2_rows``: the rowwise
+    recipe whose FP8 rows fc2 reads as they are (:func:`~.grouped_linear.reads_fp8_rows`):
+    the activation writes its output so, unless it is recomputed."""
     if probs is not None and probs_on == "input":
         x, probs = _scale_rows(x, probs), None
     pre, bias = fc1(x)
 
-    def activate(h: torch.Tensor, p: torch.Tensor | None) -> torch.Tensor:
-        return bias_activation(h, bias, splits.ends, act, splits.may_have_tail, p)
+    def activate(h: torch.Tensor, p: torch.Tensor | None,
+                 fp8: Float8Rowwise | None = None) -> torch.Tensor:
+        return bias_activation(h, bias, splits.ends, act, splits.may_have_tail, p, fp8)
 
-    a = activate(pre, probs)
     if not (recompute and torch.is_grad_enabled() and not torch.compiler.is_compiling()):
-        return fc2(a)
+        return fc2(activate(pre, probs, rows_recipe(fc2_rows, pre)))
+    a = activate(pre, probs)
     kept = probs.detach() if probs is not None else None
     return _with_recomputed_input(fc2, a, lambda: activate(pre.detach(), kept))
 
@@ -221,5 +227,7 @@ def grouped_mlp(
     def fc2(a: torch.Tensor) -> torch.Tensor:
         return apply_grouped_linear(a, w2, b2, splits, recipe=recipe)
 
-    y = run_mlp(x, splits, fc1, fc2, act, probs=probs, probs_on=probs_on)
+    fc2_rows = reads_fp8_rows(num_groups, hidden, ffn, w2.recipe if isinstance(
+        w2, Float8WeightTensor) else recipe, x.shape[0], x.dtype, device)
+    y = run_mlp(x, splits, fc1, fc2, act, probs=probs, probs_on=probs_on, fc2_rows=fc2_rows)
     return y.reshape(*leading, hidden) if leading is not None else y

@@ -1,7 +1,8 @@
-"""The whole MoE block (``permute`` -> ``GroupedMLP`` -> ``unpermute``) under each FP8 recipe on
-CUDA, ``permute`` given the recipe too: no host sync with device routing, and one
-forward+backward captured in a CUDA graph replayed on new routings written into the same index tensor (the same results as eager
-calls on those routings). The numerics against float64 are ``tests/ops/test_moe_block_fp8.py``."""
+"""The whole MoE block (``permute`` -> ``GroupedMLP`` -> ``unpermute``) under each FP8 recipe
+on CUDA, ``permute`` given the recipe too: no host sync with device routing, and one
+forward+backward captured in a CUDA graph replayed on new routings written into the same
+index tensor (the same results as eager calls on those routings). The numerics against
+float64 are ``tests/ops/test_moe_block_fp8.py``."""
 
 import pytest
 import torch

@@ -267,3 +267,30 @@ def test_reference_without_bias_with_and_without_tail(kind, interleaved, tail):
                                                interleaved)
     assert rel_err(out, want) < 1e-12 and rel_err(got_h, want_h) < 1e-12
     assert torch.all(out[head:] == 0) and torch.all(got_h[head:] == 0)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+@pytest.mark.parametrize("kind, interleaved", CASES)
+@pytest.mark.parametrize("fp8, pow2, with_probs", [(torch.float8_e4m3fn, False, False),
+                                                   (torch.float8_e4m3fn, True, True),
+                                                   (torch.float8_e5m2, False, True)])
+def test_fp8_output_is_the_output_quantized_per_row(kind, interleaved, fp8, pow2, with_probs):
+    """The kernel writing the activation as FP8 rows (F = 300: three column blocks, one
+    partly masked; rows past the groups: zero codes, factor 1) gives the codes and factors
+    of quantizing the plain kernel's output (torch's reference), bit for bit."""
+    from grouped_linear.kernels.quantize.rows import quantize_rows_reference
+
+    h, bias, ends, head = _case(kind, torch.bfloat16, True, F=300)
+    probs = torch.rand(h.shape[0], device=DEVICE) if with_probs else None
+    assert use_triton(h)
+    codes, inv = act.bias_act_forward_fp8(h, bias, ends, kind, fp8, pow2, interleaved,
+                                          probs=probs)
+    out = act.bias_act_forward(h, bias, ends, kind, True, interleaved, probs=probs)
+    want_codes, want_inv = quantize_rows_reference(out, fp8, pow2)
+    assert codes.dtype == fp8 and codes.shape == out.shape and inv.dtype == torch.float32
+    assert torch.equal(codes.view(torch.uint8), want_codes.view(torch.uint8))
+    assert torch.equal(inv, want_inv)
+    assert torch.all(codes[head:].view(torch.uint8) == 0) and torch.all(inv[head:] == 1)
+    # no rows: the reference's empty result
+    codes, inv = act.bias_act_forward_fp8(h[:0], bias, ends * 0, kind, fp8, pow2, interleaved)
+    assert codes.shape == (0, out.shape[1]) and inv.shape == (0,)

@@ -245,6 +245,14 @@ CASES = {
          **dict(zip(("BLOCK_M", "BLOCK_N"), act.ACT_CONFIG[:2])), "BLOCK_G": 32},
         act.ACT_CONFIG[2]) for probs in (False, True) for order in ("interleaved", "concatenated")
        for way in ("forward", "backward")},
+    **{f"bias activation, FP8 rows, {order}": (
+        act._bias_act_fp8_kernel, {"h_ptr": "*bf16", "bias_ptr": "*bf16", "ends_ptr": "*i32",
+                                   "probs_ptr": "*fp32", "q_ptr": F8, "inv_ptr": "*fp32"},
+        {"FP8_MAX": FP8_MAX, "POW2": False, "HAS_BIAS": True, "GATED": True,
+         "INTERLEAVED": order == "interleaved", "ACT": act.ACTIVATION_KINDS["swiglu"],
+         "HAS_PROBS": True, **dict(zip(("BLOCK_M", "BLOCK_N"), act.ACT_FP8_CONFIG[:2])),
+         "BLOCK_G": 32},
+        act.ACT_FP8_CONFIG[2]) for order in ("interleaved", "concatenated")},
     "gather rows": (layout._gather_rows_kernel,
                        {"src_ptr": "*bf16", "dst_ptr": "*bf16", "index_ptr": "*i64"},
                        {"HAS_SCALE": True, "BLOCK_R": 16, "BLOCK_H": 256}, 4),
@@ -258,7 +266,8 @@ NO_SPILLS = {name for name in CASES if name.startswith("fp8 fused")}
 VECTOR_LOADS = {"rows", "rows of pieces", "columns scaled", "rows, scale per group", "group amax",
                 "bias activation, interleaved forward", "bias activation, interleaved backward",
                 "bias activation, concatenated forward",
-                "bias activation, concatenated backward"} | {
+                "bias activation, concatenated backward",
+                "bias activation, FP8 rows, concatenated"} | {
     f"bias activation, weighted {order} {way}" for order in ("interleaved", "concatenated")
     for way in ("forward", "backward")}
 

@@ -1,7 +1,8 @@
-"""Rows permuted as ``Float8Rowwise`` codes (``permute(..., recipe=...)``): each token's
-codes in its rows, read as they are by the rowwise GEMM route, the dequantized values for
-anything else. On CPU the route's Triton kernels run under the interpreter and torch's FP8
-grouped GEMM (sm90 only) as its dequantized reference."""
+"""Rows in ``Float8Rowwise`` codes: permuted so (``permute(..., recipe=...)``, each token's
+codes in its rows) or written so by the MLP's activation for fc2, read as they are by the
+rowwise GEMM route, the dequantized values for anything else. On CPU the route's Triton
+kernels run under the interpreter and torch's FP8 grouped GEMM (sm90 only) as its
+dequantized reference."""
 
 import importlib
 
@@ -129,22 +130,28 @@ def _block(mlp, x, index, probs, grad, fp8_rows: bool):
     return [out, x.grad, probs.grad, *(p.grad for p in mlp.parameters())]
 
 
-def test_the_rowwise_route_reads_the_codes_as_they_are(rowwise_route):
-    """The block with rows permuted as codes equals, bit for bit, the block whose fc1
-    quantizes the permuted bf16 rows itself (output, gradients of x, probs and weights),
-    and its fc1 quantizes nothing (fc2 still quantizes its input); both within FP8's error
-    of float64."""
+@pytest.mark.parametrize("permuted, activated", [(True, True), (True, False), (False, True)],
+                         ids=["both", "permute", "activation"])
+def test_the_rowwise_route_reads_the_codes_as_they_are(rowwise_route, monkeypatch, permuted,
+                                                       activated):
+    """The block whose fc1 input (rows permuted as codes) or fc2 input (the activation's
+    output quantized by its kernel) arrive in FP8 equals, bit for bit, the block whose layers
+    quantize bf16 inputs themselves (output, gradients of x, probs and weights), and the
+    layer given codes quantizes nothing; both within FP8's error of float64."""
     torch.manual_seed(0)
     mlp = gl.GroupedMLP(E, H, F, bias=True, params_dtype=torch.bfloat16, device=DEVICE)
     grad = torch.randn(TOKENS, H, device=DEVICE).bfloat16()
+    fused = gl.GroupedLinear.reads_fp8_rows
     results, quantized = [], []
-    for fp8_rows in (True, False):
+    for fp8_rows, fp8_act in ((permuted, activated), (False, False)):
+        monkeypatch.setattr(gl.GroupedLinear, "reads_fp8_rows",
+                            fused if fp8_act else lambda *args: None)
         x, index, probs = _tokens()
         mlp.zero_grad(set_to_none=True)
         rowwise_route.clear()
         results.append(_block(mlp, x, index, probs, grad, fp8_rows))
-        quantized.append(len([s for s in rowwise_route if s[1] == H]))
-    assert quantized == [0, 1]  # fc1's input: by permute, or by fc1
+        quantized.append(sorted(shape[1] for shape in rowwise_route))
+    assert quantized == [sorted([H] * (not permuted) + [F] * (not activated)), [F, H]]
     for got, want in zip(*results, strict=True):
         assert torch.equal(got, want)
     x, index, probs = _tokens()
