@@ -334,6 +334,24 @@ def _bias_act_kernel(h_ptr, bias_ptr, ends_ptr, grad_a_ptr, out_ptr, probs_ptr, 
                 out_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _output_tile(h_ptr, bias_ptr, probs_ptr, rows, block, groups, in_group, M, F, stride_h,
+                 stride_bias, alpha, limit, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
+                 INTERLEAVED: tl.constexpr, ACT: tl.constexpr, HAS_PROBS: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The forward's output on column block ``block`` as the plain kernel stores it (rows
+    past the groups zero, rounded to ``h``'s dtype), in float32."""
+    gate, up = _gate_up(h_ptr, bias_ptr, rows, block, groups, in_group, M, F, stride_h,
+                        stride_bias, HAS_BIAS, GATED, INTERLEAVED, BLOCK_M, BLOCK_N)
+    if GATED:
+        result = _glu(gate, up, alpha, limit, ACT)
+    else:
+        result = _act(gate, ACT)
+    if HAS_PROBS:
+        result *= tl.load(probs_ptr + rows, mask=rows < M, other=0.0).to(tl.float32)[:, None]
+    return tl.where(in_group[:, None], result, 0.0).to(h_ptr.dtype.element_ty).to(tl.float32)
+
+
 @kernel
 @triton.jit
 def _bias_act_fp8_kernel(h_ptr, bias_ptr, ends_ptr, probs_ptr, q_ptr, inv_ptr, M, F, G,
@@ -343,39 +361,25 @@ def _bias_act_fp8_kernel(h_ptr, bias_ptr, ends_ptr, probs_ptr, q_ptr, inv_ptr, M
                          HAS_PROBS: tl.constexpr, BLOCK_M: tl.constexpr,
                          BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr):
     """The forward with its output quantized per row: each program's rows twice over their
-    columns (the second read mostly from L2), the row amax of the activation as the plain
-    kernel would store it (rounded to ``h``'s dtype), then its codes and the row factors."""
+    columns (the second read mostly from L2), the row amax of the output as the plain kernel
+    stores it, then its codes, and the row factors."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_mask = rows < M
     groups = row_group(ends_ptr, rows, G, BLOCK_G)
     in_group = groups < G
-    if HAS_PROBS:
-        probs = tl.load(probs_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)[:, None]
     amax = tl.zeros([BLOCK_M], dtype=tl.float32)
     for block in range(0, tl.cdiv(F, BLOCK_N)):  # pass 1: row amax
-        gate, up = _gate_up(h_ptr, bias_ptr, rows, block, groups, in_group, M, F, stride_h,
-                            stride_bias, HAS_BIAS, GATED, INTERLEAVED, BLOCK_M, BLOCK_N)
-        if GATED:
-            result = _glu(gate, up, alpha, limit, ACT)
-        else:
-            result = _act(gate, ACT)
-        if HAS_PROBS:
-            result = result * probs
-        result = tl.where(in_group[:, None], result, 0.0).to(h_ptr.dtype.element_ty)
-        amax = tl.maximum(amax, tl.max(tl.abs(result.to(tl.float32)), axis=1))
+        result = _output_tile(h_ptr, bias_ptr, probs_ptr, rows, block, groups, in_group, M, F,
+                              stride_h, stride_bias, alpha, limit, HAS_BIAS, GATED,
+                              INTERLEAVED, ACT, HAS_PROBS, BLOCK_M, BLOCK_N)
+        amax = tl.maximum(amax, tl.max(tl.abs(result), axis=1))
     scale = amax_to_scale(amax, FP8_MAX, POW2)
     for block in range(0, tl.cdiv(F, BLOCK_N)):  # pass 2: scale, saturate, round
-        gate, up = _gate_up(h_ptr, bias_ptr, rows, block, groups, in_group, M, F, stride_h,
-                            stride_bias, HAS_BIAS, GATED, INTERLEAVED, BLOCK_M, BLOCK_N)
-        if GATED:
-            result = _glu(gate, up, alpha, limit, ACT)
-        else:
-            result = _act(gate, ACT)
-        if HAS_PROBS:
-            result = result * probs
-        result = tl.where(in_group[:, None], result, 0.0).to(h_ptr.dtype.element_ty)
+        result = _output_tile(h_ptr, bias_ptr, probs_ptr, rows, block, groups, in_group, M, F,
+                              stride_h, stride_bias, alpha, limit, HAS_BIAS, GATED,
+                              INTERLEAVED, ACT, HAS_PROBS, BLOCK_M, BLOCK_N)
         cols = block * BLOCK_N + tl.arange(0, BLOCK_N)
-        scaled = tl.clamp(result.to(tl.float32) * scale[:, None], -FP8_MAX, FP8_MAX)
+        scaled = tl.clamp(result * scale[:, None], -FP8_MAX, FP8_MAX)
         tl.store(q_ptr + rows.to(tl.int64)[:, None] * stride_q + cols[None, :],
                  scaled.to(q_ptr.dtype.element_ty),
                  mask=row_mask[:, None] & (cols < F)[None, :])
