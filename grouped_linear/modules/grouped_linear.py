@@ -197,8 +197,9 @@ class GroupedLinear(nn.Module):
     def reads_fp8_rows(self, num_rows: int, dtype: torch.dtype, device: torch.device
                        ) -> Float8Rowwise | None:
         """The rowwise recipe whose FP8 rows (``gl.permute(..., recipe=)``, ``GroupedMLP``'s
-        activation) a call on ``num_rows`` rows reads as they are, else ``None``."""
-        if self._tp_hooks is not None:
+        activation) a call on ``num_rows`` rows reads as they are, else ``None`` (also with
+        ``save_original_input``: the caller keeps its input as it is)."""
+        if self._tp_hooks is not None or self.save_original_input:
             return None
         weight = self._parameters.get("weight") if self.single_grouped_weight else None
         recipe = weight.recipe if isinstance(weight, Float8WeightTensor) else self.recipe
