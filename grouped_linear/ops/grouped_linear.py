@@ -19,7 +19,7 @@ import torch
 from ..kernels.ends import group_ends
 from ..recipes import Float8Recipe, Float8Rowwise, current_recipe
 from .bias_add import add_group_bias
-from .checks import check_operands, check_tensor, describe
+from .checks import DEVICE_TYPES, check_operands, check_tensor, describe
 from .dispatch import cached_verdict, choose_route
 from .fast_path import apply_triton_linear, functorch_involved
 from .fp8 import (
@@ -198,8 +198,8 @@ def reads_fp8_rows(num_groups: int, out_features: int, in_features: int,
     the op before it may write them; else ``None``."""
     recipe = recipe if recipe is not None else current_recipe()
     if (not isinstance(recipe, Float8Rowwise) or num_rows == 0
-            or torch.is_autocast_enabled(device.type)):
-        return None
+            or device.type not in DEVICE_TYPES or torch.is_autocast_enabled(device.type)):
+        return None  # (a device the call refuses: its own check says so)
     route = choose_route(backend, recipe, device, dtype, in_features, out_features, num_rows,
                          num_groups)
     return recipe if route == "fp8_scaled_mm" else None
