@@ -8,6 +8,8 @@ import pytest
 import torch
 
 import grouped_linear as gl
+from grouped_linear import _tuning
+from grouped_linear.ops.fp8 import scaled_mm
 from tests.gpu.test_cuda_graphs import _capture
 from tests.gpu.test_grouped_linear_cuda import no_host_sync
 
@@ -24,9 +26,10 @@ E, H, FFN, TOKENS, K = 8, 256, 128, 512, 2
 class _Block:
     """Module, inputs and a step that reads them, all on CUDA."""
 
-    def __init__(self, recipe):
+    def __init__(self, recipe, fp8_rows: bool = True):
         torch.manual_seed(0)
         self.recipe = recipe
+        self.rows_recipe = recipe if fp8_rows else None
         self.mlp = gl.GroupedMLP(E, H, FFN, activation="swiglu", bias=False,
                                  params_dtype=torch.bfloat16, device="cuda")
         self.x = torch.randn(TOKENS, H, device="cuda", dtype=torch.bfloat16,
@@ -42,7 +45,7 @@ class _Block:
         x.grad = probs.grad = None
         with gl.autocast(self.recipe):
             # given the recipe: Float8Rowwise's rows permuted as FP8 codes
-            rows, m_splits, row_map = gl.permute(x, self.indices, E, recipe=self.recipe)
+            rows, m_splits, row_map = gl.permute(x, self.indices, E, recipe=self.rows_recipe)
             out = gl.unpermute(self.mlp(rows, m_splits), row_map, probs)
         out.backward(self.grad)
         return (out, x.grad, probs.grad, self.mlp.fc1.weight.grad, self.mlp.fc2.weight.grad)
@@ -60,7 +63,12 @@ def test_fp8_block_runs_without_a_host_sync(recipe):
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda r: type(r).__name__)
 def test_fp8_block_in_a_cuda_graph_replays_new_routings(recipe):
-    block = _Block(recipe)
+    _replays_new_routings(_Block(recipe))
+
+
+def _replays_new_routings(block: _Block) -> None:
+    """Capture ``block``'s step, replay it on new routings (a crowded expert, an empty one,
+    dropped slots) and new tokens: the results of eager steps, bit for bit."""
     graph, captured = _capture(block.step)
     names = ("out", "dx", "dprobs", "dW1", "dW2")
     for seed in range(3):
@@ -112,3 +120,30 @@ def test_fp8_block_recomputing_the_activation_keeps_no_copy_of_fc2_input(recipe)
         assert torch.equal(a, b)
     # fc2's input as given (bf16) was kept without recompute: 2 bytes per element
     assert held[0] - held[1] >= TOKENS * K * FFN * 2, held
+
+
+def test_rowwise_block_on_the_gemm_route_reads_fp8_rows(monkeypatch):
+    """On the ``fp8_scaled_mm`` route (the fused route's threshold set to 0), rows permuted in
+    FP8 and fc2's input written in FP8 by the activation: nothing quantizes the layers' inputs
+    again, the results equal, bit for bit, the block whose layers quantize bf16 inputs, no
+    host sync, and a CUDA graph of the step replays new routings as eager steps."""
+    rowwise = gl.recipes.Float8Rowwise()
+    calls = []
+    quantize = scaled_mm._quantize_tokens
+    monkeypatch.setattr(scaled_mm, "_quantize_tokens",
+                        lambda t, *args: calls.append(t.shape[1]) or quantize(t, *args))
+    with _tuning.override(fp8_fused_max_work=0):
+        fused = _Block(rowwise)
+        fused.step()
+        calls.clear()
+        with no_host_sync():
+            got = fused.step()
+        assert calls == []
+        monkeypatch.setattr(gl.GroupedLinear, "reads_fp8_rows", lambda *args: None)
+        plain = _Block(rowwise, fp8_rows=False)
+        want = plain.step()
+        assert sorted(calls) == [FFN, H]
+        for a, b in zip(got, want):
+            assert torch.equal(a, b)
+        monkeypatch.undo()
+        _replays_new_routings(_Block(rowwise))
