@@ -21,6 +21,7 @@ from grouped_linear.kernels.routing import rows as row_kernels
 from grouped_linear.ops import routing_inputs as inputs
 from grouped_linear.ops.checks import MAX_ROWS, check_int, check_matrix, host_checks
 from grouped_linear.ops.fp8.rows import Float8Rows, rows_recipe
+from grouped_linear.ops.grouped_linear import reads_fp8_rows
 from grouped_linear.ops.splits import SPLIT_DTYPES, debug_checks_enabled
 from grouped_linear.recipes import Float8Recipe, check_recipe, current_recipe
 
@@ -211,15 +212,17 @@ def permute(
             ``capacity`` rows (``capacity`` must be a multiple of ``multiple``):
             ``N = E * capacity`` on every device.
         recipe: the FP8 recipe of the layer that reads ``x_perm`` (or ``None``). With
-            ``Float8Rowwise`` (and a bfloat16, float16 or float32 ``x``), each token is
-            quantized once and its codes copied into its rows: ``x_perm`` is then a
-            ``Float8Rows`` tensor (its FP8 codes and per-row factors; shape and dtype as
-            without), which a ``grouped_linear``/``GroupedLinear``/``GroupedMLP`` of that
-            recipe reads as it is on its FP8 GEMM route: half the bytes written, and no
-            second read to quantize. Any other use of it sees the dequantized values, as
-            that layer would. Other recipes scale by groups of rows, known only after
-            permuting: ``x_perm`` is then plain. An enclosing ``gl.autocast`` does not
-            change ``x_perm`` (rows may go elsewhere first, e.g. to an all-to-all).
+            ``Float8Rowwise``, where that layer's calls take the FP8 GEMM route
+            (``fp8_scaled_mm``: sm90, bf16, calls past the fused route's size; judged for
+            an ``H -> H`` layer of ``num_experts`` groups), each token is quantized once
+            and its codes copied into its rows: ``x_perm`` is then a ``Float8Rows`` tensor
+            (its FP8 codes and per-row factors; shape and dtype as without), which a
+            ``grouped_linear``/``GroupedLinear``/``GroupedMLP`` of that recipe reads as it
+            is: half the bytes written, and no second read to quantize. Any other use of
+            it sees the dequantized values, as that layer would. Elsewhere, and for the
+            recipes that scale by groups of rows (known only after permuting), ``x_perm``
+            is plain. An enclosing ``gl.autocast`` does not change ``x_perm`` (rows may go
+            elsewhere first, e.g. to an all-to-all).
 
     Returns:
         ``(x_perm, m_splits, row_map)``, and ``permuted_probs`` after them when
@@ -262,6 +265,10 @@ def permute(
     drop_policy = inputs.check_drop_policy(drop_policy, capacity, probs)
     padded = inputs.check_pad_to_capacity(pad_to_capacity, capacity, num_experts, multiple)
     fp8 = rows_recipe(check_recipe(recipe, x.device), x)
+    if fp8 is not None and reads_fp8_rows(num_experts, x.shape[1], x.shape[1], fp8,
+                                          slots + num_experts * (multiple - 1), x.dtype,
+                                          x.device) is None:
+        fp8 = None  # the experts' calls take another route (their geometry judged H -> H)
     # The upper bound of the rows, and with it every padded size and row index, is an int64.
     num_rows = slots + num_experts * (multiple - 1)
     if num_rows > MAX_ROWS:

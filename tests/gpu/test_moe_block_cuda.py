@@ -44,7 +44,7 @@ class _Block:
         self.mlp.zero_grad(set_to_none=True)
         x.grad = probs.grad = None
         with gl.autocast(self.recipe):
-            # given the recipe: Float8Rowwise's rows permuted as FP8 codes
+            # given the recipe: Float8Rowwise's rows permuted as FP8 codes on the GEMM route
             rows, m_splits, row_map = gl.permute(x, self.indices, E, recipe=self.rows_recipe)
             out = gl.unpermute(self.mlp(rows, m_splits), row_map, probs)
         out.backward(self.grad)

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import grouped_linear as gl
+from grouped_linear import _tuning
 from grouped_linear.kernels.gemm import fp8_torch_gemm
 from grouped_linear.kernels.quantize.rows import quantize_rows_reference
 from grouped_linear.ops.fp8 import Float8Rows, plain_rows, scaled_mm
@@ -36,9 +37,38 @@ def _tokens(seed: int = 0):
             probs.to(DEVICE).requires_grad_())
 
 
+@pytest.fixture
+def rowwise_route(monkeypatch):
+    """Every rowwise call on the ``fp8_scaled_mm`` route (so ``permute`` writes FP8 rows on
+    any device); on CPU torch's FP8 grouped GEMM as its float32 reference of the dequantized
+    operands. Counts the route's token quantizations."""
+    choose = ops_linear.choose_route
+
+    def route(backend, recipe, *args):
+        return ("fp8_scaled_mm" if isinstance(recipe, Float8Rowwise)
+                else choose(backend, recipe, *args))
+
+    monkeypatch.setattr(ops_linear, "choose_route", route)
+    if DEVICE == "cpu":
+        def gemm(a, a_inv, b, b_inv, ends, out_dtype):
+            return fp8_torch_gemm.dequantized_reference(a, a_inv, b, b_inv, ends).to(out_dtype)
+
+        monkeypatch.setattr(fp8_torch_gemm, "forward", gemm)
+        monkeypatch.setattr(fp8_torch_gemm, "dgrad", gemm)
+    calls = []
+    quantize = scaled_mm._quantize_tokens
+
+    def counting(t, *args):
+        calls.append(t.shape)
+        return quantize(t, *args)
+
+    monkeypatch.setattr(scaled_mm, "_quantize_tokens", counting)
+    return calls
+
+
 @pytest.mark.parametrize("multiple", [1, 4])
 @pytest.mark.parametrize("recipe", [ROWWISE, Float8Rowwise(power_of_two_scales=True)], ids=repr)
-def test_permute_writes_each_tokens_codes_into_its_rows(multiple, recipe):
+def test_permute_writes_each_tokens_codes_into_its_rows(multiple, recipe, rowwise_route):
     """The codes and factors of every row are those of quantizing the plain permuted row
     (torch's reference), padding and unheld rows included (zero codes, unit factor); the
     gradient of ``x`` is the plain permutation's."""
@@ -71,13 +101,24 @@ def test_other_recipes_permute_plain_rows(recipe):
     assert type(rows) is torch.Tensor and torch.equal(rows, plain)
 
 
+def test_rows_stay_plain_where_the_layer_takes_another_route():
+    """Where the experts' calls would not take the FP8 GEMM route (CPU: the emulation; CUDA:
+    calls within the fused route's size), permuting in FP8 would only add passes: the rows
+    stay plain."""
+    x, index, _ = _tokens()
+    with _tuning.override(fp8_fused_max_work=2 ** 62):
+        rows, _, _ = gl.permute(x, index, E, recipe=ROWWISE)
+    plain, _, _ = gl.permute(x, index, E)
+    assert type(rows) is torch.Tensor and torch.equal(rows, plain)
+
+
 def test_a_recipe_that_is_not_one_is_refused():
     x, index, _ = _tokens()
     with pytest.raises(ValueError, match="recipe='rowwise' is not a known recipe"):
         gl.permute(x, index, E, recipe="rowwise")
 
 
-def test_any_other_use_sees_the_dequantized_values():
+def test_any_other_use_sees_the_dequantized_values(rowwise_route):
     """Arithmetic, and a layer without the recipe (or of another), read the values the codes
     stand for; gradients reach ``x`` through them."""
     x, index, _ = _tokens()
@@ -98,28 +139,6 @@ def test_any_other_use_sees_the_dequantized_values():
     plain, _, _ = gl.permute(x2, index, E)
     gl.grouped_linear(plain, weight, None, m_splits).float().sum().backward()
     assert torch.equal(x.grad, x2.grad) and x.grad.abs().sum() > 0
-
-
-@pytest.fixture
-def rowwise_route(monkeypatch):
-    """Every FP8 call on the ``fp8_scaled_mm`` route; on CPU torch's FP8 grouped GEMM as its
-    float32 reference of the dequantized operands. Counts the route's token quantizations."""
-    monkeypatch.setattr(ops_linear, "choose_route", lambda *args: "fp8_scaled_mm")
-    if DEVICE == "cpu":
-        def gemm(a, a_inv, b, b_inv, ends, out_dtype):
-            return fp8_torch_gemm.dequantized_reference(a, a_inv, b, b_inv, ends).to(out_dtype)
-
-        monkeypatch.setattr(fp8_torch_gemm, "forward", gemm)
-        monkeypatch.setattr(fp8_torch_gemm, "dgrad", gemm)
-    calls = []
-    quantize = scaled_mm._quantize_tokens
-
-    def counting(t, *args):
-        calls.append(t.shape)
-        return quantize(t, *args)
-
-    monkeypatch.setattr(scaled_mm, "_quantize_tokens", counting)
-    return calls
 
 
 def _block(mlp, x, index, probs, grad, fp8_rows: bool):
@@ -166,7 +185,7 @@ def test_the_rowwise_route_reads_the_codes_as_they_are(rowwise_route, monkeypatc
     assert rel_err(results[0][0], out64) < 7e-2
 
 
-def test_no_tokens_and_probabilities_on_the_input():
+def test_no_tokens_and_probabilities_on_the_input(rowwise_route):
     """No tokens: empty FP8 rows, an empty block. ``probs_on="input"`` keeps the codes and
     scales each row's factor: the block within FP8's error of float64 (output, gradients of
     x and probs), as the plain rows' block is."""
