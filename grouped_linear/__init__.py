@@ -9,6 +9,7 @@ from .modules import ExpertParallelMoE, GroupedLinear, GroupedMLP, to_fp8_weight
 from .ops import GroupSplits, grouped_linear
 from .ops.chunks import sort_chunks_by_index
 from .ops.fp8.primary import Float8WeightTensor, MasterWeights
+from .ops.fp8.rows import Float8Rows
 from .ops.mlp import grouped_mlp
 from .ops.padding import pad_groups, unpad_groups
 from .ops.permutation import permute, unpermute
@@ -22,6 +23,7 @@ __all__ = [
     "ExpertParallelMoE",
     "to_fp8_weights",
     "Float8WeightTensor",
+    "Float8Rows",
     "MasterWeights",
     "parallel",
     "GroupSplits",
