@@ -37,6 +37,24 @@ def _tokens(seed: int = 0):
             probs.to(DEVICE).requires_grad_())
 
 
+def test_writes_into_fp8_rows_are_refused_and_change_nothing():
+    """In-place ops and ``out=`` into FP8 rows raise (their codes are not values to write);
+    the codes and factors stay as they were; reads, views included, give dequantized copies."""
+    gen = torch.Generator().manual_seed(0)
+    values = torch.randn(6, H, generator=gen)
+    codes = values.to(torch.float8_e4m3fn)
+    rows = Float8Rows(codes.clone(), torch.rand(6, generator=gen), ROWWISE, torch.bfloat16)
+    inv = rows.inv.clone()
+    for write in (lambda: rows.mul_(2), lambda: rows.zero_(),
+                  lambda: torch.add(values.bfloat16(), 1, out=rows)):
+        with pytest.raises(TypeError, match="writes into Float8Rows"):
+            write()
+    assert torch.equal(rows.codes.view(torch.uint8), codes.view(torch.uint8))
+    assert torch.equal(rows.inv, inv)
+    top = rows[:2]
+    assert type(top) is torch.Tensor and torch.equal(top, rows.dequantize()[:2])
+
+
 @pytest.fixture
 def rowwise_route(monkeypatch):
     """Every rowwise call on the ``fp8_scaled_mm`` route (so ``permute`` writes FP8 rows on

@@ -6,8 +6,9 @@ and factor: ``permute(..., recipe=Float8Rowwise())`` quantizes each token once a
 codes into its slots' rows (one byte per element instead of two), and the ``fp8_scaled_mm``
 route of a layer of the same recipe reads them as they are, instead of reading bf16 rows to
 quantize them. :class:`Float8Rows` is that result as a tensor: its shape, dtype and device
-are the rows' own, and any other operation sees the dequantized values (a route that cannot
-read the codes, another recipe, plain compute: :func:`plain_rows`).
+are the rows' own, any other operation sees the dequantized values (a route that cannot
+read the codes, another recipe, plain compute: :func:`plain_rows`; a view op gives a
+dequantized copy), and an operation that would write into it is a ``TypeError``.
 """
 
 from __future__ import annotations
@@ -78,6 +79,13 @@ class Float8Rows(torch.Tensor):
         if func in (_aten.detach.default, _aten.alias.default):
             t = args[0]
             return Float8Rows(t.codes, t.inv, t.recipe, t.dtype)
+        for i, argument in enumerate(func._schema.arguments):
+            value = args[i] if i < len(args) else kwargs.get(argument.name)
+            if (argument.alias_info is not None and argument.alias_info.is_write
+                    and isinstance(value, cls)):
+                raise TypeError(f"{func.overloadpacket.__name__} writes into Float8Rows, which "
+                                "are read-only FP8 codes: write into .dequantize() instead")
+        # anything else on the dequantized values (a view op gives a copy)
         plain_args, plain_kwargs = tree_map_only(cls, lambda t: t.dequantize(), (args, kwargs))
         return func(*plain_args, **plain_kwargs)
 
