@@ -22,7 +22,7 @@ import torch
 
 from .. import recipes
 from ..kernels.activation import GATED_KINDS, bias_act_reference
-from ..ops.grouped_linear import grouped_linear
+from ..ops.grouped_linear import grouped_linear, reads_fp8_rows
 from ..ops.mlp import grouped_mlp
 from ..ops.permutation import permute, unpermute
 
@@ -107,8 +107,10 @@ def experts_forward(module: torch.nn.Module, hidden_states: torch.Tensor,
     w1, b1 = _projection(module, "gate_up_proj" if module.has_gate else "up_proj")
     w2, b2 = _projection(module, "down_proj")
     fused = _fused_activation(module)
-    # a rowwise recipe's rows travel as FP8 codes from the permutation to fc1
-    rows_recipe = recipe if recipe is not None else recipes.current_recipe()
+    # rows permuted as FP8 codes where fc1 reads them (its route, its geometry)
+    rows_recipe = reads_fp8_rows(num_experts, w1.shape[1], w1.shape[2], recipe,
+                                 hidden_states.shape[0] * top_k_index.shape[1],
+                                 hidden_states.dtype, hidden_states.device)
     if fused is not None and b2 is None and not module.has_post_expert_norm:
         # sum_j w_j * fc2(a_j) = sum_j fc2(w_j * a_j) without fc2 bias or norm: the weights
         # scale the activation's rows in its kernel, and the unweighted sum keeps no copy of

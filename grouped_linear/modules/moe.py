@@ -10,7 +10,6 @@ from torch import nn
 from ..ops.checks import check_int
 from ..ops.permutation import permute, unpermute
 from ..parallel.expert_parallel import combine, dispatch
-from ..recipes import current_recipe
 from .mlp import GroupedMLP
 
 __all__ = ["ExpertParallelMoE"]
@@ -68,10 +67,11 @@ class ExpertParallelMoE(nn.Module):
         probs = F.softmax(self.router(x).float(), dim=-1)
         top_probs, top_experts = probs.topk(self.top_k, dim=-1)
         top_probs = (top_probs / top_probs.sum(dim=-1, keepdim=True)).to(x.dtype)
-        # the local experts' rowwise recipe: rows permuted as its FP8 codes (not over ranks)
+        # rows permuted as FP8 codes where the local fc1 reads them (not sent over ranks)
         recipe = None
         if self.ep_size == 1:
-            recipe = self.experts.fc1.recipe or current_recipe()
+            recipe = self.experts.fc1.reads_fp8_rows(x.shape[0] * self.top_k, x.dtype,
+                                                     x.device)
         x_perm, counts, row_map = permute(x, top_experts, self.num_experts, recipe=recipe)
         if self.ep_size > 1:
             x_local, local_counts, plan = dispatch(x_perm, counts, self.ep_group)

@@ -264,11 +264,7 @@ def permute(
     capacity = inputs.check_capacity(capacity, tokens, k, num_experts, is_map)
     drop_policy = inputs.check_drop_policy(drop_policy, capacity, probs)
     padded = inputs.check_pad_to_capacity(pad_to_capacity, capacity, num_experts, multiple)
-    fp8 = rows_recipe(check_recipe(recipe, x.device), x)
-    if fp8 is not None and reads_fp8_rows(num_experts, x.shape[1], x.shape[1], fp8,
-                                          slots + num_experts * (multiple - 1), x.dtype,
-                                          x.device) is None:
-        fp8 = None  # the experts' calls take another route (their geometry judged H -> H)
+    recipe = check_recipe(recipe, x.device)
     # The upper bound of the rows, and with it every padded size and row index, is an int64.
     num_rows = slots + num_experts * (multiple - 1)
     if num_rows > MAX_ROWS:
@@ -276,6 +272,10 @@ def permute(
             f"multiple is {multiple}: padding the groups of {num_experts} experts to it may take "
             f"up to {num_rows} rows, more than a tensor holds ({MAX_ROWS})"
         )
+    fp8 = rows_recipe(recipe, x)
+    if fp8 is not None and reads_fp8_rows(num_experts, x.shape[1], x.shape[1], fp8, num_rows,
+                                          x.dtype, x.device) is None:
+        fp8 = None  # the experts' calls take another route (their geometry judged H -> H)
     exact = x.device.type == "cpu" and host_checks()
     if not is_map and host_checks() and (exact or debug_checks_enabled()):
         _check_range(

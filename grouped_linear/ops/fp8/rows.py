@@ -33,6 +33,11 @@ def rows_recipe(recipe: Float8Recipe | None, x: torch.Tensor) -> Float8Rowwise |
     return None
 
 
+def _values(codes: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:
+    """``(N, H)`` codes times their ``(N,)`` row factors, in float32."""
+    return codes.float() * inv[:, None]
+
+
 class Float8Rows(torch.Tensor):
     """``(N, H)`` rows as E4M3/E5M2 ``codes`` ``(N, H)`` and float32 ``inv`` ``(N,)`` factors
     of ``recipe`` (module doc); the tensor's dtype is the rows' high-precision one."""
@@ -59,7 +64,7 @@ class Float8Rows(torch.Tensor):
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The rows' values, ``codes * inv[:, None]``, in ``dtype`` (default: the tensor's)."""
-        return (self.codes.float() * self.inv[:, None]).to(dtype or self.dtype)
+        return _values(self.codes, self.inv).to(dtype or self.dtype)
 
     def __repr__(self, *, tensor_contents=None) -> str:
         return (f"Float8Rows(shape={tuple(self.shape)}, dtype={self.dtype}, "
@@ -119,8 +124,7 @@ class _ScaleRows(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             grad_rows = (grad * probs.float()[:, None]).to(ctx.dtype)
         if ctx.needs_input_grad[1]:
-            codes, inv = codes_inv
-            grad_probs = (grad * (codes.float() * inv[:, None])).sum(1).to(probs.dtype)
+            grad_probs = (grad * _values(*codes_inv)).sum(1).to(probs.dtype)
         return grad_rows, grad_probs
 
 
