@@ -59,15 +59,13 @@ def _nbytes(tensor: torch.Tensor) -> int:
 def _build(case: str, args, mesh, device, counter):
     recipe = RECIPES[args.recipe]()
     dtype = torch.float32 if case == "fp32+bf16" else torch.bfloat16
-    if device.type == "cpu":
-        dtype = torch.float32
     torch.manual_seed(0)
     model = gl.GroupedMLP(args.experts, args.hidden, args.ffn, bias=False, recipe=recipe,
                           params_dtype=dtype, device=device)
     if case == "fp8":
         gl.to_fp8_weights(model)
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16) if case == "fp32+bf16" \
-        and device.type == "cuda" else MixedPrecisionPolicy()
+        else MixedPrecisionPolicy()
     for layer in (model.fc1, model.fc2):
         fully_shard(layer, mesh=mesh, mp_policy=policy)
         layer.set_custom_all_gather(counter)
@@ -93,7 +91,7 @@ def _build(case: str, args, mesh, device, counter):
 def _measure(rank, world, device, args):
     cuda = not args.cpu
     mesh = init_device_mesh(device.type, (world,))
-    dtype = torch.bfloat16 if cuda else torch.float32
+    dtype = torch.bfloat16
     sizes = [args.rows // args.experts] * args.experts
     x = torch.randn(sum(sizes), args.hidden, device=device, dtype=dtype)
     splits = torch.tensor(sizes, device=device)

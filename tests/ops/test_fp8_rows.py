@@ -206,7 +206,7 @@ def test_the_rowwise_route_reads_the_codes_as_they_are(rowwise_route, monkeypatc
 def test_no_tokens_and_probabilities_on_the_input(rowwise_route):
     """No tokens: empty FP8 rows, an empty block. ``probs_on="input"`` keeps the codes and
     scales each row's factor: the block within FP8's error of float64 (output, gradients of
-    x and probs), as the plain rows' block is."""
+    x and probs; two FP8 GEMMs in series, 6e-2 each), as the plain rows' block is."""
     torch.manual_seed(0)
     mlp = gl.GroupedMLP(E, H, F, bias=False, params_dtype=torch.bfloat16, device=DEVICE,
                         probs_on="input", recipe=ROWWISE)
@@ -232,4 +232,4 @@ def test_no_tokens_and_probabilities_on_the_input(rowwise_route):
         results.append((out, x.grad, probs.grad))
     fused, plain, exact = results
     for got, near, want in zip(fused, plain, exact, strict=True):
-        assert rel_err(got, want) < 7e-2 and rel_err(near, want) < 7e-2
+        assert rel_err(got, want) < 2 * 6e-2 and rel_err(near, want) < 2 * 6e-2
