@@ -25,7 +25,8 @@ and 131072 routed rows), float32 on CPU at tiny sizes (a smoke test only):
    sort_chunks           ``2 * M * H * e``           ``2 * M * H * e``
    ====================  ==========================  ==========================
 
-   ``permute (map)`` takes the same routing as a boolean ``(T, 64)`` map; ``permute
+   ``permute (map)`` takes the same routing as a boolean ``(T, 64)`` map with
+   ``num_out_tokens=T*8`` (the rows' bound, as TransformerEngine requires of a map); ``permute
    (capacity)`` a capacity factor of 1 (``ceil(T*8/64)`` slots per expert, the rest dropped
    by probability; ``N`` the kept rows); ``sort_chunks`` reorders the ``M`` routed rows'
    64 expert chunks into a random order.
@@ -141,7 +142,8 @@ def _case_ops(hidden: int, rows: int, dev: torch.device, dtype: torch.dtype) -> 
         _Op("unpad_groups", lambda: gl.unpad_groups(yp, counts, padded), yp,
             lambda n: (2 * m, m + p)),
         *(permute_op(k) for k in PERMUTE_MULTIPLES),
-        _Op("permute(map)", lambda: gl.permute(x_tok, routing_map, NUM_EXPERTS)[0], x_tok,
+        _Op("permute(map)", lambda: gl.permute(x_tok, routing_map, NUM_EXPERTS,
+                                               num_out_tokens=m)[0], x_tok,
             lambda n: (tokens + n, m + tokens)),
         _Op("permute(capacity)", lambda: gl.permute(x_tok, indices, NUM_EXPERTS, probs=probs,
                                                     capacity=1.0)[0],

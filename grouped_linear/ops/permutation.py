@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from grouped_linear.kernels.quantize import rows as quantize_rows
+from grouped_linear.kernels.routing import capacity as capacity_kernels
 from grouped_linear.kernels.routing import combine as combine_kernels
 from grouped_linear.kernels.routing import routing_map as routing
 from grouped_linear.kernels.routing import rows as row_kernels
@@ -293,31 +294,31 @@ def permute(
             codes, inv = quantize_rows.quantize_rows(x.contiguous(), fp8.forward_dtype,
                                                      fp8.power_of_two_scales)
         experts = topk_indices
-        if is_map or topk_indices.dim() == 1 or capacity is not None or num_out_tokens is not None:
+        if is_map or topk_indices.dim() == 1:
             experts = inputs.slot_experts(topk_indices, num_experts)
         kept = slots  # the most slots kept: the rows of the layout before padding
         if capacity is not None:
             kept = min(kept, num_experts * capacity)
         if num_out_tokens is not None:
             kept = min(kept, num_out_tokens)
-        if capacity is not None:
-            priority = probs.detach() if drop_policy == "probs" else None
-            experts = inputs.drop_over_capacity(experts, num_experts, capacity, priority)
-        if num_out_tokens is not None:
-            experts = inputs.keep_first(experts, num_experts, num_out_tokens)
-        num_rows = kept + num_experts * (multiple - 1)
-        if padded:
-            m_splits, row_map, token_of_row, counts = inputs.capacity_layout(
-                experts, num_experts, capacity)
-        elif exact:  # exact size: N = sum(m_splits), read on the host
+        if capacity is not None and drop_policy == "probs":
+            drop = (capacity_kernels.drop_over_capacity_reference if x.device.type == "cpu"
+                    else capacity_kernels.drop_over_capacity)
+            experts = drop(experts, probs.detach(), num_experts, capacity)
+        # capacity by position, num_out_tokens and the fixed groups: thresholds on the ranks
+        # in slot order, taken by the routing map itself
+        layout = {"capacity": capacity, "keep": num_out_tokens,
+                  "group_rows": capacity if padded else None}
+        num_rows = num_experts * capacity if padded else kept + num_experts * (multiple - 1)
+        if exact:  # exact size: N = sum(m_splits), read on the host
             m_splits, row_map, token_of_row, counts = routing.routing_map_reference(
-                experts, num_experts, multiple, None)
+                experts, num_experts, multiple, None, **layout)
         elif x.device.type == "cpu":  # traced: no host read, N is the upper bound
             m_splits, row_map, token_of_row, counts = routing.routing_map_reference(
-                experts, num_experts, multiple, num_rows)
+                experts, num_experts, multiple, num_rows, **layout)
         else:  # one kernel, no sync: N is the upper bound
             m_splits, row_map, token_of_row, counts = routing.routing_map(
-                experts, num_experts, multiple, num_rows)
+                experts, num_experts, multiple, num_rows, **layout)
 
     if fp8 is not None:
         x_perm = _PermuteFp8Rows.apply(x, codes, inv, fp8, token_of_row, row_map, m_splits,

@@ -23,8 +23,7 @@ from grouped_linear.ops.splits import SPLIT_DTYPES
 
 __all__ = ["DROP_POLICIES", "check_routing", "check_probs", "check_num_out_tokens",
            "check_capacity", "check_drop_policy", "check_pad_to_capacity", "slot_experts",
-           "drop_over_capacity", "keep_first", "capacity_layout", "permute_probs",
-           "gather_dense_probs"]
+           "permute_probs", "gather_dense_probs"]
 
 DROP_POLICIES = ("probs", "position")
 
@@ -154,70 +153,6 @@ def slot_experts(routing: torch.Tensor, num_experts: int) -> torch.Tensor:
         return torch.where(routing, experts, -1)
     wide = (routing if routing.dim() == 2 else routing.unsqueeze(1)).to(torch.int64)
     return torch.where((wide >= 0) & (wide < num_experts), wide, -1)
-
-
-def _ranks(experts: torch.Tensor, num_experts: int, priority: torch.Tensor | None
-           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per slot of ``experts`` (``(T, k)``, ``-1`` dropped): its rank among its expert's
-    slots and its position in the expert-sorted order (experts ascending, dropped last),
-    slots ordered by ``priority`` descending then slot order (slot order alone for ``None``);
-    and ``(E,)`` the slots of each expert. All ``(T*k,)`` / ``(E,)`` int64."""
-    flat = experts.reshape(-1)
-    key = torch.where(flat >= 0, flat, num_experts)
-    if priority is None:
-        sorted_key, order = torch.sort(key, stable=True)
-    else:
-        _, by_priority = torch.sort(priority.reshape(-1), descending=True, stable=True)
-        sorted_key, order = torch.sort(key.index_select(0, by_priority), stable=True)
-        order = by_priority.index_select(0, order)
-    position = torch.arange(flat.numel(), device=flat.device, dtype=torch.int64)
-    group_start = torch.searchsorted(sorted_key, sorted_key)  # first place of each key
-    rank = torch.empty_like(position).scatter_(0, order, position - group_start)
-    place = torch.empty_like(position).scatter_(0, order, position)
-    bounds = torch.arange(num_experts + 1, device=flat.device, dtype=torch.int64)
-    ends = torch.searchsorted(sorted_key, bounds)  # ends[e]: first place of key e
-    return rank, place, ends[1:] - ends[:-1]
-
-
-def drop_over_capacity(experts: torch.Tensor, num_experts: int, capacity: int,
-                       priority: torch.Tensor | None) -> torch.Tensor:
-    """``experts`` with every slot past its expert's first ``capacity`` dropped (``-1``):
-    kept are the highest-``priority`` slots (ties: lower slot first), or the earliest slots
-    where ``priority`` is ``None``."""
-    rank, _, _ = _ranks(experts, num_experts, priority)
-    keep = rank.view_as(experts) < min(capacity, experts.numel())
-    return torch.where(keep, experts, -1)
-
-
-def keep_first(experts: torch.Tensor, num_experts: int, num_out_tokens: int) -> torch.Tensor:
-    """``experts`` with only the first ``num_out_tokens`` slots of the expert-sorted order
-    kept (experts ascending, slots ascending within one), the others dropped."""
-    _, place, _ = _ranks(experts, num_experts, None)
-    return torch.where(place.view_as(experts) < num_out_tokens, experts, -1)
-
-
-def capacity_layout(experts: torch.Tensor, num_experts: int, capacity: int
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The routing map of groups padded to exactly ``capacity`` rows: group ``e`` is rows
-    ``[e*capacity, (e+1)*capacity)``, its slots first in slot order. ``experts`` must hold
-    at most ``capacity`` slots per expert. Returns ``(m_splits, row_map, token_of_row,
-    counts)`` as :func:`~grouped_linear.kernels.routing.routing_map` does, with
-    ``E * capacity`` rows."""
-    tokens, k = experts.shape
-    slots = tokens * k
-    device = experts.device
-    rank, _, counts = _ranks(experts, num_experts, None)
-    flat = experts.reshape(-1)
-    routed = flat >= 0
-    row = torch.where(routed, flat * capacity + rank, -1)
-    num_rows = num_experts * capacity
-    # a dropped slot writes past the rows, each to its own place (no two writes collide)
-    spare = num_rows + torch.arange(slots, device=device, dtype=torch.int64)
-    token = torch.arange(slots, device=device, dtype=torch.int64) // max(k, 1)
-    token_of_row = torch.full((num_rows + slots,), -1, device=device, dtype=torch.int64)
-    token_of_row.scatter_(0, torch.where(routed, row, spare), token)
-    m_splits = torch.full((num_experts,), capacity, device=device, dtype=torch.int64)
-    return m_splits, row.view(tokens, k), token_of_row[:num_rows], counts
 
 
 def permute_probs(probs: torch.Tensor, row_map: torch.Tensor, num_rows: int) -> torch.Tensor:

@@ -38,7 +38,7 @@ from grouped_linear.kernels.quantize import groups as qg
 from grouped_linear.kernels.quantize import rows as q
 from grouped_linear.kernels.quantize import transpose as tp
 from grouped_linear.kernels.quantize import transposed as qt
-from grouped_linear.kernels.routing import combine
+from grouped_linear.kernels.routing import capacity, combine
 from grouped_linear.kernels.routing import routing_map as routing
 from grouped_linear.kernels.routing import rows as layout
 
@@ -234,6 +234,10 @@ CASES = {
         combine.COMBINE_CONFIG[2]) for keep in (False, True)},
     "slot map": (layout._slot_of_row_kernel, {"map_ptr": "*i64", "slot_ptr": "*i64"},
                  {"BLOCK": 1024}, 4),
+    "drop over capacity": (capacity._drop_kernel,
+                           {"experts_ptr": "*i64", "priority_ptr": "*fp32", "slot_ptr": "*i64",
+                            "counts_ptr": "*i64", "out_ptr": "*i64"},
+                           {"ROWS": capacity._ROWS, "PEERS": capacity._PEERS, "BLOCK_E": 64}, 4),
     # "weighted": float32 routing probabilities per row (Megatron-Core's), and in backward
     # their gradient's partial sums.
     **{f"bias activation, {'weighted ' if probs else ''}{order} {way}": (

@@ -54,22 +54,24 @@ def _combine_rows_kernel(src_ptr, dst_ptr, map_ptr, weights_ptr, codes_ptr, fact
         slot = tokens.to(tl.int64) * K + j
         row = tl.load(map_ptr + slot, mask=token_mask, other=-1).to(tl.int64)
         valid = (row >= 0) & (row < R_src)
-        values = tl.load(src_ptr + row[:, None] * stride_src + cols[None, :],
-                         mask=valid[:, None] & col_mask, other=0.0).to(tl.float32)
-        if KEEP:
-            tiles = tl.reshape(values, [BLOCK_T, BLOCK_H // TILE, TILE])
-            scale = amax_to_scale(tl.max(tl.abs(tiles), axis=2), FP8_MAX, False)
-            codes = tl.reshape(tl.clamp(tiles * scale[:, :, None], -FP8_MAX, FP8_MAX),
-                               [BLOCK_T, BLOCK_H])
-            tl.store(codes_ptr + row[:, None] * stride_src + cols[None, :],
-                     codes.to(codes_ptr.dtype.element_ty), mask=valid[:, None] & col_mask)
-            tile = tl.program_id(1) * (BLOCK_H // TILE) + tl.arange(0, BLOCK_H // TILE)
-            tl.store(factors_ptr + row[:, None] * stride_factors + tile[None, :], inverse(scale),
-                     mask=valid[:, None] & (tile * TILE < H)[None, :])
-        if HAS_WEIGHTS:
-            weight = tl.load(weights_ptr + slot, mask=valid, other=0.0).to(tl.float32)
-            values = values * weight[:, None]
-        acc += values
+        # sparse slots (a routing map's E per token, most of them empty) cost a branch only
+        if tl.max(valid.to(tl.int32), axis=0) > 0:
+            values = tl.load(src_ptr + row[:, None] * stride_src + cols[None, :],
+                             mask=valid[:, None] & col_mask, other=0.0).to(tl.float32)
+            if KEEP:
+                tiles = tl.reshape(values, [BLOCK_T, BLOCK_H // TILE, TILE])
+                scale = amax_to_scale(tl.max(tl.abs(tiles), axis=2), FP8_MAX, False)
+                codes = tl.reshape(tl.clamp(tiles * scale[:, :, None], -FP8_MAX, FP8_MAX),
+                                   [BLOCK_T, BLOCK_H])
+                tl.store(codes_ptr + row[:, None] * stride_src + cols[None, :],
+                         codes.to(codes_ptr.dtype.element_ty), mask=valid[:, None] & col_mask)
+                tile = tl.program_id(1) * (BLOCK_H // TILE) + tl.arange(0, BLOCK_H // TILE)
+                tl.store(factors_ptr + row[:, None] * stride_factors + tile[None, :],
+                         inverse(scale), mask=valid[:, None] & (tile * TILE < H)[None, :])
+            if HAS_WEIGHTS:
+                weight = tl.load(weights_ptr + slot, mask=valid, other=0.0).to(tl.float32)
+                values = values * weight[:, None]
+            acc += values
     tl.store(dst_ptr + tokens.to(tl.int64)[:, None] * stride_dst + cols[None, :],
              acc.to(dst_ptr.dtype.element_ty), mask=token_mask[:, None] & col_mask)
 

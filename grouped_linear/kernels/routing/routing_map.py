@@ -44,8 +44,19 @@ _MIN_CHUNK = 256  # fewest slots per program
 # int32 work tensor: BLOCK_E counts per chunk (written by phase 1, read by phase 2).
 
 
+def _kept(counts: torch.Tensor, capacity: int | None, keep: int | None) -> torch.Tensor:
+    """The slots each expert keeps of its ``counts`` (first ones in slot order): at most
+    ``capacity``, then only the first ``keep`` of the expert-sorted order."""
+    if capacity is not None:
+        counts = counts.clamp(max=capacity)
+    if keep is not None:
+        counts = (keep - (counts.cumsum(0) - counts)).clamp(min=0).minimum(counts)
+    return counts
+
+
 def routing_map_reference(topk_indices: torch.Tensor, num_experts: int, multiple: int,
-                          num_rows: int | None
+                          num_rows: int | None, *, capacity: int | None = None,
+                          keep: int | None = None, group_rows: int | None = None
                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Plain-PyTorch :func:`routing_map` (a stable sort by expert); ``num_rows=None`` sizes
     ``token_of_row`` exactly, ``sum(m_splits)`` (a host read)."""
@@ -58,16 +69,22 @@ def routing_map_reference(topk_indices: torch.Tensor, num_experts: int, multiple
     experts = torch.arange(num_experts, device=device, dtype=torch.int64)
     ends = torch.searchsorted(sorted_key, experts, right=True)
     starts = group_starts(ends)
-    counts = ends - starts
-    m_splits = (counts + (multiple - 1)) // multiple * multiple
+    counts = _kept(ends - starts, capacity, keep)
+    if group_rows is not None:
+        m_splits = torch.full_like(counts, group_rows)
+    else:
+        m_splits = (counts + (multiple - 1)) // multiple * multiple
     p_ends = m_splits.cumsum(0)
     p_starts = p_ends - m_splits
 
-    # The slot at sorted position p goes to p_starts[e] + (p - starts[e]).
+    # The slot at sorted position p is the (p - starts[e])-th of its expert: kept among the
+    # first counts[e], at row p_starts[e] + (p - starts[e]).
     position = torch.arange(slots, device=device, dtype=torch.int64)
     expert = sorted_key.clamp(max=num_experts - 1)
-    dest = p_starts.index_select(0, expert) + position - starts.index_select(0, expert)
-    dest = torch.where(sorted_key < num_experts, dest, -1)
+    rank = position - starts.index_select(0, expert)
+    dest = p_starts.index_select(0, expert) + rank
+    dest = torch.where((sorted_key < num_experts) & (rank < counts.index_select(0, expert)),
+                       dest, -1)
     row_map = torch.empty_like(dest).scatter_(0, order, dest).view(tokens, k)
 
     # Each row finds its group and place in it; rows past a group's slots hold none.
@@ -88,7 +105,8 @@ def routing_map_reference(topk_indices: torch.Tensor, num_experts: int, multiple
 @kernel
 @triton.jit
 def _routing_kernel(topk_ptr, row_map_ptr, token_ptr, splits_ptr, counts_ptr, work_ptr, S, K, E,
-                    N, multiple, chunk, num_programs, PHASE: tl.constexpr, BLOCK: tl.constexpr,
+                    N, multiple, capacity, keep, group_rows, chunk, num_programs,
+                    PHASE: tl.constexpr, BLOCK: tl.constexpr,
                     RANK_BLOCK: tl.constexpr, ONE_HOT: tl.constexpr, BLOCK_E: tl.constexpr,
                     BLOCK_P: tl.constexpr, PDL: tl.constexpr):
     # With PDL every phase lets the launch after it start at once (phase 2 after phase 1,
@@ -126,13 +144,21 @@ def _routing_kernel(topk_ptr, row_map_ptr, token_ptr, splits_ptr, counts_ptr, wo
                                mask=(chunks < num_programs)[:, None], other=0, cache_modifier=".cg")
                 total += tl.sum(seen, axis=0).to(tl.int64)
                 earlier += tl.sum(tl.where((chunks < pid)[:, None], seen, 0), axis=0).to(tl.int64)
-        padded = (total + multiple - 1) // multiple * multiple
+        # The slots each expert keeps, its first in slot order: at most capacity, then only
+        # the first keep of the expert-sorted order.
+        kept = tl.minimum(total, capacity)
+        kept = tl.minimum(tl.maximum(keep - (tl.cumsum(kept, axis=0) - kept), 0), kept)
+        padded = (kept + multiple - 1) // multiple * multiple
+        if group_rows > 0:
+            padded = tl.where(experts < E, group_rows, 0).to(tl.int64)
         group_end = tl.cumsum(padded, axis=0)
         group_start = group_end - padded
         tl.store(splits_ptr + experts, padded, mask=(experts < E) & (pid == 0))
-        tl.store(counts_ptr + experts, total, mask=(experts < E) & (pid == 0))
-        # Where this chunk's first slot of each expert goes: after the earlier chunks' slots.
+        tl.store(counts_ptr + experts, kept, mask=(experts < E) & (pid == 0))
+        # Where this chunk's first slot of each expert goes: after the earlier chunks' slots;
+        # a slot is kept if it lands before its group's first unkept place.
         base = group_start + earlier
+        limit = group_start + kept
         rank_lanes = tl.arange(0, RANK_BLOCK)
         ahead = tl.load(topk_ptr + begin + rank_lanes, mask=begin + rank_lanes < end, other=0)
         for s0 in range(begin, end, RANK_BLOCK):
@@ -147,6 +173,7 @@ def _routing_kernel(topk_ptr, row_map_ptr, token_ptr, splits_ptr, counts_ptr, wo
                 hit = expert[:, None] == experts[None, :]
                 rank = tl.cumsum(hit.to(tl.int32), axis=0)  # inclusive, per expert column
                 dest = tl.sum(tl.where(hit, base[None, :] + (rank - 1).to(tl.int64), 0), axis=1)
+                bound = tl.sum(tl.where(hit, limit[None, :], 0), axis=1)
                 base += tl.sum(hit.to(tl.int64), axis=0)
             else:
                 # rank: the earlier slots of the block with the same expert
@@ -154,13 +181,15 @@ def _routing_kernel(topk_ptr, row_map_ptr, token_ptr, splits_ptr, counts_ptr, wo
                 rank = tl.sum(same.to(tl.int32), axis=1)
                 clamped = tl.maximum(expert, 0)
                 dest = tl.gather(base, clamped, 0) + rank
+                bound = tl.gather(limit, clamped, 0)
                 base += tl.histogram(clamped, BLOCK_E, mask=routed).to(tl.int64)
-            dest = tl.where(routed, dest, -1)
+            held = routed & (dest < bound)
+            dest = tl.where(held, dest, -1)
             tl.store(row_map_ptr + slots, dest, mask=in_chunk)
-            tl.store(token_ptr + dest, slots // K, mask=routed & (dest < N))
+            tl.store(token_ptr + dest, slots // K, mask=held & (dest < N))
         # Rows that hold no slot: each group's padding (experts split among the programs)
         # and the rows past the last group.
-        group_fill = group_start + total
+        group_fill = group_start + kept
         for e in range(pid, E, num_programs):
             lo = tl.sum(tl.where(experts == e, group_fill, 0))
             hi = tl.minimum(tl.sum(tl.where(experts == e, group_end, 0)), N)
@@ -173,7 +202,8 @@ def _routing_kernel(topk_ptr, row_map_ptr, token_ptr, splits_ptr, counts_ptr, wo
 
 
 def routing_map(topk_indices: torch.Tensor, num_experts: int, multiple: int, num_rows: int,
-                max_programs: int | None = None
+                max_programs: int | None = None, *, capacity: int | None = None,
+                keep: int | None = None, group_rows: int | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Where every routed slot goes in the expert-grouped, padded layout. No host sync.
 
@@ -184,19 +214,26 @@ def routing_map(topk_indices: torch.Tensor, num_experts: int, multiple: int, num
         num_rows: rows of the layout, at least ``sum(m_splits)`` (``T*k + E*(multiple-1)``
             always is).
         max_programs: at most this many chunks of slots (default: one per SM).
+        capacity: each expert keeps at most this many of its slots, its first in slot
+            order; the others are dropped (``row_map`` -1).
+        keep: after ``capacity``, only the first ``keep`` slots of the expert-sorted order
+            (experts ascending, slots ascending within one) are kept.
+        group_rows: every group has exactly this many rows instead of its kept slots padded
+            to ``multiple`` (each expert must keep at most ``group_rows``).
 
     Returns:
         ``(m_splits, row_map, token_of_row, counts)``: ``(E,)`` int64 padded group sizes;
         ``(T, k)`` int64 row of every slot (slots ascending within an expert), ``-1`` if
         dropped; ``(num_rows,)`` int64 token of every row, ``-1`` for rows that hold no slot;
-        ``(E,)`` int64 slots routed to each expert (its group's first ``counts`` rows hold
+        ``(E,)`` int64 slots kept by each expert (its group's first ``counts`` rows hold
         them, the other ``m_splits - counts`` are padding).
     """
     tokens, k = topk_indices.shape
     slots = tokens * k
     if (not use_triton(topk_indices) or num_experts > _ROUTING_MAX_EXPERTS
             or slots >= 2**31 or num_rows >= 2**62):
-        return routing_map_reference(topk_indices, num_experts, multiple, num_rows)
+        return routing_map_reference(topk_indices, num_experts, multiple, num_rows,
+                                     capacity=capacity, keep=keep, group_rows=group_rows)
     device = topk_indices.device
     block_e = max(2, next_power_of_2(num_experts))
     one_hot = block_e <= _ONE_HOT_MAX_EXPERTS
@@ -217,7 +254,9 @@ def routing_map(topk_indices: torch.Tensor, num_experts: int, multiple: int, num
     for phase in phases:
         _routing_kernel[(programs,)](
             topk_indices.contiguous(), row_map, token_of_row, m_splits, counts, work, slots,
-            max(k, 1), num_experts, num_rows, multiple, chunk, programs, PHASE=phase, BLOCK=block,
+            max(k, 1), num_experts, num_rows, multiple,
+            slots if capacity is None else min(capacity, slots), slots if keep is None else keep,
+            group_rows or 0, chunk, programs, PHASE=phase, BLOCK=block,
             RANK_BLOCK=rank_block, ONE_HOT=one_hot, BLOCK_E=block_e,
             BLOCK_P=max(1, min(64, _ONE_HOT_TILE // block_e)), PDL=pdl,
             num_warps=8 if one_hot else 4, **({"launch_pdl": True} if pdl and phase == 2 else {}))

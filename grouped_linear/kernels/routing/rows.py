@@ -159,13 +159,14 @@ def _scatter_rows_kernel(src_ptr, dst_ptr, map_ptr, token_ptr, weights_ptr, spli
             slot = tokens.to(tl.int64) * K + j
             row = tl.load(map_ptr + slot, mask=token_mask, other=-1).to(tl.int64)
             valid = (row >= 0) & (row < N)
-            if HAS_WEIGHTS:
-                weight = tl.load(weights_ptr + slot, mask=valid, other=0.0).to(tl.float32)
-                out = (values.to(tl.float32) * weight[:, None]).to(dst_ptr.dtype.element_ty)
-            else:
-                out = values
-            tl.store(dst_ptr + row[:, None] * stride_dst + cols[None, :], out,
-                     mask=valid[:, None] & col_mask, cache_modifier=".cs")
+            if tl.max(valid.to(tl.int32), axis=0) > 0:  # sparse slots cost a branch only
+                if HAS_WEIGHTS:
+                    weight = tl.load(weights_ptr + slot, mask=valid, other=0.0).to(tl.float32)
+                    out = (values.to(tl.float32) * weight[:, None]).to(dst_ptr.dtype.element_ty)
+                else:
+                    out = values
+                tl.store(dst_ptr + row[:, None] * stride_dst + cols[None, :], out,
+                         mask=valid[:, None] & col_mask, cache_modifier=".cs")
         if GAPS:
             if pid < gap_programs:
                 _zero_gaps(dst_ptr, splits_ptr, counts_ptr, E, N, H, stride_dst, pid,

@@ -1,0 +1,90 @@
+"""Capacity and kept-slot limits: the routing-map kernel's thresholds and the priority drop
+kernel against their references and against what they mean (CUDA, or the interpreter)."""
+
+import pytest
+import torch
+
+from grouped_linear.kernels._triton import HAS_TRITON
+from grouped_linear.kernels.routing import capacity as capacity_kernels
+from grouped_linear.kernels.routing import routing_map as routing
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+
+
+def _routing(gen, tokens, k, experts, drop=0.2):
+    topk = torch.randint(0, experts, (tokens, k), generator=gen)
+    return topk.masked_fill(torch.rand(tokens, k, generator=gen) < drop, -1)
+
+
+@pytest.mark.parametrize("experts", [5, 40])
+@pytest.mark.parametrize("capacity, keep, group_rows, multiple", [
+    (3, None, None, 1), (7, None, None, 4), (None, 50, None, 1), (None, 0, None, 2),
+    (4, 30, None, 1), (6, None, 6, 1), (8, 33, 8, 4), (None, 10**6, None, 1)])
+def test_routing_map_limits_match_reference(experts, capacity, keep, group_rows, multiple):
+    gen = torch.Generator().manual_seed(experts)
+    topk = _routing(gen, 90, 3, experts).to(DEVICE)
+    if group_rows is not None:  # groups of fixed size hold at most that many slots
+        capacity = group_rows
+    num_rows = (experts * group_rows if group_rows is not None
+                else topk.numel() + experts * (multiple - 1))
+    options = {"capacity": capacity, "keep": keep, "group_rows": group_rows}
+    got = routing.routing_map(topk, experts, multiple, num_rows, max_programs=3, **options)
+    want = routing.routing_map_reference(topk, experts, multiple, num_rows, **options)
+    for a, b in zip(got, want, strict=True):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    # what they mean, from the slots alone: an expert keeps its first slots in slot order
+    m_splits, row_map, token_of_row, counts = (t.cpu() for t in got)
+    flat, rows = topk.cpu().reshape(-1), row_map.reshape(-1)
+    routed = [[s for s in range(flat.numel()) if flat[s] == e] for e in range(experts)]
+    kept = [len(r) if capacity is None else min(len(r), capacity) for r in routed]
+    if keep is not None:
+        before = 0
+        for e in range(experts):
+            kept[e] = max(0, min(kept[e], keep - before))
+            before += kept[e]
+    assert counts.tolist() == kept
+    start = 0
+    for e in range(experts):
+        held = routed[e][:kept[e]]
+        assert rows[held].tolist() == list(range(start, start + kept[e]))
+        assert bool((rows[routed[e][kept[e]:]] == -1).all())
+        assert token_of_row[start:start + kept[e]].tolist() == [s // 3 for s in held]
+        start += int(m_splits[e])
+    if group_rows is not None:
+        assert m_splits.tolist() == [group_rows] * experts
+
+
+@pytest.mark.parametrize("experts, capacity", [(4, 1), (6, 5), (40, 3), (3, 1000)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_drop_over_capacity_matches_reference(experts, capacity, dtype):
+    gen = torch.Generator().manual_seed(experts * capacity)
+    tokens, k = 70, 4
+    topk = _routing(gen, tokens, k, experts).to(DEVICE, torch.int32)
+    topk[0, 0] = experts + 3  # out of range: dropped like -1
+    # few distinct values: many ties, broken by the lower slot
+    priority = (torch.randint(0, 4, (tokens, k), generator=gen) / 4).to(DEVICE, dtype)
+    got = capacity_kernels.drop_over_capacity(topk, priority, experts, capacity)
+    want = capacity_kernels.drop_over_capacity_reference(topk, priority, experts, capacity)
+    assert got.dtype == torch.int64 and torch.equal(got, want)
+    # each expert keeps its `capacity` best slots: higher priority, then lower slot
+    flat, values, kept = topk.cpu().reshape(-1), priority.float().cpu().reshape(-1), got.cpu()
+    for e in range(experts):
+        slots = [s for s in range(flat.numel()) if flat[s] == e]
+        best = sorted(slots, key=lambda s: (-float(values[s]), s))[:capacity]
+        assert sorted(s for s in slots if kept.reshape(-1)[s] == e) == sorted(best)
+    assert int((kept >= 0).sum()) == sum(
+        min(capacity, int((flat == e).sum())) for e in range(experts))
+
+
+def test_drop_over_capacity_edges():
+    topk = torch.full((5, 2), -1, device=DEVICE)
+    priority = torch.rand(5, 2, device=DEVICE)
+    assert bool((capacity_kernels.drop_over_capacity(topk, priority, 3, 1) == -1).all())
+    empty = torch.zeros(0, 2, dtype=torch.int64, device=DEVICE)
+    assert capacity_kernels.drop_over_capacity(empty, priority[:0], 3, 1).shape == (0, 2)
+    # one expert holds every slot
+    one = torch.zeros(9, 3, dtype=torch.int64, device=DEVICE)
+    values = torch.arange(27, device=DEVICE, dtype=torch.float32).view(9, 3)
+    got = capacity_kernels.drop_over_capacity(one, values, 2, 4).cpu()
+    assert (got.reshape(-1) == 0).nonzero().reshape(-1).tolist() == [23, 24, 25, 26]
