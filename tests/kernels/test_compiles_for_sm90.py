@@ -205,14 +205,15 @@ CASES = {
                      {"t_ptr": "*bf16", "sizes_ptr": "*i64", "q_ptr": F8},
                      {"FP8_MAX": FP8_MAX, "POW2": False, "TILE": 128, "BLOCK_T": 128, "BLOCK_C": 64,
                       "BLOCK_G": 16, "BLOCK_LAYOUT": True, "stride_qm": 1, "stride_tc": 1}, 4),
-    **{f"scatter rows{', zeros from group sizes' if gaps else ''}": (
+    **{f"scatter rows{', zeros from group sizes' if gaps else ''}{', sparse slots' * sparse}": (
         layout._scatter_rows_kernel,
         {"src_ptr": "*bf16", "dst_ptr": "*bf16", "map_ptr": "*i64", "token_ptr": "*i64",
          "splits_ptr": "*i64", "counts_ptr": "*i64"},
         {"HAS_WEIGHTS": not gaps, "SLOTS": not gaps, "GAPS": gaps,
          "BLOCK_T": layout.SCATTER_CONFIG[0], "BLOCK_H": layout.SCATTER_CONFIG[1],
          "BLOCK_E": 128 if gaps else 1, "ZERO_ROWS": layout.ZERO_ROWS,
-         "PDL": True}, 4) for gaps in (False, True)},
+         "PDL": True, "SPARSE": sparse, "K_BLOCK": 64 if sparse else 1}, 4)
+        for gaps in (False, True) for sparse in (False, True)},
     **{f"routing phase {phase}, {experts} experts": (
         routing._routing_kernel, {"topk_ptr": "*i64", "row_map_ptr": "*i64", "token_ptr": "*i64",
                                   "splits_ptr": "*i64", "counts_ptr": "*i64", "work_ptr": "*i32"},
@@ -226,12 +227,13 @@ CASES = {
         {"HAS_FACTORS": fp8, "BLOCK_T": combine.SLOT_DOTS_CONFIG[0], "BLOCK_K": 8,
          "BLOCK_H": combine.FP8_TILE if fp8 else combine.SLOT_DOTS_CONFIG[1]},
         combine.SLOT_DOTS_CONFIG[2]) for fp8 in (False, True)},
-    **{f"combine rows{', keeping FP8 rows' if keep else ''}": (
+    **{f"combine rows{', keeping FP8 rows' if keep else ''}{', sparse slots' * sparse}": (
         combine._combine_rows_kernel,
         {"src_ptr": "*bf16", "dst_ptr": "*bf16", "map_ptr": "*i64", "codes_ptr": F8},
         {"HAS_WEIGHTS": True, "KEEP": keep, "FP8_MAX": FP8_MAX, "TILE": combine.FP8_TILE,
-         "BLOCK_T": combine.COMBINE_CONFIG[0], "BLOCK_H": combine.COMBINE_CONFIG[1]},
-        combine.COMBINE_CONFIG[2]) for keep in (False, True)},
+         "BLOCK_T": combine.COMBINE_CONFIG[0], "BLOCK_H": combine.COMBINE_CONFIG[1],
+         "SPARSE": sparse, "K_BLOCK": 64 if sparse else 1},
+        combine.COMBINE_CONFIG[2]) for keep in (False, True) for sparse in (False, True)},
     "slot map": (layout._slot_of_row_kernel, {"map_ptr": "*i64", "slot_ptr": "*i64"},
                  {"BLOCK": 1024}, 4),
     "drop over capacity": (capacity._drop_kernel,

@@ -120,13 +120,61 @@ def _zero_gaps(dst_ptr, splits_ptr, counts_ptr, E, N, H, stride_dst, first_unit,
                  mask=keep[:, None] & (cols < H)[None, :], cache_modifier=".cs")
 
 
+# Slots per token from which the row kernels take a token's slots as mostly unused (a
+# routing map's E): loaded at once, an unused one skipped.
+SPARSE_SLOTS = 32
+
+
+def sparse_slots(k: int) -> bool:
+    """Whether the row kernels treat ``k`` slots per token as sparse."""
+    return k >= SPARSE_SLOTS
+
+
+@triton.jit
+def slot_row(map_ptr, table, tokens, token_mask, j, K, SPARSE: tl.constexpr,
+             K_BLOCK: tl.constexpr):
+    """The row of slot ``j`` of each of ``tokens``: from ``table`` (their ``(BLOCK_T,
+    K_BLOCK)`` slots, loaded once) where ``SPARSE``, else loaded."""
+    if SPARSE:
+        row = tl.sum(tl.where(tl.arange(0, K_BLOCK)[None, :] == j, table, 0), axis=1)
+    else:
+        row = tl.load(map_ptr + tokens.to(tl.int64) * K + j, mask=token_mask, other=-1)
+    return row.to(tl.int64)
+
+
+@triton.jit
+def slot_table(map_ptr, tokens, token_mask, K, SPARSE: tl.constexpr, K_BLOCK: tl.constexpr):
+    """Where ``SPARSE``, the ``(BLOCK_T, K_BLOCK)`` rows of every slot of ``tokens`` (``-1``
+    past ``K``), for :func:`slot_row`; else a placeholder."""
+    if SPARSE:
+        ks = tl.arange(0, K_BLOCK)
+        table = tl.load(map_ptr + tokens.to(tl.int64)[:, None] * K + ks[None, :],
+                        mask=token_mask[:, None] & (ks < K)[None, :], other=-1)
+    else:
+        table = tl.zeros([1, 1], dtype=tl.int64)
+    return table
+
+
+@triton.jit
+def _store_slot(dst_ptr, weights_ptr, values, row, valid, slot, cols, col_mask, stride_dst,
+                HAS_WEIGHTS: tl.constexpr):
+    if HAS_WEIGHTS:
+        weight = tl.load(weights_ptr + slot, mask=valid, other=0.0).to(tl.float32)
+        out = (values.to(tl.float32) * weight[:, None]).to(dst_ptr.dtype.element_ty)
+    else:
+        out = values
+    tl.store(dst_ptr + row[:, None] * stride_dst + cols[None, :], out,
+             mask=valid[:, None] & col_mask, cache_modifier=".cs")
+
+
 @kernel
 @triton.jit
 def _scatter_rows_kernel(src_ptr, dst_ptr, map_ptr, token_ptr, weights_ptr, splits_ptr,
                          counts_ptr, T, K, N, H, E, stride_src, stride_dst, token_programs,
                          gap_programs, HAS_WEIGHTS: tl.constexpr, SLOTS: tl.constexpr,
                          GAPS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
-                         BLOCK_E: tl.constexpr, ZERO_ROWS: tl.constexpr, PDL: tl.constexpr):
+                         BLOCK_E: tl.constexpr, ZERO_ROWS: tl.constexpr, PDL: tl.constexpr,
+                         SPARSE: tl.constexpr, K_BLOCK: tl.constexpr):
     """A 1-D grid. The first ``token_programs * cdiv(H, BLOCK_H)`` programs: ``BLOCK_T``
     source rows by ``BLOCK_H`` columns each, read once and written to each of their ``K``
     slots' rows ``map[t, j]`` (those in ``[0, N)``), times ``weights[t, j]`` (float32) with
@@ -155,18 +203,18 @@ def _scatter_rows_kernel(src_ptr, dst_ptr, map_ptr, token_ptr, weights_ptr, spli
                          mask=token_mask[:, None] & col_mask, other=0.0)
         if PDL:
             gdc_wait()
+        table = slot_table(map_ptr, tokens, token_mask, K, SPARSE, K_BLOCK)
         for j in range(0, K):
             slot = tokens.to(tl.int64) * K + j
-            row = tl.load(map_ptr + slot, mask=token_mask, other=-1).to(tl.int64)
+            row = slot_row(map_ptr, table, tokens, token_mask, j, K, SPARSE, K_BLOCK)
             valid = (row >= 0) & (row < N)
-            if tl.max(valid.to(tl.int32), axis=0) > 0:  # sparse slots cost a branch only
-                if HAS_WEIGHTS:
-                    weight = tl.load(weights_ptr + slot, mask=valid, other=0.0).to(tl.float32)
-                    out = (values.to(tl.float32) * weight[:, None]).to(dst_ptr.dtype.element_ty)
-                else:
-                    out = values
-                tl.store(dst_ptr + row[:, None] * stride_dst + cols[None, :], out,
-                         mask=valid[:, None] & col_mask, cache_modifier=".cs")
+            if SPARSE:  # a slot no token of the block uses costs a branch only
+                if tl.max(valid.to(tl.int32), axis=0) > 0:
+                    _store_slot(dst_ptr, weights_ptr, values, row, valid, slot, cols, col_mask,
+                                stride_dst, HAS_WEIGHTS)
+            else:
+                _store_slot(dst_ptr, weights_ptr, values, row, valid, slot, cols, col_mask,
+                            stride_dst, HAS_WEIGHTS)
         if GAPS:
             if pid < gap_programs:
                 _zero_gaps(dst_ptr, splits_ptr, counts_ptr, E, N, H, stride_dst, pid,
@@ -225,6 +273,7 @@ def _scatter(src: torch.Tensor, row_map: torch.Tensor, held: torch.Tensor,
         num_rows, H, num_experts, src.stride(0), out.stride(0), token_programs, gap_programs,
         HAS_WEIGHTS=weights is not None, SLOTS=slots, GAPS=groups is not None, BLOCK_T=block_t,
         BLOCK_H=block_h, BLOCK_E=next_power_of_2(num_experts + 1), ZERO_ROWS=ZERO_ROWS,
+        SPARSE=sparse_slots(k), K_BLOCK=next_power_of_2(k) if sparse_slots(k) else 1,
         num_warps=warps, **_pdl_options(src.device))
     return out
 

@@ -146,3 +146,33 @@ def test_row_kernels_launch_shapes_agree(config, located):
                        layout.spread_rows(src, row_map, num_rows, weights))
     assert torch.equal(combine.combine_rows(routed, row_map, weights, config=config),
                        combine.combine_rows(routed, row_map, weights))
+
+
+@pytest.mark.parametrize("experts", [layout.SPARSE_SLOTS, 70])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_routing_map_slots_take_the_sparse_path(experts, dtype):
+    """A routing map's slots (E per token, a few used; one token with none, one with all):
+    the scatter, the weighted spread and the combine skip the unused ones and equal their
+    references."""
+    tokens, H = 19, 200
+    assert layout.sparse_slots(experts)
+    gen = torch.Generator().manual_seed(experts)
+    chosen = torch.rand(tokens, experts, generator=gen) < 4 / experts
+    chosen[4] = False
+    chosen[7] = True
+    slots = torch.where(chosen, torch.arange(experts), -1).to(DEVICE)
+    m_splits, row_map, token_of_row, counts = routing.routing_map_reference(
+        slots, experts, 1, tokens * experts)
+    src = torch.randn(tokens, H, generator=gen).to(DEVICE, dtype)
+    got = layout.scatter_rows(src, row_map, token_of_row, (m_splits, counts))
+    assert torch.equal(got, layout.gather_rows_reference(src, token_of_row))
+    weights = torch.rand(tokens, experts, generator=gen).to(DEVICE)
+    num_rows = int(counts.sum())
+    spread = layout.spread_rows(src, row_map, num_rows, weights)
+    torch.testing.assert_close(spread, layout.spread_rows_reference(src, row_map, num_rows,
+                                                                    weights), rtol=0, atol=0)
+    for w in (None, weights):
+        back = combine.combine_rows(got, row_map, w)
+        torch.testing.assert_close(back, combine.combine_rows_reference(got, row_map, w),
+                                   rtol=1e-6 if dtype == torch.float32 else 8e-3, atol=1e-5)
+    assert torch.all(combine.combine_rows(got, row_map, None)[4] == 0)
