@@ -293,8 +293,8 @@ def permute(
         if fp8 is not None:
             codes, inv = quantize_rows.quantize_rows(x.contiguous(), fp8.forward_dtype,
                                                      fp8.power_of_two_scales)
-        experts = topk_indices
-        if is_map or topk_indices.dim() == 1:
+        experts = topk_indices  # a (T, E) map as it is: the routing kernel reads it so
+        if topk_indices.dim() == 1:
             experts = inputs.slot_experts(topk_indices, num_experts)
         kept = slots  # the most slots kept: the rows of the layout before padding
         if capacity is not None:
@@ -304,7 +304,8 @@ def permute(
         if capacity is not None and drop_policy == "probs":
             drop = (capacity_kernels.drop_over_capacity_reference if x.device.type == "cpu"
                     else capacity_kernels.drop_over_capacity)
-            experts = drop(experts, probs.detach(), num_experts, capacity)
+            experts = drop(inputs.slot_experts(experts, num_experts) if is_map else experts,
+                           probs.detach(), num_experts, capacity)
         # capacity by position, num_out_tokens and the fixed groups: thresholds on the ranks
         # in slot order, taken by the routing map itself
         layout = {"capacity": capacity, "keep": num_out_tokens,

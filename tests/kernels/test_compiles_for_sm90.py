@@ -214,13 +214,15 @@ CASES = {
          "BLOCK_E": 128 if gaps else 1, "ZERO_ROWS": layout.ZERO_ROWS,
          "PDL": True, "SPARSE": sparse, "K_BLOCK": 64 if sparse else 1}, 4)
         for gaps in (False, True) for sparse in (False, True)},
-    **{f"routing phase {phase}, {experts} experts": (
-        routing._routing_kernel, {"topk_ptr": "*i64", "row_map_ptr": "*i64", "token_ptr": "*i64",
-                                  "splits_ptr": "*i64", "counts_ptr": "*i64", "work_ptr": "*i32"},
+    **{f"routing phase {phase}, {experts} experts{', bool map' * is_map}": (
+        routing._routing_kernel, {"topk_ptr": "*u8" if is_map else "*i64", "row_map_ptr": "*i64",
+                                  "token_ptr": "*i64", "splits_ptr": "*i64",
+                                  "counts_ptr": "*i64", "work_ptr": "*i32"},
         {"PHASE": phase, "BLOCK": 1024, "RANK_BLOCK": 1024 if experts <= 32 else 32,
          "ONE_HOT": experts <= 32, "BLOCK_E": experts, "BLOCK_P": 64 if experts <= 32 else 32,
-         "PDL": True},
-        8 if experts <= 32 else 4) for phase in (0, 1, 2) for experts in (8, 256)},
+         "PDL": True, "MAP": is_map, "MAP_TOKENS": 8192 // experts},
+        8 if experts <= 32 else 4)
+        for phase in (0, 1, 2) for experts in (8, 256) for is_map in (False, True)},
     **{f"slot dots{' of FP8 rows' if fp8 else ''}": (
         combine._slot_dots_kernel,
         {"src_ptr": F8 if fp8 else "*bf16", "grad_ptr": "*bf16", "map_ptr": "*i64"},

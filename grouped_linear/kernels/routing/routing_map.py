@@ -63,6 +63,9 @@ def routing_map_reference(topk_indices: torch.Tensor, num_experts: int, multiple
     tokens, k = topk_indices.shape
     slots = tokens * k
     device = topk_indices.device
+    if topk_indices.dtype == torch.bool:  # a routing map: slot (t, e) is expert e's
+        columns = torch.arange(k, device=device, dtype=torch.int64)
+        topk_indices = torch.where(topk_indices, columns, -1)
     flat = topk_indices.reshape(-1).to(torch.int64)
     key = torch.where((flat >= 0) & (flat < num_experts), flat, num_experts)
     sorted_key, order = torch.sort(key, stable=True)
@@ -102,11 +105,20 @@ def routing_map_reference(topk_indices: torch.Tensor, num_experts: int, multiple
     return m_splits, row_map, token_of_row, counts
 
 
+@triton.jit
+def _map_tile(map_ptr, tokens, experts, end, E):
+    """``(tokens, experts)`` of a ``(T, E)`` routing map as bools, false past ``end`` / ``E``."""
+    mask = (tokens < end)[:, None] & (experts < E)[None, :]
+    return tl.load(map_ptr + tokens.to(tl.int64)[:, None] * E + experts[None, :], mask=mask,
+                   other=0) != 0
+
+
 @kernel
 @triton.jit
 def _routing_kernel(topk_ptr, row_map_ptr, token_ptr, splits_ptr, counts_ptr, work_ptr, S, K, E,
                     N, multiple, capacity, keep, group_rows, chunk, num_programs,
-                    PHASE: tl.constexpr, BLOCK: tl.constexpr,
+                    PHASE: tl.constexpr, BLOCK: tl.constexpr, MAP: tl.constexpr,
+                    MAP_TOKENS: tl.constexpr,
                     RANK_BLOCK: tl.constexpr, ONE_HOT: tl.constexpr, BLOCK_E: tl.constexpr,
                     BLOCK_P: tl.constexpr, PDL: tl.constexpr):
     # With PDL every phase lets the launch after it start at once (phase 2 after phase 1,
@@ -121,12 +133,19 @@ def _routing_kernel(topk_ptr, row_map_ptr, token_ptr, splits_ptr, counts_ptr, wo
     chunk_counts_ptr = work_ptr  # (num_programs, BLOCK_E): each chunk's count per expert
     if PHASE != 2:
         hist = tl.zeros([BLOCK_E], dtype=tl.int32)
-        for s0 in range(begin, end, BLOCK):
-            slots = s0 + lanes
-            in_chunk = slots < end
-            raw = tl.load(topk_ptr + slots, mask=in_chunk, other=0)
-            routed = in_chunk & (raw >= 0) & (raw < E)
-            hist += tl.histogram(tl.where(routed, raw.to(tl.int32), 0), BLOCK_E, mask=routed)
+        if MAP:  # chunks of tokens: their map rows' column sums
+            for t0 in range(begin, end, MAP_TOKENS):
+                tokens = t0 + tl.arange(0, MAP_TOKENS)
+                hit = _map_tile(topk_ptr, tokens, experts, end, E)
+                hist += tl.sum(hit.to(tl.int32), axis=0)
+        else:
+            for s0 in range(begin, end, BLOCK):
+                slots = s0 + lanes
+                in_chunk = slots < end
+                raw = tl.load(topk_ptr + slots, mask=in_chunk, other=0)
+                routed = in_chunk & (raw >= 0) & (raw < E)
+                hist += tl.histogram(tl.where(routed, raw.to(tl.int32), 0), BLOCK_E,
+                                     mask=routed)
         if PHASE == 1:
             tl.store(chunk_counts_ptr + pid * BLOCK_E + experts, hist)
     if PHASE != 1:
@@ -159,34 +178,49 @@ def _routing_kernel(topk_ptr, row_map_ptr, token_ptr, splits_ptr, counts_ptr, wo
         # a slot is kept if it lands before its group's first unkept place.
         base = group_start + earlier
         limit = group_start + kept
-        rank_lanes = tl.arange(0, RANK_BLOCK)
-        ahead = tl.load(topk_ptr + begin + rank_lanes, mask=begin + rank_lanes < end, other=0)
-        for s0 in range(begin, end, RANK_BLOCK):
-            slots = s0 + rank_lanes
-            in_chunk = slots < end
-            raw = ahead
-            # the next block's experts load while this block is ranked
-            ahead = tl.load(topk_ptr + slots + RANK_BLOCK, mask=slots + RANK_BLOCK < end, other=0)
-            routed = in_chunk & (raw >= 0) & (raw < E)
-            expert = tl.where(routed, raw.to(tl.int32), -1)
-            if ONE_HOT:
-                hit = expert[:, None] == experts[None, :]
-                rank = tl.cumsum(hit.to(tl.int32), axis=0)  # inclusive, per expert column
-                dest = tl.sum(tl.where(hit, base[None, :] + (rank - 1).to(tl.int64), 0), axis=1)
-                bound = tl.sum(tl.where(hit, limit[None, :], 0), axis=1)
+        if MAP:  # a slot's rank: the earlier tokens of its expert's column (a cumsum)
+            for t0 in range(begin, end, MAP_TOKENS):
+                tokens = t0 + tl.arange(0, MAP_TOKENS)
+                hit = _map_tile(topk_ptr, tokens, experts, end, E)
+                rank = tl.cumsum(hit.to(tl.int32), axis=0)  # inclusive
+                dest = base[None, :] + (rank - 1).to(tl.int64)
+                held = hit & (dest < limit[None, :])
+                slots = tokens.to(tl.int64)[:, None] * K + experts[None, :]
+                tl.store(row_map_ptr + slots, tl.where(held, dest, -1),
+                         mask=(tokens < end)[:, None] & (experts < E)[None, :])
+                tl.store(token_ptr + dest,
+                         tl.broadcast_to(tokens.to(tl.int64)[:, None], (MAP_TOKENS, BLOCK_E)),
+                         mask=held & (dest < N))
                 base += tl.sum(hit.to(tl.int64), axis=0)
-            else:
-                # rank: the earlier slots of the block with the same expert
-                same = (expert[:, None] == expert[None, :]) & (rank_lanes[None, :] < rank_lanes[:, None])
-                rank = tl.sum(same.to(tl.int32), axis=1)
-                clamped = tl.maximum(expert, 0)
-                dest = tl.gather(base, clamped, 0) + rank
-                bound = tl.gather(limit, clamped, 0)
-                base += tl.histogram(clamped, BLOCK_E, mask=routed).to(tl.int64)
-            held = routed & (dest < bound)
-            dest = tl.where(held, dest, -1)
-            tl.store(row_map_ptr + slots, dest, mask=in_chunk)
-            tl.store(token_ptr + dest, slots // K, mask=held & (dest < N))
+        else:
+            rank_lanes = tl.arange(0, RANK_BLOCK)
+            ahead = tl.load(topk_ptr + begin + rank_lanes, mask=begin + rank_lanes < end, other=0)
+            for s0 in range(begin, end, RANK_BLOCK):
+                slots = s0 + rank_lanes
+                in_chunk = slots < end
+                raw = ahead
+                # the next block's experts load while this block is ranked
+                ahead = tl.load(topk_ptr + slots + RANK_BLOCK, mask=slots + RANK_BLOCK < end, other=0)
+                routed = in_chunk & (raw >= 0) & (raw < E)
+                expert = tl.where(routed, raw.to(tl.int32), -1)
+                if ONE_HOT:
+                    hit = expert[:, None] == experts[None, :]
+                    rank = tl.cumsum(hit.to(tl.int32), axis=0)  # inclusive, per expert column
+                    dest = tl.sum(tl.where(hit, base[None, :] + (rank - 1).to(tl.int64), 0), axis=1)
+                    bound = tl.sum(tl.where(hit, limit[None, :], 0), axis=1)
+                    base += tl.sum(hit.to(tl.int64), axis=0)
+                else:
+                    # rank: the earlier slots of the block with the same expert
+                    same = (expert[:, None] == expert[None, :]) & (rank_lanes[None, :] < rank_lanes[:, None])
+                    rank = tl.sum(same.to(tl.int32), axis=1)
+                    clamped = tl.maximum(expert, 0)
+                    dest = tl.gather(base, clamped, 0) + rank
+                    bound = tl.gather(limit, clamped, 0)
+                    base += tl.histogram(clamped, BLOCK_E, mask=routed).to(tl.int64)
+                held = routed & (dest < bound)
+                dest = tl.where(held, dest, -1)
+                tl.store(row_map_ptr + slots, dest, mask=in_chunk)
+                tl.store(token_ptr + dest, slots // K, mask=held & (dest < N))
         # Rows that hold no slot: each group's padding (experts split among the programs)
         # and the rows past the last group.
         group_fill = group_start + kept
@@ -209,7 +243,9 @@ def routing_map(topk_indices: torch.Tensor, num_experts: int, multiple: int, num
 
     Args:
         topk_indices: ``(T, k)`` integer tensor: the expert of slot ``(t, j)``; values
-            outside ``[0, num_experts)`` (``-1``) drop the slot.
+            outside ``[0, num_experts)`` (``-1``) drop the slot. Or a bool ``(T, E)``
+            routing map: slot ``(t, e)`` goes to expert ``e`` where set (read as tiles of
+            whole rows, each rank a column sum).
         num_experts: ``E``; multiple: every group is padded to a multiple of it.
         num_rows: rows of the layout, at least ``sum(m_splits)`` (``T*k + E*(multiple-1)``
             always is).
@@ -242,8 +278,13 @@ def routing_map(topk_indices: torch.Tensor, num_experts: int, multiple: int, num
     rank_block = max(16, _ONE_HOT_TILE // block_e) if one_hot else (32 if block_e <= 256 else 128)
     block = max(_COUNT_BLOCK, rank_block)
     limit = max_programs if max_programs is not None else sm_count(device)
-    chunk = cdiv(max(cdiv(slots, limit), _MIN_CHUNK), rank_block) * rank_block
-    programs = max(1, cdiv(slots, chunk))
+    is_map = topk_indices.dtype == torch.bool
+    # A map is read as tiles of whole rows: chunks of tokens, ranks from column sums.
+    map_tokens = max(1, _ONE_HOT_TILE // block_e)
+    unit, items = (map_tokens, tokens) if is_map else (rank_block, slots)
+    chunk = cdiv(max(cdiv(items, limit), cdiv(_MIN_CHUNK, max(k, 1) if is_map else 1)),
+                 unit) * unit
+    programs = max(1, cdiv(items, chunk))
     work = torch.empty(block_e * programs, device=device, dtype=torch.int32)
     m_splits = torch.empty(num_experts, device=device, dtype=torch.int64)
     counts = torch.empty(num_experts, device=device, dtype=torch.int64)
@@ -253,10 +294,12 @@ def routing_map(topk_indices: torch.Tensor, num_experts: int, multiple: int, num
     pdl = gdc_launch_dependents is not None and scatter_pdl(device)
     for phase in phases:
         _routing_kernel[(programs,)](
-            topk_indices.contiguous(), row_map, token_of_row, m_splits, counts, work, slots,
-            max(k, 1), num_experts, num_rows, multiple,
+            topk_indices.contiguous().view(torch.uint8) if is_map else topk_indices.contiguous(),
+            row_map, token_of_row, m_splits, counts, work, items, max(k, 1), num_experts,
+            num_rows, multiple,
             slots if capacity is None else min(capacity, slots), slots if keep is None else keep,
-            group_rows or 0, chunk, programs, PHASE=phase, BLOCK=block,
+            group_rows or 0, chunk, programs, PHASE=phase, BLOCK=block, MAP=is_map,
+            MAP_TOKENS=map_tokens,
             RANK_BLOCK=rank_block, ONE_HOT=one_hot, BLOCK_E=block_e,
             BLOCK_P=max(1, min(64, _ONE_HOT_TILE // block_e)), PDL=pdl,
             num_warps=8 if one_hot else 4, **({"launch_pdl": True} if pdl and phase == 2 else {}))

@@ -106,3 +106,45 @@ def test_routing_map_cuda_large(tokens, k, experts, multiple):
         torch.cuda.set_sync_debug_mode(0)
     want = routing.routing_map_reference(topk, experts, multiple, num_rows)
     assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+
+@pytest.mark.parametrize("experts, multiple, programs", [(6, 1, 3), (40, 16, 4), (300, 4, 2),
+                                                         (64, 1, 1)])
+@pytest.mark.parametrize("limits", [{}, {"capacity": 3}, {"keep": 50},
+                                    {"capacity": 4, "keep": 30}])
+def test_routing_map_reads_a_bool_map(experts, multiple, programs, limits):
+    """A ``(T, E)`` bool map: the same layout as its slots given as expert indices (``e``
+    where set, -1 elsewhere), over several chunks of tokens, with every limit."""
+    gen = torch.Generator().manual_seed(experts + multiple)
+    tokens = 150
+    chosen = torch.rand(tokens, experts, generator=gen) < 3 / experts
+    chosen[5] = True  # a token routed to every expert
+    chosen[:, 1] = False  # an expert nobody chose
+    chosen = chosen.to(DEVICE)
+    slots = torch.where(chosen, torch.arange(experts, device=DEVICE), -1)
+    num_rows = tokens * experts + experts * (multiple - 1)
+    got = routing.routing_map(chosen, experts, multiple, num_rows, max_programs=programs,
+                              **limits)
+    for a, b in zip(got, _check_routing(slots, experts, multiple, max_programs=programs)
+                    if not limits else routing.routing_map_reference(
+                        slots, experts, multiple, num_rows, **limits), strict=True):
+        assert torch.equal(a, b)
+    want = routing.routing_map_reference(chosen, experts, multiple, num_rows, **limits)
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("tokens, experts, multiple", [(8192, 64, 1), (4096, 256, 16), (3, 5, 4)])
+def test_routing_map_cuda_bool_map(tokens, experts, multiple):
+    gen = torch.Generator().manual_seed(tokens)
+    chosen = (torch.rand(tokens, experts, generator=gen) < 8 / experts).cuda()
+    num_rows = tokens * 8 + experts * (multiple - 1)  # num_out_tokens' bound
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = routing.routing_map(chosen, experts, multiple, num_rows, keep=tokens * 8)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    want = routing.routing_map_reference(chosen, experts, multiple, num_rows, keep=tokens * 8)
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
