@@ -239,9 +239,9 @@ CASES = {
     "slot map": (layout._slot_of_row_kernel, {"map_ptr": "*i64", "slot_ptr": "*i64"},
                  {"BLOCK": 1024}, 4),
     "drop over capacity": (capacity._drop_kernel,
-                           {"experts_ptr": "*i64", "priority_ptr": "*fp32", "slot_ptr": "*i64",
-                            "counts_ptr": "*i64", "out_ptr": "*i64"},
-                           {"ROWS": capacity._ROWS, "PEERS": capacity._PEERS, "BLOCK_E": 64}, 4),
+                           {"priority_ptr": "*fp32", "slot_ptr": "*i64", "counts_ptr": "*i64",
+                            "keys_ptr": "*i64", "out_ptr": "*i64"},
+                           {"BLOCK": capacity._BLOCK, "BLOCK_E": 64}, 8),
     # "weighted": float32 routing probabilities per row (Megatron-Core's), and in backward
     # their gradient's partial sums.
     **{f"bias activation, {'weighted ' if probs else ''}{order} {way}": (

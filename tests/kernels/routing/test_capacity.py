@@ -88,3 +88,21 @@ def test_drop_over_capacity_edges():
     values = torch.arange(27, device=DEVICE, dtype=torch.float32).view(9, 3)
     got = capacity_kernels.drop_over_capacity(one, values, 2, 4).cpu()
     assert (got.reshape(-1) == 0).nonzero().reshape(-1).tolist() == [23, 24, 25, 26]
+
+
+def test_drop_over_capacity_large_groups_and_signed_priorities():
+    """Groups larger than a program's step (several blocks per pass), negative priorities,
+    ``-0.0`` tied with ``0.0`` (the lower slot first), a capacity inside a run of ties."""
+    gen = torch.Generator().manual_seed(11)
+    tokens, k, experts = 2600, 2, 3
+    topk = torch.randint(0, experts, (tokens, k), generator=gen)
+    topk[:, 0] = 0  # expert 0: over 2600 slots
+    priority = torch.randn(tokens, k, generator=gen)
+    priority[::7] = 0.0
+    priority[3::7] = -0.0
+    priority[5::11] = 0.5
+    for capacity in (1, 7, 1234, 2600):
+        got = capacity_kernels.drop_over_capacity(topk.to(DEVICE), priority.to(DEVICE),
+                                                  experts, capacity)
+        want = capacity_kernels.drop_over_capacity_reference(topk, priority, experts, capacity)
+        assert torch.equal(got.cpu(), want)
