@@ -14,6 +14,9 @@ From the repository root:
   kernels of one step of the whole MoE block as that suite times it, each kernel's GPU time
   per step, and the GEMMs' share against everything else (quantization, permutation,
   activation, reductions);
+* ``... profile_step.py layouts [--hidden H] [--rows R] [NAME ...]``: the kernels of the
+  layouts suite's ops named so (prefixes; default ``permute sort_chunks``), forward and
+  backward, and the host time to enqueue a forward;
 * ``... profile_step.py launches``: the small step under each recipe (bf16 and the three
   FP8 ones, no bias): the host time to enqueue one forward+backward (synchronize, time the
   call, median of 20: the GPU work is ~0.1 ms, so this is what the step costs on a
@@ -31,7 +34,7 @@ from _common import CUDA, bench_shapes, device_groups, kernel_times, profile_ste
 from torch.profiler import ProfilerActivity
 
 import grouped_linear as gl
-from grouped_linear.cli import bench_moe
+from grouped_linear.cli import bench_layouts, bench_moe
 
 RECIPES = {"rowwise": gl.recipes.Float8Rowwise, "tensorwise": gl.recipes.Float8Tensorwise,
            "blockwise": gl.recipes.Float8Blockwise}
@@ -110,6 +113,35 @@ def block_table(case_name: str, columns: list[str]) -> None:
             print(f"{us:8.0f}  {us / total:5.1%}  {count:5.0f}  {key[:90]}")
 
 
+def layouts_table(hidden: int, rows: int, names: list[str]) -> None:
+    """The kernels of the layouts suite's ops (those whose name starts with one of ``names``)
+    at ``hidden`` x ``rows``: forward and backward, each kernel's GPU time per call, and the
+    host time to enqueue one forward."""
+    for op in bench_layouts._case_ops(hidden, rows, torch.device(CUDA), DT):
+        if names and not any(op.name.startswith(name) for name in names):
+            continue
+        out = op.forward()
+        grad = torch.randn_like(out)
+        for _ in range(5):
+            op.forward()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(20):
+            op.forward()
+        host_us = (time.perf_counter() - start) / 20 * 1e6
+        torch.cuda.synchronize()
+        def backward(out=out, inp=op.inp, grad=grad):
+            return torch.autograd.grad(out, inp, grad, retain_graph=True)
+
+        for direction, run in (("fwd", op.forward), ("bwd", backward)):
+            kernels = kernel_times(run, 3, 5)
+            total = sum(us for us, _ in kernels.values())
+            print(f"===== {op.name} {direction} {hidden} x {rows}: {total:.0f} µs of kernels"
+                  + (f", {host_us:.0f} µs to enqueue" if direction == "fwd" else ""))
+            for key, (us, count) in sorted(kernels.items(), key=lambda kv: -kv[1][0])[:10]:
+                print(f"{us:8.1f}  {count:5.0f}  {key[:90]}")
+
+
 def launches() -> None:
     """Host time, GPU time and kernel count per small step, per recipe."""
     small = randn(8, device=CUDA, dtype=torch.float32)
@@ -146,6 +178,10 @@ def main() -> None:
     block.add_argument("case", choices=[case.name for case in bench_moe.CASES])
     block.add_argument("columns", nargs="*", default=["bf16", "fp8_rowwise", "fp8_blockwise"])
     sub.add_parser("launches", help="host time, GPU time and kernels per small step, per recipe")
+    layouts = sub.add_parser("layouts", help="the kernels of the layouts suite's ops")
+    layouts.add_argument("--hidden", type=int, default=4096)
+    layouts.add_argument("--rows", type=int, default=65536)
+    layouts.add_argument("names", nargs="*", default=["permute", "sort_chunks"])
     args = parser.parse_args()
     if args.mode == "fp8":
         for name in args.shapes:
@@ -154,6 +190,8 @@ def main() -> None:
         block_table(args.case, args.columns)
     elif args.mode == "launches":
         launches()
+    elif args.mode == "layouts":
+        layouts_table(args.hidden, args.rows, args.names)
     else:
         bf16_tables("small 8x128 1024->1024", 8, 128, 1024, 1024, bias=False)
         bf16_tables("qwen fc2 8x10240 1024->4096", 8, 10240, 1024, 4096, bias=True)
