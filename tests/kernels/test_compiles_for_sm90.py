@@ -212,7 +212,7 @@ CASES = {
         {"HAS_WEIGHTS": not gaps, "SLOTS": not gaps, "GAPS": gaps,
          "BLOCK_T": layout.SCATTER_CONFIG[0], "BLOCK_H": layout.SCATTER_CONFIG[1],
          "BLOCK_E": 128 if gaps else 1, "ZERO_ROWS": layout.ZERO_ROWS,
-         "PDL": True, "SPARSE": sparse, "K_BLOCK": 64 if sparse else 1}, 4)
+         "PDL": True, "SPARSE": sparse, "K_CHUNK": 32 if sparse else 1}, 4)
         for gaps in (False, True) for sparse in (False, True)},
     **{f"routing phase {phase}, {experts} experts{', bool map' * is_map}": (
         routing._routing_kernel, {"topk_ptr": "*u8" if is_map else "*i64", "row_map_ptr": "*i64",
@@ -234,7 +234,7 @@ CASES = {
         {"src_ptr": "*bf16", "dst_ptr": "*bf16", "map_ptr": "*i64", "codes_ptr": F8},
         {"HAS_WEIGHTS": True, "KEEP": keep, "FP8_MAX": FP8_MAX, "TILE": combine.FP8_TILE,
          "BLOCK_T": combine.COMBINE_CONFIG[0], "BLOCK_H": combine.COMBINE_CONFIG[1],
-         "SPARSE": sparse, "K_BLOCK": 64 if sparse else 1},
+         "SPARSE": sparse, "K_CHUNK": 32 if sparse else 1},
         combine.COMBINE_CONFIG[2]) for keep in (False, True) for sparse in (False, True)},
     "slot map": (layout._slot_of_row_kernel, {"map_ptr": "*i64", "slot_ptr": "*i64"},
                  {"BLOCK": 1024}, 4),

@@ -8,7 +8,15 @@ import torch
 from .._triton import cdiv, kernel, next_power_of_2, tl, triton
 from ..quantize.blocks import dequantize_row_tiles, quantize_row_tiles_reference
 from ..quantize.common import amax_to_scale, finish, fp8_buffer, inverse
-from .rows import _rows_kernel_ok, gather_rows_reference, slot_row, slot_table, sparse_slots
+from .rows import (
+    SLOT_CHUNK,
+    _rows_kernel_ok,
+    gather_rows_reference,
+    next_slot_table,
+    slot_row,
+    slot_table,
+    sparse_slots,
+)
 
 __all__ = ["combine_rows", "combine_rows_reference", "combine_rows_keeping_fp8", "slot_dots",
            "slot_dots_reference", "COMBINE_CONFIG", "SLOT_DOTS_CONFIG", "FP8_TILE"]
@@ -66,21 +74,22 @@ def _combine_rows_kernel(src_ptr, dst_ptr, map_ptr, weights_ptr, codes_ptr, fact
                          R_src, H, stride_src, stride_dst, stride_factors,
                          HAS_WEIGHTS: tl.constexpr, KEEP: tl.constexpr, FP8_MAX: tl.constexpr,
                          TILE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
-                         SPARSE: tl.constexpr, K_BLOCK: tl.constexpr):
+                         SPARSE: tl.constexpr, K_CHUNK: tl.constexpr):
     """``KEEP``: also each routed row's FP8 codes (row-major like ``src``) and the float32
     factor of each of its ``TILE``-column tiles, from the same read. ``SPARSE`` (many slots
-    per token, most unused, as a routing map's): the block's slots are loaded at once and a
-    slot no token of the block uses is skipped; otherwise every slot is read in a loop
+    per token, most unused, as a routing map's): the block's slots are loaded a chunk at a
+    time and a slot no token of the block uses is skipped; otherwise every slot is read in a loop
     without branches (a branch per slot made the top-k combine 9-19 % slower, H200)."""
     tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     col_mask = (cols < H)[None, :]
     token_mask = tokens < T
     acc = tl.zeros([BLOCK_T, BLOCK_H], dtype=tl.float32)
-    table = slot_table(map_ptr, tokens, token_mask, K, SPARSE, K_BLOCK)
+    table = slot_table(map_ptr, tokens, token_mask, 0, K, SPARSE, K_CHUNK)
     for j in range(0, K):  # fixed slot order: deterministic
         slot = tokens.to(tl.int64) * K + j
-        row = slot_row(map_ptr, table, tokens, token_mask, j, K, SPARSE, K_BLOCK)
+        table = next_slot_table(table, map_ptr, tokens, token_mask, j, K, SPARSE, K_CHUNK)
+        row = slot_row(map_ptr, table, tokens, token_mask, j, K, SPARSE, K_CHUNK)
         valid = (row >= 0) & (row < R_src)
         if SPARSE:
             if tl.max(valid.to(tl.int32), axis=0) > 0:
@@ -131,7 +140,7 @@ def _combine(src, row_map, weights, keep, block_t, block_h, warps):
         factors.stride(0) if factors is not None else 0, HAS_WEIGHTS=weights is not None,
         KEEP=keep is not None, FP8_MAX=torch.finfo(keep).max if keep is not None else 1.0,
         TILE=FP8_TILE, BLOCK_T=block_t, BLOCK_H=block_h, SPARSE=sparse_slots(k),
-        K_BLOCK=next_power_of_2(k) if sparse_slots(k) else 1, num_warps=warps)
+        K_CHUNK=SLOT_CHUNK if sparse_slots(k) else 1, num_warps=warps)
     return out.to(src.dtype), (None if keep is None else finish(codes, keep)), factors
 
 

@@ -121,8 +121,9 @@ def _zero_gaps(dst_ptr, splits_ptr, counts_ptr, E, N, H, stride_dst, first_unit,
 
 
 # Slots per token from which the row kernels take a token's slots as mostly unused (a
-# routing map's E): loaded at once, an unused one skipped.
+# routing map's E): loaded SLOT_CHUNK at a time, an unused one skipped.
 SPARSE_SLOTS = 32
+SLOT_CHUNK = 32
 
 
 def sparse_slots(k: int) -> bool:
@@ -131,28 +132,39 @@ def sparse_slots(k: int) -> bool:
 
 
 @triton.jit
-def slot_row(map_ptr, table, tokens, token_mask, j, K, SPARSE: tl.constexpr,
-             K_BLOCK: tl.constexpr):
-    """The row of slot ``j`` of each of ``tokens``: from ``table`` (their ``(BLOCK_T,
-    K_BLOCK)`` slots, loaded once) where ``SPARSE``, else loaded."""
+def slot_table(map_ptr, tokens, token_mask, j, K, SPARSE: tl.constexpr, K_CHUNK: tl.constexpr):
+    """Where ``SPARSE``, the rows of slots ``[j, j + K_CHUNK)`` of ``tokens`` as a
+    ``(BLOCK_T, K_CHUNK)`` tile (``-1`` past ``K``), for :func:`slot_row`; else a
+    placeholder."""
     if SPARSE:
-        row = tl.sum(tl.where(tl.arange(0, K_BLOCK)[None, :] == j, table, 0), axis=1)
-    else:
-        row = tl.load(map_ptr + tokens.to(tl.int64) * K + j, mask=token_mask, other=-1)
-    return row.to(tl.int64)
-
-
-@triton.jit
-def slot_table(map_ptr, tokens, token_mask, K, SPARSE: tl.constexpr, K_BLOCK: tl.constexpr):
-    """Where ``SPARSE``, the ``(BLOCK_T, K_BLOCK)`` rows of every slot of ``tokens`` (``-1``
-    past ``K``), for :func:`slot_row`; else a placeholder."""
-    if SPARSE:
-        ks = tl.arange(0, K_BLOCK)
+        ks = j + tl.arange(0, K_CHUNK)
         table = tl.load(map_ptr + tokens.to(tl.int64)[:, None] * K + ks[None, :],
                         mask=token_mask[:, None] & (ks < K)[None, :], other=-1)
     else:
         table = tl.zeros([1, 1], dtype=tl.int64)
     return table
+
+
+@triton.jit
+def next_slot_table(table, map_ptr, tokens, token_mask, j, K, SPARSE: tl.constexpr,
+                    K_CHUNK: tl.constexpr):
+    """``table``, or where ``SPARSE`` and slot ``j`` starts a chunk, that chunk's."""
+    if SPARSE:
+        if (j % K_CHUNK == 0) & (j > 0):
+            table = slot_table(map_ptr, tokens, token_mask, j, K, SPARSE, K_CHUNK)
+    return table
+
+
+@triton.jit
+def slot_row(map_ptr, table, tokens, token_mask, j, K, SPARSE: tl.constexpr,
+             K_CHUNK: tl.constexpr):
+    """The row of slot ``j`` of each of ``tokens``: picked from ``table`` (its chunk) where
+    ``SPARSE``, else loaded."""
+    if SPARSE:
+        row = tl.sum(tl.where(tl.arange(0, K_CHUNK)[None, :] == j % K_CHUNK, table, 0), axis=1)
+    else:
+        row = tl.load(map_ptr + tokens.to(tl.int64) * K + j, mask=token_mask, other=-1)
+    return row.to(tl.int64)
 
 
 @triton.jit
@@ -174,7 +186,7 @@ def _scatter_rows_kernel(src_ptr, dst_ptr, map_ptr, token_ptr, weights_ptr, spli
                          gap_programs, HAS_WEIGHTS: tl.constexpr, SLOTS: tl.constexpr,
                          GAPS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
                          BLOCK_E: tl.constexpr, ZERO_ROWS: tl.constexpr, PDL: tl.constexpr,
-                         SPARSE: tl.constexpr, K_BLOCK: tl.constexpr):
+                         SPARSE: tl.constexpr, K_CHUNK: tl.constexpr):
     """A 1-D grid. The first ``token_programs * cdiv(H, BLOCK_H)`` programs: ``BLOCK_T``
     source rows by ``BLOCK_H`` columns each, read once and written to each of their ``K``
     slots' rows ``map[t, j]`` (those in ``[0, N)``), times ``weights[t, j]`` (float32) with
@@ -203,10 +215,11 @@ def _scatter_rows_kernel(src_ptr, dst_ptr, map_ptr, token_ptr, weights_ptr, spli
                          mask=token_mask[:, None] & col_mask, other=0.0)
         if PDL:
             gdc_wait()
-        table = slot_table(map_ptr, tokens, token_mask, K, SPARSE, K_BLOCK)
+        table = slot_table(map_ptr, tokens, token_mask, 0, K, SPARSE, K_CHUNK)
         for j in range(0, K):
             slot = tokens.to(tl.int64) * K + j
-            row = slot_row(map_ptr, table, tokens, token_mask, j, K, SPARSE, K_BLOCK)
+            table = next_slot_table(table, map_ptr, tokens, token_mask, j, K, SPARSE, K_CHUNK)
+            row = slot_row(map_ptr, table, tokens, token_mask, j, K, SPARSE, K_CHUNK)
             valid = (row >= 0) & (row < N)
             if SPARSE:  # a slot no token of the block uses costs a branch only
                 if tl.max(valid.to(tl.int32), axis=0) > 0:
@@ -273,7 +286,7 @@ def _scatter(src: torch.Tensor, row_map: torch.Tensor, held: torch.Tensor,
         num_rows, H, num_experts, src.stride(0), out.stride(0), token_programs, gap_programs,
         HAS_WEIGHTS=weights is not None, SLOTS=slots, GAPS=groups is not None, BLOCK_T=block_t,
         BLOCK_H=block_h, BLOCK_E=next_power_of_2(num_experts + 1), ZERO_ROWS=ZERO_ROWS,
-        SPARSE=sparse_slots(k), K_BLOCK=next_power_of_2(k) if sparse_slots(k) else 1,
+        SPARSE=sparse_slots(k), K_CHUNK=SLOT_CHUNK if sparse_slots(k) else 1,
         num_warps=warps, **_pdl_options(src.device))
     return out
 
