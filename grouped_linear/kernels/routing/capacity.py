@@ -3,9 +3,10 @@
 :func:`drop_over_capacity` groups the slots by expert (the routing map of the slots
 themselves, one row per slot), then one program per expert over more than ``capacity``
 slots finds the ``capacity``-th largest of their keys (priority, then the lower slot) by a
-radix select: 16 passes over the group's keys, each a histogram of 4 bits. The work is 17
-reads of each slot's key, on the device, without a host sync (ranking the slots pairwise,
-its first form, read 0.21-0.40 of copy for the whole permute on the layouts bench).
+radix select: up to 16 passes over the group's keys, each a histogram of 4 bits, until the
+digit chosen keeps all of its keys. At most 18 reads of each slot's key, on the device,
+without a host sync (ranking the slots pairwise, its first form, read 0.21-0.40 of copy for
+the whole permute on the layouts bench).
 :func:`drop_over_capacity_reference` is the plain-PyTorch version (two stable sorts).
 """
 
@@ -57,8 +58,9 @@ def _drop_kernel(priority_ptr, slot_ptr, counts_ptr, keys_ptr, out_ptr, E, capac
                  BLOCK: tl.constexpr, BLOCK_E: tl.constexpr):
     """One program per expert, over its rows ``[start, start + n)`` of the slots grouped by
     expert. With more than ``capacity`` slots: each slot's key (scratch ``keys``), then the
-    ``capacity``-th largest key by a radix select (16 passes of 4 bits, a histogram of the
-    keys that share the bits chosen so far), and the slots whose key reaches it are kept."""
+    ``capacity``-th largest key by a radix select (passes of 4 bits, a histogram of the keys
+    that share the bits chosen so far, until the chosen digit keeps all of its keys), and the
+    slots whose key reaches it are kept."""
     e = tl.program_id(0)
     experts = tl.arange(0, BLOCK_E)
     counts = tl.load(counts_ptr + experts, mask=experts < E, other=0)
@@ -78,22 +80,27 @@ def _drop_kernel(priority_ptr, slot_ptr, counts_ptr, keys_ptr, out_ptr, E, capac
         prefix = tl.zeros([], dtype=tl.uint64)
         chosen = tl.zeros([], dtype=tl.uint64)  # the bits of prefix fixed so far
         wanted = tl.zeros([], dtype=tl.int64) + capacity  # its rank among those sharing prefix
+        found = tl.zeros([], dtype=tl.int32)
         for step in tl.static_range(16):
-            shift = 60 - 4 * step
-            hist = tl.zeros([16], dtype=tl.int32)
-            for r0 in range(start, start + n, BLOCK):
-                rows = r0 + lanes
-                in_group = rows < start + n
-                keys = tl.load(keys_ptr + rows, mask=in_group, other=0).to(tl.uint64, bitcast=True)
-                match = in_group & ((keys & chosen) == prefix)
-                hist += tl.histogram(((keys >> shift) & 15).to(tl.int32), 16, mask=match)
-            # the largest digit d whose keys, with those of larger digits, reach the rank
-            above = tl.sum(hist) - tl.cumsum(hist, axis=0)  # keys with a larger digit
-            reach = (above + hist) >= wanted
-            d = tl.max(tl.where(reach, digits, -1))
-            wanted -= tl.sum(tl.where(digits == d, above, 0)).to(tl.int64)
-            prefix = prefix | (d.to(tl.uint64) << shift)
-            chosen = chosen | (tl.full([], 15, tl.uint64) << shift)
+            if found == 0:
+                shift = 60 - 4 * step
+                hist = tl.zeros([16], dtype=tl.int32)
+                for r0 in range(start, start + n, BLOCK):
+                    rows = r0 + lanes
+                    in_group = rows < start + n
+                    keys = tl.load(keys_ptr + rows, mask=in_group,
+                                   other=0).to(tl.uint64, bitcast=True)
+                    match = in_group & ((keys & chosen) == prefix)
+                    hist += tl.histogram(((keys >> shift) & 15).to(tl.int32), 16, mask=match)
+                # the largest digit d whose keys, with those of larger digits, reach the rank
+                above = tl.sum(hist) - tl.cumsum(hist, axis=0)  # keys with a larger digit
+                reach = (above + hist) >= wanted
+                d = tl.max(tl.where(reach, digits, -1))
+                wanted -= tl.sum(tl.where(digits == d, above, 0)).to(tl.int64)
+                prefix = prefix | (d.to(tl.uint64) << shift)
+                chosen = chosen | (tl.full([], 15, tl.uint64) << shift)
+                # every key of digit d kept: the prefix (lower bits zero) is a threshold
+                found = (wanted == tl.sum(tl.where(digits == d, hist, 0))).to(tl.int32)
         threshold = prefix
     for r0 in range(start, start + n, BLOCK):
         rows = r0 + lanes
