@@ -9,13 +9,12 @@ from .._triton import cdiv, kernel, next_power_of_2, tl, triton
 from ..quantize.blocks import dequantize_row_tiles, quantize_row_tiles_reference
 from ..quantize.common import amax_to_scale, finish, fp8_buffer, inverse
 from .rows import (
-    SLOT_CHUNK,
     _rows_kernel_ok,
     gather_rows_reference,
     next_slot_table,
+    slot_options,
     slot_row,
     slot_table,
-    sparse_slots,
 )
 
 __all__ = ["combine_rows", "combine_rows_reference", "combine_rows_keeping_fp8", "slot_dots",
@@ -91,12 +90,11 @@ def _combine_rows_kernel(src_ptr, dst_ptr, map_ptr, weights_ptr, codes_ptr, fact
         table = next_slot_table(table, map_ptr, tokens, token_mask, j, K, SPARSE, K_CHUNK)
         row = slot_row(map_ptr, table, tokens, token_mask, j, K, SPARSE, K_CHUNK)
         valid = (row >= 0) & (row < R_src)
-        if SPARSE:
-            if tl.max(valid.to(tl.int32), axis=0) > 0:
-                acc = _add_slot(acc, src_ptr, weights_ptr, codes_ptr, factors_ptr, row, valid,
-                                slot, cols, col_mask, R_src, H, stride_src, stride_factors,
-                                HAS_WEIGHTS, KEEP, FP8_MAX, TILE, BLOCK_T, BLOCK_H)
+        if SPARSE:  # a slot no token of the block uses costs a branch only
+            used = tl.max(valid.to(tl.int32), axis=0) > 0
         else:
+            used = True
+        if used:
             acc = _add_slot(acc, src_ptr, weights_ptr, codes_ptr, factors_ptr, row, valid,
                             slot, cols, col_mask, R_src, H, stride_src, stride_factors,
                             HAS_WEIGHTS, KEEP, FP8_MAX, TILE, BLOCK_T, BLOCK_H)
@@ -139,8 +137,7 @@ def _combine(src, row_map, weights, keep, block_t, block_h, warps):
         tokens, k, R, H, src.stride(0), out.stride(0),
         factors.stride(0) if factors is not None else 0, HAS_WEIGHTS=weights is not None,
         KEEP=keep is not None, FP8_MAX=torch.finfo(keep).max if keep is not None else 1.0,
-        TILE=FP8_TILE, BLOCK_T=block_t, BLOCK_H=block_h, SPARSE=sparse_slots(k),
-        K_CHUNK=SLOT_CHUNK if sparse_slots(k) else 1, num_warps=warps)
+        TILE=FP8_TILE, BLOCK_T=block_t, BLOCK_H=block_h, **slot_options(k), num_warps=warps)
     return out.to(src.dtype), (None if keep is None else finish(codes, keep)), factors
 
 

@@ -131,6 +131,11 @@ def sparse_slots(k: int) -> bool:
     return k >= SPARSE_SLOTS
 
 
+def slot_options(k: int) -> dict:
+    """The row kernels' ``SPARSE`` and ``K_CHUNK`` for ``k`` slots per token."""
+    return {"SPARSE": sparse_slots(k), "K_CHUNK": SLOT_CHUNK if sparse_slots(k) else 1}
+
+
 @triton.jit
 def slot_table(map_ptr, tokens, token_mask, j, K, SPARSE: tl.constexpr, K_CHUNK: tl.constexpr):
     """Where ``SPARSE``, the rows of slots ``[j, j + K_CHUNK)`` of ``tokens`` as a
@@ -222,10 +227,10 @@ def _scatter_rows_kernel(src_ptr, dst_ptr, map_ptr, token_ptr, weights_ptr, spli
             row = slot_row(map_ptr, table, tokens, token_mask, j, K, SPARSE, K_CHUNK)
             valid = (row >= 0) & (row < N)
             if SPARSE:  # a slot no token of the block uses costs a branch only
-                if tl.max(valid.to(tl.int32), axis=0) > 0:
-                    _store_slot(dst_ptr, weights_ptr, values, row, valid, slot, cols, col_mask,
-                                stride_dst, HAS_WEIGHTS)
+                used = tl.max(valid.to(tl.int32), axis=0) > 0
             else:
+                used = True
+            if used:
                 _store_slot(dst_ptr, weights_ptr, values, row, valid, slot, cols, col_mask,
                             stride_dst, HAS_WEIGHTS)
         if GAPS:
@@ -286,8 +291,7 @@ def _scatter(src: torch.Tensor, row_map: torch.Tensor, held: torch.Tensor,
         num_rows, H, num_experts, src.stride(0), out.stride(0), token_programs, gap_programs,
         HAS_WEIGHTS=weights is not None, SLOTS=slots, GAPS=groups is not None, BLOCK_T=block_t,
         BLOCK_H=block_h, BLOCK_E=next_power_of_2(num_experts + 1), ZERO_ROWS=ZERO_ROWS,
-        SPARSE=sparse_slots(k), K_CHUNK=SLOT_CHUNK if sparse_slots(k) else 1,
-        num_warps=warps, **_pdl_options(src.device))
+        num_warps=warps, **slot_options(k), **_pdl_options(src.device))
     return out
 
 
