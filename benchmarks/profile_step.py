@@ -17,6 +17,11 @@ From the repository root:
 * ``... profile_step.py layouts [--hidden H] [--rows R] [NAME ...]``: the kernels of the
   layouts suite's ops named so (prefixes; default ``permute sort_chunks``), forward and
   backward, and the host time to enqueue a forward;
+* ``... profile_step.py fine [CELL ...]`` (CELL: a fine suite cell, e.g.
+  ``G64_r128_skewed_2048x768``; default the worst cells of the last table): per column
+  (``torch``, ``gl``, ``gl_fwd``, the cached FP8 ones), the host time to enqueue one call,
+  the GPU time of its kernels and their number, and the wall time of a call: a column whose
+  host time passes its GPU time is host-bound; then ``gl``'s kernels one by one;
 * ``... profile_step.py launches``: the small step under each recipe (bf16 and the three
   FP8 ones, no bias): the host time to enqueue one forward+backward (synchronize, time the
   call, median of 20: the GPU work is ~0.1 ms, so this is what the step costs on a
@@ -34,7 +39,7 @@ from _common import CUDA, bench_shapes, device_groups, kernel_times, profile_ste
 from torch.profiler import ProfilerActivity
 
 import grouped_linear as gl
-from grouped_linear.cli import bench_layouts, bench_moe
+from grouped_linear.cli import bench_fine, bench_layouts, bench_moe
 
 RECIPES = {"rowwise": gl.recipes.Float8Rowwise, "tensorwise": gl.recipes.Float8Tensorwise,
            "blockwise": gl.recipes.Float8Blockwise}
@@ -142,6 +147,55 @@ def layouts_table(hidden: int, rows: int, names: list[str]) -> None:
                 print(f"{us:8.1f}  {count:5.0f}  {key[:90]}")
 
 
+FINE_CELLS = ("G64_r128_skewed_2048x768", "G64_r128_balanced_768x2048", "G64_r8_balanced_4096x2048",
+              "G128_r32_skewed_7168x2048", "G256_r8_balanced_2048x768")
+FINE_COLUMNS = ("torch", "gl", "row_cached", "block_cached", "torch_fwd", "gl_fwd")
+
+
+def _host_us(call, leaves, n: int = 20) -> float:
+    """Median host time to enqueue ``call`` (the GPU idle at the start of each)."""
+    host = []
+    for _ in range(n):
+        for leaf in leaves:
+            leaf.grad = None
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        call()
+        host.append(time.perf_counter() - start)
+    torch.cuda.synchronize()
+    return statistics.median(host) * 1e6
+
+
+def fine_table(cells: list[str]) -> None:
+    """Per fine suite cell and column: host µs to enqueue, GPU µs of kernels, kernels per
+    call, wall µs per call (back to back); then the kernels of ``gl``."""
+    known = {cell["name"]: cell for cell in bench_fine.GRID.cells()}
+    for name in cells:
+        if name not in known:
+            raise SystemExit(f"unknown cell {name!r}; e.g. {next(iter(known))}")
+        inputs = bench_fine.cell_columns(known[name], list(FINE_COLUMNS), torch.device(CUDA), DT)
+        print(f"===== {name}")
+        print(f"{'column':>12}  {'host µs':>8}  {'GPU µs':>8}  {'kernels':>7}  {'wall µs':>8}")
+        for column_name, column in inputs.columns.items():
+            def run(column=column) -> None:
+                column.call()
+                for leaf in column.leaves:
+                    leaf.grad = None
+
+            for _ in range(5):
+                run()
+            host = _host_us(column.call, column.leaves)
+            kernels = kernel_times(run, 3, 5)
+            gpu = sum(us for us, _ in kernels.values())
+            count = sum(n for _, n in kernels.values())
+            wall = wall_us(run, n=50, warmup=5)
+            print(f"{column_name:>12}  {host:8.0f}  {gpu:8.0f}  {count:7.0f}  {wall:8.0f}")
+            if column_name == "gl":
+                gl_kernels = kernels
+        for key, (us, count) in sorted(gl_kernels.items(), key=lambda kv: -kv[1][0])[:12]:
+            print(f"    gl {us:8.1f}  {count:5.0f}  {key[:90]}")
+
+
 def launches() -> None:
     """Host time, GPU time and kernel count per small step, per recipe."""
     small = randn(8, device=CUDA, dtype=torch.float32)
@@ -177,6 +231,8 @@ def main() -> None:
     block = sub.add_parser("block", help="the kernels of one step of the moe suite's block")
     block.add_argument("case", choices=[case.name for case in bench_moe.CASES])
     block.add_argument("columns", nargs="*", default=["bf16", "fp8_rowwise", "fp8_blockwise"])
+    fine = sub.add_parser("fine", help="host and GPU time per column of fine suite cells")
+    fine.add_argument("cells", nargs="*", default=list(FINE_CELLS))
     sub.add_parser("launches", help="host time, GPU time and kernels per small step, per recipe")
     layouts = sub.add_parser("layouts", help="the kernels of the layouts suite's ops")
     layouts.add_argument("--hidden", type=int, default=4096)
@@ -188,6 +244,8 @@ def main() -> None:
             fp8_table(args.recipe, name)
     elif args.mode == "block":
         block_table(args.case, args.columns)
+    elif args.mode == "fine":
+        fine_table(args.cells)
     elif args.mode == "launches":
         launches()
     elif args.mode == "layouts":

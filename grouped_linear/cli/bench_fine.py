@@ -63,7 +63,8 @@ from ..ops.dispatch import fp8_route, resolve_backend
 from .demo import resolve_device
 from .timing import format_table, median_seconds, peak_memory_bytes, progress, warm_gpu
 
-__all__ = ["CPU_GRID", "GRID", "Grid", "render_fine_tables", "run_fine_bench", "skewed_sizes"]
+__all__ = ["CPU_GRID", "GRID", "CellInputs", "Grid", "cell_columns", "render_fine_tables",
+           "run_fine_bench", "skewed_sizes"]
 
 SEED = 0
 KINDS = ("balanced", "skewed")
@@ -240,8 +241,21 @@ def _relative_errors(out: torch.Tensor, dw: torch.Tensor | None, x: torch.Tensor
     return norms[0] / norms[1], None if dw is None else norms[2] / norms[3]
 
 
-def _measure_cell(cell: dict, names: list[str], dev: torch.device, dtype: torch.dtype,
-                  rounds: int, reps: int) -> dict:
+@dataclass
+class CellInputs:
+    """A cell's operands and its columns (:func:`cell_columns`)."""
+
+    x: torch.Tensor
+    w: torch.Tensor
+    dy: torch.Tensor
+    splits: torch.Tensor
+    columns: dict[str, _Column]
+
+
+def cell_columns(cell: dict, names: list[str], dev: torch.device,
+                 dtype: torch.dtype) -> CellInputs:
+    """The operands of ``cell`` (random, seeded) and its columns ``names``, the FP8 weight
+    caches of the cached columns filled."""
     G, K, N, sizes = cell["G"], cell["K"], cell["N"], cell["sizes"]
     M = sum(sizes)
     generator = torch.Generator(device=dev).manual_seed(SEED)
@@ -251,7 +265,6 @@ def _measure_cell(cell: dict, names: list[str], dev: torch.device, dtype: torch.
     dy = torch.randn(M, N, device=dev, dtype=dtype, generator=generator)
     splits = torch.tensor(sizes, dtype=torch.int64, device=dev)
     ends = splits.cumsum(0).to(torch.int32)
-    empty = splits == 0
     layers = {}
     for name in (n for n in names if n in CACHED):
         layer = gl.GroupedLinear(G, K, N, bias=False, params_dtype=dtype, device=dev,
@@ -261,7 +274,16 @@ def _measure_cell(cell: dict, names: list[str], dev: torch.device, dtype: torch.
         _clear([x, layer.weight])
         layers[name] = layer
     columns = {name: _column(name, x, w, dy, splits, ends, layers) for name in names}
+    return CellInputs(x, w, dy, splits, columns)
 
+
+def _measure_cell(cell: dict, names: list[str], dev: torch.device, dtype: torch.dtype,
+                  rounds: int, reps: int) -> dict:
+    G, K, N, sizes = cell["G"], cell["K"], cell["N"], cell["sizes"]
+    M = sum(sizes)
+    inputs = cell_columns(cell, names, dev, dtype)
+    x, w, dy, columns = inputs.x, inputs.w, inputs.dy, inputs.columns
+    empty = inputs.splits == 0
     result = {**cell, "M": M, "empty_groups": int(empty.sum()), "columns": {},
               "gl_route": resolve_backend("auto", dev, dtype, K, N, M, G),
               "fp8_routes": "/".join(fp8_route(RECIPES[r](), dev, dtype, K, N, G, M)
