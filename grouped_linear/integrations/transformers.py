@@ -111,21 +111,34 @@ def experts_forward(module: torch.nn.Module, hidden_states: torch.Tensor,
     rows_recipe = reads_fp8_rows(num_experts, w1.shape[1], w1.shape[2], recipe,
                                  hidden_states.shape[0] * top_k_index.shape[1],
                                  hidden_states.dtype, hidden_states.device)
-    if fused is not None and b2 is None and not module.has_post_expert_norm:
+    weighted_inside = fused is not None and b2 is None and not module.has_post_expert_norm
+    if weighted_inside:
         # sum_j w_j * fc2(a_j) = sum_j fc2(w_j * a_j) without fc2 bias or norm: the weights
         # scale the activation's rows in its kernel, and the unweighted sum keeps no copy of
         # the expert outputs for their gradient (rows x H of memory, one pass in backward).
-        rows, m_splits, row_map, row_weights = permute(hidden_states, top_k_index, num_experts,
-                                                       probs=top_k_weights, recipe=rows_recipe)
-        out = grouped_mlp(rows, w1, b1, w2, None, m_splits, recipe=recipe, probs=row_weights,
-                          **fused)
+        x_perm, m_splits, row_map, row_weights = permute(
+            hidden_states, top_k_index, num_experts, probs=top_k_weights, recipe=rows_recipe)
+    else:
+        x_perm, m_splits, row_map = permute(hidden_states, top_k_index, num_experts,
+                                            recipe=rows_recipe)
+    # fc1 takes the only reference to the permuted rows: they are freed once it has read
+    # them (an FP8 fc1 keeps copies of its own for backward), before fc2 allocates. (Plain
+    # keyword arguments: a call with ``**`` holds its positional arguments until it returns.)
+    rows = [x_perm]
+    del x_perm
+    if fused is not None:
+        kind, order = fused["activation"], fused["gate_up_order"]
+        alpha, limit = fused.get("alpha"), fused.get("limit")
+    if weighted_inside:
+        out = grouped_mlp(rows.pop(), w1, b1, w2, None, m_splits, recipe=recipe,
+                          probs=row_weights, activation=kind, gate_up_order=order,
+                          alpha=alpha, limit=limit)
         return unpermute(out, row_map).to(hidden_states.dtype)
-    rows, m_splits, row_map = permute(hidden_states, top_k_index, num_experts,
-                                      recipe=rows_recipe)
     if fused is not None:  # fc1, the bias and the activation in one pass, fc2
-        out = grouped_mlp(rows, w1, b1, w2, b2, m_splits, recipe=recipe, **fused)
+        out = grouped_mlp(rows.pop(), w1, b1, w2, b2, m_splits, recipe=recipe, activation=kind,
+                          gate_up_order=order, alpha=alpha, limit=limit)
     else:  # a gate of the module's own
-        h = grouped_linear(rows, w1, b1, m_splits, recipe=recipe)
+        h = grouped_linear(rows.pop(), w1, b1, m_splits, recipe=recipe)
         h = module._apply_gate(h) if module.has_gate else module.act_fn(h)
         out = grouped_linear(h, w2, b2, m_splits, recipe=recipe)
     if module.has_post_expert_norm:

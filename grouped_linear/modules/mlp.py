@@ -163,9 +163,9 @@ class GroupedMLP(nn.Module):
         def fc2(a: torch.Tensor) -> torch.Tensor:
             return self.fc2(a, splits, is_first_microbatch=is_first_microbatch)
 
-        y = run_mlp(x, splits, fc1, fc2, self._act, recompute=self.recompute_activation,
-                    probs=probs, probs_on=self.probs_on,
-                    fc2_rows=self.fc2.reads_fp8_rows(x.shape[0], x.dtype, x.device))
+        fc2_rows = self.fc2.reads_fp8_rows(x.shape[0], x.dtype, x.device)
+        y = run_mlp([x], splits, fc1, fc2, self._act, recompute=self.recompute_activation,
+                    probs=probs, probs_on=self.probs_on, fc2_rows=fc2_rows)
         return y.reshape(*leading, self.hidden_size) if leading is not None else y
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,

@@ -106,20 +106,25 @@ def _scale_rows(x: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
     return (x.to(compute) * probs.to(compute).unsqueeze(1)).to(x.dtype)
 
 
-def run_mlp(x: torch.Tensor, splits: GroupSplits, fc1: Fc1, fc2: Fc2, act: Activation, *,
-            recompute: bool = False, probs: torch.Tensor | None = None,
+def run_mlp(rows: list[torch.Tensor], splits: GroupSplits, fc1: Fc1, fc2: Fc2,
+            act: Activation, *, recompute: bool = False, probs: torch.Tensor | None = None,
             probs_on: str = "activation", fc2_rows: Float8Rowwise | None = None
             ) -> torch.Tensor:
-    """``fc2(act(fc1(x) + b1[g]))`` over the rows of ``splits``; with ``probs`` (``(M,)``,
+    """``fc2(act(fc1(x) + b1[g]))`` over the rows of ``splits``, ``x`` handed over as
+    ``rows = [x]`` and taken out of it: where the caller keeps no reference of its own, ``x``
+    is freed once fc1 has read it (what fc1 saves for backward stays; an FP8 fc1 keeps its
+    own copies, not ``x``), before fc2 allocates. With ``probs`` (``(M,)``,
     checked by :func:`check_probs`) each row's activation output (``probs_on="activation"``)
     or input (``"input"``) times its probability. With ``recompute``, fc2's input is not kept
     for backward, in any precision, but rebuilt from fc1's output (eager only: under
     ``torch.compile`` the compiler decides what to recompute). ``fc2_rows``: the rowwise
     recipe whose FP8 rows fc2 reads as they are (:func:`~.grouped_linear.reads_fp8_rows`):
     the activation writes its output so, unless it is recomputed."""
+    x = rows.pop()
     if probs is not None and probs_on == "input":
         x, probs = _scale_rows(x, probs), None
     pre, bias = fc1(x)
+    del x
 
     def activate(h: torch.Tensor, p: torch.Tensor | None,
                  fp8: Float8Rowwise | None = None) -> torch.Tensor:
@@ -229,5 +234,7 @@ def grouped_mlp(
 
     fc2_rows = reads_fp8_rows(num_groups, hidden, ffn, w2.recipe if isinstance(
         w2, Float8WeightTensor) else recipe, x.shape[0], x.dtype, device)
-    y = run_mlp(x, splits, fc1, fc2, act, probs=probs, probs_on=probs_on, fc2_rows=fc2_rows)
+    rows = [x]
+    del x  # run_mlp takes the input over: it may go once fc1 has read it
+    y = run_mlp(rows, splits, fc1, fc2, act, probs=probs, probs_on=probs_on, fc2_rows=fc2_rows)
     return y.reshape(*leading, hidden) if leading is not None else y

@@ -9,13 +9,14 @@ import importlib
 import importlib.util
 import pathlib
 import re
+import weakref
 
 import pytest
 import torch
 from transformers.configuration_utils import PretrainedConfig
 
 import grouped_linear.integrations.transformers as gl_hf
-from tests.reference import rel_err, saved_by
+from tests.reference import HOLDS_ARGUMENTS, rel_err, saved_by
 
 _DECORATED = re.compile(r"@use_experts_implementation(?:\([^)]*\))?\s*\nclass (\w+)\(")
 # Config attributes shrunk to a tiny model, by the words their names contain.
@@ -200,3 +201,36 @@ def test_routing_weights_scale_the_activation_where_fc2_has_no_bias(class_name, 
     rows = (index.shape[0] * index.shape[1], hidden.shape[1])
     copies = {t.untyped_storage().data_ptr() for t in saved if tuple(t.shape) == rows}
     assert len(copies) == (1 if weighted_inside else 2)
+
+
+@pytest.mark.parametrize("class_name", ["Qwen3MoeExperts", "GptOssExperts"])
+def test_the_permuted_rows_are_freed_once_fc1_has_read_them(monkeypatch, class_name):
+    """Inference: the permuted rows are gone before fc2 runs (the entry keeps no reference
+    of its own); in training fc1's weight gradient keeps them."""
+    import grouped_linear.ops.mlp as mlp_ops
+
+    gl_hf.register()
+    experts = _build(next(m for m, c in FAMILIES if c == class_name), class_name)
+    hidden, index, weights = _inputs(experts)
+    experts.config._experts_implementation = gl_hf.NAME
+    permuted, seen = [], []
+    real_permute, real_linear = gl_hf.permute, mlp_ops.apply_grouped_linear
+
+    def permute(*args, **kwargs):
+        out = real_permute(*args, **kwargs)
+        permuted.append(weakref.ref(out[0]))
+        return out
+
+    def linear(rows, *args, **kwargs):
+        seen.append(permuted[-1]() is not None)
+        return real_linear(rows, *args, **kwargs)
+
+    monkeypatch.setattr(gl_hf, "permute", permute)
+    monkeypatch.setattr(mlp_ops, "apply_grouped_linear", linear)
+    for grad in (False, True):
+        with torch.set_grad_enabled(grad):
+            got = experts(hidden, index, weights)
+        assert seen[-2:] == [True, grad or HOLDS_ARGUMENTS]
+    experts.config._experts_implementation = "eager"
+    with torch.no_grad():
+        assert rel_err(got.detach(), experts(hidden, index, weights)) < TOL

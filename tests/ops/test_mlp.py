@@ -1,13 +1,15 @@
 """``gl.grouped_mlp`` against a float64 per-group reference (CPU; the activation runs the
 Triton kernel under the interpreter)."""
 
+import weakref
+
 import pytest
 import torch
 
 import grouped_linear as gl
 from grouped_linear.ops.activation import bias_activation, check_activation
 from tests.kernels.test_activation import CASES, GATED, f64
-from tests.reference import rel_err
+from tests.reference import HOLDS_ARGUMENTS, rel_err
 
 G, H, F = 4, 8, 6
 SIZES = [3, 0, 5, 0]
@@ -298,3 +300,29 @@ def test_probs_list_input_bf16_and_compile():
     eager.sum().backward()
     compiled.sum().backward()
     torch.testing.assert_close(compiled_p.grad, eager_p.grad, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_the_input_is_freed_once_fc1_has_read_it(monkeypatch, grad):
+    """Handed over with no other reference, ``x`` is gone before fc2 runs when nothing keeps
+    it for backward (inference); fc1's weight gradient keeps it in training."""
+    import grouped_linear.ops.mlp as mlp_ops
+
+    w1, b1, w2, b2, _ = _weights("swiglu", True)
+    x = torch.randn(sum(SIZES), H)
+    alive = weakref.ref(x)
+    seen = []
+    real = mlp_ops.apply_grouped_linear
+
+    def spy(rows, *args, **kwargs):
+        seen.append(alive() is not None)
+        return real(rows, *args, **kwargs)
+
+    monkeypatch.setattr(mlp_ops, "apply_grouped_linear", spy)
+    want = reference(x.double(), *_f64_leaves(w1, b1, w2, b2), SIZES, "swiglu")
+    held = [x]
+    del x
+    with torch.set_grad_enabled(grad):
+        y = gl.grouped_mlp(held.pop(), w1, b1, w2, b2, SIZES)
+    assert seen == [True, grad or HOLDS_ARGUMENTS]
+    assert rel_err(y, want) < 1e-5
