@@ -38,6 +38,7 @@ from grouped_linear.kernels.quantize import groups as qg
 from grouped_linear.kernels.quantize import rows as q
 from grouped_linear.kernels.quantize import transpose as tp
 from grouped_linear.kernels.quantize import transposed as qt
+from grouped_linear.kernels.quantize import transposed_gluon as qtg
 from grouped_linear.kernels.routing import capacity, combine
 from grouped_linear.kernels.routing import routing_map as routing
 from grouped_linear.kernels.routing import rows as layout
@@ -282,7 +283,8 @@ VECTOR_LOADS = {"rows", "rows of pieces", "columns scaled", "rows, scale per gro
 
 def _compile_gluon(kernel, pointers, constants, num_warps, maxnreg=None):
     """A Gluon kernel: its ``*_desc`` arguments are TMA descriptors of 128 x 128 FP8 tiles,
-    ``*_inv_desc`` ones of 128-float rows of factors, ``t_desc`` of 128 x 128 bf16 tiles."""
+    ``*_inv_desc`` ones of 128-float rows of factors, ``t_desc`` of 128 x 128 bf16 tiles
+    (FP8 ones where the case names it ``"fp8"``)."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -296,7 +298,8 @@ def _compile_gluon(kernel, pointers, constants, num_warps, maxnreg=None):
         if param.is_constexpr or param.name in constants:
             signature[param.name] = "constexpr"
         elif param.name in pointers:  # a pointer or a descriptor given by the case
-            signature[param.name] = pointers[param.name]
+            signature[param.name] = descriptor if pointers[param.name] == "fp8" \
+                else pointers[param.name]
         elif param.name.endswith("_inv_desc"):
             signature[param.name] = factors
         elif param.name == "t_desc":
@@ -402,9 +405,18 @@ GLUON_CASES = {
         qbg._quantize_both_kernel if HAS_TRITON and HAS_GLUON else None,
         {"sizes_ptr": "*i64", "rq_ptr": F8, "q_ptr": F8},
         {"FP8_MAX": FP8_MAX, "POW2": True, "SLICE_": qbg.SLICE, "BLOCK_G": 32}, qbg.WARPS, None),
+    **{f"gluon transposed columns ({scaling}{', factors' if factors else ''})": (
+        qtg._columns_t_kernel if HAS_TRITON and HAS_GLUON else None,
+        {"ends_ptr": "*i32", "q_ptr": F8,
+         **({"t_desc": "fp8"} if scaling == "unit" else {})},
+        {"FP8_MAX": FP8_MAX, "POW2": False, "SCALING": scaling, "FACTORS": factors,
+         "SLICE_": qtg.SLICE, "BLOCK_G": 32}, qtg.WARPS, None)
+       for scaling, factors in (("amax", True), ("amax", False), ("group", False),
+                                ("unit", False))},
 }
 # Gluon kernels without MMAs (the MMA checks do not apply).
-GLUON_STREAMING = {"gluon row tiles and token blocks"}
+GLUON_STREAMING = {"gluon row tiles and token blocks",
+                   *(name for name in GLUON_CASES if name.startswith("gluon transposed"))}
 
 
 def _ptxas_notes(ptx: str) -> str:

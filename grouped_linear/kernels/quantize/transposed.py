@@ -11,7 +11,9 @@ quantize-and-transpose kernel over the same tiles (:func:`_quantize_columns_t_ti
 which derives the scales and writes the factors itself. Given per-group scales, or FP8
 codes to move unchanged (:func:`transpose_group_columns`), only the second. (One program per
 group and column block walking the group's rows twice ran at 0.28-0.31 of copy bandwidth
-on dsv3_ep32_fc1's ``x`` and ``dy`` on the H200, these tiles at 0.37-0.40.)
+on dsv3_ep32_fc1's ``x`` and ``dy`` on the H200, these tiles at 0.37-0.40.) On sm90 the
+second pass of the weight gradient's layout (groups on 128-column boundaries) is
+:mod:`~grouped_linear.kernels.quantize.transposed_gluon`'s, same output.
 
 The plain-PyTorch reference is :func:`quantize_group_columns_t_reference`; scales follow
 :func:`grouped_linear.kernels.quantize.common.scale_from_amax`.
@@ -27,6 +29,7 @@ from .._groups import row_groups
 from .._triton import cdiv, kernel, next_power_of_2, tl, triton, use_triton
 from ..bias import bias_grad
 from ..ends import aligned_ends
+from . import transposed_gluon
 from .common import amax_to_scale, finish, fp8_buffer, group_amax, piece_shift, piece_shifts, scale_from_amax
 
 __all__ = ["quantize_group_columns_t", "quantize_group_columns_t_reference",
@@ -315,6 +318,12 @@ def quantize_columns_t(t, ends, data_ends, data, fp8_dtype, power_of_two, group_
         scaling = "group"
         scale = group_scale if group_scale.dtype == torch.float32 and group_scale.is_contiguous() \
             else group_scale.float().contiguous()
+    if (shifts is None and stride_q == data.stride(0) and width == data.shape[1] and G > 0
+            and transposed_gluon.supported(t, data, align)):  # sm90: tiles staged by TMA
+        transposed_gluon.write_columns_t(t, ends, data, scaling, scale, inv,
+                                         factors if row_factors is not None else None,
+                                         fp8_dtype, power_of_two)
+        return inv
     _quantize_columns_t_tiled_kernel[grid](
         t, ends, data_ends, scale, inv if inv is not None else scale, data, shift_args[0],
         factors, C, G, t.stride(0), stride_q, width, FP8_MAX=torch.finfo(fp8_dtype).max,
