@@ -1,8 +1,9 @@
 """FP8 quantization kernels against the copy bandwidth, per launch shape, and the blockwise
-recipe's one-read activation quantization against its two passes (CUDA).
+recipe's one-read activation quantization against its two passes, and the weight
+gradient's transposed operand written by the Gluon and the Triton kernel (CUDA).
 
 From the repository root, ``PYTHONPATH=. python benchmarks/fp8_quantize.py [--part
-kernels|blocks] [SHAPE ...]`` (default: both parts):
+kernels|blocks|columns] [SHAPE ...]`` (default: all parts):
 
 * ``kernels``: on dsv3_ep32_fc1's operands (x 65536 x 7168, dy 65536 x 4096, W 8 x 4096 x
   7168, bf16), each quantization kernel (median) at each launch shape of a list: GB/s
@@ -20,6 +21,12 @@ kernels|blocks] [SHAPE ...]`` (default: both parts):
   to the reference (the two passes on the operand with its rows past the groups zeroed,
   as the one-read kernel writes their row tiles; the timed passes skip that, as the layer
   does).
+* ``columns`` (SHAPE as above): the rowwise weight gradient's operands as the layer makes
+  them, groups on 128-column boundaries: ``dy`` quantized per (group, column) with ``x``'s
+  row factors folded in (the column-amax pass, then the transposing pass) and ``x``'s FP8
+  codes moved into the layout, each with the transposing pass on sm90's Gluon kernel and
+  on the Triton one; µs (median), GB/s (the bytes of both passes: dy read twice, the codes
+  written once), the speedup and whether the outputs are identical.
 """
 
 import torch
@@ -128,13 +135,54 @@ def blocks(names: list[str]) -> None:
                   f"{4 * M * C / one_ms / 1e9:6.2f} {two_ms / one_ms:8.2f}  {same}", flush=True)
 
 
+def columns(names: list[str]) -> None:
+    """The wgrad's transposed operands: the Gluon transposing pass against the Triton one."""
+    from grouped_linear.kernels.quantize import transposed_gluon as qtg
+
+    gluon_supported = qtg.supported
+    print(f"{'shape':22s} {'operand':16s} {'Triton us':>10s} {'GB/s':>6s} {'Gluon us':>9s} "
+          f"{'GB/s':>6s} {'speedup':>8s}  identical")
+    for shape in bench_shapes(names):
+        M = shape.M
+        _, ends = device_groups(shape.splits)
+        warm_gpu()
+        dy = randn(M, shape.N, device=CUDA, dtype=DT)
+        x_codes, x_inv = qr.quantize_rows(randn(M, shape.K, device=CUDA, dtype=DT), E4M3, False)
+        cases = {  # bytes: the amax pass reads dy, the transposing pass reads it and writes
+            "dy (amax, fold)": (lambda dy=dy, ends=ends, x_inv=x_inv: qt.quantize_group_columns_t(
+                dy, ends, E4M3, False, align=qtg.TILE, row_factors=x_inv)[:2], 5 * dy.numel()),
+            "x codes (move)": (lambda codes=x_codes, ends=ends: (
+                qt.transpose_group_columns(codes, ends, qtg.TILE),), 2 * x_codes.numel()),
+        }
+        for operand, (run, moved) in cases.items():
+            if not gluon_supported(dy, torch.empty(16, 16, device=CUDA, dtype=E4M3), qtg.TILE):
+                print(f"{shape.name:22s} {operand:16s} (the Gluon kernel does not run here)")
+                continue
+            gluon_out = run()
+            gluon_ms = median_ms(run)
+            qtg.supported = lambda t, data, align: False
+            try:
+                triton_out = run()
+                triton_ms = median_ms(run)
+            finally:
+                qtg.supported = gluon_supported
+            same = _same((gluon_out,), (triton_out,))
+            print(f"{shape.name:22s} {operand:16s} {triton_ms * 1e3:10.0f} "
+                  f"{moved / triton_ms / 1e6:6.0f} {gluon_ms * 1e3:9.0f} "
+                  f"{moved / gluon_ms / 1e6:6.0f} {triton_ms / gluon_ms:8.2f}  {same}",
+                  flush=True)
+
+
 def main() -> None:
-    args = part_arguments(__doc__, ("kernels", "blocks"), "bench shapes for the blocks part")
+    args = part_arguments(__doc__, ("kernels", "blocks", "columns"), "bench shapes for the "
+                          "blocks and columns parts")
     torch.manual_seed(0)
     if "kernels" in args.parts:
         kernels()
     if "blocks" in args.parts:
         blocks(args.shapes)
+    if "columns" in args.parts:
+        columns(args.shapes)
 
 
 if __name__ == "__main__":
