@@ -14,8 +14,7 @@ import torch
 from .._triton import interpreting, tl, triton
 
 __all__ = ["scale_from_amax", "unit_factors", "saturate", "amax_to_scale", "inverse", "fp8_buffer",
-           "finish",
-           "pad_to", "group_amax", "piece_shift", "PieceShifts", "piece_shifts"]
+           "finish", "pad_to", "fold_row_factors", "group_amax", "piece_shift", "PieceShifts", "piece_shifts"]
 
 
 _FLOAT32_MAX = torch.finfo(torch.float32).max
@@ -98,6 +97,12 @@ def pad_to(t: torch.Tensor, dim: int, multiple: int) -> torch.Tensor:
     shape = list(t.shape)
     shape[dim] = extra
     return torch.cat([t, t.new_zeros(shape)], dim=dim)
+
+
+def fold_row_factors(t: torch.Tensor, row_factors: torch.Tensor) -> torch.Tensor:
+    """``t[m, :] * row_factors[m]`` in float32, kept finite (saturated at float32's range)."""
+    limit = torch.finfo(torch.float32).max
+    return (t.float() * row_factors.float()[:, None]).clamp(-limit, limit)
 
 
 def group_amax(t: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
