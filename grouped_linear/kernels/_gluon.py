@@ -36,7 +36,7 @@ except ImportError:  # pragma: no cover - older Triton or none
 
 __all__ = ["HAS_GLUON", "gluon", "gl", "fence_async_shared", "mbarrier", "tma", "warpgroup_mma",
            "warpgroup_mma_wait", "TensorDescriptor", "GL_DTYPES", "is_sm90", "descriptor",
-           "add", "tile_list", "tile_origin", "band_tile", "program_tiles", "operand_ring",
+           "add", "tile_list", "tile_origin", "band_tile", "program_tiles", "load_tile", "operand_ring",
            "stage_barriers", "release_ring", "load_stage", "issue_mma", "release_stage",
            "wgmma_layout", "store_tile"]
 
@@ -139,6 +139,20 @@ def program_tiles(total, NUM_PROGRAMS: gl.constexpr):
 
 
 # --------------------------------------------------------------------------- operand ring
+@gluon.jit
+def load_tile(desc, y, x):
+    """One tile of ``desc`` at ``[y, x]`` by TMA into shared memory of its own, waited for
+    (zeros where it reaches past the tensor)."""
+    tile = gl.allocate_shared_memory(desc.dtype, desc.block_type.shape, desc.layout)
+    bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    mbarrier.init(bar, count=1)
+    mbarrier.expect(bar, desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(desc, [y, x], bar, tile)
+    mbarrier.wait(bar, 0)
+    mbarrier.invalidate(bar)
+    return tile
+
+
 @gluon.jit
 def operand_ring(a_desc, b_desc, STAGES: gl.constexpr):
     """``STAGES`` shared-memory stages for one tile of each operand, and their barriers."""

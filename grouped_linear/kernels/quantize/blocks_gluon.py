@@ -24,7 +24,7 @@ import functools
 
 import torch
 
-from .._gluon import HAS_GLUON, TensorDescriptor, gl, gluon, is_sm90, mbarrier, tile_list, tile_origin, tma
+from .._gluon import HAS_GLUON, TensorDescriptor, gl, gluon, is_sm90, load_tile, tile_list, tile_origin
 from .._triton import cdiv, next_power_of_2
 from . import blocks as qb
 
@@ -142,13 +142,7 @@ def _quantize_both_kernel(t_desc, sizes_ptr, rq_ptr, rinv_ptr, q_ptr, inv_ptr, M
                                       TILE_R)
     valid_rows = gl.where(g < G, end - start, 0)  # rows whose values count
 
-    tile = gl.allocate_shared_memory(t_desc.dtype, t_desc.block_type.shape, t_desc.layout)
-    bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    mbarrier.init(bar, count=1)
-    mbarrier.expect(bar, t_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(t_desc, [start, col0], bar, tile)
-    mbarrier.wait(bar, 0)
-    mbarrier.invalidate(bar)
+    tile = load_tile(t_desc, start, col0)
 
     if valid_rows < TILE_R:
         _row_tiles(tile, rq_ptr, rinv_ptr, start, end - start, valid_rows, col0, C,

@@ -35,10 +35,9 @@ from .._gluon import (
     gl,
     gluon,
     is_sm90,
-    mbarrier,
+    load_tile,
     tile_list,
     tile_origin,
-    tma,
 )
 from .._triton import cdiv, next_power_of_2
 from .blocks_gluon import _scale
@@ -88,13 +87,7 @@ def _columns_t_kernel(t_desc, ends_ptr, scale_ptr, inv_ptr, q_ptr, factors_ptr, 
     if b < group_blocks:
         g, end, start, _col = tile_origin(b, gs, starts, ends, block_begin, block_end, 1,
                                           TILE_R)
-        tile = gl.allocate_shared_memory(t_desc.dtype, t_desc.block_type.shape, t_desc.layout)
-        bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        mbarrier.init(bar, count=1)
-        mbarrier.expect(bar, t_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(t_desc, [start, col0], bar, tile)
-        mbarrier.wait(bar, 0)
-        mbarrier.invalidate(bar)
+        tile = load_tile(t_desc, start, col0)
 
         valid = tokens < end - start  # the rows of this group (the next group's after them)
         if FACTORS:  # rows of other groups get factor 0 (never read)
