@@ -43,12 +43,13 @@ from .._triton import cdiv, next_power_of_2
 from .blocks_gluon import _scale
 from .common import scale_from_amax
 
-__all__ = ["TILE", "SLICE", "WARPS", "SCALINGS", "supported", "write_columns_t",
+__all__ = ["TILE", "SLICE", "WARPS", "MAX_GROUPS", "SCALINGS", "supported", "write_columns_t",
            "write_columns_t_reference"]
 
 TILE = 128  # tokens per block (the wgrad's group alignment) and source columns per program
 SLICE = 32  # source columns read back from shared memory at a time
 WARPS = 8  # 4 warps along the tokens, 2 along a slice's columns
+MAX_GROUPS = 4095  # each program scans the groups' block table, G + 1 slots, in registers
 SCALINGS = ("amax", "group", "unit")
 _SOURCE_DTYPES = (torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2)
 
