@@ -161,3 +161,40 @@ def test_plans_step_aside_for_launch_hooks_and_stay_bounded(monkeypatch):
     for rows in range(1, triton_gemm.MAX_PLANS + 8):  # one geometry (and plan) per row count
         triton_gemm.forward(wide[:rows], weight, None, sizes)
         assert len(triton_gemm._PLANS) <= triton_gemm.MAX_PLANS
+
+
+# --------------------------------------------------------------------------- Gluon kernels
+@pytest.mark.skipif(not torch.cuda.is_available()
+                    or torch.cuda.get_device_capability() != (9, 0), reason="needs sm90")
+def test_gluon_kernels_take_the_cached_launch_path():
+    """The Gluon GEMM's second launch of a specialization goes through the compiled binary
+    (descriptors and all); its outputs equal those of Triton's own launch, bit for bit."""
+    from grouped_linear.kernels.gemm import gluon_gemm
+
+    torch.manual_seed(5)
+    kernel = gluon_gemm._mm_kernel
+    kernel._compiled.clear()
+    x = torch.randn(700, 256, device="cuda", dtype=torch.bfloat16)
+    weight = torch.randn(3, 512, 256, device="cuda", dtype=torch.bfloat16) / 16
+    bias = torch.randn(3, 512, device="cuda", dtype=torch.bfloat16)
+    ends = torch.tensor([300, 300, 650], device="cuda", dtype=torch.int32)
+    assert gluon_gemm.supported(x, weight)
+    cached = [gluon_gemm.grouped_mm(x, weight, ends, bias) for _ in range(3)]
+    assert len(kernel._compiled) == 1 and kernel.cached
+    real = kernel._run
+    calls = []
+
+    def own_path(grid, args, meta):
+        calls.append(grid)
+        return kernel.jit_fn[grid](*args, **meta), None
+
+    kernel._run = own_path
+    try:
+        slow = gluon_gemm.grouped_mm(x, weight, ends, bias)
+    finally:
+        kernel._run = real
+    assert calls
+    want = gluon_gemm.grouped_mm_reference(x, weight, ends, bias)
+    for got in cached:
+        assert torch.equal(got, slow)
+    assert rel_err(slow, want) < 1e-2

@@ -296,6 +296,7 @@ def _compile_gluon(kernel, pointers, constants, num_warps, maxnreg=None):
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
+    kernel = getattr(kernel, "jit_fn", kernel)  # the JIT function under the launch wrapper
     layout = gl.NVMMASharedLayout.get_default_for([gg.BLOCK, gg.BLOCK], gl.float8e4nv)
     descriptor = f"tensordesc<fp8e4nv[{gg.BLOCK}, {gg.BLOCK}],{layout!r}>"
     factors = f"tensordesc<fp32[1, {gg.BLOCK}],{gw._factor_layout()!r}>"  # *_inv_desc

@@ -46,7 +46,7 @@ from .._gluon import (
     warpgroup_mma_wait,
     wgmma_layout,
 )
-from .._triton import cdiv, next_power_of_2, sm_count
+from .._triton import cdiv, kernel, next_power_of_2, sm_count
 from . import gluon_gemm
 
 __all__ = ["supported", "grouped_mm", "MM_CONFIG", "BLOCK", "ROWWISE_CONFIG", "rowwise_supported",
@@ -113,6 +113,7 @@ def _rescale_rows(acc, partial, scale, PENDING: gl.constexpr):
     return acc + done * scale[:, None], done
 
 
+@kernel
 @gluon.jit
 def _blockwise_mm_kernel(a_desc, b_desc, a_inv_ptr, b_inv_ptr, out_ptr, sizes_ptr, M, W, R,
                          G, stride_ai, stride_big, stride_biw, stride_bir, stride_om,

@@ -47,7 +47,7 @@ from .._gluon import (
     warpgroup_mma_wait,
     wgmma_layout,
 )
-from .._triton import cdiv, next_power_of_2, sm_count
+from .._triton import cdiv, kernel, next_power_of_2, sm_count
 from .fp8_gluon_gemm import BLOCK, MM_UNROLL
 
 __all__ = ["wgrad_supported", "blockwise_wgrad", "WGRAD_CONFIG"]
@@ -250,6 +250,7 @@ def _wgrad_tiles(dy_bufs, x_bufs, dy_inv_bufs, x_inv_bufs, ready, empty, dw_ptr,
         step += n_blocks
 
 
+@kernel
 @gluon.jit
 def _blockwise_wgrad_kernel(dy_desc, x_desc, dy_inv_desc, x_inv_desc, dw_ptr, sizes_ptr,
                             dy_inv_ptr, x_inv_ptr, M, N, K, G, stride_dwg, stride_dwn,

@@ -53,7 +53,7 @@ from .._gluon import (
     warpgroup_mma,
     warpgroup_mma_wait,
 )
-from .._triton import cdiv, next_power_of_2, sm_count
+from .._triton import cdiv, kernel, next_power_of_2, sm_count
 from ..ends import group_sizes
 
 __all__ = ["MMConfig", "MM_CONFIG", "is_input_major", "supported", "grouped_mm", "launch",
@@ -104,6 +104,7 @@ def _store_rows(out_ptr, values, rows, cols, row0, rows_left, col0, col_mask, st
              mask=mask)
 
 
+@kernel
 @gluon.jit
 def _mm_kernel(a_desc, b_desc, out_desc, bias_ptr, out_ptr, ends_ptr, a_inv_ptr, b_inv_ptr,
                M, W, R, G, stride_bias, stride_om, stride_big, stride_biw,

@@ -47,7 +47,7 @@ from .._gluon import (
     warpgroup_mma,
     warpgroup_mma_wait,
 )
-from .._triton import sm_count
+from .._triton import kernel, sm_count
 from .gluon_gemm import DTYPES
 
 __all__ = ["WgradConfig", "WGRAD_CONFIG", "BIAS_DTYPES", "supported", "wgrad", "wgrad_reference"]
@@ -136,6 +136,7 @@ def _tile_products(dy_desc, x_desc, dy_bufs, x_bufs, bars, ones_tile, start, end
     return acc, bias_acc, step
 
 
+@kernel
 @gluon.jit
 def _wgrad_kernel(dy_desc, x_desc, out_desc, out_ptr, bias_grad_ptr, ends_ptr, N, K, G,
                   HAS_BIAS: gl.constexpr, BAND_N: gl.constexpr, NUM_PROGRAMS: gl.constexpr,

@@ -25,7 +25,7 @@ import functools
 import torch
 
 from .._gluon import HAS_GLUON, TensorDescriptor, gl, gluon, is_sm90, load_tile, tile_list, tile_origin
-from .._triton import cdiv, next_power_of_2
+from .._triton import cdiv, kernel, next_power_of_2
 from . import blocks as qb
 
 __all__ = ["supported", "quantize_row_tiles_and_token_blocks", "TILE", "SLICE",
@@ -112,6 +112,7 @@ def _token_blocks(tile, q_ptr, inv_ptr, b, valid_rows, col0, C, stride_q,
         gl.store(inv_ptr + b.to(gl.int64) * C + cols, gl.div_rn(1.0, scale), mask=col_mask)
 
 
+@kernel
 @gluon.jit
 def _quantize_both_kernel(t_desc, sizes_ptr, rq_ptr, rinv_ptr, q_ptr, inv_ptr, M, C, G,
                           stride_q, FP8_MAX: gl.constexpr, POW2: gl.constexpr,

@@ -39,7 +39,7 @@ from .._gluon import (
     tile_list,
     tile_origin,
 )
-from .._triton import cdiv, next_power_of_2
+from .._triton import cdiv, kernel, next_power_of_2
 from .blocks_gluon import _scale
 from .common import scale_from_amax
 
@@ -54,6 +54,7 @@ SCALINGS = ("amax", "group", "unit")
 _SOURCE_DTYPES = (torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2)
 
 
+@kernel
 @gluon.jit
 def _columns_t_kernel(t_desc, ends_ptr, scale_ptr, inv_ptr, q_ptr, factors_ptr, M, C, G,
                       stride_q, width, FP8_MAX: gl.constexpr, POW2: gl.constexpr,
