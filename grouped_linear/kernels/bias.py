@@ -135,7 +135,9 @@ def _bias_grad_reduce_kernel(partial_ptr, ends_ptr, out_ptr, N, G, CHUNK: tl.con
 
 
 _BIAS_GRAD_CHUNK = 1024
-_MAX_CHUNKED_GROUPS = 4096
+# The chunk schedule is a vector of every group's chunks in registers: past this many groups
+# torch's segmented sum (no host sync) instead of compiling a kernel per wider power of two.
+_MAX_CHUNKED_GROUPS = 1024
 
 
 def _block_g(num_groups: int) -> int:

@@ -13,7 +13,9 @@ from ._triton import kernel, next_power_of_2, tl, triton, use_triton
 __all__ = ["ends_dtype", "group_starts", "group_sizes", "group_ends", "group_ends_reference",
            "aligned_ends", "aligned_ends_reference"]
 
-_MAX_TRITON_GROUPS = 8192
+# One program scans every group's size in registers; past this many groups (rare calls) torch's
+# cumsum (a few launches, no host sync) instead of compiling a kernel per wider power of two.
+_MAX_TRITON_GROUPS = 1024
 _INT32_MAX = 2**31 - 1
 
 
