@@ -194,6 +194,17 @@ def fine_table(cells: list[str]) -> None:
                 gl_kernels = kernels
         for key, (us, count) in sorted(gl_kernels.items(), key=lambda kv: -kv[1][0])[:12]:
             print(f"    gl {us:8.1f}  {count:5.0f}  {key[:90]}")
+        gl_column = inputs.columns["gl"]
+
+        def gl_run(column=gl_column) -> None:
+            column.call()
+            for leaf in column.leaves:
+                leaf.grad = None
+
+        prof = profile_steps(gl_run, 3, 5, (ProfilerActivity.CPU, ProfilerActivity.CUDA))
+        print("    gl host time by op (5 calls):")
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15,
+                                        max_name_column_width=60))
 
 
 def launches() -> None:
