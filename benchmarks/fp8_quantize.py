@@ -157,12 +157,13 @@ def columns(names: list[str]) -> None:
                 qt.transpose_group_columns(codes, ends, qtg.TILE),), 2 * x_codes.numel()),
         }
         for operand, (run, moved) in cases.items():
-            if not gluon_supported(dy, torch.empty(16, 16, device=CUDA, dtype=E4M3), qtg.TILE):
+            if not gluon_supported(dy, torch.empty(16, 16, device=CUDA, dtype=E4M3), qtg.TILE,
+                                   len(shape.splits)):
                 print(f"{shape.name:22s} {operand:16s} (the Gluon kernel does not run here)")
                 continue
             gluon_out = run()
             gluon_ms = median_ms(run)
-            qtg.supported = lambda t, data, align: False
+            qtg.supported = lambda t, data, align, groups: False
             try:
                 triton_out = run()
                 triton_ms = median_ms(run)

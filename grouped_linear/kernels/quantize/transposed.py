@@ -327,8 +327,7 @@ def quantize_columns_t(t, ends, data_ends, data, fp8_dtype, power_of_two, group_
         scale = group_scale if group_scale.dtype == torch.float32 and group_scale.is_contiguous() \
             else group_scale.float().contiguous()
     if (shifts is None and stride_q == data.stride(0) and width == data.shape[1]
-            and 0 < G <= transposed_gluon.MAX_GROUPS
-            and transposed_gluon.supported(t, data, align)):  # sm90: tiles staged by TMA
+            and transposed_gluon.supported(t, data, align, G)):  # sm90: tiles staged by TMA
         transposed_gluon.write_columns_t(t, ends, data, scaling, scale, inv,
                                          factors if row_factors is not None else None,
                                          fp8_dtype, power_of_two)

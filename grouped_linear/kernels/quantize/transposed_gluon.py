@@ -41,7 +41,7 @@ from .._gluon import (
 )
 from .._triton import cdiv, kernel, next_power_of_2
 from .blocks_gluon import _scale
-from .common import scale_from_amax
+from .common import fold_row_factors, scale_from_amax
 
 __all__ = ["TILE", "SLICE", "WARPS", "MAX_GROUPS", "SCALINGS", "supported", "write_columns_t",
            "write_columns_t_reference"]
@@ -128,12 +128,13 @@ def _columns_t_kernel(t_desc, ends_ptr, scale_ptr, inv_ptr, q_ptr, factors_ptr, 
                      mask=(cols < C)[None, :] & (dst < width))
 
 
-def supported(t: torch.Tensor, data: torch.Tensor, align: int) -> bool:
+def supported(t: torch.Tensor, data: torch.Tensor, align: int, num_groups: int) -> bool:
     """Whether :func:`write_columns_t` takes source ``t`` ``(M, C)`` into ``data`` with
-    groups aligned to ``align`` columns: an sm90 GPU, ``align == TILE``, ``t`` contiguous
-    bf16, fp16 or FP8 with rows TMA can address, ``data`` a 2-D FP8 buffer whose rows and
-    start allow 16-byte stores."""
-    if not (HAS_GLUON and t.is_cuda and t.dim() == 2 and data.dim() == 2 and align == TILE):
+    ``num_groups`` groups aligned to ``align`` columns: an sm90 GPU, ``align == TILE``, 1 to
+    :data:`MAX_GROUPS` groups, ``t`` contiguous bf16, fp16 or FP8 with rows TMA can address,
+    ``data`` a 2-D FP8 buffer whose rows and start allow 16-byte stores."""
+    if not (HAS_GLUON and t.is_cuda and t.dim() == 2 and data.dim() == 2 and align == TILE
+            and 0 < num_groups <= MAX_GROUPS):
         return False
     row_bytes = t.shape[1] * t.element_size()
     return (t.dtype in _SOURCE_DTYPES and is_sm90(t.device.index or 0) and t.is_contiguous()
@@ -156,11 +157,10 @@ def write_columns_t(t: torch.Tensor, ends: torch.Tensor, data: torch.Tensor, sca
     into ``data`` ``(C, width)`` FP8 (``width`` at least the aligned groups' columns, a
     multiple of 16), each group at its 128-aligned column with its padding zeros and zeros
     past the last group, and, unless ``scaling`` is ``"unit"``, the ``(G, C)`` factors into
-    ``inv``. ``scaling``: ``"amax"`` (``scale`` the
-    ``(G, C)`` float32 column maxima), ``"group"`` (``(G,)`` float32 scales) or ``"unit"``
-    (``t`` FP8 codes, copied). ``factors``: ``(M,)`` float32 row multipliers or ``None``;
-    ``fp8_dtype``: the format scaled into.
-    Needs :func:`supported` operands."""
+    ``inv``. ``scaling``: ``"amax"`` (``scale`` the ``(G, C)`` float32 column maxima),
+    ``"group"`` (``(G,)`` float32 scales) or ``"unit"`` (``t`` FP8 codes, copied).
+    ``factors``: ``(M,)`` float32 row multipliers or ``None``; ``fp8_dtype``: the format
+    scaled into. Needs :func:`supported` operands."""
     if scaling not in SCALINGS:
         raise ValueError(f"scaling={scaling!r} is not one of {SCALINGS}")
     M, C = t.shape
@@ -187,13 +187,12 @@ def write_columns_t_reference(t: torch.Tensor, ends: torch.Tensor, data: torch.T
         raise ValueError(f"scaling={scaling!r} is not one of {SCALINGS}")
     M, C = t.shape
     out = torch.zeros(C, data.shape[1], dtype=torch.float32, device=t.device)
-    limit = torch.finfo(torch.float32).max
     start = column = 0
     for g, end in enumerate(ends.tolist()):
         rows = t[start:end].float()
         if scaling != "unit":
             if factors is not None:
-                rows = (rows * factors[start:end].float()[:, None]).clamp(-limit, limit)
+                rows = fold_row_factors(rows, factors[start:end])
             if scaling == "group":
                 group_scale = scale[g].float().expand(C)
             else:

@@ -173,8 +173,7 @@ class Fp8ScaledMMFunction(torch.autograd.Function):
             folds = x_inv is not None  # dy carries x's per-token factors
             dy_t, dy_t_inv, aligned = transposed.quantize_group_columns_t(
                 grad_out, ends, fp8_grad, pow2, None if folds else dy_scale, align=align,
-                column_sums=bias_sums, row_factors=x_inv,
-                column_amax=dy_amax if bias_sums is None else None)
+                column_sums=bias_sums, row_factors=x_inv, column_amax=dy_amax)
             if folds:  # x's forward codes, already transposed
                 x_t, x_t_inv = x, common.unit_factors((ends.shape[0], x.shape[0]), x.device)
             elif pieces:  # each piece into its aligned columns, same width as dy's

@@ -85,7 +85,7 @@ def test_the_writer_takes_what_the_triton_kernel_takes(monkeypatch, scaling, siz
         qtg.write_columns_t_reference(t, ends, data, scaling, scale, inv, factors, fp8_dtype,
                                       power_of_two)
 
-    monkeypatch.setattr(qtg, "supported", lambda t, data, align: align == ALIGN)
+    monkeypatch.setattr(qtg, "supported", lambda t, data, align, groups: align == ALIGN)
     monkeypatch.setattr(qtg, "write_columns_t", writer)
     got = _variants(*inputs, scaling, False)
     assert calls == [scaling] * len(want)
@@ -106,9 +106,9 @@ def test_the_gluon_writer_equals_the_triton_kernel(monkeypatch, scaling, sizes, 
     inputs = _inputs(sizes, tail, C, scaling)
     t = inputs[0]
     data = torch.empty(C, 16, device="cuda", dtype=E4M3)
-    assert qtg.supported(t, data, ALIGN)
+    assert qtg.supported(t, data, ALIGN, len(sizes))
     got = _variants(*inputs, scaling, pow2)
-    monkeypatch.setattr(qtg, "supported", lambda t, data, align: False)
+    monkeypatch.setattr(qtg, "supported", lambda t, data, align, groups: False)
     want = _variants(*inputs, scaling, pow2)
     for (data, inv), (want_data, want_inv) in zip(got, want):
         assert data.shape == want_data.shape and data.dtype == E4M3
@@ -128,7 +128,7 @@ def test_many_groups_and_wide_rows(monkeypatch):
     t = _operand(M, 2048)
     factors = torch.rand(M, device=DEVICE) + 0.5
     got = _calls(t, ends, "amax", factors)
-    monkeypatch.setattr(qtg, "supported", lambda t, data, align: False)
+    monkeypatch.setattr(qtg, "supported", lambda t, data, align, groups: False)
     want = _calls(t, ends, "amax", factors)
     assert torch.equal(_bytes(got[0]), _bytes(want[0]))
     assert torch.equal(got[1], want[1])
