@@ -2,7 +2,7 @@
 rows up to which the Triton kernels beat torch's grouped GEMM (CUDA).
 
 From the repository root, ``PYTHONPATH=. python benchmarks/backend_choice.py [--part
-dtypes|rows]`` (default: both parts):
+dtypes|rows|fine|fine-backward]`` (default: every part):
 
 * ``dtypes``: ``gl.grouped_linear`` (no bias, CUDA splits) with ``backend="loop"`` and
   ``"grouped"`` in bf16, fp16 and fp32 on four cases; forward and forward+backward
@@ -18,13 +18,23 @@ dtypes|rows]`` (default: both parts):
   ``Float8Rowwise`` / ``Float8Blockwise`` layers with a warm weight cache on the
   ``fp8_fused`` route and on the FP8 GEMM routes (``fp8_fused_max_work`` moved to either
   side): where each wins sets ``triton_auto_max_rows`` and ``fp8_fused_max_work``.
+* ``fine-backward``: the backward alone (input and weight gradients, bf16, no bias) of the
+  fine cells the ``triton`` route takes (at most ``triton_auto_max_rows`` rows; balanced
+  and skewed splits): torch's two grouped GEMMs, the Gluon dgrad and weight gradient of the
+  ``grouped`` route, the Triton kernels in one launch and as two launches at each weight
+  gradient launch shape of :data:`WGRAD_TILES` (``triton_gemm.WGRAD_TILE`` set for the
+  call), and the floor of writing the two gradients (``zero_`` of both): which launch
+  shape, and whether one launch or two, the ``triton`` route's backward takes.
 """
 
 import torch
+import torch.nn.functional as F
 from _common import CUDA, device_groups, median_ms, part_arguments, randn, tflops, warm_gpu
 
 import grouped_linear as gl
 from grouped_linear import _tuning
+from grouped_linear.cli.bench_fine import skewed_sizes
+from grouped_linear.kernels.gemm import gluon_gemm, gluon_wgrad, triton_gemm
 
 DTYPE_CASES = {  # label: (sizes, K, N); None: 128 skewed groups of 131072 rows
     "8x8192 K2048 N2048": ([8192] * 8, 2048, 2048),
@@ -167,8 +177,81 @@ def fine() -> None:
                 print(f"G{groups} r{per_group} {K}x{N} | " + " | ".join(cells), flush=True)
 
 
+WGRAD_TILES = [  # (rows per step, N, K, warps, stages, K tiles per program)
+    triton_gemm.WGRAD_TILE,
+    triton_gemm.WgradTile(64, 64, 64, 4, 2),
+    triton_gemm.WgradTile(64, 64, 64, 4, 2, k_run=4),
+    triton_gemm.WgradTile(32, 64, 128, 4, 2, k_run=2),
+    triton_gemm.WgradTile(64, 128, 128, 8, 3),
+]
+
+
+def _backward_columns(x, w, dy, sizes, ends) -> dict:
+    """Per column, a callable computing (grad_x, grad_w) of one fine cell."""
+    dx_buffer, dw_buffer = torch.empty_like(x), torch.empty_like(w)
+    columns = {
+        "write floor": lambda: (dx_buffer.zero_(), dw_buffer.zero_()),
+        "torch": lambda: (F.grouped_mm(dy, w, offs=ends),
+                          F.grouped_mm(dy.transpose(0, 1), x, offs=ends)),
+    }
+    if (gluon_gemm.supported(dy, w, transposed_weight=True)
+            and gluon_wgrad.supported(dy, x, w.shape[0])):
+        columns["gluon"] = lambda: (gluon_gemm.grouped_mm(dy, w, ends, transposed_weight=True),
+                                    gluon_wgrad.wgrad(dy, x, ends, False))
+
+    def triton_with(tile, fused):
+        def run():
+            default = triton_gemm.WGRAD_TILE
+            triton_gemm.WGRAD_TILE = tile
+            try:
+                if fused:
+                    return triton_gemm.backward(dy, x, w, sizes, False)
+                return triton_gemm.dgrad(dy, w, sizes), triton_gemm.wgrad(dy, x, sizes, False)
+            finally:
+                triton_gemm.WGRAD_TILE = default
+        return run
+
+    for index, tile in enumerate(WGRAD_TILES):
+        columns[f"fused t{index}"] = triton_with(tile, True)
+        columns[f"split t{index}"] = triton_with(tile, False)
+    return columns
+
+
+def fine_backward() -> None:
+    """µs of the backward of the triton route's fine cells, per implementation (module doc)."""
+    print("tiles: " + "; ".join(f"t{i} {tuple(tile)}" for i, tile in enumerate(WGRAD_TILES)))
+    header = None
+    options = {"cuda_warmup_ms": 50, "cuda_rep_ms": 50}
+    for K, N in FINE_FEATURES:
+        for groups in (64, 128, 256):
+            for per_group in (8, 32, 128):
+                if groups * per_group > _tuning.current().triton_auto_max_rows:
+                    continue
+                for kind in ("balanced", "skewed"):
+                    sizes_list = ([per_group] * groups if kind == "balanced"
+                                  else skewed_sizes(groups, per_group))
+                    M = sum(sizes_list)
+                    sizes, ends = device_groups(sizes_list)
+                    x = randn(M, K, device=CUDA, dtype=torch.bfloat16)
+                    w = randn(groups, N, K, device=CUDA, dtype=torch.bfloat16, scale=K ** -0.5)
+                    dy = randn(M, N, device=CUDA, dtype=torch.bfloat16)
+                    columns = _backward_columns(x, w, dy, sizes, ends)
+                    if header is None:
+                        header = list(columns)
+                        print("cell | " + " | ".join(header)
+                              + " (µs; best Triton column and its ratio to torch last)")
+                    warm_gpu()
+                    times = {name: median_ms(fn, **options) * 1e3 for name, fn in columns.items()}
+                    triton_times = {k: v for k, v in times.items() if k.startswith(("fused", "split"))}
+                    best = min(triton_times, key=triton_times.get)
+                    print(f"G{groups} r{per_group} {kind} {K}x{N} | "
+                          + " | ".join(f"{times.get(name, float('nan')):.0f}" for name in header)
+                          + f" | {best} {times['torch'] / times[best]:.2f}x", flush=True)
+                    del x, w, dy, columns
+
+
 def main() -> None:
-    args = part_arguments(__doc__, ("dtypes", "rows", "fine"))
+    args = part_arguments(__doc__, ("dtypes", "rows", "fine", "fine-backward"))
     torch.manual_seed(0)
     if "dtypes" in args.parts:
         dtypes()
@@ -176,6 +259,8 @@ def main() -> None:
         rows()
     if "fine" in args.parts:
         fine()
+    if "fine-backward" in args.parts:
+        fine_backward()
 
 
 if __name__ == "__main__":

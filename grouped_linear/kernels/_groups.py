@@ -10,8 +10,8 @@ import torch
 
 from ._triton import tl, triton
 
-__all__ = ["row_groups", "row_group", "group_rows", "tile_list", "tile_origin", "tile_masks",
-           "weight_tile"]
+__all__ = ["row_groups", "row_group", "group_rows", "group_span", "tile_list", "tile_origin",
+           "tile_masks", "weight_tile"]
 
 
 def row_groups(ends: torch.Tensor, num_rows: int) -> torch.Tensor:
@@ -42,6 +42,13 @@ def group_rows(sizes_ptr, G, M, BLOCK_G: tl.constexpr):
     starts = tl.minimum(inclusive - sizes, M)
     ends = tl.where(gs == G, M, ends)
     return gs, starts, ends
+
+
+@triton.jit
+def group_span(g, sizes_ptr, G, M, BLOCK_G: tl.constexpr):
+    """Group ``g``'s (clamped) start and end rows, as :func:`group_rows` gives them."""
+    gs, starts, ends = group_rows(sizes_ptr, G, M, BLOCK_G)
+    return tl.sum(tl.where(gs == g, starts, 0), axis=0), tl.sum(tl.where(gs == g, ends, 0), axis=0)
 
 
 @triton.jit
@@ -92,9 +99,7 @@ def weight_tile(pid, sizes_ptr, G, M, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.c
     g = pid // (n_tiles * k_tiles)
     n_tile = (pid // k_tiles) % n_tiles
     k_tile = pid % k_tiles
-    gs, starts, ends = group_rows(sizes_ptr, G, M, BLOCK_G)
-    start = tl.sum(tl.where(gs == g, starts, 0), axis=0)
-    end = tl.sum(tl.where(gs == g, ends, 0), axis=0)
+    start, end = group_span(g, sizes_ptr, G, M, BLOCK_G)
     cols_n = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
     cols_k = k_tile * BLOCK_K + tl.arange(0, BLOCK_K)
     return g, k_tile, start, end, cols_n, cols_k, cols_n < N, cols_k < K

@@ -138,7 +138,19 @@ CASES = {
     "bf16 wgrad": (tg._grouped_wgrad_kernel,
                    {"dy_ptr": "*bf16", "x_ptr": "*bf16", "dw_ptr": "*bf16", "sizes_ptr": "*i64"},
                    {"HAS_BIAS": True, "PRECISION": "tf32", "UPCAST": False, "BLOCK_M": 64,
-                    "BLOCK_N": 64, "BLOCK_K": 64, "BLOCK_G": 16}, 4),
+                    "BLOCK_N": 64, "BLOCK_K": 64, "BLOCK_G": 16, "K_RUN": 1}, 4),
+    "bf16 wgrad, runs of K tiles": (
+        tg._grouped_wgrad_kernel,
+        {"dy_ptr": "*bf16", "x_ptr": "*bf16", "dw_ptr": "*bf16", "sizes_ptr": "*i64"},
+        {"HAS_BIAS": True, "PRECISION": "tf32", "UPCAST": False, "BLOCK_M": 64, "BLOCK_N": 64,
+         "BLOCK_K": 64, "BLOCK_G": 512, "K_RUN": 4}, 4),
+    "bf16 backward": (
+        tg._grouped_backward_kernel,
+        {"dy_ptr": "*bf16", "x_ptr": "*bf16", "w_ptr": "*bf16", "dx_ptr": "*bf16",
+         "dw_ptr": "*bf16", "sizes_ptr": "*i64"},
+        {"HAS_BIAS": True, "PRECISION": "tf32", "UPCAST": False, "DX_BLOCK_M": 64,
+         "DX_BLOCK_N": 128, "DX_BLOCK_K": 64, "DW_BLOCK_M": 64, "DW_BLOCK_N": 64,
+         "DW_BLOCK_K": 64, "DW_K_RUN": 1, "BLOCK_G": 16, "DX_PROGRAMS": 132}, 4),
     "rows": (q._quantize_rows_kernel, {"t_ptr": "*bf16", "q_ptr": F8},
              {"FP8_MAX": FP8_MAX, "POW2": False, "GIVEN_SCALE": False, "PIECES": False,
               "GROUPS": "none", "GROUP_ROWS": 1,
@@ -274,7 +286,8 @@ CASES = {
 }
 
 PIPELINED = {"fp8 mm blockwise", "fp8 blockwise wgrad", "fp8 group-scaled wgrad",
-             "bf16 mm", "bf16 wgrad"} | {name for name in CASES if name.startswith("fp8 fused")}
+             "bf16 mm", "bf16 wgrad", "bf16 wgrad, runs of K tiles", "bf16 backward"} | {
+                 name for name in CASES if name.startswith("fp8 fused")}
 # Kernels whose launch shape was chosen so that ptxas keeps every value in registers.
 NO_SPILLS = {name for name in CASES if name.startswith("fp8 fused")} | {
     "rows folded, column maxima"}

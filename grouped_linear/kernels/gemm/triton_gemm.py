@@ -14,14 +14,37 @@ Shapes: ``x`` ``(M, K)``, ``weight`` ``(G, N, K)``, ``bias`` ``(G, N)``,
 """
 
 
+from typing import NamedTuple
+
 import torch
 
-from .._groups import tile_list, tile_masks, tile_origin, weight_tile
+from .._groups import group_span, tile_list, tile_masks, tile_origin
 from .._triton import LaunchPlan, cdiv, kernel, next_power_of_2, sm_count, tl, triton
 from ..bias import bias_grad_reference
 from ..ends import group_ends
 
-__all__ = ["forward", "dgrad", "wgrad", "backward", "LinearLaunches", "fits", "MAX_GROUPS"]
+__all__ = ["forward", "dgrad", "wgrad", "backward", "LinearLaunches", "fits", "MAX_GROUPS",
+           "WgradTile", "WGRAD_TILE"]
+
+
+class WgradTile(NamedTuple):
+    """Launch shape of the weight-gradient programs (:func:`wgrad`, and :func:`backward`,
+    whose whole launch takes its warps and stages): rows of ``dy`` and ``x`` per step, the
+    ``N`` and ``K`` columns of the output tile one program writes, warps and pipeline
+    stages, and ``K`` tiles per program (written one after the other)."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    warps: int
+    stages: int
+    k_run: int = 1
+
+
+# One 64 x 64 output tile per program, 4 warps: alone, 80 registers and 48 KB of shared
+# memory at three stages on sm90 (four programs per SM); in the one-launch backward the
+# dgrad's persistent tiles set the registers (255, ptxas -v).
+WGRAD_TILE = WgradTile(64, 64, 64, 4, 3)
 
 
 @triton.jit
@@ -89,29 +112,41 @@ def _wgrad_tile(pid, dy_ptr, x_ptr, dw_ptr, db_ptr, sizes_ptr, M, N, K, G,
                 stride_dym, stride_xm, stride_dwg, stride_dwn,
                 HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                BLOCK_G: tl.constexpr):
-    """Tile ``pid`` (group, N tile, K tile) of ``dw[g] = dy[rows of g]^T @ x[rows of g]``
-    and, with ``HAS_BIAS``, ``db[g] = sum of dy[rows of g]`` (float32 sums)."""
-    g, k_tile, start, end, cols_n, cols_k, n_mask, k_mask = weight_tile(
-        pid, sizes_ptr, G, M, N, K, BLOCK_N, BLOCK_K, BLOCK_G)
-    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+                BLOCK_G: tl.constexpr, K_RUN: tl.constexpr):
+    """Program ``pid`` (numbered group, N tile, run of ``K_RUN`` K tiles): those tiles of
+    ``dw[g] = dy[rows of g]^T @ x[rows of g]`` one after the other (the group looked up
+    once) and, with ``HAS_BIAS``, from the first K tile ``db[g] = sum of dy[rows of g]``
+    (float32 sums)."""
+    n_tiles = tl.cdiv(N, BLOCK_N)
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    k_runs = tl.cdiv(k_tiles, K_RUN)
+    g = pid // (n_tiles * k_runs)
+    n_tile = (pid // k_runs) % n_tiles
+    k_run = pid % k_runs
+    start, end = group_span(g, sizes_ptr, G, M, BLOCK_G)
+    cols_n = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = cols_n < N
     bias_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for m0 in range(start, end, BLOCK_M):
-        rows = m0 + tl.arange(0, BLOCK_M)
-        row_mask = rows < end
-        dy_t = tl.load(dy_ptr + rows.to(tl.int64)[None, :] * stride_dym + cols_n[:, None],
-                       mask=n_mask[:, None] & row_mask[None, :], other=0.0)
-        x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_xm + cols_k[None, :],
-                    mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-        acc = _mma(dy_t, x, acc, PRECISION, UPCAST)
-        if HAS_BIAS:
-            if k_tile == 0:  # the one tile per (group, N tile) that stores the sums
-                bias_acc += tl.sum(dy_t.to(tl.float32), axis=1)
-    dw = dw_ptr + g.to(tl.int64) * stride_dwg + cols_n.to(tl.int64)[:, None] * stride_dwn \
-        + cols_k[None, :]
-    tl.store(dw, acc.to(dw_ptr.dtype.element_ty), mask=n_mask[:, None] & k_mask[None, :])
+    for k_tile in range(k_run * K_RUN, tl.minimum(k_run * K_RUN + K_RUN, k_tiles)):
+        cols_k = k_tile * BLOCK_K + tl.arange(0, BLOCK_K)
+        k_mask = cols_k < K
+        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        for m0 in range(start, end, BLOCK_M):
+            rows = m0 + tl.arange(0, BLOCK_M)
+            row_mask = rows < end
+            dy_t = tl.load(dy_ptr + rows.to(tl.int64)[None, :] * stride_dym + cols_n[:, None],
+                           mask=n_mask[:, None] & row_mask[None, :], other=0.0)
+            x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_xm + cols_k[None, :],
+                        mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+            acc = _mma(dy_t, x, acc, PRECISION, UPCAST)
+            if HAS_BIAS:
+                if k_tile == 0:  # the one tile per (group, N tile) that stores the sums
+                    bias_acc += tl.sum(dy_t.to(tl.float32), axis=1)
+        dw = dw_ptr + g.to(tl.int64) * stride_dwg + cols_n.to(tl.int64)[:, None] * stride_dwn \
+            + cols_k[None, :]
+        tl.store(dw, acc.to(dw_ptr.dtype.element_ty), mask=n_mask[:, None] & k_mask[None, :])
     if HAS_BIAS:
-        if k_tile == 0:
+        if k_run == 0:
             tl.store(db_ptr + g.to(tl.int64) * N + cols_n, bias_acc.to(db_ptr.dtype.element_ty),
                      mask=n_mask)
 
@@ -122,11 +157,11 @@ def _grouped_wgrad_kernel(dy_ptr, x_ptr, dw_ptr, db_ptr, sizes_ptr, M, N, K, G,
                           stride_dym, stride_xm, stride_dwg, stride_dwn,
                           HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
                           UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                          BLOCK_K: tl.constexpr, BLOCK_G: tl.constexpr):
-    """The weight (and bias) gradient: one :func:`_wgrad_tile` per program."""
+                          BLOCK_K: tl.constexpr, BLOCK_G: tl.constexpr, K_RUN: tl.constexpr):
+    """The weight (and bias) gradient: :func:`_wgrad_tile` per program."""
     _wgrad_tile(tl.program_id(0), dy_ptr, x_ptr, dw_ptr, db_ptr, sizes_ptr, M, N, K, G,
                 stride_dym, stride_xm, stride_dwg, stride_dwn, HAS_BIAS, PRECISION, UPCAST,
-                BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_G)
+                BLOCK_M, BLOCK_N, BLOCK_K, BLOCK_G, K_RUN)
 
 
 @kernel
@@ -138,11 +173,11 @@ def _grouped_backward_kernel(dy_ptr, x_ptr, w_ptr, dx_ptr, dw_ptr, db_ptr, sizes
                              UPCAST: tl.constexpr, DX_BLOCK_M: tl.constexpr,
                              DX_BLOCK_N: tl.constexpr, DX_BLOCK_K: tl.constexpr,
                              DW_BLOCK_M: tl.constexpr, DW_BLOCK_N: tl.constexpr,
-                             DW_BLOCK_K: tl.constexpr, BLOCK_G: tl.constexpr,
-                             DX_PROGRAMS: tl.constexpr):
+                             DW_BLOCK_K: tl.constexpr, DW_K_RUN: tl.constexpr,
+                             BLOCK_G: tl.constexpr, DX_PROGRAMS: tl.constexpr):
     """The whole backward in one launch: programs below ``DX_PROGRAMS`` compute
     ``dx = dy @ W_g`` per group (persistent, tail rows zero), the others one weight (and
-    bias) gradient tile each. Small problems are bound by launches, not by the GPU."""
+    bias) gradient program each. Small problems are bound by launches, not by the GPU."""
     pid = tl.program_id(0)
     if pid < DX_PROGRAMS:
         _mm_tiles(pid, dy_ptr, w_ptr, dy_ptr, dx_ptr, sizes_ptr, M, K, N, G,
@@ -151,7 +186,7 @@ def _grouped_backward_kernel(dy_ptr, x_ptr, w_ptr, dx_ptr, dw_ptr, db_ptr, sizes
     else:
         _wgrad_tile(pid - DX_PROGRAMS, dy_ptr, x_ptr, dw_ptr, db_ptr, sizes_ptr, M, N, K, G,
                     stride_dym, stride_xm, stride_dwg, stride_dwn, HAS_BIAS, PRECISION,
-                    UPCAST, DW_BLOCK_M, DW_BLOCK_N, DW_BLOCK_K, BLOCK_G)
+                    UPCAST, DW_BLOCK_M, DW_BLOCK_N, DW_BLOCK_K, BLOCK_G, DW_K_RUN)
 
 
 def _precision(dtype: torch.dtype) -> str:
@@ -281,6 +316,11 @@ def dgrad(grad_out: torch.Tensor, weight: torch.Tensor, sizes: torch.Tensor) -> 
     return _in_dtype(out, grad_out.dtype)
 
 
+def _wgrad_programs(G: int, N: int, K: int, tile: WgradTile) -> int:
+    """Weight-gradient programs: one per (group, N tile, run of ``tile.k_run`` K tiles)."""
+    return G * cdiv(N, tile.block_n) * cdiv(cdiv(K, tile.block_k), tile.k_run)
+
+
 def _wgrad_buffers(x: torch.Tensor, G: int, N: int, K: int, with_bias: bool,
                    out_dtype: torch.dtype | None = None
                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -308,14 +348,14 @@ def wgrad(grad_out: torch.Tensor, x: torch.Tensor, sizes: torch.Tensor, with_bia
         if grad_b is not None:
             grad_b = bias_grad_reference(grad_out, group_ends(sizes, M), x.dtype)
         return _in_dtype(grad_w.zero_(), out_dtype or x.dtype), grad_b
-    block_m, block_n, block_k = 64, 64, 64
-    grid = (G * cdiv(N, block_n) * cdiv(K, block_k),)
+    tile = WGRAD_TILE
+    grid = (_wgrad_programs(G, N, K, tile),)
     _grouped_wgrad_kernel[grid](
         grad_out, x, grad_w, grad_b if grad_b is not None else grad_w, sizes, M, N, K, G,
         grad_out.stride(0), x.stride(0), grad_w.stride(0), grad_w.stride(1),
         HAS_BIAS=with_bias, PRECISION=_precision(x.dtype), UPCAST=_upcast(x),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_G=_block_g(G),
-        num_warps=4, num_stages=3,
+        BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, BLOCK_G=_block_g(G),
+        K_RUN=tile.k_run, num_warps=tile.warps, num_stages=tile.stages,
     )
     return _in_dtype(grad_w, out_dtype or x.dtype), _in_dtype(grad_b, x.dtype)
 
@@ -323,7 +363,7 @@ def wgrad(grad_out: torch.Tensor, x: torch.Tensor, sizes: torch.Tensor, with_bia
 def _backward_key(grad_out, x, weight, sizes, with_bias) -> tuple:
     return ("backward", grad_out.shape, grad_out.stride(), grad_out.dtype, x.shape, x.stride(),
             x.dtype, weight.shape, weight.stride(), weight.dtype, sizes.shape, sizes.dtype,
-            x.get_device(), _precision(x.dtype), with_bias)
+            x.get_device(), _precision(x.dtype), with_bias, WGRAD_TILE)
 
 
 def _planned_backward(plan: LaunchPlan, grad_out, x, weight, sizes, with_bias):
@@ -361,16 +401,16 @@ def backward(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, size
     grad_x = grad_out.new_empty((M, K), dtype=_stored(x, grad_out.dtype))
     grad_w, grad_b = _wgrad_buffers(x, G, N, K, with_bias)
     dx_programs = sm_count(x.device)  # fixed: one binary whatever M is
-    dw_block = 64
-    dw_tiles = G * cdiv(N, dw_block) * cdiv(K, dw_block)
-    grid = (dx_programs + dw_tiles,)
+    tile = WGRAD_TILE
+    grid = (dx_programs + _wgrad_programs(G, N, K, tile),)
     args = (grad_out, x, weight, grad_x, grad_w, grad_b if grad_b is not None else grad_w, sizes,
             M, N, K, G, grad_out.stride(0), x.stride(0), weight.stride(0), weight.stride(1),
             weight.stride(2), grad_x.stride(0), grad_w.stride(0), grad_w.stride(1))
     meta = dict(HAS_BIAS=with_bias, PRECISION=_precision(x.dtype), UPCAST=_upcast(x),
-                DX_BLOCK_M=64, DX_BLOCK_N=128, DX_BLOCK_K=64, DW_BLOCK_M=dw_block,
-                DW_BLOCK_N=dw_block, DW_BLOCK_K=dw_block, BLOCK_G=_block_g(G),
-                DX_PROGRAMS=dx_programs, num_warps=4, num_stages=3)
+                DX_BLOCK_M=64, DX_BLOCK_N=128, DX_BLOCK_K=64, DW_BLOCK_M=tile.block_m,
+                DW_BLOCK_N=tile.block_n, DW_BLOCK_K=tile.block_k, DW_K_RUN=tile.k_run,
+                BLOCK_G=_block_g(G),
+                DX_PROGRAMS=dx_programs, num_warps=tile.warps, num_stages=tile.stages)
     _launch(_grouped_backward_kernel, grid, args, meta, key if plan is None else None)
     return (_in_dtype(grad_x, grad_out.dtype), _in_dtype(grad_w, x.dtype),
             _in_dtype(grad_b, x.dtype))

@@ -65,6 +65,30 @@ def test_forward_dgrad_wgrad(sizes, M, K, N, dtype):
         assert torch.equal(fused_db, db) if with_bias else fused_db is None
 
 
+@pytest.mark.parametrize("tile", [triton_gemm.WgradTile(16, 16, 16, 4, 2, k_run=2),
+                                  triton_gemm.WgradTile(32, 16, 32, 4, 1, k_run=3)])
+def test_weight_gradient_tiles_and_runs_of_k_tiles(monkeypatch, tile):
+    """Other weight-gradient launch shapes, a program writing runs of K tiles (the last run
+    short): the same gradients, from ``wgrad`` and from the one-launch ``backward``."""
+    sizes, M, K, N = [5, 0, 70, 1, 33], 118, 80, 40  # 5 K tiles of 16: runs of 2, 2, 1
+    G = len(sizes)
+    x, dy = torch.randn(M, K, device=DEVICE), torch.randn(M, N, device=DEVICE)
+    w = torch.randn(G, N, K, device=DEVICE)
+    st = torch.tensor(sizes, device=DEVICE)
+    bounds = _clamped_bounds(sizes, M)
+    offs = torch.tensor(bounds[1:], dtype=torch.int32, device=DEVICE)
+    ref_dw = grouped_gemm.wgrad(dy.double(), x.double(), offs, None, "loop")
+    ref_db = torch.stack([dy[bounds[g]:bounds[g + 1]].double().sum(0) for g in range(G)])
+    ref_dx = grouped_gemm.dgrad(dy.double(), w.double(), offs, None, "loop")
+    monkeypatch.setattr(triton_gemm, "WGRAD_TILE", tile)
+    dw, db = triton_gemm.wgrad(dy, x, st, True)
+    assert rel_err(dw, ref_dw) < 1e-5 and rel_err(db, ref_db) < 1e-5
+    assert torch.all(dw[1] == 0) and torch.all(db[1] == 0)  # the empty group
+    fused_dx, fused_dw, fused_db = triton_gemm.backward(dy, x, w, st, True)
+    assert torch.equal(fused_dw, dw) and torch.equal(fused_db, db)
+    assert rel_err(fused_dx, ref_dx) < 1e-5
+
+
 def test_strided_inputs_and_int32_sizes():
     x = torch.randn(40, 24, device=DEVICE)[:, :16]  # rows not contiguous
     w = torch.randn(2, 8, 16, device=DEVICE)
