@@ -132,19 +132,24 @@ def _wgrad_tile(pid, dy_ptr, x_ptr, dw_ptr, db_ptr, sizes_ptr, M, N, K, G,
         k_mask = cols_k < K
         acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
         for m0 in range(start, end, BLOCK_M):
-            rows = m0 + tl.arange(0, BLOCK_M)
-            row_mask = rows < end
-            dy_t = tl.load(dy_ptr + rows.to(tl.int64)[None, :] * stride_dym + cols_n[:, None],
+            # int64 scalar bases (m0 runs over the int64 group rows), int32 offsets within
+            # the block: 64-bit pointer tensors cost 10-20 registers a program
+            rows = tl.arange(0, BLOCK_M)
+            row_mask = rows < (end - m0).to(tl.int32)
+            dy_t = tl.load(dy_ptr + m0 * stride_dym
+                           + (rows[None, :] * stride_dym + cols_n[:, None]),
                            mask=n_mask[:, None] & row_mask[None, :], other=0.0)
-            x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_xm + cols_k[None, :],
+            x = tl.load(x_ptr + m0 * stride_xm
+                        + (rows[:, None] * stride_xm + cols_k[None, :]),
                         mask=row_mask[:, None] & k_mask[None, :], other=0.0)
             acc = _mma(dy_t, x, acc, PRECISION, UPCAST)
             if HAS_BIAS:
                 if k_tile == 0:  # the one tile per (group, N tile) that stores the sums
                     bias_acc += tl.sum(dy_t.to(tl.float32), axis=1)
-        dw = dw_ptr + g.to(tl.int64) * stride_dwg + cols_n.to(tl.int64)[:, None] * stride_dwn \
-            + cols_k[None, :]
-        tl.store(dw, acc.to(dw_ptr.dtype.element_ty), mask=n_mask[:, None] & k_mask[None, :])
+        dw = dw_ptr + (g.to(tl.int64) * stride_dwg + (n_tile * BLOCK_N).to(tl.int64) * stride_dwn
+                       + k_tile * BLOCK_K)
+        tl.store(dw + (tl.arange(0, BLOCK_N)[:, None] * stride_dwn + tl.arange(0, BLOCK_K)[None, :]),
+                 acc.to(dw_ptr.dtype.element_ty), mask=n_mask[:, None] & k_mask[None, :])
     if HAS_BIAS:
         if k_run == 0:
             tl.store(db_ptr + g.to(tl.int64) * N + cols_n, bias_acc.to(db_ptr.dtype.element_ty),
