@@ -204,8 +204,11 @@ def permute(
             below on CUDA). Needs ``multiple=1`` (ValueError otherwise).
         capacity: optional per-expert limit: an int ``>= 1``, or a float factor
             ``f > 0`` giving ``ceil(f * T * k / E)`` (computed exactly; index routing
-            only, as a map's ``k`` is not known without reading it). Each expert
-            keeps at most ``capacity`` slots, the others are dropped.
+            only, as a map's ``k`` is not known without reading it: with a map pass a
+            count). Each expert keeps at most ``capacity`` slots, the others are
+            dropped. Without ``pad_to_capacity`` any capacity above ``T*k`` (``2**70``, a
+            factor of ``1e19``) keeps every slot and is taken as ``T*k``; with it, a
+            capacity whose ``E * capacity`` rows pass ``2**63 - 1`` is a ValueError.
         drop_policy: which slots an expert over capacity keeps: ``"probs"`` (the
             default; needs ``probs``) the highest-probability ones, ties to the lower
             slot ``t*k + j``; ``"position"`` the earliest slots ``t*k + j``.
@@ -262,7 +265,8 @@ def permute(
     k = topk_indices.shape[1] if topk_indices.dim() == 2 else 1
     slots = tokens * k
     num_out_tokens = inputs.check_num_out_tokens(num_out_tokens, slots, multiple)
-    capacity = inputs.check_capacity(capacity, tokens, k, num_experts, is_map)
+    capacity = inputs.check_capacity(capacity, tokens, k, num_experts, is_map,
+                                      pad_to_capacity)
     drop_policy = inputs.check_drop_policy(drop_policy, capacity, probs)
     padded = inputs.check_pad_to_capacity(pad_to_capacity, capacity, num_experts, multiple)
     recipe = check_recipe(recipe, x.device)

@@ -83,10 +83,15 @@ def check_num_out_tokens(num_out_tokens: object, slots: int, multiple: int) -> i
     return value
 
 
-def check_capacity(capacity: object, tokens: int, k: int, num_experts: int, is_map: bool
-                   ) -> int | None:
+def check_capacity(capacity: object, tokens: int, k: int, num_experts: int, is_map: bool,
+                   pad_to_capacity: object = False) -> int | None:
     """The per-expert capacity: an int ``>= 1`` as given, or for a float factor ``f > 0``
-    ``ceil(f * T * k / E)`` computed exactly (in integers); ``None`` for no limit."""
+    ``ceil(f * T * k / E)`` computed exactly (in integers); ``None`` for no limit.
+
+    Without ``pad_to_capacity`` a capacity above the ``T * k`` slots keeps every slot, as
+    ``T * k`` does: it is taken as ``max(T * k, 1)``, however large (``2**70``, a factor of
+    ``1e300``). With ``pad_to_capacity=True`` it is the group size, kept as it is and
+    checked by :func:`check_pad_to_capacity`."""
     if capacity is None:
         return None
     if isinstance(capacity, float) and not is_bool(capacity):
@@ -98,12 +103,21 @@ def check_capacity(capacity: object, tokens: int, k: int, num_experts: int, is_m
                              "a routing map, whose k is not known without reading it: pass "
                              "the capacity as an int, ceil(factor * T * k / E)")
         numerator, denominator = capacity.as_integer_ratio()  # exact: no rounding
-        return -(-numerator * tokens * k // (denominator * num_experts))
-    try:
-        return check_int("capacity", capacity, minimum=1)
-    except TypeError:
-        raise TypeError(f"capacity is {capacity!r} of type {type(capacity).__name__}: expected "
-                        "an int >= 1 (a count) or a float > 0 (a capacity factor)") from None
+        value = -(-numerator * tokens * k // (denominator * num_experts))
+        if pad_to_capacity is True and num_experts * value > MAX_ROWS:
+            raise ValueError(f"capacity is {capacity!r}, a capacity factor of {value} rows per "
+                             f"expert: {num_experts} groups of it pass the rows a tensor holds "
+                             f"({MAX_ROWS}) with pad_to_capacity=True")
+    else:
+        try:
+            value = check_int("capacity", capacity, minimum=1)
+        except TypeError:
+            raise TypeError(f"capacity is {capacity!r} of type {type(capacity).__name__}: "
+                            "expected an int >= 1 (a count) or a float > 0 (a capacity "
+                            "factor)") from None
+    if pad_to_capacity is True:
+        return value
+    return min(value, max(tokens * k, 1))  # no expert has more slots than there are
 
 
 def check_drop_policy(drop_policy: object, capacity: int | None,

@@ -217,6 +217,23 @@ def test_capacity_with_routing_map():
         check(got, ref_route(x, routing_map, 4, 1, probs, 3, policy, pad_to_capacity=True), probs)
 
 
+@pytest.mark.parametrize("capacity", [39, 40, 2**63 - 1, 2**63, 2**70, 3.0, 1e19, 1e300])
+@pytest.mark.parametrize("policy", ["probs", "position"])
+def test_capacity_past_the_slots_keeps_every_slot(capacity, policy):
+    """Without pad_to_capacity a capacity at or above the T*k = 39 slots, however large (past
+    int64, a huge factor), drops nothing: the layout without a capacity, for indices and
+    (given as a count) for a routing map."""
+    x, topk, probs = routing_case(7)
+    got = permute(x, topk, 5, probs=probs, capacity=capacity, drop_policy=policy)
+    check(got, ref_route(x, topk, 5, 1, probs), probs)
+    if isinstance(capacity, int):
+        routing_map = torch.zeros(13, 5, dtype=torch.bool)
+        routing_map[topk[:, 0] >= 0, topk[topk[:, 0] >= 0, 0]] = True
+        dense = torch.rand(13, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+        got = permute(x, routing_map, 5, probs=dense, capacity=capacity, drop_policy=policy)
+        check(got, ref_route(x, routing_map, 5, 1, dense), dense)
+
+
 # --------------------------------------------------------------------------- num_out_tokens
 @pytest.mark.parametrize("num_out_tokens", [0, 1, 6, 20, 39])
 def test_num_out_tokens(num_out_tokens):
@@ -394,6 +411,16 @@ PERMUTE_ERRORS = [
      ValueError, "multiple is 2 but capacity is 3"),
     ((X, TOPK, 3), {"capacity": 2**62, "drop_policy": "position", "pad_to_capacity": True},
      ValueError, f"capacity is {2**62}: 3 groups"),
+    ((X, TOPK, 3), {"capacity": 2**70, "drop_policy": "position", "pad_to_capacity": True},
+     ValueError, f"capacity is {2**70}: 3 groups"),
+    ((X, MAP, 3), {"capacity": 2**63, "drop_policy": "position", "pad_to_capacity": True},
+     ValueError, f"capacity is {2**63}: 3 groups"),
+    ((X, TOPK, 3), {"capacity": 1e19, "probs": PROBS, "pad_to_capacity": True}, ValueError,
+     r"capacity is 1e\+19, a capacity factor of 20000000000000000000 rows per expert: 3 groups"),
+    ((X, TOPK, 3), {"capacity": 1e300, "drop_policy": "position", "pad_to_capacity": True},
+     ValueError, r"capacity is 1e\+300, a capacity factor of \d+ rows per expert"),
+    ((X, MAP, 3), {"capacity": 1e19, "drop_policy": "position"}, ValueError,
+     r"capacity is 1e\+19, a capacity factor, but topk_indices is a routing map"),
     ((X, TOPK + 1, 3), {"capacity": 1, "drop_policy": "position"}, ValueError,
      r"topk_indices\[1, 1\] is 3: expert indices must be in \[-1, 2\]"),
 ]
