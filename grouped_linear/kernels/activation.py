@@ -1,14 +1,6 @@
-"""The expert MLP's activation with fc1's per-group bias folded in.
-
-With ``v = h + b[g]`` (``g`` the row's group), ``a = f(v)`` for the non-gated kinds and
-``a = f(gate) * up`` for the gated ones, where ``gate`` and ``up`` are the two halves of
-``v`` (``interleaved=False``: ``v[:, :F]`` then ``v[:, F:]``, the gate half first;
-``interleaved=True``: ``v[:, 0::2]`` and ``v[:, 1::2]``, gate and up alternating, as
-GPT-OSS stores them). ``f`` is SiLU (``swiglu``, ``silu``), tanh-GELU (``geglu``,
-``gelu``), exact erf-GELU (``geglu_erf``, ``gelu_erf``) or ReLU (``relu``).
-``gpt_oss_swiglu`` is GPT-OSS's gate: ``g = min(gate, limit)``,
-``u = clamp(up, -limit, limit)``, ``a = (u + 1) * g * sigmoid(alpha * g)``; its gradient
-is zero where a value was clamped (as torch's ``clamp``: a value at the limit passes).
+"""The expert MLP's activation with fc1's per-group bias folded in: ``a = f(h + b[g])``
+(``g`` the row's group) for every kind of :mod:`.activation_reference`, which gives the
+formulas, the names and the plain-PyTorch reference.
 
 With ``probs`` (one routing probability per row, ``(M,)``) the output is ``probs[:, None] * a``
 (Megatron-Core's weighted activation): one more load per row. Its backward also gives the
@@ -27,156 +19,25 @@ each way, the PyTorch reference beside it (float64 inputs run it in float64).
 """
 
 import torch
-import torch.nn.functional as F
 
-from ._groups import row_group, row_groups
+from ._groups import row_group
 from ._triton import cdiv, kernel, next_power_of_2, tl, triton, use_triton
+from .activation_reference import (
+    ACTIVATION_KINDS,
+    CLAMPED_SWIGLU_LIMIT,
+    GATED_KINDS,
+    GPT_OSS_ALPHA,
+    GPT_OSS_LIMIT,
+    KIND_PARAMETERS,
+    bias_act_backward_reference,
+    bias_act_reference,
+)
 from .quantize.common import amax_to_scale, finish, fp8_buffer, inverse
 from .quantize.rows import quantize_rows_reference
 
 __all__ = ["ACTIVATION_KINDS", "ACT_CONFIG", "GATED_KINDS", "GPT_OSS_ALPHA", "GPT_OSS_LIMIT",
-           "bias_act_forward", "bias_act_forward_fp8", "bias_act_backward", "bias_act_reference",
-           "bias_act_backward_reference"]
-
-# Each kind's function of the gate (or of the whole input), as the kernel numbers it.
-ACTIVATION_KINDS = {"swiglu": 0, "geglu": 1, "geglu_erf": 3, "gpt_oss_swiglu": 4,
-                    "silu": 0, "gelu": 1, "gelu_erf": 3, "relu": 2}
-GATED_KINDS = ("swiglu", "geglu", "geglu_erf", "gpt_oss_swiglu")
-GPT_OSS_ALPHA = 1.702
-GPT_OSS_LIMIT = 7.0
-
-_SQRT_2_OVER_PI = 0.7978845608028654
-_GELU_CUBIC = 0.044715
-_SQRT_HALF = 0.7071067811865476
-_INV_SQRT_2PI = 0.3989422804014327
-
-
-# --------------------------------------------------------------------------- reference
-def _base_activation(kind: str, value: torch.Tensor) -> torch.Tensor:
-    if kind in ("swiglu", "silu"):
-        return F.silu(value)
-    if kind in ("geglu", "gelu"):
-        return F.gelu(value, approximate="tanh")
-    if kind in ("geglu_erf", "gelu_erf"):
-        return F.gelu(value)
-    return F.relu(value)
-
-
-def _activation_backward(kind: str, grad: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-    """``grad * f'(value)``: for SiLU aten's fused derivative (one pass over ``value``)."""
-    if kind in ("swiglu", "silu"):
-        return torch.ops.aten.silu_backward(grad, value)
-    if kind in ("geglu", "gelu"):
-        inner = _SQRT_2_OVER_PI * (value + _GELU_CUBIC * value ** 3)
-        t = torch.tanh(inner)
-        d_inner = _SQRT_2_OVER_PI * (1 + 3 * _GELU_CUBIC * value ** 2)
-        return grad * (0.5 * (1 + t) + 0.5 * value * (1 - t * t) * d_inner)
-    if kind in ("geglu_erf", "gelu_erf"):
-        return grad * (0.5 * (1 + torch.erf(value * _SQRT_HALF))
-                       + value * _INV_SQRT_2PI * torch.exp(-0.5 * value * value))
-    return grad * (value > 0).to(value.dtype)
-
-
-def _halves(value: torch.Tensor, interleaved: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(gate, up)`` of a gated input."""
-    if interleaved:
-        return value[:, 0::2], value[:, 1::2]
-    gate, up = value.chunk(2, dim=-1)
-    return gate, up
-
-
-def _join(gate: torch.Tensor, up: torch.Tensor, interleaved: bool) -> torch.Tensor:
-    """The inverse of :func:`_halves`."""
-    if interleaved:
-        return torch.stack((gate, up), dim=-1).flatten(1)
-    return torch.cat((gate, up), dim=-1)
-
-
-def _gated(kind: str, gate: torch.Tensor, up: torch.Tensor, alpha: float,
-           limit: float) -> torch.Tensor:
-    if kind == "gpt_oss_swiglu":
-        g = gate.clamp(max=limit)
-        return (up.clamp(-limit, limit) + 1) * g * torch.sigmoid(alpha * g)
-    return _base_activation(kind, gate) * up
-
-
-def _gated_grads(kind: str, gate: torch.Tensor, up: torch.Tensor, grad_a: torch.Tensor,
-                 alpha: float, limit: float) -> tuple[torch.Tensor, torch.Tensor]:
-    if kind == "gpt_oss_swiglu":
-        g = gate.clamp(max=limit)
-        s = torch.sigmoid(alpha * g)
-        zero = torch.zeros((), dtype=grad_a.dtype, device=grad_a.device)
-        grad_gate = grad_a * (up.clamp(-limit, limit) + 1) * (s + alpha * g * s * (1 - s))
-        return (torch.where(gate <= limit, grad_gate, zero),
-                torch.where((up >= -limit) & (up <= limit), grad_a * g * s, zero))
-    return _activation_backward(kind, grad_a * up, gate), grad_a * _base_activation(kind, gate)
-
-
-def _biased(h: torch.Tensor, bias: torch.Tensor | None, ends: torch.Tensor
-            ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``h + bias[g]`` in the compute dtype, and the ``(M, 1)`` mask of rows in a group
-    (``None`` when every row is in one, as the host can tell for group ends on the CPU)."""
-    compute = torch.float64 if h.dtype == torch.float64 else torch.float32
-    value = h.to(compute)
-    covered = (ends.device.type == "cpu" and ends.shape[0] > 0
-               and int(ends[-1]) >= h.shape[0])
-    if bias is None and covered:
-        return value, None
-    groups = row_groups(ends, h.shape[0])
-    if bias is not None:
-        padded = torch.cat([bias.to(compute), bias.new_zeros(1, bias.shape[1], dtype=compute)])
-        value = value + padded.index_select(0, groups)
-    return value, (None if covered else (groups < ends.shape[0]).unsqueeze(1))
-
-
-def _activated(value: torch.Tensor, kind: str, interleaved: bool, alpha: float,
-               limit: float) -> torch.Tensor:
-    if kind in GATED_KINDS:
-        return _gated(kind, *_halves(value, interleaved), alpha, limit)
-    return _base_activation(kind, value)
-
-
-def bias_act_reference(h: torch.Tensor, bias: torch.Tensor | None, ends: torch.Tensor,
-                       kind: str, zero_tail: bool, interleaved: bool = False,
-                       alpha: float = GPT_OSS_ALPHA, limit: float = GPT_OSS_LIMIT,
-                       probs: torch.Tensor | None = None) -> torch.Tensor:
-    """Differentiable plain-PyTorch form (float32 math, float64 for float64; output in
-    ``h.dtype``); with ``probs``, each row scaled by its ``(M,)`` probability."""
-    value, in_group = _biased(h, bias, ends)
-    out = _activated(value, kind, interleaved, alpha, limit)
-    if probs is not None:
-        out = out * probs.to(out.dtype).unsqueeze(1)
-    if zero_tail and in_group is not None:
-        out = torch.where(in_group, out, torch.zeros((), dtype=out.dtype, device=out.device))
-    return out.to(h.dtype)
-
-
-def bias_act_backward_reference(grad_a: torch.Tensor, h: torch.Tensor,
-                                bias: torch.Tensor | None, ends: torch.Tensor, kind: str,
-                                interleaved: bool = False, alpha: float = GPT_OSS_ALPHA,
-                                limit: float = GPT_OSS_LIMIT, probs: torch.Tensor | None = None,
-                                probs_grad: bool = False
-                                ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The gradients with respect to ``h`` and (with ``probs_grad``) ``probs``, written out (no
-    autograd: it also runs inside custom ops, where autograd does not record). Rows past the
-    last group get zero."""
-    value, in_group = _biased(h, bias, ends)
-    grad_a = grad_a.to(value.dtype)
-    if in_group is not None:
-        grad_a = torch.where(in_group, grad_a, torch.zeros((), dtype=value.dtype,
-                                                           device=value.device))
-    grad_probs = None
-    if probs is not None:
-        if probs_grad:
-            act = _activated(value, kind, interleaved, alpha, limit)
-            grad_probs = (act * grad_a).sum(1).to(probs.dtype)
-        grad_a = grad_a * probs.to(value.dtype).unsqueeze(1)
-    if kind in GATED_KINDS:
-        gate, up = _halves(value, interleaved)
-        grad_h = _join(*_gated_grads(kind, gate, up, grad_a, alpha, limit), interleaved)
-    else:
-        grad_h = _activation_backward(kind, grad_a, value)
-    return grad_h.to(h.dtype), grad_probs
+           "CLAMPED_SWIGLU_LIMIT", "KIND_PARAMETERS", "bias_act_forward", "bias_act_forward_fp8",
+           "bias_act_backward", "bias_act_reference", "bias_act_backward_reference"]
 
 
 # --------------------------------------------------------------------------- Triton
@@ -189,6 +50,9 @@ def _act(x, ACT: tl.constexpr):
         return x * tl.sigmoid(2.0 * inner)  # 0.5 * x * (1 + tanh(inner))
     elif ACT == 2:
         return tl.maximum(x, 0.0)
+    elif ACT == 6:
+        r = tl.maximum(x, 0.0)
+        return r * r
     else:
         return 0.5 * x * (1.0 + tl.math.erf(x * 0.7071067811865476))
 
@@ -205,6 +69,8 @@ def _act_grad(x, ACT: tl.constexpr):
         return 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * d_inner
     elif ACT == 2:
         return (x > 0.0).to(tl.float32)
+    elif ACT == 6:
+        return 2.0 * tl.maximum(x, 0.0)
     else:
         return (0.5 * (1.0 + tl.math.erf(x * 0.7071067811865476))
                 + x * 0.3989422804014327 * tl.exp(-0.5 * x * x))
@@ -212,7 +78,7 @@ def _act_grad(x, ACT: tl.constexpr):
 
 @triton.jit
 def _clamped(gate, up, limit):
-    """GPT-OSS's ``min(gate, limit)`` and ``clamp(up, -limit, limit)`` (NaN stays NaN)."""
+    """``min(gate, limit)`` and ``clamp(up, -limit, limit)`` (NaN stays NaN)."""
     g = tl.where(gate > limit, limit, gate)
     u = tl.where(up > limit, limit, tl.where(up < -limit, -limit, up))
     return g, u
@@ -223,6 +89,9 @@ def _glu(gate, up, alpha, limit, ACT: tl.constexpr):
     if ACT == 4:
         g, u = _clamped(gate, up, limit)
         return (u + 1.0) * g * tl.sigmoid(alpha * g)
+    elif ACT == 5:
+        g, u = _clamped(gate, up, limit)
+        return _act(g, 0) * u
     else:
         return _act(gate, ACT) * up
 
@@ -235,6 +104,11 @@ def _glu_grads(gate, up, grad_a, alpha, limit, ACT: tl.constexpr):
         grad_gate = tl.where(gate <= limit,
                              grad_a * (u + 1.0) * (s + alpha * g * s * (1.0 - s)), 0.0)
         grad_up = tl.where((up >= -limit) & (up <= limit), grad_a * g * s, 0.0)
+        return grad_gate, grad_up
+    elif ACT == 5:
+        g, u = _clamped(gate, up, limit)
+        grad_gate = tl.where(gate <= limit, grad_a * u * _act_grad(g, 0), 0.0)
+        grad_up = tl.where((up >= -limit) & (up <= limit), grad_a * _act(g, 0), 0.0)
         return grad_gate, grad_up
     else:
         return grad_a * up * _act_grad(gate, ACT), grad_a * _act(gate, ACT)
@@ -428,8 +302,9 @@ def bias_act_forward(h: torch.Tensor, bias: torch.Tensor | None, ends: torch.Ten
 
     ``bias`` is ``(G, W)`` or ``None``, in ``h``'s column layout; rows past ``ends[-1]``
     give zero (always in the Triton kernel; with ``zero_tail`` in the reference).
-    ``interleaved``: gate and up columns alternate (gated kinds); ``alpha``, ``limit``:
-    ``gpt_oss_swiglu``'s parameters (the other kinds ignore them); ``probs``: ``(M,)``
+    ``interleaved``: gate and up columns alternate (gated kinds); ``alpha``, ``limit``: the
+    clamping kinds' parameters (the other kinds ignore them; the defaults are
+    ``gpt_oss_swiglu``'s, ``clamped_swiglu`` callers pass its limit); ``probs``: ``(M,)``
     contiguous, each row's factor (any floating dtype) or ``None``.
     """
     width = h.shape[1] // 2 if kind in GATED_KINDS else h.shape[1]

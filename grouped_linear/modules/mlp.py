@@ -31,17 +31,19 @@ class GroupedMLP(nn.Module):
     r"""Per-expert MLP: ``fc2(act(fc1(x)))`` with ``G`` experts; the module form of
     :func:`~grouped_linear.grouped_mlp` on its own ``fc1`` and ``fc2`` layers.
 
-    For gated activations (``swiglu``, ``geglu``, ``geglu_erf``, ``gpt_oss_swiglu``) ``fc1``
-    has ``2 * ffn_hidden_size`` outputs, a gate and an up value per feature:
-    ``act(h) = f(gate) * up`` with ``f`` = SiLU, tanh-GELU or erf-GELU, or GPT-OSS's
-    ``(clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g)``, ``g = min(gate, limit)``.
+    For gated activations (``swiglu``, ``geglu``, ``geglu_erf``, ``gpt_oss_swiglu``,
+    ``clamped_swiglu``) ``fc1`` has ``2 * ffn_hidden_size`` outputs, a gate and an up value per
+    feature: ``act(h) = f(gate) * up`` with ``f`` = SiLU, tanh-GELU or erf-GELU, GPT-OSS's
+    ``(clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g)``, ``g = min(gate, limit)``, or
+    ``silu(min(gate, limit)) * clamp(up, -limit, limit)`` (``clamped_swiglu``).
 
     Args:
         num_experts: ``G``.
         hidden_size: model width ``H`` (fc1 input, fc2 output).
         ffn_hidden_size: expert width ``F``.
         activation: one of ``swiglu``, ``geglu`` (tanh GELU gate), ``geglu_erf``,
-            ``gpt_oss_swiglu``, ``gelu`` (tanh), ``gelu_erf``, ``relu``, ``silu``.
+            ``gpt_oss_swiglu``, ``clamped_swiglu``, ``gelu`` (tanh), ``gelu_erf``, ``relu``,
+            ``relu2`` (``relu(h) ** 2``), ``silu``.
         recompute_activation: keep only fc1's output for backward and recompute the
             activation from it when fc2's weight gradient needs its input (saves an
             ``(M, F)`` tensor per call, costs one activation pass in backward). Eager
@@ -49,7 +51,8 @@ class GroupedMLP(nn.Module):
         gate_up_order: where a gated activation finds gate and up among fc1's outputs:
             ``"concatenated"`` (the gate half first) or ``"interleaved"`` (gate, up, gate,
             up, ...).
-        alpha, limit: ``gpt_oss_swiglu``'s parameters (default 1.702 and 7.0); only with it.
+        alpha, limit: ``gpt_oss_swiglu``'s parameters (default 1.702 and 7.0) and
+            ``clamped_swiglu``'s ``limit`` (default 10.0); only with them.
         probs_on: where ``forward``'s ``probs`` (routing probabilities, one per row) apply:
             ``"activation"`` (the activation's output rows, fused into the activation) or
             ``"input"`` (the input rows before fc1, fc1's bias unscaled: Megatron-Core's
@@ -109,9 +112,8 @@ class GroupedMLP(nn.Module):
         self.activation = activation
         self.gate_up_order = gate_up_order
         self.probs_on = probs_on
-        gpt_oss = activation == "gpt_oss_swiglu"
-        self.alpha = act.alpha if gpt_oss else None
-        self.limit = act.limit if gpt_oss else None
+        self.alpha = act.alpha if activation == "gpt_oss_swiglu" else None
+        self.limit = act.limit if activation in ("gpt_oss_swiglu", "clamped_swiglu") else None
         self._act = act
         gated = act.gated
         fc1_out = ffn_hidden_size * (2 if gated else 1)
@@ -186,7 +188,8 @@ class GroupedMLP(nn.Module):
             f"num_experts={self.num_experts}, hidden_size={self.hidden_size}, "
             f"ffn_hidden_size={self.ffn_hidden_size}, activation={self.activation!r}"
             + (", gate_up_order='interleaved'" if self._act.interleaved else "")
-            + (f", alpha={self.alpha}, limit={self.limit}" if self.alpha is not None else "")
+            + (f", alpha={self.alpha}" if self.alpha is not None else "")
+            + (f", limit={self.limit}" if self.limit is not None else "")
             + (", recompute_activation=True" if self.recompute_activation else "")
             + (f", probs_on={self.probs_on!r}" if self.probs_on != "activation" else "")
         )

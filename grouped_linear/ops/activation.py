@@ -24,13 +24,13 @@ ACTIVATIONS = tuple(act_kernels.ACTIVATION_KINDS)
 GATED_ACTIVATIONS = act_kernels.GATED_KINDS
 #: Where a gated activation finds its gate and up values among fc1's ``2 * F`` outputs.
 GATE_UP_ORDERS = ("concatenated", "interleaved")
-_PARAMETERS = {"gpt_oss_swiglu": ("alpha", "limit")}
 
 
 @dataclass(frozen=True)
 class Activation:
     """A checked activation: its ``kind`` (a name of :data:`ACTIVATIONS`), whether gate and
-    up values alternate (``interleaved``) and ``gpt_oss_swiglu``'s ``alpha`` and ``limit``."""
+    up values alternate (``interleaved``) and the clamping kinds' ``alpha`` and ``limit``
+    (``gpt_oss_swiglu``: both; ``clamped_swiglu``: ``limit``; ignored by the others)."""
 
     kind: str
     interleaved: bool = False
@@ -51,7 +51,9 @@ def _real(name: str, value: object) -> float:
 def check_activation(activation: object, gate_up_order: object = "concatenated",
                      params: dict[str, object] | None = None) -> Activation:
     """``activation`` with its ``gate_up_order`` and parameters (``alpha`` and ``limit`` for
-    ``gpt_oss_swiglu``; a ``None`` value counts as not given), checked and resolved."""
+    ``gpt_oss_swiglu``, ``limit`` for ``clamped_swiglu``; a ``None`` value counts as not
+    given, the kind's default of :data:`~grouped_linear.kernels.activation.KIND_PARAMETERS`
+    then applies), checked and resolved."""
     if not isinstance(activation, str) or activation not in ACTIVATIONS:
         raise ValueError(f"activation={activation!r} is not one of {ACTIVATIONS}")
     if not isinstance(gate_up_order, str) or gate_up_order not in GATE_UP_ORDERS:
@@ -60,18 +62,20 @@ def check_activation(activation: object, gate_up_order: object = "concatenated",
         raise ValueError(f"gate_up_order='interleaved' applies to the gated activations "
                          f"{GATED_ACTIVATIONS}, not to activation={activation!r}")
     given = {name: value for name, value in (params or {}).items() if value is not None}
-    allowed = _PARAMETERS.get(activation, ())
+    defaults = act_kernels.KIND_PARAMETERS.get(activation, {})
     for name, value in given.items():
         if name not in ("alpha", "limit"):
             raise TypeError(f"unexpected keyword argument {name!r}: the activations' parameters "
-                            f"are alpha and limit (gpt_oss_swiglu)")
-        if name not in allowed:
-            raise ValueError(f"{name}={value!r} applies only to activation='gpt_oss_swiglu', "
+                            f"are alpha (gpt_oss_swiglu) and limit (gpt_oss_swiglu, "
+                            f"clamped_swiglu)")
+        if name not in defaults:
+            takers = [kind for kind, names in act_kernels.KIND_PARAMETERS.items() if name in names]
+            raise ValueError(f"{name}={value!r} applies only to activation in {takers}, "
                              f"not to activation={activation!r}")
-    alpha = _real("alpha", given.get("alpha", act_kernels.GPT_OSS_ALPHA))
+    alpha = _real("alpha", given.get("alpha", defaults.get("alpha", act_kernels.GPT_OSS_ALPHA)))
     if not math.isfinite(alpha):
         raise ValueError(f"alpha={alpha!r} must be finite")
-    limit = _real("limit", given.get("limit", act_kernels.GPT_OSS_LIMIT))
+    limit = _real("limit", given.get("limit", defaults.get("limit", act_kernels.GPT_OSS_LIMIT)))
     if not limit >= 0:
         raise ValueError(f"limit={limit!r} must be >= 0 (inf: no clamping)")
     return Activation(activation, gate_up_order == "interleaved", alpha, limit)
@@ -149,7 +153,7 @@ def bias_activation(h: torch.Tensor, bias: torch.Tensor | None, ends: torch.Tens
 
     ``bias``: ``(G, W)`` or ``None``, in ``h``'s column layout; ``ends``: ``(G,)`` int32
     cumulative group ends on ``h``'s device; ``kind``: a name of :data:`ACTIVATIONS` (gate half
-    first if gated, ``gpt_oss_swiglu`` with its default parameters) or an
+    first if gated, a clamping kind with its default parameters) or an
     :class:`Activation` from :func:`check_activation`; ``probs``: ``(M,)`` contiguous
     floating-point on ``h``'s device, or ``None`` (checked by the callers); ``fp8``: a rowwise
     recipe whose FP8 rows the next layer reads (:class:`~.fp8.rows.Float8Rows`, the

@@ -170,8 +170,9 @@ def grouped_mlp(
         w2: ``(G, H, F)`` (or a transposed view of a ``(G, F, H)`` tensor).
         b2: ``(G, H)`` or ``None``.
         m_splits: the ``G`` group sizes, as for :func:`~grouped_linear.grouped_linear`.
-        activation: ``swiglu``, ``geglu`` (tanh GELU), ``geglu_erf``, ``gpt_oss_swiglu``
-            (gated); ``gelu`` (tanh), ``gelu_erf``, ``relu``, ``silu``.
+        activation: ``swiglu``, ``geglu`` (tanh GELU), ``geglu_erf``, ``gpt_oss_swiglu``,
+            ``clamped_swiglu`` (gated); ``gelu`` (tanh), ``gelu_erf``, ``relu``, ``relu2``
+            (``relu(h) ** 2``), ``silu``.
         recipe: ``None`` (the input dtype, or an enclosing ``gl.autocast``'s recipe) or an
             FP8 recipe, for both GEMMs.
         gate_up_order: ``"concatenated"`` (gate rows of ``w1`` first, then up) or
@@ -187,7 +188,9 @@ def grouped_mlp(
             ``moe_apply_probs_on_input``.
         **activation_params: ``alpha`` (default 1.702) and ``limit`` (7.0) of
             ``gpt_oss_swiglu``: ``g = min(gate, limit)``,
-            ``act = (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g)``.
+            ``act = (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g)``; ``limit``
+            (10.0) of ``clamped_swiglu``: ``act = silu(min(gate, limit)) * clamp(up, -limit,
+            limit)``.
 
     Returns:
         ``(M, H)`` (``(..., H)`` for an N-D ``x``); device splits summing to less than ``M``

@@ -11,8 +11,9 @@ from grouped_linear.kernels._triton import HAS_TRITON, use_triton
 from tests.reference import rel_err
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-GATED = ["swiglu", "geglu", "geglu_erf", "gpt_oss_swiglu"]
-PLAIN = ["gelu", "gelu_erf", "relu", "silu"]
+GATED = ["swiglu", "geglu", "geglu_erf", "gpt_oss_swiglu", "clamped_swiglu"]
+PLAIN = ["gelu", "gelu_erf", "relu", "silu", "relu2"]
+CLAMPED = ["gpt_oss_swiglu", "clamped_swiglu"]
 # (kind, interleaved): every gated kind in both layouts, the others in theirs
 CASES = [(k, False) for k in GATED + PLAIN] + [(k, True) for k in GATED]
 SIZES = (5, 0, 40, 3)
@@ -32,7 +33,8 @@ def f64(kind: str, value: torch.Tensor, alpha: float = 1.702, limit: float = 7.0
 
     base = {"swiglu": silu, "silu": silu, "geglu": gelu_tanh, "gelu": gelu_tanh,
             "geglu_erf": gelu_erf, "gelu_erf": gelu_erf,
-            "relu": lambda v: v * (v > 0)}  # gradient 0 at 0, as F.relu
+            "relu": lambda v: v * (v > 0),  # gradient 0 at 0, as F.relu
+            "relu2": lambda v: (v * (v > 0)) ** 2}
     if kind not in GATED:
         return base[kind](value)
     width = value.shape[1] // 2
@@ -43,6 +45,8 @@ def f64(kind: str, value: torch.Tensor, alpha: float = 1.702, limit: float = 7.0
     if kind == "gpt_oss_swiglu":
         g = gate.clamp(max=limit)
         return (up.clamp(-limit, limit) + 1) * g / (1 + torch.exp(-alpha * g))
+    if kind == "clamped_swiglu":
+        return silu(gate.clamp(max=limit)) * up.clamp(-limit, limit)
     return base[kind](gate) * up
 
 
@@ -123,22 +127,21 @@ def _boundary_input(limit: float, interleaved: bool, dtype: torch.dtype) -> torc
     return h.reshape(1, -1).to(dtype).to(DEVICE)  # one row, F = 100
 
 
+@pytest.mark.parametrize("kind", CLAMPED)
 @pytest.mark.parametrize("interleaved", [False, True])
 @pytest.mark.parametrize("alpha, limit", [(1.702, 7.0), (0.5, 3.0)])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
-def test_gpt_oss_clamp_boundaries(interleaved, alpha, limit, dtype):
+def test_clamp_boundaries(kind, interleaved, alpha, limit, dtype):
     """Values exactly at ``±limit`` pass their gradient (as torch's clamp); past it the
     gradient is zero; far past it the output is the clamped one. float64 runs the reference,
     the others the Triton kernel where it can run."""
     h = _boundary_input(limit, interleaved, dtype)
     ends = torch.tensor([1], dtype=torch.int32, device=DEVICE)
     params = {"alpha": alpha, "limit": limit}
-    out = act.bias_act_forward(h, None, ends, "gpt_oss_swiglu", True, interleaved, **params)
+    out = act.bias_act_forward(h, None, ends, kind, True, interleaved, **params)
     grad_a = torch.ones_like(out)
-    grad_h, _ = act.bias_act_backward(grad_a, h, None, ends, "gpt_oss_swiglu", True, interleaved,
-                                   **params)
-    want, want_grad = _want("gpt_oss_swiglu", h, None, interleaved, grad_a, sizes=(1,),
-                            **params)
+    grad_h, _ = act.bias_act_backward(grad_a, h, None, ends, kind, True, interleaved, **params)
+    want, want_grad = _want(kind, h, None, interleaved, grad_a, sizes=(1,), **params)
     tol = {torch.float64: 1e-12, torch.float32: 1e-6, torch.bfloat16: 1e-2}[dtype]
     assert rel_err(out, want) < tol and rel_err(grad_h, want_grad) < tol
     h64 = h.double().cpu().reshape(-1, 2) if interleaved else h.double().cpu().reshape(2, -1).t()
@@ -146,7 +149,7 @@ def test_gpt_oss_clamp_boundaries(interleaved, alpha, limit, dtype):
     grads = grad_h.double().cpu()
     grads = grads.reshape(-1, 2) if interleaved else grads.reshape(2, -1).t()
     assert torch.all(grads[gate > limit, 0] == 0) and torch.all(grads[up.abs() > limit, 1] == 0)
-    at_limit = (gate == limit) & (up.abs() < limit)
+    at_limit = (gate == limit) & (up.abs() < limit) & (up != 0)  # clamped_swiglu: u * silu'(g)
     assert at_limit.any() and torch.all(grads[at_limit, 0] != 0)
     up_at_limit = (up.abs() == limit) & (gate.abs() < limit) & (gate != 0)
     assert up_at_limit.any() and torch.all(grads[up_at_limit, 1] != 0)
@@ -235,14 +238,16 @@ def test_probs_gradcheck_float64(kind, interleaved):
     from grouped_linear.ops.activation import bias_activation, check_activation
 
     torch.manual_seed(5)
-    params = {"alpha": 0.8, "limit": 1.5} if kind == "gpt_oss_swiglu" else {}
+    params = {"gpt_oss_swiglu": {"alpha": 0.8, "limit": 1.5},
+              "clamped_swiglu": {"limit": 1.5}}.get(kind, {})
     activation = check_activation(kind, "interleaved" if interleaved else "concatenated",
                                   params)
     sizes = (2, 0, 3)
     h, bias, ends, _ = _case(kind, torch.float64, True, sizes=sizes, tail=2, F=3)
     with torch.no_grad():  # away from the kinks (finite differences straddle them)
         rows = torch.tensor([0, 0, 2, 2, 2], device=DEVICE)
-        for kink in {"relu": (0.0,), "gpt_oss_swiglu": (-1.5, 1.5)}.get(kind, ()):
+        for kink in {"relu": (0.0,), "relu2": (0.0,), "gpt_oss_swiglu": (-1.5, 1.5),
+                     "clamped_swiglu": (-1.5, 1.5)}.get(kind, ()):
             h[:5] += ((h[:5] + bias[rows] - kink).abs() < 0.1) * 0.3
     probs = torch.rand(h.shape[0], dtype=torch.float64, device=DEVICE)
     inputs = tuple(t.requires_grad_() for t in (h, bias, probs))

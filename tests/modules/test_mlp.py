@@ -12,6 +12,8 @@ SIZES = [5, 0, 9, 2]
 
 
 def _reference(x, mlp, activation, interleaved=False, **params):
+    params = {**{name: value for name, value in (("alpha", mlp.alpha), ("limit", mlp.limit))
+                 if value is not None}, **params}
     w1, b1 = mlp.fc1.grouped_weight().double(), mlp.fc1.grouped_bias()
     w2, b2 = mlp.fc2.grouped_weight().double(), mlp.fc2.grouped_bias()
     b1 = b1.double() if b1 is not None else None
@@ -51,6 +53,22 @@ def test_mlp_is_grouped_mlp_on_its_layers():
     torch.testing.assert_close(mlp(x, SIZES), want, rtol=0, atol=0)
     assert rel_err(want, _reference(x, mlp, "gpt_oss_swiglu", True, alpha=1.2,
                                     limit=0.5)) < 1e-5
+
+
+def test_clamped_swiglu_and_squared_relu_modules():
+    mlp = gl.GroupedMLP(4, 8, 6, activation="clamped_swiglu", limit=0.5)
+    assert (mlp.alpha, mlp.limit) == (None, 0.5) and "limit=0.5" in repr(mlp)
+    assert gl.GroupedMLP(4, 8, 6, activation="clamped_swiglu").limit == 10.0
+    x = torch.randn(sum(SIZES), 8) * 3
+    want = gl.grouped_mlp(x, mlp.fc1.weight, mlp.fc1.bias, mlp.fc2.weight, mlp.fc2.bias, SIZES,
+                          activation="clamped_swiglu", limit=0.5)
+    torch.testing.assert_close(mlp(x, SIZES), want, rtol=0, atol=0)
+    assert rel_err(want, _reference(x, mlp, "clamped_swiglu")) < 1e-5
+    unclamped = _reference(x, mlp, "clamped_swiglu", limit=float("inf"))
+    assert rel_err(want, unclamped) > 1e-2  # the limit binds on these values
+    relu2 = gl.GroupedMLP(4, 8, 6, activation="relu2")
+    assert relu2.fc1.weight.shape == (4, 6, 8) and relu2.limit is None
+    assert rel_err(relu2(x, SIZES), _reference(x, relu2, "relu2")) < 1e-5
 
 
 @pytest.mark.parametrize("kwargs, error, match", [

@@ -33,9 +33,11 @@ def _inputs(kind, dtype, sizes=(2, 0, 3), tail=0, F=3, away_from=()):
 
 @pytest.mark.parametrize("kind, interleaved", CASES)
 def test_gradcheck_float64(kind, interleaved):
-    params = {"alpha": 0.8, "limit": 1.0} if kind == "gpt_oss_swiglu" else {}
+    params = {"gpt_oss_swiglu": {"alpha": 0.8, "limit": 1.0},
+              "clamped_swiglu": {"limit": 1.0}}.get(kind, {})
     act = check_activation(kind, "interleaved" if interleaved else "concatenated", params)
-    kinks = {"relu": (0.0,), "gpt_oss_swiglu": (-1.0, 1.0)}.get(kind, ())
+    kinks = {"relu": (0.0,), "relu2": (0.0,), "gpt_oss_swiglu": (-1.0, 1.0),
+             "clamped_swiglu": (-1.0, 1.0)}.get(kind, ())
     h, bias, ends = _inputs(kind, torch.float64, away_from=kinks)
     h.requires_grad_()
     bias.requires_grad_()
@@ -57,7 +59,7 @@ def test_op_gradients_match_float64(kind, interleaved):
     out.backward(grad)
     h64 = h.detach().double().requires_grad_()
     b64 = bias.detach().double().requires_grad_()
-    want = grouped_f64(kind, h64, b64, sizes, interleaved)
+    want = grouped_f64(kind, h64, b64, sizes, interleaved, act.alpha, act.limit)
     want.backward(grad.double())
     tol = 2e-2
     assert rel_err(out, want) < tol
@@ -65,9 +67,12 @@ def test_op_gradients_match_float64(kind, interleaved):
 
 
 def test_default_gpt_oss_parameters_and_names():
-    assert set(ACTIVATIONS) == {"swiglu", "geglu", "geglu_erf", "gpt_oss_swiglu", "gelu",
-                                "gelu_erf", "relu", "silu"}
+    assert set(ACTIVATIONS) == {"swiglu", "geglu", "geglu_erf", "gpt_oss_swiglu",
+                                "clamped_swiglu", "gelu", "gelu_erf", "relu", "silu", "relu2"}
     assert check_activation("gpt_oss_swiglu") == Activation("gpt_oss_swiglu", False, 1.702, 7.0)
+    assert check_activation("clamped_swiglu").limit == 10.0
+    assert check_activation("clamped_swiglu", "interleaved", {"limit": 3}) == \
+        Activation("clamped_swiglu", True, 1.702, 3.0)
     assert check_activation("gpt_oss_swiglu", "interleaved", {"alpha": 2, "limit": None}) == \
         Activation("gpt_oss_swiglu", True, 2.0, 7.0)
     assert check_activation("relu", "concatenated", {"alpha": None}).kind == "relu"
@@ -81,6 +86,10 @@ def test_default_gpt_oss_parameters_and_names():
     (("gelu", "interleaved"), ValueError, r"gate_up_order='interleaved'.*activation='gelu'"),
     (("swiglu", "concatenated", {"alpha": 1.0}), ValueError, r"alpha=1.0 applies only"),
     (("relu", "concatenated", {"limit": 3.0}), ValueError, r"limit=3.0 applies only"),
+    (("clamped_swiglu", "concatenated", {"alpha": 1.0}), ValueError,
+     r"alpha=1.0 applies only to activation in \['gpt_oss_swiglu'\]"),
+    (("relu2", "interleaved"), ValueError, r"gate_up_order='interleaved'.*activation='relu2'"),
+    (("clamped_swiglu", "concatenated", {"limit": -2}), ValueError, r"limit=-2.0"),
     (("gpt_oss_swiglu", "concatenated", {"beta": 1.0}), TypeError, r"'beta'"),
     (("gpt_oss_swiglu", "concatenated", {"alpha": "1"}), TypeError, r"alpha must be"),
     (("gpt_oss_swiglu", "concatenated", {"alpha": True}), TypeError, r"alpha must be"),
