@@ -93,8 +93,9 @@ def _names(flag: str, value: str | None, parser: argparse.ArgumentParser) -> lis
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the process exit code. Bad arguments, including those
-    only the commands can judge (unknown shapes or columns, a device that is missing), end
-    with a usage message and exit code 2 rather than a traceback."""
+    only the commands can judge (unknown shapes or columns, a device that is missing), and a
+    suite whose library is not installed end with a usage message and exit code 2 rather
+    than a traceback."""
     parser = build_parser()
     args = parser.parse_args(argv)
     import torch
@@ -104,9 +105,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     json_path = getattr(args, "json_path", None)
     if json_path is not None and not os.path.isdir(os.path.dirname(os.path.abspath(json_path))):
         parser.error(f"--json {json_path}: its directory does not exist")
+    from ..integrations import MissingDependency
+
     try:
         return _run(args, parser)
-    except ValueError as error:
+    except (ValueError, MissingDependency) as error:
         parser.error(str(error))
 
 

@@ -21,10 +21,11 @@ from __future__ import annotations
 import torch
 
 from .. import recipes
-from ..kernels.activation import GATED_KINDS, bias_act_reference
+from ..kernels.activation import GATED_KINDS, KIND_PARAMETERS, bias_act_reference
 from ..ops.grouped_linear import grouped_linear, reads_fp8_rows
 from ..ops.mlp import grouped_mlp
 from ..ops.permutation import permute, unpermute
+from . import MissingDependency
 
 __all__ = ["NAME", "RECIPE_NAMES", "experts_forward", "register", "enable"]
 
@@ -47,27 +48,46 @@ def _projection(module: torch.nn.Module, name: str) -> tuple[torch.Tensor, torch
     return weight, bias
 
 
-_NON_GATED = ("gelu", "gelu_erf", "relu", "silu")
+_NON_GATED = ("gelu", "gelu_erf", "relu", "relu2", "silu")
 # Where an experts module keeps the fused activation found for its gate (probed once).
 _ATTRIBUTE = "_grouped_linear_activation"
 _UNSET = object()
 
 
+def _gate_parameters(module: torch.nn.Module) -> list[dict[str, float]]:
+    """Every assignment of the clamping gates' parameters the module may use: the values it
+    stores under ``alpha`` / ``limit`` (GPT-OSS) or ``swiglu_alpha`` / ``swiglu_limit``
+    (others; some modules carry both names, with different values)."""
+    values = {}
+    for name in ("alpha", "limit"):
+        found = [float(value) for value in (getattr(module, attribute, None)
+                                            for attribute in (name, "swiglu_" + name))
+                 if isinstance(value, (int, float)) and not isinstance(value, bool)]
+        values[name] = list(dict.fromkeys(found))
+    assignments = [{"alpha": alpha, "limit": limit}
+                   for alpha in values["alpha"] for limit in values["limit"]]
+    return assignments + [{"limit": limit} for limit in values["limit"]]
+
+
 def _probe(module: torch.nn.Module) -> dict | None:
     """The :func:`~grouped_linear.grouped_mlp` activation arguments that compute the module's
-    own gate (``_apply_gate``) or activation (``act_fn``), found by evaluating both on
-    float64 values spanning the clamps, or ``None`` (then the module's own runs unfused)."""
+    own gate (``_apply_gate``) or activation (``act_fn``), or ``None`` (then the module's own
+    runs unfused). Found by evaluating both on float64 values spanning twice the module's
+    clamping limits (at least ±12), within 1e-6: a module that computes its gate in float32
+    matches as the fused kernels compute in float32 too, while the kinds differ by far more."""
     width = 16
-    values = torch.linspace(-12, 12, 4 * width, dtype=torch.float64).view(2, 2 * width)
+    assignments = _gate_parameters(module)
+    span = max([12.0] + [2 * params["limit"] + 2 for params in assignments])
+    values = torch.linspace(-span, span, 4 * width, dtype=torch.float64).view(2, 2 * width)
     ends = torch.tensor([2], dtype=torch.int32)
     if module.has_gate:
         with torch.no_grad():
             want = module._apply_gate(values)
-        params = {"alpha": float(module.alpha), "limit": float(module.limit)} \
-            if hasattr(module, "alpha") and hasattr(module, "limit") else {}
-        candidates = [(kind, order, params if kind == "gpt_oss_swiglu" else {})
-                      for kind in GATED_KINDS for order in ("concatenated", "interleaved")
-                      if kind != "gpt_oss_swiglu" or params]
+        candidates = [(kind, order, params) for kind in GATED_KINDS
+                      for order in ("concatenated", "interleaved")
+                      for params in ([{}] if kind not in KIND_PARAMETERS else
+                                     [p for p in assignments
+                                      if set(p) == set(KIND_PARAMETERS[kind])])]
     else:
         values = values[:, :width]
         with torch.no_grad():
@@ -76,7 +96,8 @@ def _probe(module: torch.nn.Module) -> dict | None:
     for kind, order, params in candidates:
         got = bias_act_reference(values, None, ends, kind, False, order == "interleaved",
                                  **params)
-        if got.shape == want.shape and torch.allclose(got, want, rtol=1e-12, atol=1e-12):
+        if got.shape == want.shape and torch.allclose(got, want.to(got.dtype), rtol=1e-6,
+                                                      atol=1e-6):
             return {"activation": kind, "gate_up_order": order, **params}
     return None
 
@@ -156,11 +177,24 @@ def _entry(recipe: recipes.Float8Recipe):
     return forward
 
 
+def _experts_interface():
+    """transformers' ``ExpertsInterface``; :class:`~grouped_linear.integrations.MissingDependency`
+    where transformers is missing or older than 5."""
+    try:
+        from transformers.integrations.moe import ExpertsInterface
+    except ImportError as error:
+        raise MissingDependency(
+            "grouped_linear.integrations.transformers needs transformers 5 or later (its "
+            f"ExpertsInterface): pip install 'transformers>=5' ({error})"
+        ) from error
+    return ExpertsInterface
+
+
 def register() -> None:
     """Add ``"grouped_linear"`` and the FP8 entries of :data:`RECIPE_NAMES` to transformers'
-    ``ExpertsInterface`` (idempotent)."""
-    from transformers.integrations.moe import ExpertsInterface
-
+    ``ExpertsInterface`` (idempotent). Without transformers 5 or later:
+    :class:`~grouped_linear.integrations.MissingDependency` (an ``ImportError``)."""
+    ExpertsInterface = _experts_interface()
     ExpertsInterface.register(NAME, experts_forward)
     for name, recipe_class in RECIPE_NAMES.items():
         ExpertsInterface.register(name, _entry(recipe_class()))
@@ -186,8 +220,6 @@ def enable(model: torch.nn.Module, recipe: recipes.Float8Recipe | None = None) -
         name = next((n for n, cls in RECIPE_NAMES.items() if recipe == cls()),
                     f"grouped_linear_{recipe!r}")
         if name not in RECIPE_NAMES:
-            from transformers.integrations.moe import ExpertsInterface
-
-            ExpertsInterface.register(name, _entry(recipe))
+            _experts_interface().register(name, _entry(recipe))
     model.set_experts_implementation(name)
     return model
