@@ -186,7 +186,10 @@ def permute(
               as int64): the expert of slot ``(t, j)``, or ``-1`` to drop that slot.
               On CPU any other value outside ``[0, num_experts)`` is a ValueError; on
               CUDA, and while ``torch.compile`` traces, such slots are dropped (on
-              CUDA checked only with ``GROUPED_LINEAR_DEBUG=1``, which syncs).
+              CUDA checked only with ``GROUPED_LINEAR_DEBUG=1``, which syncs). Where
+              they are checked, a ``(T, E)`` integer tensor of only 0 and 1 (``E >= 3``:
+              every row would name an expert twice) is taken for a 0/1 routing map given
+              as integers: ValueError (pass ``.bool()``).
             - ``(T,)`` integer tensor: top-1 indices, taken as ``(T, 1)``.
             - ``(T, E)`` bool routing map (``E = num_experts``): slot ``(t, e)`` is
               expert ``e`` where set, dropped elsewhere (so ``k = E``).
@@ -289,6 +292,7 @@ def permute(
             "topk_indices",
             f"expert indices must be in [-1, {num_experts - 1}] (num_experts={num_experts})",
         )
+        inputs.check_not_mask(topk_indices, num_experts)
 
     with torch.no_grad():
         # Before the routing kernel: the row scatter, launched right after it, may read its

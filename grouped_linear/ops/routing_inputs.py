@@ -21,9 +21,9 @@ import torch
 from grouped_linear.ops.checks import MAX_ROWS, check_int, is_bool
 from grouped_linear.ops.splits import SPLIT_DTYPES
 
-__all__ = ["DROP_POLICIES", "check_routing", "check_probs", "check_num_out_tokens",
-           "check_capacity", "check_drop_policy", "check_pad_to_capacity", "slot_experts",
-           "permute_probs", "gather_dense_probs"]
+__all__ = ["DROP_POLICIES", "check_routing", "check_not_mask", "check_probs",
+           "check_num_out_tokens", "check_capacity", "check_drop_policy",
+           "check_pad_to_capacity", "slot_experts", "permute_probs", "gather_dense_probs"]
 
 DROP_POLICIES = ("probs", "position")
 
@@ -53,6 +53,22 @@ def check_routing(routing: object, tokens: int, device: torch.device, name: str 
         raise ValueError(f"{name} has {routing.shape[0]} rows but {against} has {tokens} "
                          "(expected one row of expert indices per token)")
     return routing
+
+
+def check_not_mask(routing: torch.Tensor, num_experts: int, name: str = "topk_indices") -> None:
+    """``ValueError`` where integer ``(T, k)`` indices look like a 0/1 routing map given as
+    integers (TransformerEngine's int32 mask): ``k == E >= 3`` and every value 0 or 1, so
+    that every row would name an expert more than once. (With two experts a row ``[0, 1]``
+    means the same either way, so nothing is refused.) Reads the values (a host sync): call
+    it only where the indices are read anyway (CPU, or CUDA under ``GROUPED_LINEAR_DEBUG=1``)."""
+    if (routing.dtype == torch.bool or routing.dim() != 2 or num_experts < 3
+            or routing.shape[1] != num_experts or routing.numel() == 0):
+        return
+    if bool(((routing == 0) | (routing == 1)).all()):  # one host read
+        raise ValueError(
+            f"{name} is a {routing.dtype} tensor of shape {tuple(routing.shape)} = (T, "
+            f"num_experts) holding only 0 and 1: as expert indices each of its rows names an "
+            f"expert more than once; a 0/1 routing map is passed as {name}.bool()")
 
 
 def check_probs(probs: object, routing: torch.Tensor, device: torch.device,

@@ -134,6 +134,18 @@ def test_routing_map_equals_its_indices(multiple):
                                ref_combine(y, got[2].tolist(), probs.tolist()))
 
 
+def test_integer_indices_like_a_mask_route_as_indices_below_three_experts():
+    """Integer (T, E) indices of only 0 and 1 are taken for a mask given without .bool() from
+    three experts on (refused in the errors below); with two experts, or k != E, they route
+    as indices, repeats included; the mask as .bool() routes as a map."""
+    x = torch.randn(3, 4, dtype=torch.float64)
+    for topk, num_experts in ((torch.tensor([[0, 1], [1, 1], [0, 0]]), 2),
+                              (torch.tensor([[1, 1, 0]] * 3, dtype=torch.int32), 4),
+                              (torch.tensor([[1, 1, -1]] * 3), 3)):
+        check(permute(x, topk, num_experts), ref_route(x, topk, num_experts))
+    check(permute(x, MAP.to(torch.int32).bool(), 3), ref_route(x, MAP, 3))
+
+
 def test_top1_indices():
     gen = torch.Generator().manual_seed(2)
     top1 = torch.randint(-1, 4, (10,), generator=gen, dtype=torch.int32)
@@ -423,6 +435,11 @@ PERMUTE_ERRORS = [
      r"capacity is 1e\+19, a capacity factor, but topk_indices is a routing map"),
     ((X, TOPK + 1, 3), {"capacity": 1, "drop_policy": "position"}, ValueError,
      r"topk_indices\[1, 1\] is 3: expert indices must be in \[-1, 2\]"),
+    ((X, MAP.to(torch.int32), 3), {}, ValueError, r"topk_indices is a torch.int32 tensor of "
+     r"shape \(3, 3\) = \(T, num_experts\) holding only 0 and 1: .* passed as "
+     r"topk_indices.bool\(\)"),
+    ((X, torch.ones(3, 3, dtype=torch.uint8), 3), {"probs": torch.rand(3, 3)}, ValueError,
+     r"topk_indices is a torch.uint8 tensor of shape \(3, 3\)"),
 ]
 
 
