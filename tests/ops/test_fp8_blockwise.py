@@ -11,7 +11,7 @@ from grouped_linear.ops.fp8 import (
     Fp8Weight,
 )
 from grouped_linear.recipes import Float8Blockwise
-from tests.reference import rel_err
+from tests.reference import rel_err, saved_by
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = 1e-5 if DEVICE == "cpu" else 2e-3  # FP8 tensor cores accumulate with fewer bits
@@ -122,3 +122,36 @@ def test_input_major_weight_gets_its_gradient_in_its_own_layout():
         grads.append(weight.grad if weight.is_leaf else stored.grad.transpose(1, 2))
     assert layouts == [True]
     assert rel_err(grads[0], grads[1]) < 1e-2
+
+
+def test_save_original_input_keeps_x_and_the_default_numerics():
+    """With ``save_original_input`` the forward keeps ``x`` itself (no FP8 token blocks) and
+    backward quantizes it again: the output and every gradient equal the default path's bit
+    for bit (the same blocks of the same values), and the emulation's within its bound."""
+    sizes, tail, K, N = [70, 0, 133, 1], 9, 200, 136
+    recipe = Float8Blockwise()
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randn(sum(sizes) + tail, K, generator=gen).to(DEVICE)
+    w = (torch.randn(len(sizes), N, K, generator=gen) / 16).to(DEVICE)
+    b = torch.randn(len(sizes), N, generator=gen).to(DEVICE)
+    grad = torch.randn(sum(sizes) + tail, N, generator=gen).to(DEVICE)
+    size_tensor = torch.tensor(sizes, device=DEVICE)
+    ends = size_tensor.cumsum(0).to(torch.int32)
+    results = {}
+    for keep in (False, True):
+        leaves = [t.clone().requires_grad_() for t in (x, w, b)]
+        config = Fp8Config(recipe, True, None, keep)
+        saved, y = saved_by(lambda leaves=leaves, config=config: Fp8BlockwiseFunction.apply(
+            *leaves, size_tensor, ends, config, None, True))
+        y.backward(grad)
+        kept_x = any(t is not None and t.data_ptr() == leaves[0].data_ptr() for t in saved)
+        fp8 = [t for t in saved if t is not None and t.dtype == recipe.forward_dtype]
+        assert kept_x == keep and bool(fp8) != keep, keep
+        results[keep] = (y.detach(), *(t.grad for t in leaves))
+    xe, we, be = (t.clone().requires_grad_() for t in (x, w, b))
+    ye = Fp8EmulatedFunction.apply(xe, we, be, ends, Fp8Config(recipe, True, None), None)
+    ye.backward(grad)
+    for name, kept, default, emulated in zip(("y", "dx", "dW", "db"), results[True],
+                                             results[False], (ye, xe.grad, we.grad, be.grad)):
+        assert torch.equal(kept, default), name
+        assert rel_err(kept, emulated) < TOL, (name, rel_err(kept, emulated))
