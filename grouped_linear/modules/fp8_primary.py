@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..ops.fp8.primary import Float8WeightTensor
+from ..ops.checks import describe
+from ..ops.fp8.primary import Float8WeightTensor, _stored
 from ..recipes import Float8Recipe, check_recipe
 from .grouped_linear import GroupedLinear
 
@@ -43,13 +44,25 @@ def to_fp8_weights(module: nn.Module, recipe: Float8Recipe | None = None) -> nn.
 
     Every layer is checked before any is changed: each needs a recipe (its own, or
     ``recipe``, which must then agree with its own), one grouped ``(G, out, in)`` weight,
-    plain and contiguous (not sharded, not stored input-major), and initialised. Returns
-    ``module``.
+    plain and contiguous (not sharded, not stored input-major), and initialised. Layers
+    already stored in FP8 stay as they are; a ``recipe`` other than theirs is a ValueError.
+    ``module`` must be a ``torch.nn.Module`` (TypeError). Returns ``module``.
     """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"module is {describe(module)}: expected a torch.nn.Module (a model, "
+                        "or a GroupedLinear / GroupedMLP)")
     recipe = check_recipe(recipe)
-    layers = [(name, layer) for name, layer in module.named_modules()
-              if isinstance(layer, GroupedLinear)
-              and not isinstance(layer._parameters.get("weight"), Float8WeightTensor)]
+    layers = []
+    for name, layer in module.named_modules():
+        if not isinstance(layer, GroupedLinear):
+            continue
+        stored = _stored(layer._parameters.get("weight"))
+        if stored is None:
+            layers.append((name, layer))
+        elif recipe is not None and stored.recipe != recipe:
+            raise ValueError(f"recipe={recipe!r} but {name or 'the module'}'s weight is "
+                             f"already stored in FP8 for {stored.recipe!r}: pass that recipe "
+                             "(or None), or build the layer again for another")
     chosen = [_check(layer, name, recipe) for name, layer in layers]
     for (_, layer), layer_recipe in zip(layers, chosen):
         weight = layer._parameters["weight"]

@@ -86,3 +86,32 @@ def test_dtype_and_device_moves_keep_the_fp8_storage():
     assert isinstance(moved.fc1.weight, Float8WeightTensor)
     assert moved.fc1.weight.dtype == torch.float32
     assert torch.equal(moved.fc1.weight.codes.float(), codes.float())
+
+
+@pytest.mark.parametrize("module, match", [
+    ([gl.GroupedLinear(2, 64, 32, recipe=ROW)], r"module is list: expected a torch.nn.Module"),
+    (None, r"module is None \(NoneType\): expected a torch.nn.Module"),
+    (gl.GroupedLinear(2, 64, 32, recipe=ROW).weight, r"module is Parameter"),
+])
+def test_to_fp8_weights_refuses_what_is_no_module(module, match):
+    with pytest.raises(TypeError, match=match):
+        gl.to_fp8_weights(module)
+
+
+def test_another_recipe_for_stored_layers_is_refused_before_any_change():
+    """Layers already stored for one recipe: converting again with that recipe (or None)
+    leaves them as they are; another recipe is refused naming it and the stored one, and
+    the plain layers beside them stay plain."""
+    model = torch.nn.ModuleDict({"a": gl.to_fp8_weights(gl.GroupedLinear(2, 64, 32, recipe=ROW)),
+                                 "b": gl.GroupedLinear(2, 64, 32, recipe=BLOCK)})
+    stored = model["a"].weight
+    codes = stored.codes.clone()
+    with pytest.raises(ValueError, match=r"recipe=Float8Blockwise\(.*\) but a's weight is "
+                                         r"already stored in FP8 for Float8Rowwise\("):
+        gl.to_fp8_weights(model, BLOCK)
+    assert model["a"].weight is stored and torch.equal(stored.codes, codes)
+    assert model["a"].recipe == ROW and type(model["b"].weight.data) is torch.Tensor
+    gl.to_fp8_weights(model["a"], ROW)
+    gl.to_fp8_weights(model)  # each its own: b converted, a kept
+    assert model["a"].weight is stored and isinstance(model["b"].weight, Float8WeightTensor)
+    assert model["b"].weight.recipe == BLOCK

@@ -216,3 +216,43 @@ def test_the_dgrad_codes_are_made_in_backward_not_kept_from_the_forward(route, r
     want = gl.grouped_linear(xx, plain, None, SIZES, recipe=recipe)
     want.backward(grad)
     assert rel_err(y, want) < 1e-2 and rel_err(x.grad, xx.grad) < 1e-2
+
+
+_PARAMETER = torch.nn.Parameter(torch.zeros(2))
+
+
+@pytest.mark.parametrize("parameters, exc, match", [
+    ("abc", TypeError, r"parameters is 'abc' \(str\): expected an iterable of "
+                       r"torch.nn.Parameter"),
+    (torch.zeros(3), TypeError, r"parameters is tensor\(\[0., 0., 0.\]\) \(Tensor\)"),
+    (_PARAMETER, TypeError, r"parameters is Parameter: expected an iterable"),
+    (3, TypeError, r"parameters is 3 \(int\)"),
+    ([torch.zeros(3)], TypeError, r"parameters\[0\] is tensor\(.*\) \(Tensor\): expected a "
+                                  r"torch.nn.Parameter"),
+    ([_PARAMETER, "w"], TypeError, r"parameters\[1\] is 'w' \(str\)"),
+    ([_PARAMETER, _PARAMETER], ValueError, r"parameters\[1\] is parameters\[0\] again"),
+])
+def test_master_weights_refuse_what_is_not_parameters(parameters, exc, match):
+    with pytest.raises(exc, match=match):
+        MasterWeights(parameters)
+
+
+@pytest.mark.parametrize("optimizer, match", [
+    (None, r"optimizer is None \(NoneType\)"),
+    ("sgd", r"optimizer is 'sgd' \(str\)"),
+    (torch.optim.lr_scheduler.StepLR(torch.optim.SGD([_PARAMETER], lr=1.0), 1),
+     r"optimizer is StepLR"),
+])
+def test_master_step_refuses_what_is_no_optimizer_before_any_change(optimizer, match):
+    """``step`` checks its optimizer before it moves a gradient: the FP8 parameter keeps its
+    gradient and values, the master gets none."""
+    stored = torch.nn.Parameter(Float8WeightTensor.quantize(_weight(), RECIPES[0]))
+    masters = MasterWeights([stored])
+    gl.grouped_linear(torch.randn(40, K), stored, None, SIZES).sum().backward()
+    grad, codes = stored.grad, stored.codes.clone()
+    with pytest.raises(TypeError, match=match + r": expected a torch.optim.Optimizer"):
+        masters.step(optimizer)
+    assert stored.grad is grad and masters.params[0].grad is None
+    assert torch.equal(stored.codes, codes)
+    masters.step(torch.optim.SGD(masters.params, lr=0.0))  # an optimizer: the step runs
+    assert stored.grad is None and torch.equal(masters.params[0].grad, grad.float())

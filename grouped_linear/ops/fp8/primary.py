@@ -25,6 +25,7 @@ from torch.utils._pytree import tree_map_only
 from ...kernels.quantize import blocks, groups, rows
 from ...kernels.quantize.emulate import dequantize_codes
 from ...recipes import Float8Blockwise, Float8Recipe, Float8Rowwise, Float8Tensorwise, check_recipe
+from ..checks import describe
 
 __all__ = ["Float8WeightTensor", "MasterWeights", "quantize_weight_codes"]
 
@@ -316,6 +317,27 @@ def _stored(p: torch.Tensor) -> Float8WeightTensor | None:
     return local if isinstance(local, Float8WeightTensor) else None
 
 
+def _check_parameters(parameters: object) -> list[torch.nn.Parameter]:
+    """``parameters`` as a list of distinct ``torch.nn.Parameter``; ``TypeError`` for a
+    tensor, a string, a non-iterable or an entry that is no parameter, ``ValueError`` for a
+    parameter given twice, each naming ``parameters``."""
+    if isinstance(parameters, (torch.Tensor, str, bytes)) or not isinstance(parameters,
+                                                                           Iterable):
+        raise TypeError(f"parameters is {describe(parameters)}: expected an iterable of "
+                        "torch.nn.Parameter (e.g. model.parameters())")
+    found = list(parameters)
+    seen: dict[int, int] = {}
+    for i, p in enumerate(found):
+        if not isinstance(p, torch.nn.Parameter):
+            raise TypeError(f"parameters[{i}] is {describe(p)}: expected a torch.nn.Parameter "
+                            "(e.g. from model.parameters())")
+        if id(p) in seen:
+            raise ValueError(f"parameters[{i}] is parameters[{seen[id(p)]}] again: each "
+                             "parameter is given once")
+        seen[id(p)] = i
+    return found
+
+
 class MasterWeights:
     """float32 master copies of FP8 primary weights, for an optimizer to update.
 
@@ -336,9 +358,12 @@ class MasterWeights:
     """
 
     def __init__(self, parameters: Iterable[torch.nn.Parameter]) -> None:
+        """``parameters``: an iterable of ``torch.nn.Parameter`` (``model.parameters()``),
+        each once; ``TypeError``/``ValueError`` naming it otherwise (the iterable is read
+        whole before any master is made)."""
         self.pairs: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
         self.others: list[torch.nn.Parameter] = []
-        for p in parameters:
+        for p in _check_parameters(parameters):
             stored = _stored(p)
             if stored is None:
                 self.others.append(p)
@@ -353,6 +378,15 @@ class MasterWeights:
 
     @torch.no_grad()
     def step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Move the FP8 parameters' gradients onto the masters, ``optimizer.step()``, quantize
+        the masters into the FP8 parameters. ``optimizer`` must be an optimizer (a
+        ``torch.optim.Optimizer``, or an object with ``step()`` and ``param_groups``):
+        ``TypeError`` naming it otherwise, before any gradient moves."""
+        if not isinstance(optimizer, torch.optim.Optimizer) and not (
+                callable(getattr(optimizer, "step", None))
+                and hasattr(optimizer, "param_groups")):
+            raise TypeError(f"optimizer is {describe(optimizer)}: expected a "
+                            "torch.optim.Optimizer over the masters (MasterWeights.params)")
         for p, master in self.pairs:
             master.grad = None if p.grad is None else p.grad.float()
             p.grad = None
