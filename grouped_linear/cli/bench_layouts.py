@@ -13,23 +13,30 @@ and 131072 routed rows), float32 on CPU at tiny sizes (a smoke test only):
    ``N`` the rows of ``permute``'s output (``M`` plus padding; on CUDA the upper
    bound ``M + 64*(multiple-1)``), bytes moved are:
 
-   ====================  ==========================  ==========================
-   op                    forward                     backward (w.r.t. the input)
-   ====================  ==========================  ==========================
-   pad_groups (128)      ``(M + P) * H * e``         ``2 * M * H * e`` (an unpad)
-   unpad_groups          ``2 * M * H * e``           ``(M + P) * H * e`` (a pad)
-   permute (1 and 16)    ``(T + N) * H * e``         ``(M + T) * H * e`` (k-way sum)
-   permute (map)         ``(T + N) * H * e``         ``(M + T) * H * e``
-   permute (capacity)    ``(T + N) * H * e``         ``(N + T) * H * e``
-   unpermute             ``(M + T) * H * e``         ``(T + N) * H * e`` (weighted gather)
-   sort_chunks           ``2 * M * H * e``           ``2 * M * H * e``
-   ====================  ==========================  ==========================
+   ============================  ==========================  ==========================
+   op                            forward                     backward (w.r.t. the input)
+   ============================  ==========================  ==========================
+   pad_groups (128)              ``(M + P) * H * e``         ``2 * M * H * e`` (an unpad)
+   unpad_groups                  ``2 * M * H * e``           ``(M + P) * H * e`` (a pad)
+   permute (1 and 16)            ``(T + N) * H * e``         ``(M + T) * H * e`` (k-way sum)
+   permute (map)                 ``(T + N) * H * e``         ``(M + T) * H * e``
+   permute (capacity)            ``(T + N) * H * e``         ``(N + T) * H * e``
+   permute (capacity, position)  ``(T + N) * H * e``         ``(N + T) * H * e``
+   permute (pad_to_capacity)     ``(T + N) * H * e``         ``(K + T) * H * e``
+   permute (num_out_tokens)      ``(T + N) * H * e``         ``(N + T) * H * e``
+   unpermute                     ``(M + T) * H * e``         ``(T + N) * H * e`` (weighted gather)
+   sort_chunks                   ``2 * M * H * e``           ``2 * M * H * e``
+   ============================  ==========================  ==========================
 
    ``permute (map)`` takes the same routing as a boolean ``(T, 64)`` map with
    ``num_out_tokens=T*8`` (the rows' bound, as TransformerEngine requires of a map); ``permute
-   (capacity)`` a capacity factor of 1 (``ceil(T*8/64)`` slots per expert, the rest dropped
-   by probability; ``N`` the kept rows); ``sort_chunks`` reorders the ``M`` routed rows'
-   64 expert chunks into a random order.
+   (capacity)`` a capacity factor of 1 (``C = ceil(T*8/64)`` slots per expert, the rest dropped
+   by probability; ``N`` the kept rows), ``permute (capacity, position)`` the same capacity
+   with ``drop_policy="position"`` (the earliest slots kept), ``permute (pad_to_capacity)``
+   the same with every group padded to ``C`` rows (``N = 64*C``; backward reads only the
+   ``K`` kept rows); ``permute (num_out_tokens)`` the indices with ``num_out_tokens=3*M//4``
+   (``N`` those rows); ``sort_chunks`` reorders the ``M`` routed rows' 64 expert chunks into
+   a random order.
 
    The bytes an op must move: every input row it needs read once (``permute`` and
    ``unpermute``'s backward read each token's row once, though k slots use it) and every
@@ -134,6 +141,9 @@ def _case_ops(hidden: int, rows: int, dev: torch.device, dtype: torch.dtype) -> 
 
     routing_map = torch.zeros(tokens, NUM_EXPERTS, dtype=torch.bool, device=dev)
     routing_map.scatter_(1, indices, True)
+    capacity = -(-m // NUM_EXPERTS)  # the slots per expert of a capacity factor of 1
+    kept_at_capacity = sum(min(c, capacity) for c in counts)
+    num_out = 3 * m // 4
     chunk_order = torch.randperm(NUM_EXPERTS, device=dev)
     chunk_sizes = torch.tensor(counts, device=dev)
     return [
@@ -147,6 +157,18 @@ def _case_ops(hidden: int, rows: int, dev: torch.device, dtype: torch.dtype) -> 
             lambda n: (tokens + n, m + tokens)),
         _Op("permute(capacity)", lambda: gl.permute(x_tok, indices, NUM_EXPERTS, probs=probs,
                                                     capacity=1.0)[0],
+            x_tok, lambda n: (tokens + n, n + tokens)),
+        _Op("permute(capacity, position)",
+            lambda: gl.permute(x_tok, indices, NUM_EXPERTS, capacity=1.0,
+                               drop_policy="position")[0],
+            x_tok, lambda n: (tokens + n, n + tokens)),
+        # every group padded to the capacity: backward reads only the kept rows
+        _Op("permute(pad_to_capacity)",
+            lambda: gl.permute(x_tok, indices, NUM_EXPERTS, probs=probs, capacity=1.0,
+                               pad_to_capacity=True)[0],
+            x_tok, lambda n: (tokens + n, kept_at_capacity + tokens)),
+        _Op("permute(num_out_tokens)",
+            lambda: gl.permute(x_tok, indices, NUM_EXPERTS, num_out_tokens=num_out)[0],
             x_tok, lambda n: (tokens + n, n + tokens)),
         _Op("sort_chunks", lambda: gl.sort_chunks_by_index(x, chunk_sizes, chunk_order), x,
             lambda n: (2 * m, 2 * m)),

@@ -31,7 +31,8 @@ def test_layouts_suite_reports_every_op_both_directions(tmp_path, capsys):
 
     ops = ["pad_groups(128)", "unpad_groups",
            *(f"permute(multiple={m})" for m in PERMUTE_MULTIPLES), "permute(map)",
-           "permute(capacity)", "sort_chunks", "unpermute", "unpermute (probs grad)"]
+           "permute(capacity)", "permute(capacity, position)", "permute(pad_to_capacity)",
+           "permute(num_out_tokens)", "sort_chunks", "unpermute", "unpermute (probs grad)"]
     assert sorted({(r["op"], r["direction"]) for r in report["rows"]}) == sorted(
         (op, d) for op in ops for d in ("fwd", "bwd"))
     for row in report["rows"]:
@@ -46,6 +47,14 @@ def test_layouts_suite_reports_every_op_both_directions(tmp_path, capsys):
     probs_bwd = next(r for r in report["rows"]
                      if (r["op"], r["direction"]) == ("unpermute (probs grad)", "bwd"))
     assert probs_bwd["bytes"] == (2048 + 2048 // TOP_K) * 64 * 4
+    # the capacity modes: N = 64 * ceil(M / 64) padded rows, of which backward reads only
+    # the kept ones; num_out_tokens = 3M/4 rows
+    fwd, bwd = ({r["op"]: r["bytes"] for r in report["rows"] if r["direction"] == d}
+                for d in ("fwd", "bwd"))
+    assert fwd["permute(pad_to_capacity)"] == (2048 // TOP_K + 2048) * 64 * 4
+    assert bwd["permute(pad_to_capacity)"] < fwd["permute(pad_to_capacity)"]
+    assert fwd["permute(num_out_tokens)"] == bwd["permute(num_out_tokens)"] == (
+        2048 // TOP_K + 3 * 2048 // 4) * 64 * 4
 
     assert [m["shape"] for m in report["mlp"]] == ["dsv3_ep32", "qwen35_397b_ep64"]
     for entry in report["mlp"]:
