@@ -58,8 +58,9 @@ def check_routing(routing: object, tokens: int, device: torch.device, name: str 
 def check_not_mask(routing: torch.Tensor, num_experts: int, name: str = "topk_indices") -> None:
     """``ValueError`` where integer ``(T, k)`` indices look like a 0/1 routing map given as
     integers (TransformerEngine's int32 mask): ``k == E >= 3`` and every value 0 or 1, so
-    that every row would name an expert more than once. (With two experts a row ``[0, 1]``
-    means the same either way, so nothing is refused.) Reads the values (a host sync): call
+    that every row would name an expert more than once. (With two experts every 0/1 row is
+    also valid indices, repeats allowed, and is routed as such: a map must come as bool.)
+    Reads the values (a host sync): call
     it only where the indices are read anyway (CPU, or CUDA under ``GROUPED_LINEAR_DEBUG=1``)."""
     if (routing.dtype == torch.bool or routing.dim() != 2 or num_experts < 3
             or routing.shape[1] != num_experts or routing.numel() == 0):
