@@ -1,11 +1,13 @@
 """The route table (ops/dispatch.py) and the thresholds it reads (grouped_linear/_tuning.py)."""
 
+import importlib
+
 import pytest
 import torch
 
 import grouped_linear as gl
 from grouped_linear import _tuning
-from grouped_linear.kernels.gemm import fp8_torch_gemm, triton_gemm
+from grouped_linear.kernels.gemm import fp8_fused_gemm, fp8_torch_gemm, triton_gemm
 from grouped_linear.ops.dispatch import (
     TORCH_GROUPED_MAX_GROUPS,
     choose_route,
@@ -15,6 +17,7 @@ from grouped_linear.ops.dispatch import (
 from grouped_linear.recipes import Float8Blockwise, Float8Rowwise, Float8Tensorwise
 from tests.reference import reference_grads, rel_err
 
+dispatch = importlib.import_module("grouped_linear.ops.dispatch")
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")  # resolution only: nothing is placed
 
 
@@ -169,3 +172,27 @@ def test_fp8_scaled_mm_only_within_torch_group_limit(monkeypatch):
         assert fp8_route(recipe, cuda0, torch.bfloat16, 64, 64, 1023) == "fp8_scaled_mm"
         assert fp8_route(recipe, cuda0, torch.bfloat16, 64, 64, 1024) == "fp8_emulated"
         assert fp8_route(recipe, cuda0, torch.bfloat16, 64, 64, 65536) == "fp8_emulated"
+
+
+@pytest.mark.fp8_fused  # the default work threshold: small calls may take the fused route
+@pytest.mark.parametrize("recipe", [Float8Rowwise(), Float8Tensorwise(), Float8Blockwise()],
+                         ids=lambda r: type(r).__name__)
+def test_fp8_routes_on_either_side_of_their_group_bounds(recipe, monkeypatch):
+    """The fused kernels and the blockwise GEMMs hold a table of the groups in registers and
+    take at most 4095 groups: a small call of 4095 groups runs fused, of 4096 the emulation;
+    a large blockwise call of 4095 groups runs the blockwise GEMMs, of 4096 the emulation.
+    The device's capabilities are faked, nothing runs."""
+    monkeypatch.setattr(fp8_torch_gemm, "available", lambda device: True)
+    monkeypatch.setattr(fp8_torch_gemm, "gemm_accepts", lambda *args: True)
+    monkeypatch.setattr(dispatch, "_fp8_gemms_on", lambda device: True)
+    cuda0 = torch.device("cuda", 0)
+    assert fp8_fused_gemm.MAX_GROUPS == triton_gemm.MAX_GROUPS == 4095
+    assert fp8_route(recipe, cuda0, torch.bfloat16, 64, 64, 4095, 8) == "fp8_fused"
+    assert fp8_route(recipe, cuda0, torch.bfloat16, 64, 64, 4096, 8) == "fp8_emulated"
+    large = "fp8_blockwise" if isinstance(recipe, Float8Blockwise) else "fp8_emulated"
+    past_work = _tuning.current().fp8_fused_max_work // (64 * 64) + 1
+    for rows in (None, past_work):  # a large call: past the fused route's work
+        assert fp8_route(recipe, cuda0, torch.bfloat16, 64, 64, 4095, rows) == large
+        assert fp8_route(recipe, cuda0, torch.bfloat16, 64, 64, 4096, rows) == "fp8_emulated"
+    assert fp8_route(recipe, cuda0, torch.bfloat16, 64, 64, 1, None) == (
+        large if large == "fp8_blockwise" else "fp8_scaled_mm")
