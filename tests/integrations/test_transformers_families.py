@@ -99,6 +99,11 @@ def _build(module_name: str, class_name: str):
 
 
 FAMILIES = _experts_classes()
+# Layouts of their own: transposed (Aria), transposed, biased and interleaved (GPT-OSS),
+# not gated (NemotronH), a norm after the experts (MuseSpark).
+LAYOUTS = {"AriaExperts", "GptOssExperts", "NemotronHExperts", "MuseSparkExperts"}
+SENTINEL_FAMILIES = FAMILIES[::7] + [f for f in FAMILIES if f[1] in LAYOUTS
+                                     and f not in FAMILIES[::7]]
 
 
 def test_the_scan_finds_the_families_the_integration_is_measured_on():
@@ -106,6 +111,7 @@ def test_the_scan_finds_the_families_the_integration_is_measured_on():
     assert {"Qwen3MoeExperts", "MixtralExperts", "OlmoeExperts", "DeepseekV3Experts",
             "Qwen2MoeExperts", "GptOssExperts"} <= names
     assert len(FAMILIES) >= 40
+    assert LAYOUTS <= names
 
 
 def _run(experts, implementation, hidden, index, weights):
@@ -147,7 +153,8 @@ def test_matches_the_eager_experts(module_name, class_name):
         assert rel_err(got[3][name], want[3][name]) < TOL, name
 
 
-@pytest.mark.parametrize("module_name, class_name", FAMILIES[::7], ids=[c for _, c in FAMILIES[::7]])
+@pytest.mark.parametrize("module_name, class_name", SENTINEL_FAMILIES,
+                         ids=[c for _, c in SENTINEL_FAMILIES])
 def test_expert_parallel_sentinels_are_dropped_slots(module_name, class_name):
     """Indices ``>= num_experts`` (another rank's experts) contribute nothing: as the same
     slot given weight zero."""
@@ -166,6 +173,56 @@ def test_expert_parallel_sentinels_are_dropped_slots(module_name, class_name):
     assert rel_err(got[0], want[0]) < TOL and rel_err(got[1], want[1]) < TOL
     for name in want[3]:
         assert rel_err(got[3][name], want[3][name]) < TOL, name
+
+
+@pytest.mark.parametrize("class_name", ["Qwen3MoeExperts", "GptOssExperts", "NemotronHExperts"])
+def test_the_entry_computes_on_the_parameters_themselves(monkeypatch, class_name):
+    """No copy of the weights: the weights and biases the entry hands grouped_mlp (or
+    grouped_linear), and the weights its GEMMs get, lie in the parameters' own memory, as
+    ``(E, out, in)`` views (of the stored ``(E, in, out)`` where transposed)."""
+    import grouped_linear.ops.mlp as mlp_ops
+
+    linear_ops = importlib.import_module("grouped_linear.ops.grouped_linear")
+    gl_hf.register()
+    experts = _build(next(m for m, c in FAMILIES if c == class_name), class_name)
+    hidden, index, weights = _inputs(experts)
+    experts.config._experts_implementation = gl_hf.NAME
+    handed, gemm_weights = [], []
+    real_mlp, real_linear = gl_hf.grouped_mlp, gl_hf.grouped_linear
+    real_gemm = linear_ops.apply_grouped_linear
+
+    def grouped_mlp(x, w1, b1, w2, b2, *args, **kwargs):
+        handed.extend([w1, b1, w2, b2])
+        return real_mlp(x, w1, b1, w2, b2, *args, **kwargs)
+
+    def grouped_linear(x, weight, bias, *args, **kwargs):  # fc1, then fc2
+        handed.extend([weight, bias])
+        return real_linear(x, weight, bias, *args, **kwargs)
+
+    def apply_grouped_linear(x, weight, *args, **kwargs):
+        gemm_weights.append(weight)
+        return real_gemm(x, weight, *args, **kwargs)
+
+    monkeypatch.setattr(gl_hf, "grouped_mlp", grouped_mlp)
+    monkeypatch.setattr(gl_hf, "grouped_linear", grouped_linear)
+    monkeypatch.setattr(mlp_ops, "apply_grouped_linear", apply_grouped_linear)
+    monkeypatch.setattr(linear_ops, "apply_grouped_linear", apply_grouped_linear)
+    experts(hidden.requires_grad_(), index, weights).sum().backward()
+    params = dict(experts.named_parameters())
+    fc1 = "gate_up_proj" if experts.has_gate else "up_proj"
+    names = [fc1, fc1 + "_bias", "down_proj", "down_proj_bias"]
+    want = [params[name] if experts.has_bias or "bias" not in name else None for name in names]
+    want = [p.transpose(1, 2) if p is not None and p.dim() == 3 and experts.is_transposed
+            else p for p in want]
+    assert len(handed) == 4 and len(gemm_weights) == 2
+    for name, got, view in zip(names + names[::2], handed + gemm_weights, want + want[::2]):
+        if view is None:
+            assert got is None, name
+            continue
+        assert got.untyped_storage().data_ptr() == view.untyped_storage().data_ptr(), name
+        assert (got.data_ptr(), got.shape, got.stride()) == \
+            (view.data_ptr(), view.shape, view.stride()), name
+    assert all(p.grad is not None for name, p in params.items() if "proj" in name)
 
 
 @pytest.mark.parametrize("class_name, activation, order", [
