@@ -139,7 +139,7 @@ def shape_row(shape) -> dict:
         return fg.blockwise_wgrad(*dy_t, *x_t, sizes, M)
 
     _pair(row, "wgrad", flops, wgrad_fn, lambda: gw.blockwise_wgrad(*dy_t, *x_t, sizes, M),
-          gw.wgrad_supported(*dy_t, *x_t))
+          gw.wgrad_supported(*dy_t, *x_t, sizes.shape[0]))
 
     # The rowwise recipes' wgrad: per (group, column) factors, on this library's GEMM and on
     # torch's 2-D x 2-D FP8 grouped GEMM (exact accumulation; groups on 16-token boundaries).
@@ -152,7 +152,7 @@ def shape_row(shape) -> dict:
                                           group_scales=True)
 
             row["triton group-scaled wgrad"] = tflops(flops, median_ms(group_scaled))
-            if gw.wgrad_supported(dy_c, dy_c_inv, x_c, x_c_inv):
+            if gw.wgrad_supported(dy_c, dy_c_inv, x_c, x_c_inv, sizes.shape[0]):
                 def gluon_scaled(dy_c=dy_c, dy_c_inv=dy_c_inv, x_c=x_c, x_c_inv=x_c_inv):
                     return gw.blockwise_wgrad(dy_c, dy_c_inv, x_c, x_c_inv, sizes, M,
                                               group_scales=True)

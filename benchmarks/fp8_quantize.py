@@ -117,7 +117,7 @@ def blocks(names: list[str]) -> None:
         warm_gpu()
         for operand, C in (("x", shape.K), ("dy", shape.N)):
             t = randn(M, C, device=CUDA, dtype=DT)
-            if not qbg.supported(t):
+            if not qbg.supported(t, sizes.shape[0]):
                 print(f"{shape.name:22s} {operand:8s} (the one-read kernel does not run here)")
                 continue
 

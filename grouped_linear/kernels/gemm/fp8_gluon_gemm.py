@@ -49,8 +49,8 @@ from .._gluon import (
 from .._triton import cdiv, kernel, next_power_of_2, sm_count
 from . import gluon_gemm
 
-__all__ = ["supported", "grouped_mm", "MM_CONFIG", "BLOCK", "ROWWISE_CONFIG", "rowwise_supported",
-           "rowwise_mm"]
+__all__ = ["supported", "grouped_mm", "MM_CONFIG", "BLOCK", "MAX_GROUPS", "ROWWISE_CONFIG",
+           "rowwise_supported", "rowwise_mm"]
 
 BLOCK = 128  # the scaling block, also every tile's depth and the weight-side tile width
 # (rows per tile, warps, shared-memory stages): the tile is two warp groups of 64 rows;
@@ -59,6 +59,8 @@ BLOCK = 128  # the scaling block, also every tile's depth and the weight-side ti
 MM_CONFIG = (128, 8, 4)
 # Blocks per compile-time unrolled run: the tensor cores wait for one rescale per run.
 MM_UNROLL = 2
+# Each program scans the groups' table (G + 1 slots) in registers: at most 4096 slots.
+MAX_GROUPS = 4095
 # The bf16 kernel's launch shape with 128-deep FP8 tiles: the same bytes per stage.
 ROWWISE_CONFIG = gluon_gemm.MMConfig(128, 256, 128, 8, 3, group_m=8, tma_store=True)
 
@@ -199,8 +201,10 @@ def _blockwise_mm_kernel(a_desc, b_desc, a_inv_ptr, b_inv_ptr, out_ptr, sizes_pt
 def supported(a: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether :func:`grouped_mm` takes these FP8 operands: CUDA sm90, both contiguous, rows
     whose byte strides TMA can describe (multiples of 16), tile coordinates within int32, at
-    least as many 128-deep blocks as the pipeline loads ahead."""
+    least as many 128-deep blocks as the pipeline loads ahead, at most :data:`MAX_GROUPS`
+    groups (the group table lives in registers)."""
     return (HAS_GLUON and a.is_cuda and a.dim() == 2 and weight.dim() == 3
+            and weight.shape[0] <= MAX_GROUPS
             and is_sm90(a.device.index or 0) and a.dtype in GL_DTYPES
             and weight.dtype in GL_DTYPES and a.is_contiguous() and weight.is_contiguous()
             and a.shape[1] % 16 == 0 and a.shape[1] == weight.shape[2]

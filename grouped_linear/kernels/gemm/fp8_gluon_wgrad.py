@@ -48,7 +48,7 @@ from .._gluon import (
     wgmma_layout,
 )
 from .._triton import cdiv, kernel, next_power_of_2, sm_count
-from .fp8_gluon_gemm import BLOCK, MM_UNROLL
+from .fp8_gluon_gemm import BLOCK, MAX_GROUPS, MM_UNROLL
 
 __all__ = ["wgrad_supported", "blockwise_wgrad", "WGRAD_CONFIG"]
 
@@ -278,11 +278,14 @@ def _blockwise_wgrad_kernel(dy_desc, x_desc, dy_inv_desc, x_inv_desc, dw_ptr, si
 
 
 def wgrad_supported(dy_blocks: torch.Tensor, dy_inv: torch.Tensor, x_blocks: torch.Tensor,
-                    x_inv: torch.Tensor) -> bool:
-    """Whether :func:`blockwise_wgrad` takes these token-block operands and factors (as
-    :func:`supported`: sm90, unit stride along the tokens, 16-byte aligned rows; float32
-    factor rows that TMA can address too)."""
-    return (HAS_GLUON and dy_blocks.is_cuda and is_sm90(dy_blocks.device.index or 0)
+                    x_inv: torch.Tensor, num_groups: int) -> bool:
+    """Whether :func:`blockwise_wgrad` takes these token-block operands and factors of
+    ``num_groups`` groups (as :func:`~grouped_linear.kernels.gemm.fp8_gluon_gemm.supported`:
+    sm90, unit stride along the tokens, 16-byte aligned rows, at most
+    :data:`~grouped_linear.kernels.gemm.fp8_gluon_gemm.MAX_GROUPS` groups, whose table each
+    program holds in registers; float32 factor rows that TMA can address too)."""
+    return (HAS_GLUON and num_groups <= MAX_GROUPS and dy_blocks.is_cuda
+            and is_sm90(dy_blocks.device.index or 0)
             and dy_blocks.dtype in GL_DTYPES and x_blocks.dtype in GL_DTYPES
             and dy_blocks.shape[1] == x_blocks.shape[1] < 2**31 - 2 * BLOCK
             and all(t.dim() == 2 and t.stride(1) == 1 and t.stride(0) % 16 == 0

@@ -29,13 +29,15 @@ from .._triton import cdiv, kernel, next_power_of_2
 from . import blocks as qb
 
 __all__ = ["supported", "quantize_row_tiles_and_token_blocks", "TILE", "SLICE",
-           "WARPS"]
+           "WARPS", "MAX_GROUPS"]
 
 TILE = 128  # the recipe's block: rows of a token block, columns of a row tile
 SLICE = 32  # rows (row tiles) or columns (token blocks) read from shared memory at a time
 # A multiple of 4 (the token-block pass puts 4 warps along the tokens). H200: 8 warps (64
 # registers) level with 4 (80) on the 8-group shapes, 6-11% faster at 16 and 128 groups.
 WARPS = 8
+# Each program scans the groups' table (G + 1 slots) in registers: at most 4096 slots.
+MAX_GROUPS = 4095
 
 
 @gluon.jit
@@ -157,10 +159,12 @@ def _quantize_both_kernel(t_desc, sizes_ptr, rq_ptr, rinv_ptr, q_ptr, inv_ptr, M
                       POW2, SLICE_, False, num_warps)
 
 
-def supported(t: torch.Tensor) -> bool:
-    """Whether :func:`quantize_row_tiles_and_token_blocks` takes ``t``: a contiguous bf16
-    ``(M, C)`` on an sm90 GPU with rows TMA can address (``C`` a multiple of 8)."""
-    return (HAS_GLUON and t.is_cuda and t.dim() == 2 and t.dtype == torch.bfloat16
+def supported(t: torch.Tensor, num_groups: int) -> bool:
+    """Whether :func:`quantize_row_tiles_and_token_blocks` takes ``t`` of ``num_groups``
+    groups: a contiguous bf16 ``(M, C)`` on an sm90 GPU with rows TMA can address (``C`` a
+    multiple of 8), at most :data:`MAX_GROUPS` groups (the group table lives in registers)."""
+    return (HAS_GLUON and num_groups <= MAX_GROUPS and t.is_cuda and t.dim() == 2
+            and t.dtype == torch.bfloat16
             and is_sm90(t.device.index or 0) and t.is_contiguous() and t.shape[1] % 8 == 0
             and t.data_ptr() % 16 == 0 and t.shape[0] < 2**31 - 2 * TILE)
 

@@ -43,7 +43,7 @@ def _both_layouts(t, sizes, fp8_dtype, power_of_two):
     """``((row_data, row_inv), (block_data, block_inv))`` of ``t``: one read on Hopper
     (:mod:`grouped_linear.kernels.quantize.blocks_gluon`), one pass per layout elsewhere (the
     row tiles of rows past the groups are then not zeroed: no GEMM reads them)."""
-    if blocks_gluon.supported(t):
+    if blocks_gluon.supported(t, sizes.shape[0]):
         return blocks_gluon.quantize_row_tiles_and_token_blocks(t, sizes, fp8_dtype, power_of_two)
     tile = blocks_gluon.TILE
     return (blocks.quantize_row_tiles(t, fp8_dtype, power_of_two, tile),
@@ -59,7 +59,7 @@ def _grouped_mm(a, a_inv, w_data, w_inv, sizes, out_dtype):
 
 
 def _wgrad(dy_t, dy_inv, x_t, x_inv, sizes, num_rows, out_dtype):
-    if fp8_gluon_wgrad.wgrad_supported(dy_t, dy_inv, x_t, x_inv):
+    if fp8_gluon_wgrad.wgrad_supported(dy_t, dy_inv, x_t, x_inv, sizes.shape[0]):
         return fp8_gluon_wgrad.blockwise_wgrad(dy_t, dy_inv, x_t, x_inv, sizes, num_rows,
                                               out_dtype=out_dtype)
     return fp8_triton_gemm.blockwise_wgrad(dy_t, dy_inv, x_t, x_inv, sizes, num_rows,

@@ -188,7 +188,8 @@ class Fp8ScaledMMFunction(torch.autograd.Function):
             # input-major gets x^T dy per group, its own layout (no copy into the parameter)
             pair = ((x_t, x_t_inv, dy_t, dy_t_inv) if is_input_major(weight)
                     else (dy_t, dy_t_inv, x_t, x_t_inv))
-            wgrad = (fp8_gluon_wgrad.blockwise_wgrad if fp8_gluon_wgrad.wgrad_supported(*pair)
+            wgrad = (fp8_gluon_wgrad.blockwise_wgrad
+                     if fp8_gluon_wgrad.wgrad_supported(*pair, ends.shape[0])
                      else fp8_triton_gemm.blockwise_wgrad)
             grad_w = wgrad(*pair, group_sizes(ends), grad_out.shape[0], out_dtype,
                            group_scales=True)

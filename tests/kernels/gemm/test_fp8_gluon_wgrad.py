@@ -32,7 +32,7 @@ def test_blockwise_wgrad_against_float64_reference(sizes, tail, N, K):
     x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
     dy_t, dy_inv = qb.quantize_token_blocks(dy, sizes_t, E4M3, True, transpose=True)
     x_t, x_inv = qb.quantize_token_blocks(x, sizes_t, E4M3, True, transpose=True)
-    assert gw.wgrad_supported(dy_t, dy_inv, x_t, x_inv)
+    assert gw.wgrad_supported(dy_t, dy_inv, x_t, x_inv, len(sizes))
     got = gw.blockwise_wgrad(dy_t, dy_inv, x_t, x_inv, sizes_t, M, out_dtype=torch.float32)
     want = fg.blockwise_wgrad_reference(dy_t, dy_inv.double(), x_t, x_inv.double(), sizes_t,
                                         M, out_dtype=torch.float64)
@@ -47,7 +47,7 @@ def test_blockwise_wgrad_against_float64_reference(sizes, tail, N, K):
 def test_cpu_operands_go_to_the_triton_kernel():
     a = torch.zeros(256, 64).to(E4M3)
     inv = torch.ones(1, 256)
-    assert not gw.wgrad_supported(a, inv, a, inv)
+    assert not gw.wgrad_supported(a, inv, a, inv, 1)
 
 
 @pytest.mark.gpu
@@ -58,10 +58,10 @@ def test_wgrad_factor_rows_tma_cannot_address_are_not_taken():
                                             True, transpose=True)
     x_t, x_inv = qb.quantize_token_blocks(torch.randn(300, 256, device="cuda"), sizes, E4M3,
                                           True, transpose=True)
-    assert gw.wgrad_supported(x_t, x_inv, x_t, x_inv)
-    assert not gw.wgrad_supported(dy_t, dy_inv, x_t, x_inv)  # 130 floats: 520-byte rows
-    assert not gw.wgrad_supported(x_t, x_inv.double(), x_t, x_inv)
-    assert not gw.wgrad_supported(x_t, x_inv[:, :128], x_t, x_inv)  # not dy's columns
+    assert gw.wgrad_supported(x_t, x_inv, x_t, x_inv, 1)
+    assert not gw.wgrad_supported(dy_t, dy_inv, x_t, x_inv, 1)  # 130 floats: 520-byte rows
+    assert not gw.wgrad_supported(x_t, x_inv.double(), x_t, x_inv, 1)
+    assert not gw.wgrad_supported(x_t, x_inv[:, :128], x_t, x_inv, 1)  # not dy's columns
 
 
 @pytest.mark.gpu
@@ -98,7 +98,7 @@ def test_group_scaled_wgrad_against_float64_and_the_triton_kernel(sizes, tail, N
     x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
     dy_t, dy_inv, _ = qt.quantize_group_columns_t(dy, ends, E4M3, False, align=fg.BLOCK)
     x_t, x_inv, _ = qt.quantize_group_columns_t(x, ends, E4M3, False, align=fg.BLOCK)
-    assert gw.wgrad_supported(dy_t, dy_inv, x_t, x_inv)
+    assert gw.wgrad_supported(dy_t, dy_inv, x_t, x_inv, len(sizes))
     got = gw.blockwise_wgrad(dy_t, dy_inv, x_t, x_inv, sizes_t, M, out_dtype=torch.float32,
                              group_scales=True)
     want = fg.blockwise_wgrad_reference(dy_t, dy_inv.double(), x_t, x_inv.double(), sizes_t,

@@ -65,7 +65,7 @@ def test_one_read_equals_the_two_passes(sizes, tail, C, pow2):
     M = sum(sizes) + tail
     t = _operand(M, C)
     size_tensor = torch.tensor(sizes, device="cuda")
-    assert qbg.supported(t)
+    assert qbg.supported(t, len(sizes))
     got = qbg.quantize_row_tiles_and_token_blocks(t, size_tensor, E4M3, pow2)
     want = two_passes(t, size_tensor, E4M3, pow2)
     for (data, inv), (want_data, want_inv) in zip(got, want):
@@ -91,8 +91,8 @@ def test_many_groups_and_blocks():
 
 def test_operands_the_kernel_does_not_take():
     t = _operand(64, 256)
-    assert not qbg.supported(t.cpu())
+    assert not qbg.supported(t.cpu(), 2)
     if DEVICE == "cuda":
-        assert not qbg.supported(t.float())  # not bf16
-        assert not qbg.supported(t[:, :130])  # not contiguous
-        assert not qbg.supported(_operand(64, 130))  # 260-byte rows: not a TMA row pitch
+        assert not qbg.supported(t.float(), 2)  # not bf16
+        assert not qbg.supported(t[:, :130], 2)  # not contiguous
+        assert not qbg.supported(_operand(64, 130), 2)  # 260-byte rows: not a TMA row pitch
