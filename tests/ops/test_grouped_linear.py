@@ -174,6 +174,58 @@ def test_inference_builds_no_graph_and_matches_training_path():
     assert torch.equal(y_nograd, y_train) and torch.equal(y_plain, y_train)
 
 
+def _spy_on_autograd_functions(monkeypatch) -> list[str]:
+    """The names of the autograd functions whose forward is entered, in order."""
+    from grouped_linear.ops.fast_path import TritonGroupedLinearFunction
+    from grouped_linear.ops.linear_function import GroupedLinearFunction
+
+    entered = []
+    for function in (GroupedLinearFunction, TritonGroupedLinearFunction):
+        def forward(ctx, *args, _real=function.forward, _name=function.__name__):
+            entered.append(_name)
+            return _real(ctx, *args)
+
+        monkeypatch.setattr(function, "forward", staticmethod(forward))
+    return entered
+
+
+@pytest.mark.parametrize("backend", ["auto", "loop", "grouped", "triton"])
+def test_inference_enters_no_autograd_function(backend, monkeypatch):
+    """Under ``torch.no_grad()``, and with no input requiring a gradient, the call runs its
+    forward alone: neither autograd function is entered (``grad_fn is None`` alone would
+    also hold if one ran under no_grad); with a gradient asked for, one is, once."""
+    from grouped_linear.kernels._triton import HAS_TRITON, interpreting
+    from grouped_linear.ops.fast_path import apply_triton_linear
+
+    if backend == "triton" and not (HAS_TRITON and (TRITON_DEVICE == "cuda" or interpreting())):
+        pytest.skip("needs CUDA or TRITON_INTERPRET=1")
+    device = TRITON_DEVICE if backend == "triton" else "cpu"
+    entered = _spy_on_autograd_functions(monkeypatch)
+    sizes = [4, 0, 7]
+    x = torch.randn(11, 8, device=device)
+    w = torch.randn(3, 8, 8, device=device)
+    b = torch.randn(3, 8, device=device)
+    splits = torch.tensor(sizes, device=device)
+    with torch.no_grad():
+        y_nograd = gl.grouped_linear(x, w.requires_grad_(), b, splits, backend=backend)
+    y_plain = gl.grouped_linear(x, w.detach(), b, splits, backend=backend)
+    assert entered == []
+    y_train = gl.grouped_linear(x, w, b, splits, backend=backend)
+    assert len(entered) == 1 and y_train.grad_fn is not None
+    if device == "cpu":  # CPU calls take the checked path, never the fast one
+        assert entered == ["GroupedLinearFunction"]
+    assert torch.equal(y_nograd, y_train) and torch.equal(y_plain, y_train)
+    if backend == "triton":  # the fast path's own entry, as the CUDA calls reach it
+        entered.clear()
+        with torch.no_grad():
+            fast = apply_triton_linear(x, w, b, splits)
+        assert entered == [] and fast.grad_fn is None
+        assert torch.equal(apply_triton_linear(x, w.detach(), b, splits), fast)
+        assert entered == []
+        assert torch.equal(apply_triton_linear(x, w, b, splits), fast)
+        assert entered == ["TritonGroupedLinearFunction"]
+
+
 def test_triton_backend_limits():
     from grouped_linear.kernels.gemm import triton_gemm
     from grouped_linear.ops.dispatch import resolve_backend
