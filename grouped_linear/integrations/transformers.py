@@ -49,9 +49,10 @@ def _projection(module: torch.nn.Module, name: str) -> tuple[torch.Tensor, torch
 
 
 _NON_GATED = ("gelu", "gelu_erf", "relu", "relu2", "silu")
-# Where an experts module keeps the fused activation found for its gate (probed once).
+# Where an experts module keeps the fused activation found for its gate, with the gate
+# parameters it was found for (probed again when they change).
 _ATTRIBUTE = "_grouped_linear_activation"
-_UNSET = object()
+_GATE_ATTRIBUTES = ("alpha", "swiglu_alpha", "limit", "swiglu_limit")
 
 
 def _gate_parameters(module: torch.nn.Module) -> list[dict[str, float]]:
@@ -102,18 +103,29 @@ def _probe(module: torch.nn.Module) -> dict | None:
     return None
 
 
+def _gate_key(module: torch.nn.Module) -> tuple:
+    """The gate parameters the module stores (numbers; ``None`` for any other value)."""
+    values = (getattr(module, name, None) for name in _GATE_ATTRIBUTES)
+    return tuple(v if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+                 for v in values)
+
+
 @torch.compiler.disable
-def _probed(module: torch.nn.Module) -> dict | None:
+def _probed(module: torch.nn.Module, key: tuple) -> dict | None:
     fused = _probe(module)
-    setattr(module, _ATTRIBUTE, fused)
+    setattr(module, _ATTRIBUTE, (key, fused))
     return fused
 
 
 def _fused_activation(module: torch.nn.Module) -> dict | None:
-    """The module's fused activation arguments (probed on its first call, eagerly; a model
-    switched by :func:`enable` has them before it is compiled)."""
-    fused = getattr(module, _ATTRIBUTE, _UNSET)
-    return _probed(module) if fused is _UNSET else fused
+    """The module's fused activation arguments: probed on its first call (eagerly; a model
+    switched by :func:`enable` has them before it is compiled) and again after its gate
+    parameters (``alpha``, ``limit`` or their ``swiglu_`` names) change."""
+    key = _gate_key(module)
+    cached = getattr(module, _ATTRIBUTE, None)
+    if cached is None or cached[0] != key:
+        return _probed(module, key)
+    return cached[1]
 
 
 def experts_forward(module: torch.nn.Module, hidden_states: torch.Tensor,

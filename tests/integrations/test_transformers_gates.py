@@ -89,6 +89,22 @@ def test_fused_gates_match_the_eager_module_where_the_limit_binds(class_name):
         assert rel_err(got[3][name], want[3][name]) < tol, name
 
 
+def test_a_limit_changed_after_the_first_call_is_followed():
+    """The entry probes the gate again when the module's gate parameters change: after the
+    first call at the default limit, a binding limit gives the eager result."""
+    gl_hf.register()
+    experts = _experts("DeepseekV4Experts")
+    hidden, index, weights = _inputs(experts)
+    hidden = hidden * 4
+    _run(experts, gl_hf.NAME, hidden, index, weights)
+    assert gl_hf._fused_activation(experts)["limit"] == experts.limit
+    experts.limit = 0.05
+    got = _run(experts, gl_hf.NAME, hidden, index, weights)
+    want = _run(experts, "eager", hidden, index, weights)
+    assert gl_hf._fused_activation(experts)["limit"] == 0.05
+    assert rel_err(got[0], want[0]) < 1e-6 and rel_err(got[1], want[1]) < 1e-6
+
+
 def test_without_transformers_the_entry_and_the_suite_say_what_to_install(monkeypatch, capsys):
     """``register`` (and so ``enable``) raises the integration's ImportError naming the
     package; the bench suite ends with a usage message instead of a traceback."""
