@@ -6,7 +6,8 @@ import pytest
 import torch
 
 import grouped_linear as gl
-from grouped_linear.kernels.gemm import gluon_gemm, gluon_wgrad
+from grouped_linear.kernels.gemm import gluon_gemm, gluon_wgrad, triton_gemm
+from grouped_linear.ops.dispatch import fp8_route, resolve_backend
 from tests.hardware import sm90
 from tests.reference import gathered_reference, reference_grads, rel_err
 
@@ -249,17 +250,24 @@ def _spread(rows: int, groups: int) -> list[int]:
     return sizes
 
 
-@pytest.mark.parametrize("groups", [1024, 1025, 4096, 65536])
+@pytest.mark.parametrize("groups", [1024, 1025, 4095, 4096, 65536])
 @pytest.mark.parametrize("rows", [1000, 8192])  # either side of triton_auto_max_rows
-@pytest.mark.parametrize("split_kind", ["list", "cuda"])
-def test_auto_takes_more_groups_than_torch_grouped_gemm(groups, rows, split_kind):
+@pytest.mark.parametrize("dtype, split_kind", [(torch.bfloat16, "list"),
+                                               (torch.bfloat16, "cuda"),
+                                               (torch.float16, "cuda")],
+                         ids=["bf16-list", "bf16-cuda", "fp16-cuda"])
+def test_auto_takes_more_groups_than_torch_grouped_gemm(groups, rows, dtype, split_kind):
     """torch's CUDA grouped GEMM refuses 1024 groups or more: ``auto`` runs the Triton
-    kernels up to their 4095 groups, the loop past them, and matches float64."""
+    kernels up to their 4095 groups (a group table of 4096 slots), the loop past them, and
+    matches float64; empty groups' weight gradients are zero."""
     Kc, Nc = 64, 32
+    want_route = "triton" if groups <= triton_gemm.MAX_GROUPS else "loop"
+    assert resolve_backend("auto", torch.device("cuda"), dtype, Kc, Nc, rows,
+                           groups) == want_route
     sizes = _spread(rows, groups)
-    x = torch.randn(rows, Kc, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    w = (torch.randn(groups, Nc, Kc, device="cuda") / Kc ** 0.5).to(torch.bfloat16)
-    b = torch.randn(groups, Nc, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(rows, Kc, device="cuda", dtype=dtype, requires_grad=True)
+    w = (torch.randn(groups, Nc, Kc, device="cuda") / Kc ** 0.5).to(dtype)
+    b = torch.randn(groups, Nc, device="cuda", dtype=dtype)
     w.requires_grad_()
     b.requires_grad_()
     splits = sizes if split_kind == "list" else torch.tensor(sizes, device="cuda")
@@ -269,6 +277,8 @@ def test_auto_takes_more_groups_than_torch_grouped_gemm(groups, rows, split_kind
     ref = gathered_reference(x, w, b, sizes, grad_out)
     for name, got, want in zip(("y", "dx", "dW", "db"), (y, x.grad, w.grad, b.grad), ref):
         assert rel_err(got, want) < 1e-2, (name, rel_err(got, want))
+    empty = torch.tensor(sizes, device="cuda") == 0
+    assert torch.all(w.grad[empty] == 0) and torch.all(b.grad[empty] == 0)
 
 
 def test_grouped_backend_up_to_torch_group_limit():
@@ -292,21 +302,37 @@ def test_grouped_backend_up_to_torch_group_limit():
                           backend="grouped")
 
 
-@pytest.mark.parametrize("recipe", [gl.recipes.Float8Rowwise(), gl.recipes.Float8Blockwise()],
-                         ids=lambda r: type(r).__name__)
-def test_fp8_recipes_with_more_groups_than_torch_grouped_gemm(recipe):
+_ROW, _BLOCK = gl.recipes.Float8Rowwise(), gl.recipes.Float8Blockwise()
+
+
+@pytest.mark.parametrize("recipe, G, Kc, Nc, rows", [
+    (_ROW, 1025, 128, 64, 4000),
+    (_BLOCK, 1025, 128, 64, 4000),  # one 128-deep block: the Triton blockwise GEMMs
+    (_BLOCK, 4095, 256, 256, 2000),  # the Gluon blockwise kernels on sm90, 4096-slot tables
+    (_ROW, 4096, 128, 64, 4000),
+    (_BLOCK, 4096, 128, 64, 4000),
+    (_ROW, 65536, 32, 16, 4000),
+    (_BLOCK, 65536, 32, 16, 4000),
+], ids=lambda v: type(v).__name__ if isinstance(v, gl.recipes.Float8Recipe) else str(v))
+def test_fp8_recipes_with_more_groups_than_torch_grouped_gemm(recipe, G, Kc, Nc, rows):
     """Rowwise past torch's FP8 grouped GEMM's groups runs the emulation, blockwise its own
-    kernels; both within the FP8 tolerance of float64."""
+    kernels up to their 4095 groups and the emulation past them; all within the FP8
+    tolerance of float64, with empty groups' weight gradients zero."""
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("FP8 recipes need sm89+")
-    G, Kc, Nc = 1025, 128, 64
-    sizes = _spread(4000, G)
-    x = torch.randn(4000, Kc, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    blockwise = isinstance(recipe, gl.recipes.Float8Blockwise) and G <= triton_gemm.MAX_GROUPS
+    assert fp8_route(recipe, torch.device("cuda"), torch.bfloat16, Kc, Nc, G, rows) == (
+        "fp8_blockwise" if blockwise else "fp8_emulated")
+    sizes = _spread(rows, G)
+    x = torch.randn(rows, Kc, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     w = (torch.randn(G, Nc, Kc, device="cuda") / 16).to(torch.bfloat16).requires_grad_()
     b = torch.randn(G, Nc, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    y = gl.grouped_linear(x, w, b, torch.tensor(sizes, device="cuda"), recipe=recipe)
+    splits = torch.tensor(sizes, device="cuda")
+    y = gl.grouped_linear(x, w, b, splits, recipe=recipe)
     grad_out = torch.randn_like(y)
     y.backward(grad_out)
     ref = gathered_reference(x, w, b, sizes, grad_out)
     for name, got, want in zip(("y", "dx", "dW", "db"), (y, x.grad, w.grad, b.grad), ref):
         assert rel_err(got, want) < 6e-2, (name, rel_err(got, want))
+    empty = splits == 0
+    assert torch.all(w.grad[empty] == 0) and torch.all(b.grad[empty] == 0)
