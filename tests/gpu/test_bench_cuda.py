@@ -51,3 +51,34 @@ def test_moe_suite_memory_columns_on_cuda():
     for name in PRIMARY:  # the same codes as the recipe makes per step
         assert columns[f"{name}_primary"]["rel_err_out"] == pytest.approx(
             columns[name]["rel_err_out"], rel=1e-2)
+
+
+@pytest.mark.parametrize("fused", [pytest.param(True, marks=pytest.mark.fp8_fused), False],
+                         ids=["fp8_fused", "fp8_large_call_routes"])
+def test_fine_suite_cell_every_cuda_column_within_tolerance(fused):
+    """One tiny skewed cell of the fine suite with every CUDA column (Triton for ``gl``, the
+    FP8 columns on the fused route as by default, or on the large calls' routes): each
+    within its tolerance of float64, each empty expert's weight gradient exactly zero."""
+    import grouped_linear.cli.bench_fine as suite
+
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("the FP8 columns need sm89+")
+    dev = torch.device("cuda")
+    cell = suite.Grid(groups=(64,), rows=(8,), kinds=("skewed",),
+                      features=((256, 256),)).cells()[0]
+    names = suite._columns(dev, torch.bfloat16)
+    assert {"gl", "row", "block", "row_cached", "block_cached", "gl_fwd"} <= set(names)
+    result = suite._measure_cell(cell, names, dev, torch.bfloat16, 1, 1)
+    assert list(result["columns"]) == names and result["empty_groups"] > 0
+    assert result["gl_route"] == "triton"
+    routes = result["fp8_routes"].split("/")
+    assert (routes == ["fused", "fused"]) if fused else ("fused" not in routes)
+    for name, column in result["columns"].items():
+        assert column["within_tolerance"] is True, (name, column)
+        assert column["out_rel_err"] <= column["tolerance"], name
+        if name in suite.FORWARD_ONLY:
+            assert column["wgrad_rel_err"] is None and column["empty_wgrad_zero"] is None
+        else:
+            assert column["wgrad_rel_err"] <= column["tolerance"], name
+            assert column["empty_wgrad_zero"] is True, name
+        assert math.isfinite(column["ms"]) and column["ms"] > 0, name
