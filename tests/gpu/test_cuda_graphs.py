@@ -1,9 +1,13 @@
-"""A whole forward+backward step captured in a CUDA graph, replayed with new split values."""
+"""A whole forward+backward step captured in a CUDA graph, replayed with new split values;
+permute and unpermute replayed with new routings in every routing form."""
+
+from collections.abc import Callable
 
 import pytest
 import torch
 
 import grouped_linear as gl
+from tests.ops.test_routing_inputs import ref_route
 from tests.reference import reference_grads, rel_err
 
 pytestmark = [
@@ -146,3 +150,87 @@ def test_permute_and_unpermute_in_cuda_graph():
         weight = (probs.double() * kept).sum(dim=1, keepdim=True)
         assert rel_err(captured[3], 2 * x.double() * weight) < 1e-2, seed
         assert rel_err(captured[4], 2 * grad.double() * weight) < 1e-2, seed
+
+
+ROUTING_CASES = {  # form, multiple, permute's options
+    "map": ("map", 1, {"num_out_tokens": 2400}),
+    "map-capacity": ("map", 1, {"capacity": 256, "num_out_tokens": 2000}),
+    "capacity": ("indices", 16, {"capacity": 256}),
+    "capacity-position-padded": ("indices", 16, {"capacity": 320, "drop_policy": "position",
+                                                 "pad_to_capacity": True}),
+    "num_out_tokens": ("indices", 1, {"num_out_tokens": 1800}),
+}
+
+
+def new_routing(form: str, seed: int, tokens: int, k: int, experts: int, device: str
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A top-k routing with a crowded expert (and dropped slots for seed 2): ``(T, k)``
+    indices with ``(T, k)`` probs, or the same as a bool ``(T, E)`` map with dense probs."""
+    generator = torch.Generator(device=device).manual_seed(seed)
+    scores = torch.randn(tokens, experts, device=device, generator=generator)
+    scores[: tokens // 2, 0] += 10
+    indices = scores.topk(k, dim=-1).indices
+    if seed == 2:
+        indices[::7, 1] = -1
+    if form == "indices":
+        return indices, torch.rand(tokens, k, device=device, generator=generator)
+    # the dropped slots set a spare last column, cut off
+    routing_map = torch.zeros(tokens, experts + 1, dtype=torch.bool, device=device).scatter_(
+        1, torch.where(indices >= 0, indices, experts), True)[:, :experts].contiguous()
+    return routing_map, torch.rand(tokens, experts, device=device, generator=generator)
+
+
+def check_routing_replays(case: str, device: str = "cuda", capture: Callable = _capture
+                          ) -> None:
+    """``case`` of :data:`ROUTING_CASES`: permute, a scaling, unpermute and their backward
+    (through the permuted probabilities too) captured once, replayed on new routings and
+    probabilities written into the captured tensors: the eager call's results on the same
+    inputs, and the layout of the loop reference. (``device`` and ``capture`` let the same
+    checks run without a GPU, with a capture whose replay reruns the step.)"""
+    form, multiple, options = ROUTING_CASES[case]
+    tokens, k, experts, hidden = 600, 4, 8, 256
+    x = torch.randn(tokens, hidden, device=device, dtype=torch.bfloat16, requires_grad=True)
+    routing, probs = new_routing(form, 0, tokens, k, experts, device)
+    probs.requires_grad_()
+    grad = torch.randn(tokens, hidden, device=device, dtype=torch.bfloat16)
+
+    def step(inp, p):
+        inp.grad = p.grad = None
+        x_perm, m_splits, row_map, permuted = gl.permute(inp, routing, experts, multiple,
+                                                         probs=p, **options)
+        y = gl.unpermute(x_perm * 2, row_map, p)
+        torch.autograd.backward([y, permuted], [grad, torch.ones_like(permuted)])
+        return x_perm, m_splits, row_map, permuted, y, inp.grad, p.grad
+
+    graph, captured = capture(lambda: step(x, probs))
+    for seed in range(1, 4):
+        new, new_probs = new_routing(form, seed, tokens, k, experts, device)
+        with torch.no_grad():
+            routing.copy_(new)
+            probs.copy_(new_probs)
+            x.copy_(torch.randn(tokens, hidden, device=device,
+                                generator=torch.Generator(device=device).manual_seed(seed)))
+        graph.replay()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        eager = step(x.detach().clone().requires_grad_(), probs.detach().clone().requires_grad_())
+        names = ("x_perm", "m_splits", "row_map", "permuted_probs", "y", "dx", "dprobs")
+        for name, got, want in zip(names, captured, eager, strict=True):
+            assert torch.equal(got, want), (case, seed, name)
+        want = ref_route(x.detach().cpu(), routing.cpu(), experts, multiple,
+                         probs.detach().cpu(), options.get("capacity"),
+                         options.get("drop_policy", "probs"), options.get("num_out_tokens"),
+                         options.get("pad_to_capacity", False))
+        rows = sum(want.m_splits)
+        assert captured[1].tolist() == want.m_splits, (case, seed)
+        assert captured[2].tolist() == want.row_map, (case, seed)
+        assert torch.equal(captured[0][:rows].cpu().double(), want.x_perm), (case, seed)
+        assert not captured[0][rows:].any(), (case, seed)
+        assert captured[3][:rows].double().tolist() == want.row_probs, (case, seed)
+
+
+@pytest.mark.parametrize("case", list(ROUTING_CASES))
+def test_routing_forms_in_cuda_graph(case):
+    """A bool routing map, a capacity (by probability; by position with padded groups) and
+    num_out_tokens: each replays new routings written into the captured tensors."""
+    check_routing_replays(case)
