@@ -59,7 +59,8 @@ def check_backend(backend: object) -> str:
 
 
 def resolve_backend(backend: str, device: torch.device, dtype: torch.dtype, in_features: int,
-                    out_features: int, num_rows: int = 0, num_groups: int = 1) -> str:
+                    out_features: int, num_rows: int = 0, num_groups: int = 1,
+                    has_bias: bool = False) -> str:
     """The high-precision route for ``backend`` (``"auto"`` included), or ``ValueError``
     where the backend asked for by name cannot take the call.
 
@@ -67,10 +68,11 @@ def resolve_backend(backend: str, device: torch.device, dtype: torch.dtype, in_f
     :attr:`~grouped_linear._tuning.Tuning.triton_auto_max_rows` rows (one launch per GEMM,
     bias and tail fused, where launches dominate), the grouped GEMMs above (sync-free in
     bf16); past :data:`TORCH_GROUPED_MAX_GROUPS` groups the Triton kernels at any row count,
-    past theirs the loop. On CPU, fp32: the grouped GEMM (torch's C++ loop over the groups,
-    a few percent faster than the Python one) where its 16-byte rows allow; bf16 stays on the
-    loop (the grouped route adds a bias through a float32 copy of its operands, at half the
-    speed). Everywhere else the per-group loop: for fp32 on CUDA it honours
+    past theirs the loop. On CPU, fp32, and bf16 without a bias: the grouped GEMM (torch's
+    C++ loop over the groups, a few percent faster than the Python one) where its 16-byte
+    rows allow; bf16 with a bias stays on the loop (the grouped route adds a bias through a
+    float32 copy of its operands, at half the speed). Everywhere else the per-group loop:
+    for fp32 on CUDA it honours
     ``torch.backends.cuda.matmul.allow_tf32``; torch's grouped GEMM has no float64.
     """
     check_backend(backend)
@@ -119,9 +121,11 @@ def resolve_backend(backend: str, device: torch.device, dtype: torch.dtype, in_f
             return "grouped"
         if triton_fits and not grouped_takes:
             return "triton"  # more groups than torch's grouped GEMM takes
-    if (device.type == "cpu" and dtype == torch.float32 and in_features > 0
-            and out_features > 0 and in_features % 4 == 0 and out_features % 4 == 0):
-        return "grouped"
+    if device.type == "cpu" and in_features > 0 and out_features > 0:
+        row_alignment = 16 // dtype.itemsize
+        takes = in_features % row_alignment == 0 and out_features % row_alignment == 0
+        if takes and (dtype == torch.float32 or (dtype == torch.bfloat16 and not has_bias)):
+            return "grouped"
     return "loop"
 
 
@@ -168,12 +172,12 @@ def fp8_route(recipe: Float8Recipe, device: torch.device, dtype: torch.dtype, in
 
 def choose_route(backend: str, recipe: Float8Recipe | None, device: torch.device,
                  dtype: torch.dtype, in_features: int, out_features: int, num_rows: int,
-                 num_groups: int) -> str:
+                 num_groups: int, has_bias: bool = False) -> str:
     """The route of one call (see the module's table). With a recipe ``backend`` is only
     checked for its name: it selects among the high-precision implementations."""
     if recipe is None:
         return resolve_backend(backend, device, dtype, in_features, out_features, num_rows,
-                               num_groups)
+                               num_groups, has_bias)
     check_backend(backend)
     check_recipe(recipe, device)
     return fp8_route(recipe, device, dtype, in_features, out_features, num_groups, num_rows)
@@ -236,6 +240,6 @@ def _plain_route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
         return ""
     try:
         return resolve_backend(backend, device, dtype, in_features, out_features, x.shape[0],
-                               num_groups)
+                               num_groups, bias is not None)
     except ValueError:
         return ""  # the checked path raises it again, with its context
