@@ -1,8 +1,8 @@
 """``python -m grouped_linear bench --suite transformers``: transformers' own experts modules,
 run by transformers' default ``grouped_mm`` implementation and by this library's entries.
 
-Each case is one family's ``*Experts`` module at a real size (bf16 on CUDA; float32 and
-sizes divided by 8 on CPU, a smoke test), fed ``T`` tokens routed top-``k`` by random router
+Each case is one family's ``*Experts`` module at a real size (bf16 on CUDA; float32, or
+bf16 with ``--dtype bf16``, and sizes divided by 8 on CPU), fed ``T`` tokens routed top-``k`` by random router
 logits (softmax weights). Columns: ``transformers`` (its ``grouped_mm`` entry),
 ``grouped_linear`` (bf16) and, on CUDA, each FP8 entry. Every column times forward +
 backward of the same module (parameters and input gradients), in alternating rounds after a
@@ -134,14 +134,20 @@ def _measure_case(case: Case, dev: torch.device, dtype: torch.dtype, rounds: int
     return result
 
 
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
 def run_transformers_bench(device: str | torch.device = "auto", json_path: str | None = None,
                            reps: int = 5, rounds: int = 3,
-                           cases: tuple[Case, ...] = CASES) -> dict:
+                           cases: tuple[Case, ...] = CASES, dtype: str | None = None) -> dict:
     """Measure every case; prints the table and returns the report (also written as JSON to
-    ``json_path``)."""
+    ``json_path``). ``dtype``: ``"bf16"`` or ``"fp32"`` (default bf16 on CUDA, fp32 on CPU)."""
     dev = resolve_device(device)
+    if dtype is not None and dtype not in DTYPES:
+        raise ValueError(f"dtype={dtype!r} is not one of {tuple(DTYPES)}")
     gl_hf.register()
-    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    dtype = DTYPES[dtype] if dtype is not None else (
+        torch.bfloat16 if dev.type == "cuda" else torch.float32)
     if dev.type == "cpu":
         cases = tuple(_scaled(case) for case in cases)
     return run_cases(cases, lambda case: _measure_case(case, dev, dtype, rounds, reps),

@@ -60,7 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                        help="where to measure; 'auto' picks CUDA when available (default)")
     bench.add_argument("--dtype", choices=("bf16", "fp32"), default=None,
-                       help="compute dtype (default: bf16 on CUDA, fp32 on CPU; --suite gemm only)")
+                       help="compute dtype (default: bf16 on CUDA, fp32 on CPU; --suite gemm "
+                       "and transformers only)")
     bench.add_argument("--reps", type=int, default=5,
                        help="timed repetitions per case on CPU (default: 5)")
     bench.add_argument("--rounds", type=int, default=None,
@@ -140,14 +141,17 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         return 0
     if args.suite in _SUITES:  # the suites of whole cases: none of the gemm suite's flags
         module, function, rounds = _SUITES[args.suite]
+        takes_dtype = args.suite == "transformers"
         given = [flag for flag, value in (("--shapes", args.shapes), ("--plot", args.plot_path),
-                                          ("--dtype", args.dtype), ("--columns", args.columns))
+                                          ("--dtype", None if takes_dtype else args.dtype),
+                                          ("--columns", args.columns))
                  if value is not None]
         if given:
             raise SystemExit(f"{', '.join(given)}: not for --suite {args.suite}")
         run = getattr(importlib.import_module(f".{module}", __package__), function)
+        extra = {"dtype": args.dtype} if takes_dtype and args.dtype is not None else {}
         run(device=args.device, json_path=args.json_path, reps=args.reps,
-            rounds=rounds if args.rounds is None else args.rounds)
+            rounds=rounds if args.rounds is None else args.rounds, **extra)
         return 0
     from .bench import run_bench
 

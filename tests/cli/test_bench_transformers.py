@@ -46,6 +46,25 @@ def test_the_cases_are_the_families_measured():
                                                 "MixtralExperts", "DeepseekV3Experts"}
 
 
+def test_bf16_on_cpu_is_measured_when_asked(monkeypatch):
+    """``--dtype bf16`` reaches the suite, which then builds bf16 modules on CPU; other suites
+    of whole cases refuse it."""
+    import grouped_linear.cli.bench_transformers as suite
+
+    seen = {}
+    monkeypatch.setattr(suite, "run_transformers_bench", lambda **kwargs: seen.update(kwargs))
+    assert main(["bench", "--suite", "transformers", "--device", "cpu", "--dtype", "bf16"]) == 0
+    assert seen["dtype"] == "bf16"
+    monkeypatch.undo()
+    report = run_transformers_bench(device="cpu", reps=1, rounds=1, cases=TINY[:1],
+                                    dtype="bf16")
+    assert report["dtype"] == "bfloat16"
+    columns = report["cases"][0]["columns"]
+    assert 0 < columns["grouped_linear"]["rel_diff"] < 2e-2  # bf16: each rounds its own way
+    with pytest.raises(SystemExit, match="--dtype"):
+        main(["bench", "--suite", "moe", "--dtype", "bf16"])
+
+
 def test_suite_refuses_gemm_only_options():
     with pytest.raises(SystemExit, match="--shapes"):
         main(["bench", "--suite", "transformers", "--shapes", "x"])
