@@ -12,7 +12,12 @@ import grouped_linear as gl  # noqa: E402
 import grouped_linear.integrations.transformers as gl_hf  # noqa: E402
 from grouped_linear.kernels.gemm import fp8_torch_gemm  # noqa: E402
 from grouped_linear.ops.permutation import TRACEABLE  # noqa: E402
-from tests.integrations.tiny_models import FAMILIES, tiny_model  # noqa: E402
+from tests.integrations.tiny_models import (  # noqa: E402
+    FAMILIES,
+    experts_module,
+    forward_backward,
+    tiny_model,
+)
 from tests.reference import rel_err  # noqa: E402
 
 pytestmark = [
@@ -76,26 +81,7 @@ def test_bf16_is_no_further_from_fp32_than_transformers_bf16(family):
 
 
 def _experts(family, experts_class, dtype, **config):
-    import importlib
-
-    config = transformers.AutoConfig.for_model(family, **config)
-    module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
-    torch.manual_seed(0)
-    experts = getattr(module, experts_class)(config).to(dtype)
-    with torch.no_grad():
-        for p in experts.parameters():
-            p.normal_(0, 0.05)
-    return experts
-
-
-def _forward_backward(experts, implementation, hidden, index, weights, grad):
-    experts.config._experts_implementation = implementation
-    hidden = hidden.detach().requires_grad_()
-    for p in experts.parameters():
-        p.grad = None
-    out = experts(hidden, index, weights)
-    out.backward(grad)
-    return [out, hidden.grad] + [p.grad for p in experts.parameters()]
+    return experts_module(family, experts_class, dtype, 0.05, **config)
 
 
 def _routing(tokens, num_experts, k, hidden_size, generator):
@@ -129,16 +115,16 @@ def test_experts_modules_in_bf16_match_float64(family, expert_parallel):
     foreign = torch.zeros_like(index, dtype=torch.bool)
     if expert_parallel:
         foreign[::3, 1] = True
-    want = _forward_backward(experts, "eager", hidden.double(), index,
+    want = forward_backward(experts, "eager", hidden.double(), index,
                              weights.double().masked_fill(foreign, 0), grad.double())
     experts = experts.to(CUDA, torch.bfloat16)
     inputs = (hidden.to(CUDA, torch.bfloat16), index.to(CUDA),
               weights.to(CUDA, torch.bfloat16), grad.to(CUDA, torch.bfloat16))
-    theirs = _forward_backward(experts, "grouped_mm", inputs[0], inputs[1],
+    theirs = forward_backward(experts, "grouped_mm", inputs[0], inputs[1],
                                inputs[2].masked_fill(foreign.to(CUDA), 0), inputs[3])
     experts._is_expert_parallel = expert_parallel
     index = torch.where(foreign, experts.num_experts + 1, index)
-    got = _forward_backward(experts, gl_hf.NAME, inputs[0], index.to(CUDA), *inputs[2:])
+    got = forward_backward(experts, gl_hf.NAME, inputs[0], index.to(CUDA), *inputs[2:])
     assert len(got) == len(want)
     for a, b, c in zip(got, want, theirs):
         assert a.dtype == torch.bfloat16 and rel_err(a, b) < 1e-2
@@ -155,13 +141,13 @@ def test_fp8_entries_stay_within_the_fp8_bound(name):
     experts = _experts("mixtral", "MixtralExperts", torch.float64, hidden_size=512,
                        intermediate_size=768, num_local_experts=8)
     hidden, index, weights, grad = _routing(2048, 8, 2, 512, torch.Generator().manual_seed(4))
-    want = _forward_backward(experts, "eager", hidden.double(), index, weights.double(),
+    want = forward_backward(experts, "eager", hidden.double(), index, weights.double(),
                              grad.double())
     experts = experts.to(CUDA, torch.bfloat16)
     inputs = (hidden.to(CUDA, torch.bfloat16), index.to(CUDA),
               weights.to(CUDA, torch.bfloat16), grad.to(CUDA, torch.bfloat16))
-    bf16 = _forward_backward(experts, gl_hf.NAME, *inputs)
-    got = _forward_backward(experts, name, *inputs)
+    bf16 = forward_backward(experts, gl_hf.NAME, *inputs)
+    got = forward_backward(experts, name, *inputs)
     assert rel_err(got[0], bf16[0]) > 1e-3  # the recipe ran
     for a, b in zip(got, want):
         assert rel_err(a, b) < 1.2e-1

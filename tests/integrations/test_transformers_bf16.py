@@ -4,14 +4,11 @@ CUDA tests check at larger sizes."""
 
 from __future__ import annotations
 
-import importlib
-
 import pytest
 import torch
-import transformers
 
 import grouped_linear.integrations.transformers as gl_hf
-from tests.integrations.tiny_models import FAMILIES, tiny_model
+from tests.integrations.tiny_models import FAMILIES, experts_module, forward_backward, tiny_model
 from tests.reference import rel_err
 
 IDS = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(5))
@@ -61,24 +58,7 @@ EXPERTS = {  # transposed, interleaved, biased GPT-OSS; concatenated Qwen3-MoE
 
 def _experts(family: str) -> torch.nn.Module:
     experts_class, sizes = EXPERTS[family]
-    config = transformers.AutoConfig.for_model(family, **sizes)
-    module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
-    torch.manual_seed(0)
-    experts = getattr(module, experts_class)(config).double()
-    with torch.no_grad():
-        for p in experts.parameters():
-            p.normal_(0, 0.1)
-    return experts
-
-
-def _forward_backward(experts, implementation, hidden, index, weights, grad):
-    experts.config._experts_implementation = implementation
-    hidden = hidden.detach().requires_grad_()
-    for p in experts.parameters():
-        p.grad = None
-    out = experts(hidden, index, weights)
-    out.backward(grad)
-    return [out, hidden.grad] + [p.grad for p in experts.parameters()]
+    return experts_module(family, experts_class, torch.float64, 0.1, **sizes)
 
 
 @pytest.mark.parametrize("family", EXPERTS)
@@ -98,15 +78,15 @@ def test_experts_modules_in_bf16_match_float64(family, expert_parallel):
     foreign = torch.zeros_like(index, dtype=torch.bool)
     if expert_parallel:
         foreign[::3, 1] = True
-    want = _forward_backward(experts, "eager", hidden.double(), index,
+    want = forward_backward(experts, "eager", hidden.double(), index,
                              weights.double().masked_fill(foreign, 0), grad.double())
     experts = experts.to(torch.bfloat16)
     hidden, weights, grad = (t.to(torch.bfloat16) for t in (hidden, weights, grad))
-    theirs = _forward_backward(experts, "grouped_mm", hidden, index,
+    theirs = forward_backward(experts, "grouped_mm", hidden, index,
                                weights.masked_fill(foreign, 0), grad)
     experts._is_expert_parallel = expert_parallel
     index = torch.where(foreign, experts.num_experts + 1, index)
-    got = _forward_backward(experts, gl_hf.NAME, hidden, index, weights, grad)
+    got = forward_backward(experts, gl_hf.NAME, hidden, index, weights, grad)
     # measured: every tensor's error within 1.04x of theirs (256 tokens; 1.06x at 64)
     assert len(got) == len(want) == len(theirs)
     for a, b, c in zip(got, want, theirs):

@@ -35,3 +35,32 @@ def tiny_model(family: str, dtype: torch.dtype = torch.float64, implementation: 
         for p in model.parameters():
             p.normal_(0, std)
     return model
+
+
+def experts_module(family: str, experts_class: str, dtype: torch.dtype = torch.float64,
+                   std: float = 0.1, **config) -> torch.nn.Module:
+    """One ``experts_class`` module of ``family`` built from ``config`` (sizes), its weights
+    drawn from N(0, ``std``) with seed 0, in ``dtype``."""
+    import importlib
+
+    config = transformers.AutoConfig.for_model(family, **config)
+    module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+    torch.manual_seed(0)
+    experts = getattr(module, experts_class)(config).to(dtype)
+    with torch.no_grad():
+        for p in experts.parameters():
+            p.normal_(0, std)
+    return experts
+
+
+def forward_backward(experts: torch.nn.Module, implementation: str, hidden: torch.Tensor,
+                     index: torch.Tensor, weights: torch.Tensor, grad: torch.Tensor) -> list:
+    """The experts module's output, its input's gradient and every parameter's gradient under
+    ``implementation`` (a transformers experts implementation name)."""
+    experts.config._experts_implementation = implementation
+    hidden = hidden.detach().requires_grad_()
+    for p in experts.parameters():
+        p.grad = None
+    out = experts(hidden, index, weights)
+    out.backward(grad)
+    return [out, hidden.grad] + [p.grad for p in experts.parameters()]
