@@ -60,8 +60,8 @@ def check_not_mask(routing: torch.Tensor, num_experts: int, name: str = "topk_in
     integers (TransformerEngine's int32 mask): ``k == E >= 3`` and every value 0 or 1, so
     that every row would name an expert more than once. (With two experts every 0/1 row is
     also valid indices, repeats allowed, and is routed as such: a map must come as bool.)
-    Reads the values (a host sync): call
-    it only where the indices are read anyway (CPU, or CUDA under ``GROUPED_LINEAR_DEBUG=1``)."""
+    Reads the values (a host sync): call it only where the indices are read anyway (CPU, or
+    CUDA under ``GROUPED_LINEAR_DEBUG=1``)."""
     if (routing.dtype == torch.bool or routing.dim() != 2 or num_experts < 3
             or routing.shape[1] != num_experts or routing.numel() == 0):
         return
