@@ -116,14 +116,18 @@ def _gated_grads(kind: str, gate: torch.Tensor, up: torch.Tensor, grad_a: torch.
     return _activation_backward(kind, grad_a * up, gate), grad_a * _base_activation(kind, gate)
 
 
+def _covered(h: torch.Tensor, ends: torch.Tensor) -> bool:
+    """Whether every row of ``h`` is in a group, as the host can tell for ends on the CPU."""
+    return ends.device.type == "cpu" and ends.shape[0] > 0 and int(ends[-1]) >= h.shape[0]
+
+
 def _biased(h: torch.Tensor, bias: torch.Tensor | None, ends: torch.Tensor
             ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``h + bias[g]`` in the compute dtype, and the ``(M, 1)`` mask of rows in a group
     (``None`` when every row is in one, as the host can tell for group ends on the CPU)."""
     compute = torch.float64 if h.dtype == torch.float64 else torch.float32
     value = h.to(compute)
-    covered = (ends.device.type == "cpu" and ends.shape[0] > 0
-               and int(ends[-1]) >= h.shape[0])
+    covered = _covered(h, ends)
     if bias is None and covered:
         return value, None
     groups = row_groups(ends, h.shape[0])
@@ -163,21 +167,54 @@ def bias_act_backward_reference(grad_a: torch.Tensor, h: torch.Tensor,
                                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The gradients with respect to ``h`` and (with ``probs_grad``) ``probs``, written out (no
     autograd: it also runs inside custom ops, where autograd does not record). Rows past the
-    last group get zero."""
-    value, in_group = _biased(h, bias, ends)
-    grad_a = grad_a.to(value.dtype)
-    if in_group is not None:
-        grad_a = torch.where(in_group, grad_a, torch.zeros((), dtype=value.dtype,
-                                                           device=value.device))
-    grad_probs = None
-    if probs is not None:
-        if probs_grad:
-            act = _activated(value, kind, interleaved, alpha, limit)
-            grad_probs = (act * grad_a).sum(1).to(probs.dtype)
-        grad_a = grad_a * probs.to(value.dtype).unsqueeze(1)
-    if kind in GATED_KINDS:
-        gate, up = _halves(value, interleaved)
-        grad_h = _join(*_gated_grads(kind, gate, up, grad_a, alpha, limit), interleaved)
+    last group get zero. The gradient of ``h`` is written into ``h``'s dtype half by half
+    (each half rounded once, as its float32 values are), without a float32 ``(M, W)`` copy."""
+    compute = torch.float64 if h.dtype == torch.float64 else torch.float32
+    generic = kind in GATED_KINDS and kind not in KIND_PARAMETERS  # f(gate) * up
+    if generic and bias is None and _covered(h, ends):
+        # h as it is: only the gate is converted, the products promote up exactly
+        value, in_group = h, None
     else:
-        grad_h = _activation_backward(kind, grad_a, value)
-    return grad_h.to(h.dtype), grad_probs
+        value, in_group = _biased(h, bias, ends)
+    grad_a = grad_a.to(compute, copy=True)  # a copy: masked and scaled in place
+    if in_group is not None:
+        grad_a.masked_fill_(~in_group, 0)
+    grad_h = torch.empty(h.shape, dtype=h.dtype, device=h.device)
+    if kind not in GATED_KINDS:
+        grad_probs = _scale_by_probs(grad_a, lambda: _base_activation(kind, value), probs,
+                                     probs_grad)
+        grad_h.copy_(_activation_backward(kind, grad_a, value))
+        return grad_h, grad_probs
+    gate, up = _halves(value, interleaved)
+    grad_gate, grad_up = _halves(grad_h, interleaved)
+    if not generic:  # the clamping gates
+        grad_probs = _scale_by_probs(
+            grad_a, lambda: _gated(kind, gate, up, alpha, limit), probs, probs_grad)
+        grads = _gated_grads(kind, gate, up, grad_a, alpha, limit)
+        grad_gate.copy_(grads[0])
+        grad_up.copy_(grads[1])
+        return grad_h, grad_probs
+    gate = gate.to(compute)
+    base = _base_activation(kind, gate)  # f(gate), for the output's and up's gradients
+    grad_probs = _scale_by_probs(grad_a, lambda: base * up, probs, probs_grad)
+    torch.mul(grad_a, base, out=grad_up)
+    scaled = torch.mul(grad_a, up, out=base)  # f(gate) is spent: its buffer takes grad_a * up
+    if kind == "swiglu":
+        torch.ops.aten.silu_backward.grad_input(scaled, gate, grad_input=grad_gate)
+    else:
+        grad_gate.copy_(_activation_backward(kind, scaled, gate))
+    return grad_h, grad_probs
+
+
+def _scale_by_probs(grad_a: torch.Tensor, activated, probs: torch.Tensor | None,
+                    probs_grad: bool) -> torch.Tensor | None:
+    """Where ``probs`` are given: with ``probs_grad`` the ``(M,)`` gradient of ``probs``,
+    ``sum(activated() * grad_a)`` per row (in ``probs``' dtype); then ``grad_a`` (a float32
+    copy) scaled by them in place. Returns the gradient of ``probs`` or ``None``."""
+    if probs is None:
+        return None
+    grad_probs = None
+    if probs_grad:
+        grad_probs = activated().mul_(grad_a).sum(1).to(probs.dtype)
+    grad_a.mul_(probs.to(grad_a.dtype).unsqueeze(1))
+    return grad_probs

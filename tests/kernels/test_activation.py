@@ -256,6 +256,25 @@ def test_probs_gradcheck_float64(kind, interleaved):
 
 
 @pytest.mark.parametrize("kind, interleaved", CASES)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_reference_backward_without_bias_with_probs(kind, interleaved, dtype):
+    """The backward of the plain-PyTorch form where every row is in a group and there is no
+    bias (the CPU path that converts only the gate): the gradients of ``h`` and ``probs``
+    against the float64 formulas, exact in float64, within bf16 rounding in bf16."""
+    h, _, ends, _ = _case(kind, dtype, False, tail=0)
+    h, ends = h.cpu(), ends.cpu()
+    probs = torch.rand(h.shape[0], dtype=torch.float64).to(dtype)
+    grad_a = torch.randn(h.shape[0], h.shape[1] // (2 if kind in GATED else 1),
+                         dtype=torch.float64).to(dtype)
+    _, want_h, want_p = _want_probs(kind, h, None, probs, interleaved, grad_a)
+    got_h, got_p = act.bias_act_backward_reference(grad_a, h, None, ends, kind, interleaved,
+                                                   probs=probs, probs_grad=True)
+    tol = 1e-12 if dtype == torch.float64 else 1e-2
+    assert got_h.dtype == dtype and got_p.dtype == dtype
+    assert rel_err(got_h, want_h) < tol and rel_err(got_p, want_p) < tol
+
+
+@pytest.mark.parametrize("kind, interleaved", CASES)
 @pytest.mark.parametrize("tail", [0, 6])
 def test_reference_without_bias_with_and_without_tail(kind, interleaved, tail):
     """The plain-PyTorch forms without a bias (the CPU path of every float32 call), whether
