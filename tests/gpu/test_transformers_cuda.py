@@ -16,6 +16,7 @@ from tests.integrations.tiny_models import (  # noqa: E402
     FAMILIES,
     experts_module,
     forward_backward,
+    logits_and_expert_grads,
     tiny_model,
 )
 from tests.reference import rel_err  # noqa: E402
@@ -45,14 +46,7 @@ def _no_tf32():
 
 
 def _logits_and_expert_grads(model, run=None):
-    """Logits and expert-weight gradients of one step of ``model`` (run by ``run``, e.g. its
-    compiled form, when given)."""
-    model.zero_grad()
-    out = (model if run is None else run)(IDS.to(CUDA), labels=IDS.to(CUDA))
-    out.loss.backward()
-    grads = {n: p.grad.float() for n, p in model.named_parameters()
-             if "experts" in n and p.grad is not None}
-    return out.logits.float(), grads
+    return logits_and_expert_grads(model, IDS.to(CUDA), run)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

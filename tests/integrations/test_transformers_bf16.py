@@ -8,19 +8,20 @@ import pytest
 import torch
 
 import grouped_linear.integrations.transformers as gl_hf
-from tests.integrations.tiny_models import FAMILIES, experts_module, forward_backward, tiny_model
+from tests.integrations.tiny_models import (
+    FAMILIES,
+    experts_module,
+    forward_backward,
+    logits_and_expert_grads,
+    tiny_model,
+)
 from tests.reference import rel_err
 
 IDS = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(5))
 
 
 def _logits_and_expert_grads(model):
-    model.zero_grad()
-    out = model(IDS, labels=IDS)
-    out.loss.backward()
-    grads = {n: p.grad.float() for n, p in model.named_parameters()
-             if "experts" in n and p.grad is not None}
-    return out.logits.float(), grads
+    return logits_and_expert_grads(model, IDS)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

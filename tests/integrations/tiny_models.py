@@ -64,3 +64,15 @@ def forward_backward(experts: torch.nn.Module, implementation: str, hidden: torc
     out = experts(hidden, index, weights)
     out.backward(grad)
     return [out, hidden.grad] + [p.grad for p in experts.parameters()]
+
+
+def logits_and_expert_grads(model: transformers.PreTrainedModel, ids: torch.Tensor,
+                            run=None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """float32 logits and expert-weight gradients of one language-model step of ``model`` on
+    ``ids`` (run by ``run``, e.g. its compiled form, when given)."""
+    model.zero_grad()
+    out = (model if run is None else run)(ids, labels=ids)
+    out.loss.backward()
+    grads = {n: p.grad.float() for n, p in model.named_parameters()
+             if "experts" in n and p.grad is not None}
+    return out.logits.float(), grads
