@@ -14,6 +14,7 @@ from grouped_linear.kernels.gemm import fp8_torch_gemm  # noqa: E402
 from grouped_linear.ops.permutation import TRACEABLE  # noqa: E402
 from tests.integrations.tiny_models import (  # noqa: E402
     FAMILIES,
+    check_bf16_no_further_than_theirs,
     experts_module,
     forward_backward,
     logits_and_expert_grads,
@@ -57,21 +58,8 @@ def test_bf16_is_no_further_from_fp32_than_transformers_bf16(family):
     layers, differently for any two implementations, and each such token moves its experts'
     gradients: the like-for-like gradient comparison is the experts module's, with the
     routing fixed (below)."""
-    model = tiny_model(family, torch.float32, **_sizes(family)).to(CUDA)
-    want_logits, want_grads = _logits_and_expert_grads(model)
-    model = model.to(torch.bfloat16)
-    model.set_experts_implementation("grouped_mm")
-    theirs_logits, theirs_grads = _logits_and_expert_grads(model)
-    gl_hf.enable(model)
-    ours_logits, ours_grads = _logits_and_expert_grads(model)
-    theirs = rel_err(theirs_logits, want_logits)
-    ours = rel_err(ours_logits, want_logits)
-    assert ours <= 1.25 * theirs + 1e-3, (ours, theirs)
-    assert ours_grads.keys() == want_grads.keys() and want_grads
-    for name, want in want_grads.items():
-        theirs = rel_err(theirs_grads[name], want)
-        ours = rel_err(ours_grads[name], want)
-        assert ours <= 2 * theirs + 1e-3, (name, ours, theirs)
+    check_bf16_no_further_than_theirs(
+        tiny_model(family, torch.float32, **_sizes(family)).to(CUDA), IDS.to(CUDA))
 
 
 def _experts(family, experts_class, dtype, **config):

@@ -76,3 +76,26 @@ def logits_and_expert_grads(model: transformers.PreTrainedModel, ids: torch.Tens
     grads = {n: p.grad.float() for n, p in model.named_parameters()
              if "experts" in n and p.grad is not None}
     return out.logits.float(), grads
+
+
+def check_bf16_no_further_than_theirs(model: transformers.PreTrainedModel, ids: torch.Tensor
+                                      ) -> None:
+    """``model`` (float32) cast to bf16 with this library's experts entry: logits no further
+    from the float32 model's than with transformers' own bf16 ``grouped_mm`` experts (within
+    1.25x + 1e-3), expert-weight gradients within twice theirs + 1e-3 (rounding decides a
+    few routing choices, differently for any two implementations)."""
+    import grouped_linear.integrations.transformers as gl_hf
+    from tests.reference import rel_err
+
+    want_logits, want_grads = logits_and_expert_grads(model, ids)
+    model = model.to(torch.bfloat16)
+    model.set_experts_implementation("grouped_mm")
+    theirs_logits, theirs_grads = logits_and_expert_grads(model, ids)
+    gl_hf.enable(model)
+    ours_logits, ours_grads = logits_and_expert_grads(model, ids)
+    theirs, ours = rel_err(theirs_logits, want_logits), rel_err(ours_logits, want_logits)
+    assert ours <= 1.25 * theirs + 1e-3, (ours, theirs)
+    assert ours_grads.keys() == want_grads.keys() and want_grads
+    for name, want in want_grads.items():
+        theirs, ours = rel_err(theirs_grads[name], want), rel_err(ours_grads[name], want)
+        assert ours <= 2 * theirs + 1e-3, (name, ours, theirs)
