@@ -22,9 +22,9 @@ dtypes|rows|fine|fine-backward]`` (default: every part):
   fine cells the ``triton`` route takes (at most ``triton_auto_max_rows`` rows; balanced
   and skewed splits): torch's two grouped GEMMs, the Gluon dgrad and weight gradient of the
   ``grouped`` route, the Triton kernels in one launch and as two launches at each weight
-  gradient launch shape of :data:`WGRAD_TILES` (``triton_gemm.WGRAD_TILE`` set for the
-  call), and the floor of writing the two gradients (``zero_`` of both): which launch
-  shape, and whether one launch or two, the ``triton`` route's backward takes.
+  gradient launch shape of :data:`WGRAD_TILES`, and the floor of writing the two gradients
+  (``zero_`` of both): which launch shape, and whether one launch or two, the ``triton``
+  route's backward takes (``triton_gemm.wgrad_tile``, ``ONE_LAUNCH_MAX_WEIGHTS``).
 """
 
 import torch
@@ -179,10 +179,10 @@ def fine() -> None:
 
 WGRAD_TILES = [  # (rows per step, N, K, warps, stages, K tiles per program); programs per
     # SM on sm90 alone (ptxas registers, shared memory) in the comments
-    triton_gemm.WGRAD_TILE,                                # 72 registers, 48 KB: 4
+    triton_gemm.ONE_LAUNCH_TILE,                           # 72 registers, 48 KB: 4
     triton_gemm.WgradTile(64, 64, 64, 4, 2),               # 72, 32 KB: 7
-    triton_gemm.WgradTile(64, 64, 64, 4, 2, k_run=4),      # 101, 32 KB: 4
-    triton_gemm.WgradTile(16, 64, 64, 4, 1, k_run=4),      # 92, 8 KB: 5 (not pipelined)
+    triton_gemm.WGRAD_TILE,                                # 101, 32 KB: 4
+    triton_gemm.SMALL_GROUPS_TILE,                         # 92, 8 KB: 5 (not pipelined)
     triton_gemm.WgradTile(64, 128, 128, 8, 3),             # 102 at 8 warps, 96 KB: 2
 ]
 FUSED_TILES = (0, 4)  # the one-launch backward runs at the dgrad's 255 registers whatever
@@ -203,14 +203,10 @@ def _backward_columns(x, w, dy, sizes, ends) -> dict:
 
     def triton_with(tile, fused):
         def run():
-            default = triton_gemm.WGRAD_TILE
-            triton_gemm.WGRAD_TILE = tile
-            try:
-                if fused:
-                    return triton_gemm.backward(dy, x, w, sizes, False)
-                return triton_gemm.dgrad(dy, w, sizes), triton_gemm.wgrad(dy, x, sizes, False)
-            finally:
-                triton_gemm.WGRAD_TILE = default
+            if fused:
+                return triton_gemm.backward(dy, x, w, sizes, False, one_launch=True, tile=tile)
+            return (triton_gemm.dgrad(dy, w, sizes),
+                    triton_gemm.wgrad(dy, x, sizes, False, tile=tile))
         return run
 
     for index, tile in enumerate(WGRAD_TILES):

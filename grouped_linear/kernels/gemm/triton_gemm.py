@@ -24,14 +24,15 @@ from ..bias import bias_grad_reference
 from ..ends import group_ends
 
 __all__ = ["forward", "dgrad", "wgrad", "backward", "LinearLaunches", "fits", "MAX_GROUPS",
-           "WgradTile", "WGRAD_TILE"]
+           "WgradTile", "wgrad_tile", "ONE_LAUNCH_MAX_WEIGHTS"]
 
 
 class WgradTile(NamedTuple):
-    """Launch shape of the weight-gradient programs (:func:`wgrad`, and :func:`backward`,
-    whose whole launch takes its warps and stages): rows of ``dy`` and ``x`` per step, the
-    ``N`` and ``K`` columns of the output tile one program writes, warps and pipeline
-    stages, and ``K`` tiles per program (written one after the other)."""
+    """Launch shape of the weight-gradient programs (:func:`wgrad`, and the one-launch
+    :func:`backward`, whose whole launch takes its warps and stages): rows of ``dy`` and
+    ``x`` per step, the ``N`` and ``K`` columns of the output tile one program writes, warps
+    and pipeline stages, and ``K`` tiles per program (written one after the other, the
+    group looked up once)."""
 
     block_m: int
     block_n: int
@@ -41,10 +42,27 @@ class WgradTile(NamedTuple):
     k_run: int = 1
 
 
-# One 64 x 64 output tile per program, 4 warps: alone, 80 registers and 48 KB of shared
-# memory at three stages on sm90 (four programs per SM); in the one-launch backward the
-# dgrad's persistent tiles set the registers (255, ptxas -v).
-WGRAD_TILE = WgradTile(64, 64, 64, 4, 3)
+# The weight gradient of small groups writes far more than it reads (G x N x K outputs from
+# a few rows each): its programs are bound by their latency, so the more of them an SM holds
+# and the fewer group look-ups, the better. ``benchmarks/backend_choice.py --part
+# fine-backward`` (H100, 40 fine cells of 64-256 groups of 8-32 rows): two launches with
+# runs of four K tiles per program, 16-row steps unpipelined where groups average up to 16
+# rows (92 registers, 8 KB of shared memory), 64-row steps in two stages above (101, 32 KB),
+# took 0.53-0.64x the time of the one-launch backward (its dgrad's persistent tiles hold 255
+# registers, so a weight-gradient program got 1-2 slots per SM) and 0.93-1.19x torch's two
+# grouped GEMMs' speed.
+SMALL_GROUPS_TILE = WgradTile(16, 64, 64, 4, 1, k_run=4)
+WGRAD_TILE = WgradTile(64, 64, 64, 4, 2, k_run=4)
+# The one-launch backward, kept for weight gradients of at most this many weights: there
+# the launch it saves is the host time that sets a step's pace (docs/design.md, "Small
+# problems"), with the launch shape it was measured at.
+ONE_LAUNCH_MAX_WEIGHTS = 2**24
+ONE_LAUNCH_TILE = WgradTile(64, 64, 64, 4, 3)
+
+
+def wgrad_tile(num_rows: int, num_groups: int) -> WgradTile:
+    """The weight gradient's launch shape for ``num_rows`` rows over ``num_groups`` groups."""
+    return SMALL_GROUPS_TILE if num_rows <= 16 * num_groups else WGRAD_TILE
 
 
 @triton.jit
@@ -339,10 +357,12 @@ def _wgrad_buffers(x: torch.Tensor, G: int, N: int, K: int, with_bias: bool,
 
 
 def wgrad(grad_out: torch.Tensor, x: torch.Tensor, sizes: torch.Tensor, with_bias: bool,
-          out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+          out_dtype: torch.dtype | None = None, *, tile: WgradTile | None = None
+          ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(G, N, K)`` weight gradient in ``out_dtype`` (default ``x``'s; float32 accumulation
     either way) and, with ``with_bias``, the ``(G, N)`` bias gradient (summed in float32,
-    stored in ``x``'s dtype), in one launch; empty groups give zeros."""
+    stored in ``x``'s dtype), in one launch; empty groups give zeros. ``tile``: the launch
+    shape (default :func:`wgrad_tile`'s)."""
     grad_out, x, sizes = _rows_contiguous(grad_out), _rows_contiguous(x), sizes.contiguous()
     M, N = grad_out.shape
     K = x.shape[1]
@@ -353,7 +373,7 @@ def wgrad(grad_out: torch.Tensor, x: torch.Tensor, sizes: torch.Tensor, with_bia
         if grad_b is not None:
             grad_b = bias_grad_reference(grad_out, group_ends(sizes, M), x.dtype)
         return _in_dtype(grad_w.zero_(), out_dtype or x.dtype), grad_b
-    tile = WGRAD_TILE
+    tile = tile or wgrad_tile(M, G)
     grid = (_wgrad_programs(G, N, K, tile),)
     _grouped_wgrad_kernel[grid](
         grad_out, x, grad_w, grad_b if grad_b is not None else grad_w, sizes, M, N, K, G,
@@ -365,10 +385,10 @@ def wgrad(grad_out: torch.Tensor, x: torch.Tensor, sizes: torch.Tensor, with_bia
     return _in_dtype(grad_w, out_dtype or x.dtype), _in_dtype(grad_b, x.dtype)
 
 
-def _backward_key(grad_out, x, weight, sizes, with_bias) -> tuple:
+def _backward_key(grad_out, x, weight, sizes, with_bias, tile) -> tuple:
     return ("backward", grad_out.shape, grad_out.stride(), grad_out.dtype, x.shape, x.stride(),
             x.dtype, weight.shape, weight.stride(), weight.dtype, sizes.shape, sizes.dtype,
-            x.get_device(), _precision(x.dtype), with_bias, WGRAD_TILE)
+            x.get_device(), _precision(x.dtype), with_bias, tile)
 
 
 def _planned_backward(plan: LaunchPlan, grad_out, x, weight, sizes, with_bias):
@@ -384,11 +404,20 @@ def _planned_backward(plan: LaunchPlan, grad_out, x, weight, sizes, with_bias):
 
 
 def backward(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, sizes: torch.Tensor,
-             with_bias: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """:func:`dgrad` and :func:`wgrad` in one launch: ``(grad_x (M, K), grad_w (G, N, K),
-    grad_b (G, N) or None)``, the same values as the two calls."""
+             with_bias: bool, *, one_launch: bool | None = None,
+             tile: WgradTile | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """:func:`dgrad` and :func:`wgrad`: ``(grad_x (M, K), grad_w (G, N, K), grad_b (G, N) or
+    None)``, in one launch where the weight gradient has at most
+    :data:`ONE_LAUNCH_MAX_WEIGHTS` weights (``one_launch`` decides when given), else as the
+    two calls; the same values either way. ``tile``: the weight gradient's launch shape."""
+    G, N, K = weight.shape
+    if not (one_launch if one_launch is not None else G * N * K <= ONE_LAUNCH_MAX_WEIGHTS):
+        return (dgrad(grad_out, weight, sizes), *wgrad(grad_out, x, sizes, with_bias,
+                                                       tile=tile))
+    tile = tile or ONE_LAUNCH_TILE
     sizes = sizes.contiguous()
-    key = _backward_key(grad_out, x, weight, sizes, with_bias)
+    key = _backward_key(grad_out, x, weight, sizes, with_bias, tile)
     plan = _PLANS.get(key)
     if plan is not None:
         grads = _planned_backward(plan, grad_out, x, weight, sizes, with_bias)
@@ -398,15 +427,12 @@ def backward(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, size
     if rows_grad is not grad_out or rows_x is not x:
         key = None  # the plan would stand for the copies' strides, not the inputs'
     grad_out, x = rows_grad, rows_x
-    M, N = grad_out.shape
-    K = x.shape[1]
-    G = sizes.shape[0]
+    M = grad_out.shape[0]
     if M == 0 or N == 0 or K == 0:
         return (dgrad(grad_out, weight, sizes), *wgrad(grad_out, x, sizes, with_bias))
     grad_x = grad_out.new_empty((M, K), dtype=_stored(x, grad_out.dtype))
     grad_w, grad_b = _wgrad_buffers(x, G, N, K, with_bias)
     dx_programs = sm_count(x.device)  # fixed: one binary whatever M is
-    tile = WGRAD_TILE
     grid = (dx_programs + _wgrad_programs(G, N, K, tile),)
     args = (grad_out, x, weight, grad_x, grad_w, grad_b if grad_b is not None else grad_w, sizes,
             M, N, K, G, grad_out.stride(0), x.stride(0), weight.stride(0), weight.stride(1),
@@ -467,7 +493,7 @@ class LinearLaunches:
                 return grads
         grads = backward(grad_out, x, weight, sizes, with_bias)
         if entry is None and x.dtype != torch.float32:
-            plan = _PLANS.get(_backward_key(grad_out, x, weight, sizes, with_bias))
+            plan = _PLANS.get(_backward_key(grad_out, x, weight, sizes, with_bias, ONE_LAUNCH_TILE))
             self._backward[with_bias] = (plan, grad_out.stride(), grad_out.dtype) if plan else ()
         return grads
 

@@ -67,9 +67,10 @@ def test_forward_dgrad_wgrad(sizes, M, K, N, dtype):
 
 @pytest.mark.parametrize("tile", [triton_gemm.WgradTile(16, 16, 16, 4, 2, k_run=2),
                                   triton_gemm.WgradTile(32, 16, 32, 4, 1, k_run=3)])
-def test_weight_gradient_tiles_and_runs_of_k_tiles(monkeypatch, tile):
+def test_weight_gradient_tiles_and_runs_of_k_tiles(tile):
     """Other weight-gradient launch shapes, a program writing runs of K tiles (the last run
-    short): the same gradients, from ``wgrad`` and from the one-launch ``backward``."""
+    short): the same gradients, from ``wgrad`` and from ``backward`` in one launch and in
+    two."""
     sizes, M, K, N = [5, 0, 70, 1, 33], 118, 80, 40  # 5 K tiles of 16: runs of 2, 2, 1
     G = len(sizes)
     x, dy = torch.randn(M, K, device=DEVICE), torch.randn(M, N, device=DEVICE)
@@ -80,13 +81,35 @@ def test_weight_gradient_tiles_and_runs_of_k_tiles(monkeypatch, tile):
     ref_dw = grouped_gemm.wgrad(dy.double(), x.double(), offs, None, "loop")
     ref_db = torch.stack([dy[bounds[g]:bounds[g + 1]].double().sum(0) for g in range(G)])
     ref_dx = grouped_gemm.dgrad(dy.double(), w.double(), offs, None, "loop")
-    monkeypatch.setattr(triton_gemm, "WGRAD_TILE", tile)
-    dw, db = triton_gemm.wgrad(dy, x, st, True)
+    dw, db = triton_gemm.wgrad(dy, x, st, True, tile=tile)
     assert rel_err(dw, ref_dw) < 1e-5 and rel_err(db, ref_db) < 1e-5
     assert torch.all(dw[1] == 0) and torch.all(db[1] == 0)  # the empty group
-    fused_dx, fused_dw, fused_db = triton_gemm.backward(dy, x, w, st, True)
-    assert torch.equal(fused_dw, dw) and torch.equal(fused_db, db)
-    assert rel_err(fused_dx, ref_dx) < 1e-5
+    for one_launch in (True, False):
+        got_dx, got_dw, got_db = triton_gemm.backward(dy, x, w, st, True, one_launch=one_launch,
+                                                      tile=tile)
+        assert torch.equal(got_dw, dw) and torch.equal(got_db, db)
+        assert rel_err(got_dx, ref_dx) < 1e-5
+
+
+def test_the_backward_takes_one_launch_for_small_weight_gradients_only(monkeypatch):
+    """One launch up to ONE_LAUNCH_MAX_WEIGHTS weights, the dgrad and wgrad kernels past it,
+    each weight gradient at the launch shape its rows per group call for."""
+    calls = []
+    monkeypatch.setattr(triton_gemm, "dgrad",
+                        lambda *a, f=triton_gemm.dgrad: calls.append("dgrad") or f(*a))
+    monkeypatch.setattr(triton_gemm, "wgrad",
+                        lambda *a, f=triton_gemm.wgrad, **k: calls.append(
+                            ("wgrad", k.get("tile"))) or f(*a, **k))
+    x, dy = torch.randn(40, 16, device=DEVICE), torch.randn(40, 8, device=DEVICE)
+    w = torch.randn(4, 8, 16, device=DEVICE)
+    st = torch.tensor([10, 10, 10, 10], device=DEVICE)
+    triton_gemm.backward(dy, x, w, st, False)
+    assert calls == []  # 512 weights: one launch
+    monkeypatch.setattr(triton_gemm, "ONE_LAUNCH_MAX_WEIGHTS", 511)
+    triton_gemm.backward(dy, x, w, st, False)
+    assert calls == ["dgrad", ("wgrad", None)]
+    assert triton_gemm.wgrad_tile(40, 4) == triton_gemm.SMALL_GROUPS_TILE  # 10 rows a group
+    assert triton_gemm.wgrad_tile(68, 4) == triton_gemm.WGRAD_TILE  # 17
 
 
 def test_strided_inputs_and_int32_sizes():
