@@ -26,9 +26,7 @@ kernels|blocks|columns] [SHAPE ...]`` (default: all parts):
   row factors folded in (the column-amax pass, then the transposing pass) and ``x``'s FP8
   codes moved into the layout, each with the transposing pass on sm90's Gluon kernel and
   on the Triton one; µs (median), GB/s (the bytes of both passes: dy read twice, the codes
-  written once), the speedup and whether the outputs are identical. Then dy's two operands
-  (the dgrad's folded rows and the wgrad's columns) with the column maxima in a pass of
-  their own and taken by the dgrad's read.
+  written once), the speedup and whether the outputs are identical.
 """
 
 import torch
@@ -174,26 +172,6 @@ def columns(names: list[str]) -> None:
                   f"{moved / triton_ms / 1e6:6.0f} {gluon_ms * 1e3:9.0f} "
                   f"{moved / gluon_ms / 1e6:6.0f} {triton_ms / gluon_ms:8.2f}  {same}",
                   flush=True)
-        factors = qf.ColumnFactors.of_groups(torch.rand(len(shape.splits), shape.N,
-                                                        device=CUDA) + 0.5, ends, M)
-
-        def passes(dy=dy, ends=ends, x_inv=x_inv, factors=factors):
-            folded_dy = qf.quantize_rows_folded(dy, factors, E4M3, False)
-            return folded_dy, qt.quantize_group_columns_t(dy, ends, E4M3, False, align=qtg.TILE,
-                                                          row_factors=x_inv)[:2]
-
-        def shared_read(dy=dy, ends=ends, x_inv=x_inv, factors=factors):
-            *folded_dy, amax = qf.quantize_rows_folded_with_column_amax(dy, factors, x_inv,
-                                                                        E4M3, False)
-            return tuple(folded_dy), qt.quantize_group_columns_t(
-                dy, ends, E4M3, False, align=qtg.TILE, row_factors=x_inv,
-                column_amax=amax)[:2]
-
-        same = _same(shared_read(), passes())
-        passes_ms, shared_ms = median_ms(passes), median_ms(shared_read)
-        print(f"{shape.name:22s} dy's dgrad and wgrad operands: column maxima in their own "
-              f"pass {passes_ms * 1e3:.0f} us, from the dgrad's read {shared_ms * 1e3:.0f} us "
-              f"({passes_ms / shared_ms:.2f}x)  identical {same}", flush=True)
 
 
 def main() -> None:

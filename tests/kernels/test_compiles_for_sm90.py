@@ -177,12 +177,6 @@ CASES = {
                     {"t_ptr": "*bf16", "q_ptr": F8, "ends_ptr": "*i32"},
                     {"FP8_MAX": FP8_MAX, "POW2": False, "ROWS": qf.FOLDED_CONFIG[0],
                      "BLOCK_C": 4096, "BLOCK_G": 16}, 4096 // qf.FOLDED_CONFIG[1]),
-    "rows folded, column maxima": (qf._quantize_rows_folded_kernel,
-                                   {"t_ptr": "*bf16", "q_ptr": F8, "ends_ptr": "*i32"},
-                                   {"FP8_MAX": FP8_MAX, "POW2": False,
-                                    "ROWS": qf.FOLDED_AMAX_CONFIG[0], "BLOCK_C": 2048,
-                                    "BLOCK_G": 16, "COLUMN_AMAX": True},
-                                   2048 // qf.FOLDED_AMAX_CONFIG[1]),
     "rows folded, wide": (qf._quantize_rows_folded_kernel,
                           {"t_ptr": "*bf16", "q_ptr": F8, "ends_ptr": "*i32"},
                           {"FP8_MAX": FP8_MAX, "POW2": False, "ROWS": qf.FOLDED_CONFIG[0],
@@ -289,11 +283,9 @@ PIPELINED = {"fp8 mm blockwise", "fp8 blockwise wgrad", "fp8 group-scaled wgrad"
              "bf16 mm", "bf16 wgrad", "bf16 wgrad, runs of K tiles", "bf16 backward"} | {
                  name for name in CASES if name.startswith("fp8 fused")}
 # Kernels whose launch shape was chosen so that ptxas keeps every value in registers.
-NO_SPILLS = {name for name in CASES if name.startswith("fp8 fused")} | {
-    "rows folded, column maxima"}
+NO_SPILLS = {name for name in CASES if name.startswith("fp8 fused")}
 # Streaming kernels whose bf16 loads must stay 16-byte vectors (one read at copy speed).
-VECTOR_LOADS = {"rows", "rows of pieces", "columns scaled", "rows folded, column maxima",
-                "rows, scale per group", "group amax",
+VECTOR_LOADS = {"rows", "rows of pieces", "columns scaled", "rows, scale per group", "group amax",
                 "bias activation, interleaved forward", "bias activation, interleaved backward",
                 "bias activation, concatenated forward",
                 "bias activation, concatenated backward",

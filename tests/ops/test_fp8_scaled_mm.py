@@ -188,38 +188,3 @@ def test_gluon_kernels_take_the_operands_they_support(monkeypatch):
     assert torch.equal(got, want)
     for a, b_ in zip((t.grad for t in leaves), want_grads):
         assert torch.equal(a, b_)
-
-
-@pytest.mark.parametrize("bias_grad", [False, True])
-def test_the_dgrad_pass_takes_the_wgrad_column_maxima(monkeypatch, bias_grad):
-    """Rowwise: the dgrad's quantization of dy also takes the weight gradient's column
-    maxima, so the wgrad runs no column-amax pass of its own; gradients bit for bit those of
-    the two passes. With a bias gradient (its sums come from that pass) the pass stays."""
-    from grouped_linear.kernels.quantize import folded
-    from grouped_linear.kernels.quantize import transposed as qt
-
-    x, w, b, grad_out = _leaves()
-    b = b.detach().requires_grad_(bias_grad)
-    given = []
-    real_columns = qt.quantize_columns_t
-
-    def columns(*args, column_amax=None, unit_scale=False, **kwargs):
-        if not unit_scale:  # dy's operand (x's codes move unchanged, in the forward)
-            given.append(column_amax is not None)
-        return real_columns(*args, column_amax=column_amax, unit_scale=unit_scale, **kwargs)
-
-    monkeypatch.setattr(qt, "quantize_columns_t", columns)
-    runs = []
-    real = folded.quantize_rows_folded_with_column_amax
-    for fused in (True, False):
-        if not fused:
-            monkeypatch.setattr(folded, "quantize_rows_folded_with_column_amax",
-                                lambda *args: real(*args)[:2] + (None,))
-        leaves = [t.detach().clone().requires_grad_(t.requires_grad) for t in (x, w, b)]
-        _apply(*leaves, Float8Rowwise()).backward(grad_out)
-        runs.append([t.grad for t in leaves])
-    assert given == [not bias_grad, False]
-    for a, b_ in zip(*runs):
-        assert (a is None and b_ is None) or torch.equal(a, b_)
-    want = reference_grads(x, w, b, SIZES, grad_out)
-    assert rel_err(runs[0][1], want[2]) < 6e-2

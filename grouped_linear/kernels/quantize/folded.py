@@ -19,11 +19,11 @@ import torch
 
 from .._groups import row_group, row_groups
 from .._triton import cdiv, kernel, next_power_of_2, tl, triton, use_triton
-from .common import amax_to_scale, finish, fold_row_factors, fp8_buffer, group_amax, inverse
+from .common import amax_to_scale, finish, fp8_buffer, inverse
 from .rows import quantize_rows_reference
 
 __all__ = ["ColumnFactors", "quantize_rows_folded", "quantize_rows_folded_reference",
-           "quantize_rows_folded_with_column_amax", "scale_columns", "scale_columns_reference"]
+           "scale_columns", "scale_columns_reference"]
 
 # Launch shape: (rows per program, columns per warp); rows up to MAX_BLOCK_C wide take the
 # kernel. H200, dsv3_ep32_fc1's gradient (65536 x 4096): 0.213 ms for 16 rows on 4 warps
@@ -33,11 +33,6 @@ MAX_BLOCK_C = 16384
 # Wider rows (Mixtral's fc1 gradient: 28672 columns) go in blocks of this many columns, read
 # twice: the amax pass, then the scaling pass from L2.
 WIDE_BLOCK_C = 8192
-# With the column maxima (rows of up to 8192 columns): 32 rows per program (an atomic
-# maximum per column and group every 32 rows) and 256 columns per warp, which keeps the
-# running maxima in registers (sm90: 79-128 a thread, no spills; 1024 columns per warp: 254).
-FOLDED_AMAX_CONFIG = (32, 256)
-FOLDED_AMAX_MAX_BLOCK_C = 8192
 
 
 @dataclass(frozen=True)
@@ -76,35 +71,22 @@ def _folded_block(t_ptr, factors_ptr, row, group, cols, live, C, stride_t):
     return values * tl.load(factors_ptr + group * C + cols, mask=mask, other=0.0)
 
 
-@triton.jit
-def _flush_column_amax(amax_ptr, group, running, cols, col_mask, C):
-    """Group ``group``'s running column maxima into ``amax`` (an atomic maximum each)."""
-    tl.atomic_max(amax_ptr + group.to(tl.int64) * C + cols, running, mask=col_mask)
-
-
 @kernel
 @triton.jit
-def _quantize_rows_folded_kernel(t_ptr, factors_ptr, ends_ptr, q_ptr, inv_ptr, row_factors_ptr,
-                                 amax_ptr, R, C, G, stride_t, stride_q, FP8_MAX: tl.constexpr,
-                                 POW2: tl.constexpr, ROWS: tl.constexpr, BLOCK_C: tl.constexpr,
-                                 BLOCK_G: tl.constexpr, WIDE: tl.constexpr = False,
-                                 COLUMN_AMAX: tl.constexpr = False):
+def _quantize_rows_folded_kernel(t_ptr, factors_ptr, ends_ptr, q_ptr, inv_ptr, R, C, G,
+                                 stride_t, stride_q, FP8_MAX: tl.constexpr, POW2: tl.constexpr,
+                                 ROWS: tl.constexpr, BLOCK_C: tl.constexpr,
+                                 BLOCK_G: tl.constexpr, WIDE: tl.constexpr = False):
     """Rows ``[program * ROWS, program * ROWS + ROWS)``, each one block of ``BLOCK_C >= C``
     (``WIDE``: several blocks, read twice); the rows' groups are found from the ends, once
-    for the whole run. ``COLUMN_AMAX`` (not with ``WIDE``): also the maxima of ``|t[r, c] *
-    row_factors[r]|`` per group and column (rows past the groups left out), kept per group
-    while the run stays in it and added to ``amax`` by atomic maxima."""
+    for the whole run."""
     cols = tl.arange(0, BLOCK_C)
     col_mask = cols < C
     first = tl.program_id(0).to(tl.int64) * ROWS
     slots = tl.arange(0, ROWS)
-    found = row_group(ends_ptr, first + slots, G, BLOCK_G)  # G: rows past the groups
-    groups = tl.minimum(found, G - 1)
+    groups = tl.minimum(row_group(ends_ptr, first + slots, G, BLOCK_G), G - 1)
     held = tl.min(groups, axis=0)  # the run's first row's group (groups never decrease)
     factors = tl.load(factors_ptr + held * C + cols, mask=col_mask, other=0.0)
-    if COLUMN_AMAX:
-        running = tl.zeros([BLOCK_C], tl.float32)
-        running_group = held
     for i in range(ROWS):
         row = first + i
         live = row < R
@@ -127,25 +109,12 @@ def _quantize_rows_folded_kernel(t_ptr, factors_ptr, ends_ptr, q_ptr, inv_ptr, r
                 held = group
                 factors = tl.load(factors_ptr + group * C + cols, mask=col_mask, other=0.0)
             mask = col_mask & live
-            raw = tl.load(t_ptr + row * stride_t + cols, mask=mask, other=0.0).to(tl.float32)
-            if COLUMN_AMAX:
-                if group != running_group:
-                    _flush_column_amax(amax_ptr, running_group, running, cols, col_mask, C)
-                    running = tl.zeros([BLOCK_C], tl.float32)
-                    running_group = group
-                counted = live & (tl.sum(tl.where(slots == i, found, 0), axis=0) < G)
-                row_factor = tl.load(row_factors_ptr + row, mask=counted, other=1.0)
-                # saturated at float32's range, as the column-amax pass folds the factors
-                folded = tl.clamp(raw * row_factor, -3.4028234663852886e38,
-                                  3.4028234663852886e38)
-                running = tl.maximum(running, tl.where(counted, tl.abs(folded), 0.0))
-            values = raw * factors
+            values = tl.load(t_ptr + row * stride_t + cols, mask=mask, other=0.0).to(tl.float32)
+            values *= factors
             scale = amax_to_scale(tl.max(tl.abs(values), axis=0), FP8_MAX, POW2)
             scaled = tl.clamp(values * scale, -FP8_MAX, FP8_MAX)
             tl.store(q_ptr + row * stride_q + cols, scaled.to(q_ptr.dtype.element_ty), mask=mask)
         tl.store(inv_ptr + row, inverse(scale), mask=live)
-    if COLUMN_AMAX:
-        _flush_column_amax(amax_ptr, running_group, running, cols, col_mask, C)
 
 
 def quantize_rows_folded(t: torch.Tensor, column_factors: ColumnFactors, fp8_dtype: torch.dtype,
@@ -154,26 +123,6 @@ def quantize_rows_folded(t: torch.Tensor, column_factors: ColumnFactors, fp8_dty
     scaled by its own amax; and the ``(R,)`` float32 dequantization factors. One read of
     ``t`` on GPUs for rows of up to ``MAX_BLOCK_C`` columns, two (the second mostly from
     L2) beyond."""
-    data, inv, _ = _quantize(t, column_factors, fp8_dtype, power_of_two, None)
-    return data, inv
-
-
-def quantize_rows_folded_with_column_amax(
-        t: torch.Tensor, column_factors: ColumnFactors, row_factors: torch.Tensor,
-        fp8_dtype: torch.dtype, power_of_two: bool
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """:func:`quantize_rows_folded`, and from the same read the ``(G, C)`` float32 maxima of
-    ``|t[r, c] * row_factors[r]|`` over each group's rows (rows past the last group left
-    out): the column-amax pass of the weight gradient's operand
-    (:func:`~grouped_linear.kernels.quantize.transposed.quantize_group_columns_t` with
-    these ``row_factors``), bit for bit. ``None`` in their place for rows wider than
-    ``FOLDED_AMAX_MAX_BLOCK_C`` columns: that pass then runs as usual."""
-    return _quantize(t, column_factors, fp8_dtype, power_of_two, row_factors)
-
-
-def _quantize(t: torch.Tensor, column_factors: ColumnFactors, fp8_dtype: torch.dtype,
-              power_of_two: bool, row_factors: torch.Tensor | None
-              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     R, C = t.shape
     factors = column_factors.factors
     if factors.dim() != 2 or factors.shape[1] != C or factors.shape[0] == 0:
@@ -185,32 +134,23 @@ def _quantize(t: torch.Tensor, column_factors: ColumnFactors, fp8_dtype: torch.d
     if column_factors.ends.shape != (factors.shape[0],):
         raise ValueError(f"ends has shape {tuple(column_factors.ends.shape)}, expected "
                          f"({factors.shape[0]},): one row end per factor row")
-    if row_factors is not None and row_factors.shape != (R,):
-        raise ValueError(f"row_factors has shape {tuple(row_factors.shape)}, expected ({R},)")
     block_c = next_power_of_2(max(C, 16))
-    wide = block_c > MAX_BLOCK_C
-    fused = row_factors is not None and block_c <= FOLDED_AMAX_MAX_BLOCK_C
     if not use_triton(t) or t.stride(-1) != 1 or R == 0:
-        data, inv = quantize_rows_folded_reference(t, column_factors, fp8_dtype, power_of_two)
-        amax = group_amax(fold_row_factors(t, row_factors), column_factors.ends) \
-            if fused else None
-        return data, inv, amax
+        return quantize_rows_folded_reference(t, column_factors, fp8_dtype, power_of_two)
     data = fp8_buffer((R, C), t.device, fp8_dtype)
     inv = torch.empty(R, device=t.device, dtype=torch.float32)
-    amax = torch.zeros(factors.shape[0], C, device=t.device) if fused else None
-    rows, columns_per_warp = FOLDED_AMAX_CONFIG if fused else FOLDED_CONFIG
+    rows, columns_per_warp = FOLDED_CONFIG
+    wide = block_c > MAX_BLOCK_C
     if wide:
         block_c = WIDE_BLOCK_C
-    warps = min(16, max(4 if fused else 2, block_c // columns_per_warp))
+    warps = min(16, max(2, block_c // columns_per_warp))
     _quantize_rows_folded_kernel[(cdiv(R, rows),)](
-        t, factors, column_factors.ends, data, inv,
-        row_factors.float().contiguous() if fused else inv, amax if fused else inv, R, C,
-        factors.shape[0], t.stride(0), data.stride(0), FP8_MAX=torch.finfo(fp8_dtype).max,
-        POW2=power_of_two, ROWS=rows, BLOCK_C=block_c,
-        BLOCK_G=min(256, next_power_of_2(factors.shape[0])), WIDE=wide, COLUMN_AMAX=fused,
+        t, factors, column_factors.ends, data, inv, R, C, factors.shape[0], t.stride(0),
+        data.stride(0), FP8_MAX=torch.finfo(fp8_dtype).max, POW2=power_of_two, ROWS=rows,
+        BLOCK_C=block_c, BLOCK_G=min(256, next_power_of_2(factors.shape[0])), WIDE=wide,
         num_warps=warps,
     )
-    return finish(data, fp8_dtype), inv, amax
+    return finish(data, fp8_dtype), inv
 
 
 def scale_columns_reference(t: torch.Tensor, scale: torch.Tensor, group_rows: int,

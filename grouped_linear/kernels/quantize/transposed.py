@@ -270,7 +270,7 @@ def _quantize_columns_t_tiled_kernel(t_ptr, ends_ptr, dst_ends_ptr, scale_ptr, i
 
 def quantize_columns_t(t, ends, data_ends, data, fp8_dtype, power_of_two, group_scale,
                        align, stride_q=None, width=None, dst_multiple=1, sums=None, shifts=None,
-                       num_rows=None, row_factors=None, unit_scale=False, column_amax=None,
+                       num_rows=None, row_factors=None, unit_scale=False,
                        config: TiledConfig = TILED_CONFIG):
     """Group ``g``'s row ``r`` lands at ``data_flat[c * stride_q + data_ends[g-1] + r -
     start_g]``, followed by zeros up to ``round_up(size_g, align)`` columns; columns from
@@ -282,10 +282,9 @@ def quantize_columns_t(t, ends, data_ends, data, fp8_dtype, power_of_two, group_
     :class:`~grouped_linear.kernels.quantize.common.PieceShifts`; ``t`` is then the first of the
     pieces and ``num_rows`` their total rows. ``row_factors``: ``(M,)`` float32 multipliers
     of the rows (not with ``shifts``); ``sums`` stay those of ``t``. ``unit_scale``: ``t``
-    holds FP8 codes that are moved unchanged (no factors returned: ``None``).
-    ``column_amax``: the ``(G, C)`` float32 maxima of the column-amax pass, computed already
-    (not with ``sums``): the pass is skipped. ``config``: the launch shape. Returns the
-    ``(G, C)`` float32 dequantization factors, written by the quantizing kernel itself."""
+    holds FP8 codes that are moved unchanged (no factors returned: ``None``). ``config``: the
+    launch shape. Returns the ``(G, C)`` float32 dequantization factors, written by the
+    quantizing kernel itself."""
     M, C = t.shape
     M = M if num_rows is None else num_rows
     shift_args = (shifts.shifts, True, shifts.multiple) if shifts is not None else (t, False, 1)
@@ -303,10 +302,6 @@ def quantize_columns_t(t, ends, data_ends, data, fp8_dtype, power_of_two, group_
     inv = None if unit_scale else torch.empty(G, C, device=t.device, dtype=torch.float32)
     if unit_scale:
         scaling, scale = "unit", ends
-    elif column_amax is not None:
-        if sums is not None:
-            raise ValueError("column sums come from the column-amax pass: not with column_amax")
-        scaling, scale = "amax", column_amax
     elif group_scale is None:
         scaling = "amax"
         scale = torch.zeros(G, C, device=t.device, dtype=torch.float32)  # the column maxima
@@ -348,7 +343,6 @@ def quantize_group_columns_t(t: torch.Tensor, ends: torch.Tensor, fp8_dtype: tor
                              align: int = 1, column_sums: torch.Tensor | None = None,
                              row_factors: torch.Tensor | None = None,
                              data_ends: torch.Tensor | None = None,
-                             column_amax: torch.Tensor | None = None,
                              config: TiledConfig = TILED_CONFIG
                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The wgrad operand: ``(M, C)`` -> FP8 transposed, scaled per (group, column) along
@@ -372,10 +366,7 @@ def quantize_group_columns_t(t: torch.Tensor, ends: torch.Tensor, fp8_dtype: tor
     of ``x`` into ``dy`` this way.
 
     ``data_ends``: the aligned group ends when the caller already has them (from an
-    earlier call with the same ``ends`` and ``align``). ``column_amax``: the ``(G, C)``
-    float32 maxima of ``|t * row_factors|`` over each group's rows, when the caller has them
-    (:func:`~grouped_linear.kernels.quantize.folded.quantize_rows_folded_with_column_amax`):
-    no pass of its own for them (no ``group_scale``). ``config``: the launch shape.
+    earlier call with the same ``ends`` and ``align``). ``config``: the launch shape.
     """
     M, C = t.shape
     G = ends.shape[0]
@@ -383,8 +374,7 @@ def quantize_group_columns_t(t: torch.Tensor, ends: torch.Tensor, fp8_dtype: tor
         data_ends = ends if align == 1 else aligned_ends(ends, align)
     width = _aligned_width(M, G, align)
     kernels = use_triton(t) and t.stride(-1) == 1 and t.shape[0] > 0
-    fused_sums = column_sums if kernels and group_scale is None and column_amax is None \
-        else None
+    fused_sums = column_sums if kernels and group_scale is None else None
     if column_sums is not None and fused_sums is None:  # no column-amax pass to share
         column_sums.copy_(bias_grad(t, ends, torch.float32))
     if not kernels:
@@ -398,7 +388,7 @@ def quantize_group_columns_t(t: torch.Tensor, ends: torch.Tensor, fp8_dtype: tor
     data = _transposed_buffer(C, width, t.device, fp8_dtype)
     inv = quantize_columns_t(t, ends, data_ends, data, fp8_dtype, power_of_two, group_scale,
                              align, dst_multiple=align, sums=fused_sums, row_factors=row_factors,
-                             column_amax=column_amax, config=config)
+                             config=config)
     return finish(data, fp8_dtype), inv, data_ends
 
 

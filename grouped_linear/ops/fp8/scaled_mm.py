@@ -142,20 +142,12 @@ class Fp8ScaledMMFunction(torch.autograd.Function):
         fp8_grad, pow2 = recipe.gradient_dtype, recipe.power_of_two_scales
         grad_out = grad_out.contiguous()
         dy_scale = token_group_scales(grad_out, ends, fp8_grad, recipe)
-        grad_x = dy_amax = None
+        grad_x = None
         if ctx.needs_input_grad[0] or any(ctx.needs_input_grad[7:]):
             wt_data, wt_inv, wt_fold = take_dgrad_weight(ctx, weight, recipe, "fp8_scaled_mm")
             if wt_fold is not None:  # rowwise: dy times the weight's channel factors
                 factors = folded.ColumnFactors.of_groups(wt_fold, ends, grad_out.shape[0])
-                if x_inv is not None and ctx.needs_input_grad[1] and not (
-                        ctx.bias_dtype is not None and ctx.needs_input_grad[2]):
-                    # the same read also takes the wgrad operand's column maxima (the bias
-                    # gradient's sums come with that pass itself: not here)
-                    dy_data, dy_inv, dy_amax = folded.quantize_rows_folded_with_column_amax(
-                        grad_out, factors, x_inv, fp8_grad, pow2)
-                else:
-                    dy_data, dy_inv = folded.quantize_rows_folded(grad_out, factors, fp8_grad,
-                                                                  pow2)
+                dy_data, dy_inv = folded.quantize_rows_folded(grad_out, factors, fp8_grad, pow2)
             else:
                 dy_data, dy_inv = _quantize_tokens(grad_out, ends, fp8_grad, recipe, dy_scale)
             grad_x = _gemm(fp8_torch_gemm.dgrad, dy_data, dy_inv, wt_data, wt_inv, ends, dtype)
@@ -173,7 +165,7 @@ class Fp8ScaledMMFunction(torch.autograd.Function):
             folds = x_inv is not None  # dy carries x's per-token factors
             dy_t, dy_t_inv, aligned = transposed.quantize_group_columns_t(
                 grad_out, ends, fp8_grad, pow2, None if folds else dy_scale, align=align,
-                column_sums=bias_sums, row_factors=x_inv, column_amax=dy_amax)
+                column_sums=bias_sums, row_factors=x_inv)
             if folds:  # x's forward codes, already transposed
                 x_t, x_t_inv = x, common.unit_factors((ends.shape[0], x.shape[0]), x.device)
             elif pieces:  # each piece into its aligned columns, same width as dy's

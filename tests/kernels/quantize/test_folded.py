@@ -57,40 +57,6 @@ def test_rows_wider_than_one_block(monkeypatch, pow2):
     assert torch.allclose(inv, ref_inv, rtol=1e-6) and codes_close(data, ref_data)
 
 
-@pytest.mark.parametrize("sizes, tail", [([5, 0, 9], 2), ([0, 7, 3, 0], 4),
-                                         ([40, 3, 0, 50], 5),
-                                         ([(g * 7) % 5 for g in range(300)], 3)])
-def test_column_maxima_from_the_same_read(monkeypatch, sizes, tail):
-    """The rows' codes and factors as without the maxima, and the maxima those of the
-    weight gradient's column-amax pass (group by group, rows past the groups left out),
-    exactly: groups inside one program's run of rows, runs across groups, empty groups."""
-    from grouped_linear.kernels.quantize import common as qc
-
-    C = 70
-    M = sum(sizes) + tail
-    t = (torch.randn(M, C) * torch.logspace(-2, 2, C)).to(torch.bfloat16).to(DEVICE)
-    t[-1] = float("inf") if tail else t[-1]  # a tail row never counts
-    ends = torch.tensor(sizes, device=DEVICE).cumsum(0).to(torch.int32)
-    factors = (torch.rand(len(sizes), C) + 0.5).to(DEVICE)
-    row_factors = (torch.rand(M) * torch.logspace(-1, 1, M)).to(DEVICE)
-    column_factors = qf.ColumnFactors.of_groups(factors, ends, M)
-    want_amax = qc.group_amax(qc.fold_row_factors(t, row_factors), ends)
-    want_data, want_inv = qf.quantize_rows_folded(t, column_factors, E4M3, False)
-    monkeypatch.setattr(qf, "quantize_rows_folded_reference", None)  # the kernel must run
-    data, inv, amax = qf.quantize_rows_folded_with_column_amax(t, column_factors, row_factors,
-                                                               E4M3, False)
-    assert torch.equal(data.view(torch.uint8), want_data.view(torch.uint8))
-    assert torch.equal(inv, want_inv)
-    assert amax.shape == (len(sizes), C) and torch.equal(amax, want_amax)
-    assert torch.isfinite(amax).all()
-    monkeypatch.setattr(qf, "FOLDED_AMAX_MAX_BLOCK_C", 64)  # too wide a row: no maxima
-    assert qf.quantize_rows_folded_with_column_amax(t, column_factors, row_factors, E4M3,
-                                                    False)[2] is None
-    with pytest.raises(ValueError, match="row_factors has shape"):
-        qf.quantize_rows_folded_with_column_amax(t, column_factors, row_factors[1:], E4M3,
-                                                 False)
-
-
 def test_scale_columns_matches_its_reference():
     """Rows times their group's column scales, saturated to FP8 (no per-row scale): the
     kernel against the reference and the dequantized codes against the float64 product."""
