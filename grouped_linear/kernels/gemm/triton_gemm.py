@@ -42,15 +42,12 @@ class WgradTile(NamedTuple):
     k_run: int = 1
 
 
-# The weight gradient of small groups writes far more than it reads (G x N x K outputs from
-# a few rows each): its programs are bound by their latency, so the more of them an SM holds
-# and the fewer group look-ups, the better. ``benchmarks/backend_choice.py --part
-# fine-backward`` (H100, 40 fine cells of 64-256 groups of 8-32 rows): two launches with
-# runs of four K tiles per program, 16-row steps unpipelined where groups average up to 16
-# rows (92 registers, 8 KB of shared memory), 64-row steps in two stages above (101, 32 KB),
-# took 0.53-0.64x the time of the one-launch backward (its dgrad's persistent tiles hold 255
-# registers, so a weight-gradient program got 1-2 slots per SM) and 0.93-1.19x torch's two
-# grouped GEMMs' speed.
+# Small groups' weight gradients are bound by their programs' latency (G x N x K outputs from
+# a few rows each). ``benchmarks/backend_choice.py --part fine-backward`` (H100, 40 cells of
+# 64-256 groups of 8-32 rows): two launches, runs of four K tiles per program, 16-row
+# unpipelined steps up to 16 rows a group on average, 64-row steps in two stages above, took
+# 0.53-0.64x the one-launch backward's time (its 255 registers left a weight-gradient
+# program 1-2 slots per SM) and ran at 0.93-1.19x torch's two grouped GEMMs' speed.
 SMALL_GROUPS_TILE = WgradTile(16, 64, 64, 4, 1, k_run=4)
 WGRAD_TILE = WgradTile(64, 64, 64, 4, 2, k_run=4)
 # The one-launch backward, kept for weight gradients of at most this many weights: there
