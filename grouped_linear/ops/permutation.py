@@ -425,6 +425,7 @@ def unpermute(
             high = probs.shape[1]
             _check_range(topk_indices.view(row_map.shape), high, "topk_indices",
                          f"expert indices must be in [-1, {high - 1}] (probs has {high} columns)")
+            inputs.check_not_mask(topk_indices, high)
     if experts is not None:
         probs = inputs.gather_dense_probs(probs, inputs.slot_experts(topk_indices, probs.shape[1]))
     recipe = current_recipe()

@@ -476,6 +476,10 @@ UNPERMUTE_ERRORS = [
     ((Y, ROW_MAP[:, :1].clone(), torch.rand(3, 3)), {"topk_indices": MAP[:, :1]}, ValueError,
      r"probs has shape \(3, 3\) but the routing map topk_indices has shape \(3, 1\)"),
     ((Y, ROW_MAP, torch.rand(2)), {}, ValueError, r"probs has shape \(2,\)"),
+    ((Y, torch.tensor([[0, -1, 1], [2, -1, -1], [3, 4, -1]]), torch.rand(3, 3)),
+     {"topk_indices": MAP.to(torch.int32)}, ValueError,
+     r"topk_indices is a torch.int32 tensor of shape \(3, 3\) = \(T, num_experts\) holding "
+     r"only 0 and 1"),
 ]
 
 
