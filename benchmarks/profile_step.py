@@ -177,6 +177,7 @@ def fine_table(cells: list[str]) -> None:
         inputs = bench_fine.cell_columns(known[name], list(FINE_COLUMNS), torch.device(CUDA), DT)
         print(f"===== {name}")
         print(f"{'column':>12}  {'host µs':>8}  {'GPU µs':>8}  {'kernels':>7}  {'wall µs':>8}")
+        top = {}
         for column_name, column in inputs.columns.items():
             def run(column=column) -> None:
                 column.call()
@@ -191,10 +192,11 @@ def fine_table(cells: list[str]) -> None:
             count = sum(n for _, n in kernels.values())
             wall = wall_us(run, n=50, warmup=5)
             print(f"{column_name:>12}  {host:8.0f}  {gpu:8.0f}  {count:7.0f}  {wall:8.0f}")
-            if column_name == "gl":
-                gl_kernels = kernels
-        for key, (us, count) in sorted(gl_kernels.items(), key=lambda kv: -kv[1][0])[:12]:
-            print(f"    gl {us:8.1f}  {count:5.0f}  {key[:90]}")
+            if column_name in ("torch", "gl"):
+                top[column_name] = kernels
+        for column_name, kernels in top.items():
+            for key, (us, count) in sorted(kernels.items(), key=lambda kv: -kv[1][0])[:10]:
+                print(f"    {column_name:>5} {us:8.1f}  {count:5.0f}  {key[:90]}")
         gl_column = inputs.columns["gl"]
 
         def gl_run(column=gl_column) -> None:
