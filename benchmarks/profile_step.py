@@ -192,7 +192,7 @@ def fine_table(cells: list[str]) -> None:
             count = sum(n for _, n in kernels.values())
             wall = wall_us(run, n=50, warmup=5)
             print(f"{column_name:>12}  {host:8.0f}  {gpu:8.0f}  {count:7.0f}  {wall:8.0f}")
-            if column_name in ("torch", "gl"):
+            if column_name in ("torch", "gl", "row_cached", "block_cached"):
                 top[column_name] = kernels
         for column_name, kernels in top.items():
             for key, (us, count) in sorted(kernels.items(), key=lambda kv: -kv[1][0])[:10]:
