@@ -5,15 +5,18 @@
 shared-memory tiles of ``dy`` as one more, narrow MMA against a tile of ones
 (``dy^T @ 1``, 8 columns wide), so it costs no pass over ``dy`` of its own.
 
-One tile per (group, ``N`` tile, ``K`` tile), persistent programs walking them in order.
-Both operands arrive by TMA as they lie in memory, ``dy`` ``(M, N)`` and ``x`` ``(M, K)``
-row-major (the MMA reads the ``dy`` tile transposed and the ``x`` tile row-major); a tile
-starts at its group's first row, so only the group's last block holds rows of the next
-group: the MMA warps zero those rows of both tiles in shared memory before its MMA.
-Whole output tiles leave by TMA while the next tile's MMAs run (the tiles at the ``N``
-edge, whose rows would spill into the next group's, with a row mask). Groups are given by
-``ends``, the non-decreasing cumulative row ends within ``[0, M]``
-(:func:`grouped_linear.kernels.ends.group_ends`); empty groups get zeros.
+One tile per (group, ``N`` tile, ``K`` tile), persistent programs walking them in order,
+their loads running ``STAGES - 1`` steps ahead across tile boundaries (a tile of a group of
+a few hundred rows is a few steps: refilling the pipeline per tile made it 1.11-1.35x
+slower at 32-256 rows per group, H100). Both operands arrive by TMA as they lie in
+memory, ``dy`` ``(M, N)`` and ``x`` ``(M, K)`` row-major (the MMA reads the ``dy`` tile
+transposed and the ``x`` tile row-major); a tile starts at its group's first row, so only
+the group's last block holds rows of the next group: the MMA warps zero those rows of both
+tiles in shared memory before its MMA. Whole output tiles leave by TMA while the next
+tile's MMAs run (the tiles at the ``N`` edge, whose rows would spill into the next
+group's, with a row mask). Groups are given by ``ends``, the non-decreasing cumulative row
+ends within ``[0, M]`` (:func:`grouped_linear.kernels.ends.group_ends`); an empty group's
+tiles take one step of zeroed rows and store zeros.
 
 Tiles are walked in bands of ``band_n`` ``N`` tiles (each band's tiles of one ``K``
 column in a row, then the next column), so that programs running at the same time share
@@ -85,36 +88,68 @@ def _zero_rows_from(tile, first_zero_row, BLOCK_T: gl.constexpr, num_warps: gl.c
 
 
 @gluon.jit
-def _tile_products(dy_desc, x_desc, dy_bufs, x_bufs, bars, ones_tile, start, end, n0, k0,
-                   step, SUMS: gl.constexpr, mma_layout: gl.constexpr,
-                   bias_layout: gl.constexpr, STAGES: gl.constexpr,
-                   num_warps: gl.constexpr):
-    """One output tile's products over its group's rows ``start..end``: ``dy^T @ x``
-    and, with ``SUMS``, ``dy^T @ 1`` (the bias gradient, 8 equal columns). Returns both
-    accumulators, finished, and the next pipeline step."""
+def _tile_rows(tile, total, ends_ptr, n_tiles, k_tiles, BAND_N: gl.constexpr,
+               BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, BLOCK_T: gl.constexpr):
+    """Tile ``tile`` of the ``total``: its group, first N and K, the group's rows
+    ``start..end`` and its pipeline steps (one for an empty group: a block of zeros)."""
+    g, n0, k0 = band_tile(tile, n_tiles, k_tiles, BAND_N, BLOCK_N, BLOCK_K)
+    valid = tile < total
+    end = gl.load(ends_ptr + g, mask=valid, other=0)
+    start = gl.load(ends_ptr + g - 1, mask=valid & (g > 0), other=0)
+    return g, n0, k0, start, end, gl.maximum(gl.cdiv(end - start, BLOCK_T), 1)
+
+
+@gluon.jit
+def _next_load(dy_desc, x_desc, dy_bufs, x_bufs, bars, ends_ptr, load_step, t, kb, n0, k0,
+               start, blocks, pid, my_tiles, n_tiles, k_tiles, total, BAND_N: gl.constexpr,
+               NUM_PROGRAMS: gl.constexpr, STAGES: gl.constexpr):
+    """The loads' cursor: TMA block ``kb`` of the program's ``t``-th tile into the stage of
+    step ``load_step`` (none past the program's last tile), then move to the next block,
+    across tile boundaries. Returns the cursor moved on."""
     BLOCK_T: gl.constexpr = dy_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = dy_desc.block_type.shape[1]
     BLOCK_K: gl.constexpr = x_desc.block_type.shape[1]
-    LEAD: gl.constexpr = STAGES - 1
+    row = start + kb * BLOCK_T
+    load_stage(dy_desc, row, n0, x_desc, row, k0, bars, dy_bufs, x_bufs, load_step, STAGES,
+               t < my_tiles)
+    kb += 1
+    if kb == blocks:
+        t += 1
+        kb = kb * 0
+        _g, n0, k0, start, _end, blocks = _tile_rows(
+            pid + t * NUM_PROGRAMS, total, ends_ptr, n_tiles, k_tiles, BAND_N, BLOCK_N,
+            BLOCK_K, BLOCK_T)
+    return load_step + 1, t, kb, n0, k0, start, blocks
+
+
+@gluon.jit
+def _tile_products(dy_desc, x_desc, dy_bufs, x_bufs, bars, ones_tile, ends_ptr, start, end,
+                   blocks, step, cursor, pid, my_tiles, n_tiles, k_tiles, total,
+                   SUMS: gl.constexpr, mma_layout: gl.constexpr, bias_layout: gl.constexpr,
+                   BAND_N: gl.constexpr, NUM_PROGRAMS: gl.constexpr, STAGES: gl.constexpr,
+                   num_warps: gl.constexpr):
+    """One output tile's products over its group's rows ``start..end`` in ``blocks``
+    pipeline steps from ``step``: ``dy^T @ x`` and, with ``SUMS``, ``dy^T @ 1`` (the bias
+    gradient, 8 equal columns), each step's stage refilled LEAD steps ahead by the loads'
+    ``cursor``. Returns both accumulators, finished, the next step and the cursor."""
+    BLOCK_T: gl.constexpr = dy_desc.block_type.shape[0]
+    BLOCK_N: gl.constexpr = dy_desc.block_type.shape[1]
+    BLOCK_K: gl.constexpr = x_desc.block_type.shape[1]
     # MMAs per pipeline step, each its own group: the wait leaves this step's in flight
     IN_FLIGHT: gl.constexpr = 2 if SUMS else 1
-    k_blocks = gl.cdiv(end - start, BLOCK_T)
-    for p in gl.static_range(LEAD):
-        row = start + p * BLOCK_T
-        load_stage(dy_desc, row, n0, x_desc, row, k0, bars, dy_bufs, x_bufs, step + p,
-                   STAGES, p < k_blocks)
+    load_step, l_t, l_kb, l_n0, l_k0, l_start, l_blocks = cursor
     acc = gl.zeros([BLOCK_N, BLOCK_K], gl.float32, layout=mma_layout)
     bias_acc = gl.zeros([BLOCK_N, 8], gl.float32, layout=bias_layout)
-    for kb in range(0, k_blocks):
+    for kb in range(0, blocks):
         stage = step % STAGES
         mbarrier.wait(bars.index(stage), (step // STAGES) & 1)
         dy_tile = dy_bufs.index(stage)
-        rows_left = end - start - kb * BLOCK_T
         x_tile = x_bufs.index(stage)
+        rows_left = end - start - kb * BLOCK_T
         if rows_left < BLOCK_T:
-            # The group's last block holds the next group's rows (or rows past the
-            # groups, whatever they hold): zero them in both operands, not one, so
-            # that no inf or NaN there reaches a sum (0 * inf is NaN).
+            # The group's last block holds the next group's rows (or rows past the groups,
+            # whatever they hold; all of an empty group's one block): zero them in both
+            # operands, not one, so that no inf or NaN there reaches a sum (0 * inf is NaN).
             _zero_rows_from(dy_tile, rows_left, BLOCK_T, num_warps)
             _zero_rows_from(x_tile, rows_left, BLOCK_T, num_warps)
             fence_async_shared()
@@ -125,15 +160,16 @@ def _tile_products(dy_desc, x_desc, dy_bufs, x_bufs, bars, ones_tile, start, end
             acc, bias_acc = warpgroup_mma_wait(IN_FLIGHT, deps=[acc, bias_acc])
         else:
             acc = warpgroup_mma_wait(IN_FLIGHT, deps=[acc])
-        row = start + (kb + LEAD) * BLOCK_T
-        load_stage(dy_desc, row, n0, x_desc, row, k0, bars, dy_bufs, x_bufs, step + LEAD,
-                   STAGES, kb + LEAD < k_blocks)
+        load_step, l_t, l_kb, l_n0, l_k0, l_start, l_blocks = _next_load(
+            dy_desc, x_desc, dy_bufs, x_bufs, bars, ends_ptr, load_step, l_t, l_kb, l_n0,
+            l_k0, l_start, l_blocks, pid, my_tiles, n_tiles, k_tiles, total, BAND_N,
+            NUM_PROGRAMS, STAGES)
         step += 1
     if SUMS:
         acc, bias_acc = warpgroup_mma_wait(0, deps=[acc, bias_acc])
     else:
         acc = warpgroup_mma_wait(0, deps=[acc])
-    return acc, bias_acc, step
+    return acc, bias_acc, step, (load_step, l_t, l_kb, l_n0, l_k0, l_start, l_blocks)
 
 
 @kernel
@@ -144,6 +180,7 @@ def _wgrad_kernel(dy_desc, x_desc, out_desc, out_ptr, bias_grad_ptr, ends_ptr, N
     BLOCK_T: gl.constexpr = dy_desc.block_type.shape[0]
     BLOCK_N: gl.constexpr = dy_desc.block_type.shape[1]
     BLOCK_K: gl.constexpr = x_desc.block_type.shape[1]
+    LEAD: gl.constexpr = STAGES - 1
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_K, 16])
     bias_layout: gl.constexpr = gl.NVMMADistributedLayout(
@@ -160,31 +197,44 @@ def _wgrad_kernel(dy_desc, x_desc, out_desc, out_ptr, bias_grad_ptr, ends_ptr, N
             dy_desc.dtype, [BLOCK_T, 8],
             gl.NVMMASharedLayout.get_default_for([BLOCK_T, 8], dy_desc.dtype), ones)
         fence_async_shared()
+    else:
+        ones_tile = dy_bufs
 
     n_tiles = gl.cdiv(N, BLOCK_N)
     k_tiles = gl.cdiv(K, BLOCK_K)
-    pid, my_tiles = program_tiles(G * n_tiles * k_tiles, NUM_PROGRAMS)
+    total = G * n_tiles * k_tiles
+    pid, my_tiles = program_tiles(total, NUM_PROGRAMS)
     rows_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, mma_layout))
     cols_k = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, mma_layout))
+    # The loads run LEAD pipeline steps ahead of the MMAs, across tile boundaries: a tile's
+    # first blocks arrive while the previous tile's last MMAs and its store run. Step s +
+    # LEAD refills the stage of step s - 1, whose MMA the wait in the loop has finished.
+    _g, l_n0, l_k0, l_start, _end, l_blocks = _tile_rows(
+        pid, total, ends_ptr, n_tiles, k_tiles, BAND_N, BLOCK_N, BLOCK_K, BLOCK_T)
+    load_step = pid * 0  # the cursor's counters, as tensors from the start
+    l_t = pid * 0
+    l_kb = pid * 0
+    for _p in gl.static_range(LEAD):
+        load_step, l_t, l_kb, l_n0, l_k0, l_start, l_blocks = _next_load(
+            dy_desc, x_desc, dy_bufs, x_bufs, bars, ends_ptr, load_step, l_t, l_kb, l_n0,
+            l_k0, l_start, l_blocks, pid, my_tiles, n_tiles, k_tiles, total, BAND_N,
+            NUM_PROGRAMS, STAGES)
+    cursor = (load_step, l_t, l_kb, l_n0, l_k0, l_start, l_blocks)
     step = 0
     for t in range(0, my_tiles):
-        tile = pid + t * NUM_PROGRAMS
-        g, n0, k0 = band_tile(tile, n_tiles, k_tiles, BAND_N, BLOCK_N, BLOCK_K)
-        end = gl.load(ends_ptr + g)
-        start = gl.load(ends_ptr + g - 1, mask=g > 0, other=0)
-        if HAS_BIAS:
-            if k0 == 0:  # the tiles at K offset 0 also sum dy: one narrow MMA more
-                acc, bias_acc, step = _tile_products(
-                    dy_desc, x_desc, dy_bufs, x_bufs, bars, ones_tile, start, end, n0, k0,
-                    step, True, mma_layout, bias_layout, STAGES, num_warps)
-            else:
-                acc, bias_acc, step = _tile_products(
-                    dy_desc, x_desc, dy_bufs, x_bufs, bars, ones_tile, start, end, n0, k0,
-                    step, False, mma_layout, bias_layout, STAGES, num_warps)
+        g, n0, k0, start, end, blocks = _tile_rows(
+            pid + t * NUM_PROGRAMS, total, ends_ptr, n_tiles, k_tiles, BAND_N, BLOCK_N,
+            BLOCK_K, BLOCK_T)
+        if HAS_BIAS and k0 == 0:  # the tiles at K offset 0 also sum dy: one narrow MMA more
+            acc, bias_acc, step, cursor = _tile_products(
+                dy_desc, x_desc, dy_bufs, x_bufs, bars, ones_tile, ends_ptr, start, end, blocks,
+                step, cursor, pid, my_tiles, n_tiles, k_tiles, total, True, mma_layout,
+                bias_layout, BAND_N, NUM_PROGRAMS, STAGES, num_warps)
         else:
-            acc, bias_acc, step = _tile_products(
-                dy_desc, x_desc, dy_bufs, x_bufs, bars, dy_bufs, start, end, n0, k0, step,
-                False, mma_layout, bias_layout, STAGES, num_warps)
+            acc, bias_acc, step, cursor = _tile_products(
+                dy_desc, x_desc, dy_bufs, x_bufs, bars, ones_tile, ends_ptr, start, end, blocks,
+                step, cursor, pid, my_tiles, n_tiles, k_tiles, total, False, mma_layout,
+                bias_layout, BAND_N, NUM_PROGRAMS, STAGES, num_warps)
         values = acc.to(out_ptr.dtype.element_ty)
         out_row = g * N + n0
         if TMA_STORE and n0 + BLOCK_N <= N:
@@ -197,13 +247,11 @@ def _wgrad_kernel(dy_desc, x_desc, out_desc, out_ptr, bias_grad_ptr, ends_ptr, N
             ptrs = out_ptr + (out_row.to(gl.int64) * K + k0) \
                 + (rows_n[:, None].to(gl.int64) * K + cols_k[None, :])
             gl.store(ptrs, values, mask=mask)
-        if HAS_BIAS:
-            if k0 == 0:
-                rows_b = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, bias_layout))
-                sums = gl.sum(bias_acc, axis=1) * (1.0 / 8)  # 8 equal columns
-                gl.store(bias_grad_ptr + (g.to(gl.int64) * N + n0) + rows_b,
-                         sums.to(bias_grad_ptr.dtype.element_ty),
-                         mask=rows_b < N - n0)
+        if HAS_BIAS and k0 == 0:
+            rows_b = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, bias_layout))
+            sums = gl.sum(bias_acc, axis=1) * (1.0 / 8)  # 8 equal columns
+            gl.store(bias_grad_ptr + (g.to(gl.int64) * N + n0) + rows_b,
+                     sums.to(bias_grad_ptr.dtype.element_ty), mask=rows_b < N - n0)
     if TMA_STORE:
         tma.store_wait(0)
     release_ring(bars, STAGES)

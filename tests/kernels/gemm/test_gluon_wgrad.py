@@ -23,6 +23,8 @@ CASES = [  # (sizes, rows past the groups, N, K): ragged ends, empty groups, par
     ([64], 0, 256, 192),
     ([1, 128, 0, 255, 700], 31, 272, 1088),
     ([5000, 3], 0, 128, 520),
+    # many small groups: each program's loads run ahead across tiles of 0-3 row blocks
+    ([(g * 37) % 150 for g in range(300)], 5, 512, 512),
 ]
 
 
