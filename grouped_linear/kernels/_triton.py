@@ -18,7 +18,7 @@ except ImportError:  # pragma: no cover - exercised only without triton installe
     HAS_TRITON = False
 
 __all__ = ["triton", "tl", "HAS_TRITON", "Stub", "interpreting", "use_triton", "kernel",
-           "LaunchPlan", "cdiv", "next_power_of_2", "sm_count"]
+           "LaunchPlan", "PlanCache", "cdiv", "next_power_of_2", "sm_count"]
 
 
 class Stub:
@@ -155,7 +155,9 @@ class LaunchPlan:
     training step's small GEMMs) builds the plan once, through
     :meth:`_Kernel.launch_planned`, keeps it under a key that determines every integer and
     constexpr argument and every tensor's dtype and device, and then launches with
-    ``plan(*tensors)``: no argument binding or specialization, only each tensor's address.
+    ``plan(*tensors)``: no argument binding or specialization, only each tensor's address
+    (a Gluon kernel's TMA descriptors are passed in their tensors' places: the launcher
+    encodes each one, its block shape and layout fixed by the kernel's specialization).
     On the H200 machine's host that is ~9 µs per launch against ~18 µs for the cached
     path of :class:`_Kernel` (benchmarks/NOTES.md, "The small bf16 step, sixth look").
 
@@ -184,8 +186,9 @@ class LaunchPlan:
                 launcher, "profile_scratch_size", 1):
             return None
         values = list(bound.values())
-        slots = tuple(i for i, v in enumerate(values) if isinstance(v, torch.Tensor))
-        aligned = tuple(values[i].data_ptr() % 16 == 0 for i in slots)
+        slots = tuple(i for i, v in enumerate(values)
+                      if isinstance(v, torch.Tensor) or _is_descriptor(v))
+        aligned = tuple(_address(values[i]) % 16 == 0 for i in slots)
         middle = (compiled.function, launcher.launch_cooperative_grid, launcher.launch_pdl,
                   None, None, compiled.packed_metadata, None, None, None)
         for i in slots:
@@ -202,10 +205,14 @@ class LaunchPlan:
             return False
         values = self._values.copy()
         for slot, aligned, tensor in zip(self._slots, self._aligned, tensors):
-            address = tensor.data_ptr()
+            if type(tensor) is torch.Tensor or isinstance(tensor, torch.Tensor):
+                address = tensor.data_ptr()
+                values[slot] = address
+            else:  # a TMA descriptor: the launcher encodes it (its tensor's address too)
+                address = tensor.base.data_ptr()
+                values[slot] = tensor
             if aligned and address & 15:
                 return False
-            values[slot] = address
         try:
             self._launch(*self._grid, torch._C._cuda_getCurrentRawStream(device),
                          *self._middle, *values)
@@ -215,6 +222,41 @@ class LaunchPlan:
             self._launch = None
             return False
         return True
+
+
+class PlanCache:
+    """:class:`LaunchPlan` objects by a key the caller builds from everything a launch fixes
+    besides its tensors (every integer and constexpr argument, every tensor's dtype and
+    device): :meth:`launch` launches from the key's plan, else the usual way, keeping a plan
+    of that launch. Starts over when full."""
+
+    __slots__ = ("_plans", "_size")
+
+    def __init__(self, size: int = 256) -> None:
+        self._plans: dict = {}
+        self._size = size
+
+    def launch(self, key: tuple, kernel: "_Kernel", grid: tuple, args: tuple, meta: dict) -> None:
+        """``kernel[grid](*args, **meta)``, from the plan under ``key`` where it can."""
+        plan = self._plans.get(key)
+        if plan is not None and plan(*[arg for arg in args if isinstance(arg, torch.Tensor)
+                                      or _is_descriptor(arg)]):
+            return
+        plan = kernel.launch_planned(grid, args, meta)
+        if plan is not None:
+            if len(self._plans) >= self._size:
+                self._plans.clear()
+            self._plans[key] = plan
+
+
+def _is_descriptor(value: object) -> bool:
+    """Whether a bound launch argument is a host TMA descriptor (a tensor with a block)."""
+    return isinstance(getattr(value, "base", None), torch.Tensor) and hasattr(value, "block_shape")
+
+
+def _address(value: torch.Tensor | object) -> int:
+    """A tensor's address, or a TMA descriptor's tensor's."""
+    return value.data_ptr() if isinstance(value, torch.Tensor) else value.base.data_ptr()
 
 
 def kernel(jit_fn):

@@ -2,6 +2,8 @@
 interpreter every launch takes Triton's own path, and the wrapper passes the JIT function's
 attributes through (the sm90 compile test reads them)."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -103,3 +105,66 @@ def test_plan_turns_itself_off_when_the_launcher_rejects_it(monkeypatch):
     assert plan(torch.zeros(4), torch.zeros(4)) is False
     assert plan(torch.zeros(4), torch.zeros(4)) is False  # not offered to the launcher again
     assert launcher.rejected == 1
+
+
+class _Descriptor:
+    """Stands in for a host TMA descriptor: a tensor and a block."""
+
+    def __init__(self, base):
+        self.base = base
+        self.block_shape = [2, 2]
+
+
+class _Compiled:
+    """Stands in for a compiled kernel: its launcher (``run.launch``) and metadata."""
+
+    def __init__(self, launcher):
+        self.function = "function"
+        self.packed_metadata = "metadata"
+        self.run = SimpleNamespace(launch=launcher, global_scratch_size=0, profile_scratch_size=0,
+                                   launch_cooperative_grid=False, launch_pdl=False)
+
+
+def test_plan_takes_descriptors_in_their_places(monkeypatch):
+    """A TMA descriptor among the bound arguments is a slot of the plan: the launcher gets
+    the new descriptor itself (it encodes the address), a tensor its address; a descriptor
+    of a misaligned tensor is declined where the binary assumed alignment."""
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0, raising=False)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda d: 1234, raising=False)
+    launcher = _Launcher()
+    first = torch.zeros(16)
+    bound = {"a_desc": _Descriptor(first), "out_ptr": torch.zeros(8), "M": 40, "BLOCK": 64}
+    plan = _triton.LaunchPlan.build(_Compiled(launcher), (3,), 0, bound)
+    descriptor, out = _Descriptor(torch.zeros(16)), torch.zeros(8)
+    assert plan(descriptor, out) is True
+    (args,) = launcher.calls
+    assert args[:4] == (3, 1, 1, 1234)
+    assert args[-4:] == (descriptor, out.data_ptr(), 40, 64)
+    assert plan(_Descriptor(first[1:]), out) is False and len(launcher.calls) == 1
+
+
+def test_plan_cache_launches_from_the_keys_plan(monkeypatch):
+    """The first launch of a key goes through the kernel and keeps its plan; the next ones
+    launch from the plan (the kernel not called); a full cache starts over."""
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0, raising=False)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda d: 1234, raising=False)
+    launcher = _Launcher()
+    planned = []
+
+    class Kernel:
+        def launch_planned(self, grid, args, meta):
+            planned.append(args)
+            bound = {"x": args[0], "n": args[1], **meta}
+            return _triton.LaunchPlan.build(_Compiled(launcher), grid, 0, bound)
+
+    cache = _triton.PlanCache(size=2)
+    x, y = torch.zeros(4), torch.zeros(4)
+    cache.launch(("k", 1), Kernel(), (5,), (x, 1), {"C": 2})
+    cache.launch(("k", 1), Kernel(), (5,), (y, 1), {"C": 2})
+    assert len(planned) == 1 and launcher.calls == [(5, 1, 1, 1234, "function", False, False,
+                                                     None, None, "metadata", None, None, None,
+                                                     y.data_ptr(), 1, 2)]
+    cache.launch(("k", 2), Kernel(), (5,), (x, 2), {"C": 2})
+    cache.launch(("k", 3), Kernel(), (5,), (x, 3), {"C": 2})  # full: starts over
+    cache.launch(("k", 1), Kernel(), (5,), (x, 1), {"C": 2})
+    assert len(planned) == 4

@@ -50,7 +50,7 @@ from .._gluon import (
     warpgroup_mma,
     warpgroup_mma_wait,
 )
-from .._triton import kernel, sm_count
+from .._triton import PlanCache, kernel, sm_count
 from .gluon_gemm import DTYPES
 
 __all__ = ["WgradConfig", "WGRAD_CONFIG", "BIAS_DTYPES", "supported", "wgrad", "wgrad_reference"]
@@ -76,6 +76,7 @@ class WgradConfig(NamedTuple):
 # accumulator registers straight to memory: its 128 KB tile would not fit beside the stages.
 WGRAD_CONFIG = WgradConfig(128, 256, 64, 8, 3, band_n=8)
 BIAS_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_PLANS = PlanCache()  # launch plans by geometry (as the GEMM's: Triton's binder is slow)
 
 
 @gluon.jit
@@ -300,10 +301,14 @@ def wgrad(grad_out: torch.Tensor, x: torch.Tensor, ends: torch.Tensor, with_bias
     out_desc = descriptor(grad_w.view(G * N, K), config.block_n, config.block_k)
     tiles = G * -(-N // config.block_n) * -(-K // config.block_k)
     programs = max(1, min(sm_count(x.device), tiles))
-    _wgrad_kernel[(programs,)](
-        dy_desc, x_desc, out_desc, grad_w, grad_b if with_bias else grad_w, ends, N, K, G,
-        HAS_BIAS=with_bias, BAND_N=config.band_n, NUM_PROGRAMS=programs, STAGES=config.stages,
-        TMA_STORE=out_dtype != torch.float32, num_warps=config.warps)
+    bias_arg = grad_b if with_bias else grad_w
+    args = (dy_desc, x_desc, out_desc, grad_w, bias_arg, ends, N, K, G)
+    meta = dict(HAS_BIAS=with_bias, BAND_N=config.band_n, NUM_PROGRAMS=programs,
+                STAGES=config.stages, TMA_STORE=out_dtype != torch.float32,
+                num_warps=config.warps)
+    key = (N, K, G, config, with_bias, x.dtype, out_dtype, bias_arg.dtype, ends.dtype,
+           x.device)
+    _PLANS.launch(key, _wgrad_kernel, (programs,), args, meta)
     return grad_w, grad_b
 
 
