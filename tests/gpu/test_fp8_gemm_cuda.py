@@ -82,6 +82,13 @@ def test_gluon_rowwise_against_dequantized_float32_and_torch(sizes, tail, K, N):
             theirs = fp8_gemm.forward(x_data, x_inv, w_data, factors.contiguous(), offsets,
                                       torch.bfloat16)
             assert rel_err(y[:rows], theirs[:rows]) < 1e-2
+    # the bias added to the scaled float32 tile (rows past the groups stay zero)
+    bias = torch.randn(G, N, device="cuda", dtype=torch.bfloat16)
+    y = fp8_gluon_gemm.rowwise_mm(x_data, x_inv, w_data, w_inv, offsets, torch.bfloat16, bias)
+    want = fp8_gemm.dequantized_reference(x_data, x_inv, w_data, w_inv, offsets)
+    want[:rows] += torch.repeat_interleave(bias.float(), torch.tensor(sizes, device="cuda"), 0)
+    assert rel_err(y[:rows], want[:rows]) < 1e-2
+    assert torch.all(y[rows:] == 0)
     folded = qf.ColumnFactors.of_groups(w_inv, offsets, M)
     wt_data = transpose_groups(w_data)
     wt_inv = torch.ones(G, K, device="cuda")

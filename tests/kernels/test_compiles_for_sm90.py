@@ -359,7 +359,8 @@ def _bf16_mm_case(transposed: bool):
 
 
 def _fp8_rowwise_mm_case():
-    """The same kernel on FP8 tiles with the row and column factors (the rowwise GEMM)."""
+    """The same kernel on FP8 tiles with the row and column factors and the bias (the
+    rowwise GEMM's forward)."""
     if not (HAS_TRITON and HAS_GLUON):
         return None, {}, {}, 4, None
     config = gg.ROWWISE_CONFIG
@@ -368,7 +369,7 @@ def _fp8_rowwise_mm_case():
                 "b_desc": _bf16_descriptor(bn, bk, "fp8e4nv"),
                 "out_desc": _bf16_descriptor(bm, bn), "bias_ptr": "*bf16", "out_ptr": "*bf16",
                 "ends_ptr": "*i32"}
-    constants = {"HAS_BIAS": False, "TRANSPOSED": False, "SCALED": True,
+    constants = {"HAS_BIAS": True, "TRANSPOSED": False, "SCALED": True,
                  "TMA_STORE": config.tma_store, "GROUP_M": config.group_m, "BLOCK_G": 32,
                  "NUM_PROGRAMS": 132, "STAGES": config.stages}
     return bg._mm_kernel, pointers, constants, config.warps, None

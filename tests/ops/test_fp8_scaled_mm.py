@@ -157,9 +157,10 @@ def test_activation_checkpointing_recomputes_what_backward_keeps(reentrant, monk
 
 
 def test_gluon_kernels_take_the_operands_they_support(monkeypatch):
-    """Where the Gluon kernels take the operands (sm90) the forward and dgrad run the rowwise
-    Gluon GEMM and the wgrad the group-scaled Gluon one (stood in for here by the references
-    of the same contract); the results are those of the other path."""
+    """Where the Gluon kernels take the operands (sm90) the forward (with the bias) and dgrad
+    run the rowwise Gluon GEMM and the wgrad the group-scaled Gluon one (stood in for here by
+    the references of the same contract: the bias added before the one rounding); the
+    gradients are those of the other path, the output within that path's second rounding."""
     from grouped_linear.kernels.gemm import fp8_gluon_gemm, fp8_gluon_wgrad
     from grouped_linear.kernels.gemm import fp8_triton_gemm as fg
 
@@ -169,9 +170,12 @@ def test_gluon_kernels_take_the_operands_they_support(monkeypatch):
     want_grads = [t.grad for t in (x, w, b)]
     calls = []
 
-    def gluon_mm(a, a_inv, b_, b_inv, ends, out_dtype):
-        calls.append("mm")
-        return fp8_torch_gemm.dequantized_reference(a, a_inv, b_, b_inv, ends).to(out_dtype)
+    def gluon_mm(a, a_inv, b_, b_inv, ends, out_dtype, bias=None):
+        calls.append("mm" if bias is None else "mm+bias")
+        out = fp8_torch_gemm.dequantized_reference(a, a_inv, b_, b_inv, ends)
+        if bias is not None:
+            out += torch.repeat_interleave(bias.float(), torch.tensor(SIZES), dim=0)
+        return out.to(out_dtype)
 
     def gluon_wgrad(*args, **kwargs):
         calls.append("wgrad")
@@ -184,7 +188,7 @@ def test_gluon_kernels_take_the_operands_they_support(monkeypatch):
     leaves = [t.detach().clone().requires_grad_() for t in (x, w, b)]
     got = _apply(*leaves, Float8Rowwise())
     got.backward(grad_out)
-    assert calls == ["mm", "mm", "wgrad"]
-    assert torch.equal(got, want)
+    assert calls == ["mm+bias", "mm", "wgrad"]
+    assert rel_err(got, want) < 4e-3  # bf16: the other path rounds before the bias too
     for a, b_ in zip((t.grad for t in leaves), want_grads):
         assert torch.equal(a, b_)

@@ -258,12 +258,13 @@ def rowwise_supported(a: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def rowwise_mm(a: torch.Tensor, a_inv: torch.Tensor, weight: torch.Tensor, w_inv: torch.Tensor,
-               ends: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+               ends: torch.Tensor, out_dtype: torch.dtype,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
     """FP8 ``a`` ``(M, R)`` with ``(M,)`` factors times each group's ``weight`` ``(G, W, R)``
     transposed with ``(G, W)`` factors (any stride along ``W``: a group's factor repeated
-    is a stride of 0): ``(M, W)`` in ``out_dtype``, rows past ``ends[-1]`` zero. Forward:
-    ``x`` and ``W``; dgrad: ``dy`` and the transposed weight copy. Needs
-    :func:`rowwise_supported` operands."""
+    is a stride of 0), plus ``bias`` ``(G, W)`` (added to the scaled float32 tile):
+    ``(M, W)`` in ``out_dtype``, rows past ``ends[-1]`` zero. Forward: ``x`` and ``W``;
+    dgrad: ``dy`` and the transposed weight copy. Needs :func:`rowwise_supported` operands."""
     out = torch.empty(a.shape[0], weight.shape[1], device=a.device, dtype=out_dtype)
-    return gluon_gemm.launch(a, weight, ends, out, factors=(a_inv.contiguous(), w_inv),
+    return gluon_gemm.launch(a, weight, ends, out, bias, factors=(a_inv.contiguous(), w_inv),
                              config=ROWWISE_CONFIG)

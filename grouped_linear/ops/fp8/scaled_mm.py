@@ -36,7 +36,7 @@ from __future__ import annotations
 import torch
 
 from ...kernels import bias as bias_kernels
-from ...kernels.ends import group_sizes
+from ...kernels.ends import aligned_ends, group_sizes
 from ...kernels.gemm import fp8_gluon_gemm, fp8_gluon_wgrad, fp8_torch_gemm, fp8_triton_gemm
 from ...kernels.gemm.gluon_gemm import is_input_major
 from ...kernels.quantize import common, folded, rows, transposed
@@ -55,12 +55,16 @@ __all__ = ["Fp8ScaledMMFunction"]
 
 
 def _gemm(torch_gemm, a: torch.Tensor, a_inv: torch.Tensor, b: torch.Tensor,
-          b_inv: torch.Tensor, ends: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    """The forward's or the dgrad's FP8 GEMM: the Gluon kernel where it takes the operands,
-    else ``torch_gemm`` (rows past the groups then left for the caller to zero)."""
+          b_inv: torch.Tensor, ends: torch.Tensor, out_dtype: torch.dtype,
+          bias: torch.Tensor | None, zero_tail: bool) -> torch.Tensor:
+    """The forward's or the dgrad's FP8 GEMM plus ``bias`` ``(G, W)`` (the forward's), rows
+    past the groups zero with ``zero_tail``: the Gluon kernel where it takes the operands (the
+    bias added to the float32 tile and the tail zeroed in its epilogue: no pass over the
+    output, one rounding), else ``torch_gemm`` and the bias epilogue pass."""
     if fp8_gluon_gemm.rowwise_supported(a, b):
-        return fp8_gluon_gemm.rowwise_mm(a, a_inv, b, b_inv, ends, out_dtype)
-    return torch_gemm(a, a_inv, b, b_inv, ends, out_dtype)
+        return fp8_gluon_gemm.rowwise_mm(a, a_inv, b, b_inv, ends, out_dtype, bias)
+    out = torch_gemm(a, a_inv, b, b_inv, ends, out_dtype)
+    return bias_kernels.bias_epilogue_(out, bias, ends, zero_tail)
 
 
 def _folds_x(config: Fp8Config) -> bool:
@@ -113,19 +117,20 @@ class Fp8ScaledMMFunction(torch.autograd.Function):
             dtype = x.dtype
         w = cached if cached is not None else Fp8Weight(weight.detach(), recipe, "fp8_scaled_mm")
         out = _gemm(fp8_torch_gemm.forward, x_data, x_inv, w.forward_data, w.forward_inv,
-                    ends, dtype)
-        out = bias_kernels.bias_epilogue_(out, bias, ends, config.zero_tail)
+                    ends, dtype, bias, config.zero_tail)
         # The wgrad reads the forward's FP8 rows, moved now into its token-contiguous layout
         # (the row-major codes are freed with the forward: backward holds one FP8 copy of x,
         # half the bytes of x); save_original_input quantizes x again along the tokens.
+        aligned = None  # the groups' ends on 128-token boundaries, shared with dy's layout
         if not weight_grad_ahead:
             saved = (None, None)
         elif _folds_x(config) or isinstance(x, Float8Rows):  # FP8 rows: nothing finer exists
-            saved = (transposed.transpose_group_columns(x_data, ends, fp8_triton_gemm.BLOCK),
-                     x_inv)
+            aligned = aligned_ends(ends, fp8_triton_gemm.BLOCK)
+            saved = (transposed.transpose_group_columns(x_data, ends, fp8_triton_gemm.BLOCK,
+                                                        data_ends=aligned), x_inv)
         else:
             saved = (x, None, *pieces)
-        ctx.save_for_backward(weight, ends, x_scale, *saved)
+        ctx.save_for_backward(weight, ends, x_scale, aligned, *saved)
         stash_dgrad_weight(ctx, w)
         ctx.piece_sizes = [piece.shape[0] for piece in pieces]
         ctx.dtype = dtype
@@ -135,7 +140,7 @@ class Fp8ScaledMMFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        weight, ends, x_scale, x, x_inv, *pieces = ctx.saved_tensors
+        weight, ends, x_scale, x_aligned, x, x_inv, *pieces = ctx.saved_tensors
         dtype = ctx.dtype
         config: Fp8Config = ctx.config
         recipe = config.recipe
@@ -150,11 +155,10 @@ class Fp8ScaledMMFunction(torch.autograd.Function):
                 dy_data, dy_inv = folded.quantize_rows_folded(grad_out, factors, fp8_grad, pow2)
             else:
                 dy_data, dy_inv = _quantize_tokens(grad_out, ends, fp8_grad, recipe, dy_scale)
-            grad_x = _gemm(fp8_torch_gemm.dgrad, dy_data, dy_inv, wt_data, wt_inv, ends, dtype)
+            grad_x = _gemm(fp8_torch_gemm.dgrad, dy_data, dy_inv, wt_data, wt_inv, ends, dtype,
+                           None, config.zero_tail)
             # the FP8 dy and weight freed before the weight gradient quantizes dy again
             del dy_data, dy_inv, wt_data, wt_inv, wt_fold
-            if config.zero_tail:
-                grad_x = bias_kernels.zero_tail_(grad_x, ends)
 
         def grad_weight(out_dtype, bias_sums=None):
             # this library's Triton GEMM, not torch's 2-D x 2-D FP8 one (module doc)
@@ -165,7 +169,7 @@ class Fp8ScaledMMFunction(torch.autograd.Function):
             folds = x_inv is not None  # dy carries x's per-token factors
             dy_t, dy_t_inv, aligned = transposed.quantize_group_columns_t(
                 grad_out, ends, fp8_grad, pow2, None if folds else dy_scale, align=align,
-                column_sums=bias_sums, row_factors=x_inv)
+                data_ends=x_aligned, column_sums=bias_sums, row_factors=x_inv)
             if folds:  # x's forward codes, already transposed
                 x_t, x_t_inv = x, common.unit_factors((ends.shape[0], x.shape[0]), x.device)
             elif pieces:  # each piece into its aligned columns, same width as dy's
