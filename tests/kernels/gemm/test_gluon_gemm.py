@@ -167,3 +167,22 @@ def test_a_weight_stored_input_major_is_read_in_place(gemm):
     assert rel_err(got, _float64_reference(x, weight, sizes, bias, transposed)) < BF16_TOL
     want = bg.grouped_mm(x, weight.contiguous(), ends, bias, transposed_weight=transposed)
     assert rel_err(got, want) < 1e-3
+
+
+@pytest.mark.gpu
+@sm90
+def test_planned_launches_read_the_new_tensors():
+    """Later calls of a geometry launch from the plan the first one kept (no new plan):
+    on the new operands, bias and output, each result against float64."""
+    sizes, K, N = [200, 0, 77], 256, 384
+    ends = torch.tensor(sizes, device="cuda").cumsum(0).to(torch.int32)
+    plans = None
+    for seed in (1, 2, 3):
+        torch.manual_seed(seed)
+        x = torch.randn(sum(sizes), K, device="cuda", dtype=torch.bfloat16)
+        weight = torch.randn(3, N, K, device="cuda", dtype=torch.bfloat16) / K ** 0.5
+        bias = torch.randn(3, N, device="cuda", dtype=torch.bfloat16)
+        out = bg.grouped_mm(x, weight, ends, bias)
+        assert rel_err(out, _float64_reference(x, weight, sizes, bias, False)) < BF16_TOL
+        plans = plans if plans is not None else len(bg._PLANS._plans)
+        assert len(bg._PLANS._plans) == plans > 0

@@ -154,3 +154,23 @@ def test_float32_output_is_the_unrounded_sum(sizes, tail, N, K):
     assert rel_err(grad_b.cpu(), want_b) < 1e-5
     rounded, _ = wg.wgrad(dy, x, ends, False)
     assert torch.equal(rounded, grad_w.to(torch.bfloat16))
+
+
+@pytest.mark.gpu
+@sm90
+def test_planned_launches_read_the_new_tensors():
+    """Later calls of a geometry launch from the plan the first one kept (no new plan):
+    on the new operands and outputs, each result against float64."""
+    sizes, N, K = [130, 0, 64, 5], 256, 512
+    ends = torch.tensor(sizes, device="cuda").cumsum(0).to(torch.int32)
+    plans = None
+    for seed in (1, 2, 3):
+        torch.manual_seed(seed)
+        dy = torch.randn(sum(sizes), N, device="cuda", dtype=torch.bfloat16)
+        x = torch.randn(sum(sizes), K, device="cuda", dtype=torch.bfloat16)
+        grad_w, grad_b = wg.wgrad(dy, x, ends, True)
+        want_w, want_b = _float64(dy, x, sizes)
+        assert rel_err(grad_w.cpu(), want_w) < BF16_TOL
+        assert rel_err(grad_b.cpu(), want_b) < 1e-5
+        plans = plans if plans is not None else len(wg._PLANS._plans)
+        assert len(wg._PLANS._plans) == plans > 0
