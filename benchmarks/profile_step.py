@@ -21,8 +21,8 @@ From the repository root:
   ``G64_r128_skewed_2048x768``; default the worst cells of the last table): per column
   (``torch``, ``gl``, ``gl_fwd``, the cached FP8 ones), the host time to enqueue one call,
   the GPU time of its kernels and their number, and the wall time of a call: a column whose
-  host time passes its GPU time is host-bound; then ``gl``'s kernels one by one and its host
-  time by op;
+  host time passes its GPU time is host-bound; then the kernels of ``torch``, ``gl`` and the
+  cached FP8 columns one by one, and ``gl``'s host time by op;
 * ``... profile_step.py launches``: the small step under each recipe (bf16 and the three
   FP8 ones, no bias): the host time to enqueue one forward+backward (synchronize, time the
   call, median of 20: the GPU work is ~0.1 ms, so this is what the step costs on a
