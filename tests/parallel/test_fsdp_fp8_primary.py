@@ -48,7 +48,11 @@ def _shard(model, mesh, counter=None):
 
 def _trains_like_one_process(rank, world, mesh, recipe):
     """Three AdamW steps through MasterWeights, sharded against one process on the mean
-    loss: the same FP8 weights and masters; each rank's masters hold its experts only."""
+    loss: the same FP8 weights and masters; each rank's masters hold its experts only.
+    One intra-op thread: with more, the CPU GEMMs may split their sums by the threads
+    free at the time (a busy machine), a last-bit difference that the FP8 quantization of
+    activations and gradients turns into a different code now and then."""
+    torch.set_num_threads(1)
     sharded, ref = _shard(_model(recipe), mesh), _model(recipe)
     assert isinstance(sharded.fc1.weight.to_local(), gl.Float8WeightTensor)
     xs = [torch.randn(12, H, generator=torch.Generator().manual_seed(r)) for r in range(world)]
