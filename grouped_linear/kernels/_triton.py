@@ -236,17 +236,31 @@ class PlanCache:
         self._plans: dict = {}
         self._size = size
 
+    def __len__(self) -> int:
+        return len(self._plans)
+
+    def get(self, key: tuple) -> "LaunchPlan | None":
+        """The plan kept under ``key``, if any."""
+        return self._plans.get(key)
+
+    def keep(self, key: tuple, plan: "LaunchPlan | None") -> None:
+        """Keep ``plan`` under ``key`` (nothing for ``None``)."""
+        if plan is None:
+            return
+        if len(self._plans) >= self._size:
+            self._plans.clear()
+        self._plans[key] = plan
+
+    def clear(self) -> None:
+        self._plans.clear()
+
     def launch(self, key: tuple, kernel: "_Kernel", grid: tuple, args: tuple, meta: dict) -> None:
         """``kernel[grid](*args, **meta)``, from the plan under ``key`` where it can."""
         plan = self._plans.get(key)
         if plan is not None and plan(*[arg for arg in args if isinstance(arg, torch.Tensor)
                                       or _is_descriptor(arg)]):
             return
-        plan = kernel.launch_planned(grid, args, meta)
-        if plan is not None:
-            if len(self._plans) >= self._size:
-                self._plans.clear()
-            self._plans[key] = plan
+        self.keep(key, kernel.launch_planned(grid, args, meta))
 
 
 def _is_descriptor(value: object) -> bool:

@@ -19,7 +19,7 @@ from typing import NamedTuple
 import torch
 
 from .._groups import group_span, tile_list, tile_masks, tile_origin
-from .._triton import LaunchPlan, cdiv, kernel, next_power_of_2, sm_count, tl, triton
+from .._triton import LaunchPlan, PlanCache, cdiv, kernel, next_power_of_2, sm_count, tl, triton
 from ..bias import bias_grad_reference
 from ..ends import group_ends
 
@@ -245,16 +245,7 @@ def _rows_contiguous(t: torch.Tensor | None) -> torch.Tensor | None:
 # Launch plans (see :class:`~._triton.LaunchPlan`) of the forward and backward kernels, by a
 # key that fixes every integer and constexpr argument and every tensor's dtype and device:
 # a training step's small GEMMs then launch without Triton's argument binding.
-_PLANS: dict[tuple, LaunchPlan] = {}
-MAX_PLANS = 256  # geometries kept; the cache starts over when full
-
-
-def _keep_plan(key: tuple, plan: LaunchPlan | None) -> None:
-    if plan is None:
-        return
-    if len(_PLANS) >= MAX_PLANS:
-        _PLANS.clear()
-    _PLANS[key] = plan
+_PLANS = PlanCache()
 
 
 def _launch(kernel, grid, args, meta, plan_key: tuple | None) -> None:
@@ -263,7 +254,7 @@ def _launch(kernel, grid, args, meta, plan_key: tuple | None) -> None:
     if plan_key is None:
         kernel[grid](*args, **meta)
     else:
-        _keep_plan(plan_key, kernel.launch_planned(grid, args, meta))
+        _PLANS.keep(plan_key, kernel.launch_planned(grid, args, meta))
 
 
 def _mm_launch(a, b_tensor, b_strides, bias, sizes, out, reduction):
