@@ -93,6 +93,7 @@ def check_bf16_no_further_than_theirs(model: transformers.PreTrainedModel, ids: 
     theirs_logits, theirs_grads = logits_and_expert_grads(model, ids)
     gl_hf.enable(model)
     ours_logits, ours_grads = logits_and_expert_grads(model, ids)
+    assert model.dtype == torch.bfloat16
     theirs, ours = rel_err(theirs_logits, want_logits), rel_err(ours_logits, want_logits)
     assert ours <= 1.25 * theirs + 1e-3, (ours, theirs)
     assert ours_grads.keys() == want_grads.keys() and want_grads
