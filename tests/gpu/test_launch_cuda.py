@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from grouped_linear.kernels._triton import triton
+from grouped_linear.kernels._triton import PlanCache, triton
 from grouped_linear.kernels.gemm import triton_gemm
 from tests.reference import grouped_linear_ref, rel_err
 
@@ -134,15 +134,15 @@ def test_backward_plan_matches_the_reference(monkeypatch):
 
 
 def test_plans_step_aside_for_launch_hooks_and_stay_bounded(monkeypatch):
-    monkeypatch.setattr(triton_gemm, "MAX_PLANS", 8)  # the bound below, reached in 16 calls
+    bound = 8  # the cache's size below, reached in 16 calls
+    monkeypatch.setattr(triton_gemm, "_PLANS", PlanCache(size=bound))
     torch.manual_seed(5)
-    triton_gemm._PLANS.clear()
     weight = torch.randn(2, 16, 32, device="cuda")
     sizes = torch.tensor([9, 11], device="cuda")
     x = torch.randn(20, 32, device="cuda")
     want = triton_gemm.forward(x, weight, None, sizes)
     assert rel_err(want, grouped_linear_ref(x.double(), weight.double(), None, [9, 11])) < 1e-5
-    (plan,) = triton_gemm._PLANS.values()
+    (plan,) = triton_gemm._PLANS._plans.values()
     hooks = triton.knobs.runtime.launch_enter_hook
 
     def hook(*args):
@@ -157,10 +157,10 @@ def test_plans_step_aside_for_launch_hooks_and_stay_bounded(monkeypatch):
         hooks.remove(hook)
     with pytest.raises(TypeError, match="takes 5 tensors, got 2"):
         plan(x, weight)
-    wide = torch.randn(triton_gemm.MAX_PLANS + 8, 32, device="cuda")
-    for rows in range(1, triton_gemm.MAX_PLANS + 8):  # one geometry (and plan) per row count
+    wide = torch.randn(bound + 8, 32, device="cuda")
+    for rows in range(1, bound + 8):  # one geometry (and plan) per row count
         triton_gemm.forward(wide[:rows], weight, None, sizes)
-        assert len(triton_gemm._PLANS) <= triton_gemm.MAX_PLANS
+        assert len(triton_gemm._PLANS) <= bound
 
 
 # --------------------------------------------------------------------------- Gluon kernels
