@@ -155,11 +155,18 @@ class LaunchPlan:
     training step's small GEMMs) builds the plan once, through
     :meth:`_Kernel.launch_planned`, keeps it under a key that determines every integer and
     constexpr argument and every tensor's dtype and device, and then launches with
-    ``plan(*tensors)``: no argument binding or specialization, only each tensor's address
-    (a Gluon kernel's TMA descriptors are passed in their tensors' places: the launcher
-    encodes each one, its block shape and layout fixed by the kernel's specialization).
+    ``plan(*tensors)``: no argument binding or specialization, only each tensor's address.
     On the H200 machine's host that is ~9 µs per launch against ~18 µs for the cached
     path of :class:`_Kernel` (benchmarks/NOTES.md, "The small bf16 step, sixth look").
+
+    A Gluon kernel's TMA descriptors are passed in their tensors' places. Triton's launcher
+    encodes each one on every launch (``cuTensorMapEncodeTiled`` behind a Python wrapper);
+    the plan keeps the encoded descriptors by what they encode (address, shape, strides;
+    block shape, swizzle and element type are fixed by the specialization) and hands them
+    to the C launcher itself, so a training step whose tensors come back at the same
+    addresses (the caching allocator's usual case) encodes each descriptor once. An encoded
+    descriptor holds an address, not a tensor: it keeps no memory alive, and a new tensor at
+    that address with the same geometry is described by it exactly.
 
     ``plan(*tensors)`` returns ``False`` without launching when it cannot stand for
     Triton's launch: a tensor address the binary assumed 16-byte aligned is not, the
@@ -167,16 +174,20 @@ class LaunchPlan:
     plan's arguments once (then the plan stays off). The caller then launches the usual way.
     """
 
-    __slots__ = ("_launch", "_grid", "_middle", "_values", "_slots", "_aligned", "_device")
+    __slots__ = ("_launch", "_grid", "_middle", "_values", "_slots", "_aligned", "_device",
+                 "_encodings")
 
-    def __init__(self, launch, grid, middle, values, slots, aligned, device):
+    def __init__(self, launch, grid, middle, values, slots, aligned, device, encodings=None):
         self._launch = launch
         self._grid = grid
         self._middle = middle
         self._values = values
-        self._slots = slots
+        self._slots = slots  # positions in ``values`` of each tensor argument
         self._aligned = aligned
         self._device = device
+        # Per slot ``None`` (a tensor, or a descriptor the launcher encodes) or the
+        # :class:`_Encodings` of a descriptor encoded here, ``values[slot:slot + width]``.
+        self._encodings = encodings or (None,) * len(slots)
 
     @classmethod
     def build(cls, compiled, grid, device: int, bound: dict) -> "LaunchPlan | None":
@@ -185,15 +196,27 @@ class LaunchPlan:
         if launch is None or getattr(launcher, "global_scratch_size", 1) or getattr(
                 launcher, "profile_scratch_size", 1):
             return None
-        values = list(bound.values())
-        slots = tuple(i for i, v in enumerate(values)
-                      if isinstance(v, torch.Tensor) or _is_descriptor(v))
-        aligned = tuple(_address(values[i]) % 16 == 0 for i in slots)
+        arguments = list(bound.values())
+        tensors = [v for v in arguments if isinstance(v, torch.Tensor) or _is_descriptor(v)]
+        aligned = tuple(_address(v) % 16 == 0 for v in tensors)
         middle = (compiled.function, launcher.launch_cooperative_grid, launcher.launch_pdl,
                   None, None, compiled.packed_metadata, None, None, None)
-        for i in slots:
-            values[i] = None
-        return cls(launch, _full_grid(grid), middle, values, slots, aligned, device)
+        unwrapped = _unwrap_descriptor_launch(launch)
+        metas = iter(())
+        if unwrapped is not None and len(unwrapped[1]) == sum(map(_is_descriptor, tensors)):
+            launch, metas = unwrapped[0], iter(unwrapped[1])  # the C launcher itself
+        values, slots, encodings = [], [], []
+        for v in arguments:
+            if isinstance(v, torch.Tensor) or _is_descriptor(v):
+                slots.append(len(values))
+                meta = next(metas, None) if _is_descriptor(v) else None
+                encoding = None if meta is None else _Encodings(meta, v)
+                encodings.append(encoding)
+                values.extend([None] * (encoding.width if encoding else 1))
+            else:
+                values.append(v)
+        return cls(launch, _full_grid(grid), middle, values, tuple(slots), aligned, device,
+                   tuple(encodings))
 
     def __call__(self, *tensors: torch.Tensor) -> bool:
         """Launch on ``tensors`` (in the kernel's order of tensor arguments); ``False``
@@ -204,15 +227,19 @@ class LaunchPlan:
         if self._launch is None or torch._C._cuda_getDevice() != device or _hooks_active():
             return False
         values = self._values.copy()
-        for slot, aligned, tensor in zip(self._slots, self._aligned, tensors):
-            if type(tensor) is torch.Tensor or isinstance(tensor, torch.Tensor):
-                address = tensor.data_ptr()
-                values[slot] = address
-            else:  # a TMA descriptor: the launcher encodes it (its tensor's address too)
-                address = tensor.base.data_ptr()
-                values[slot] = tensor
+        for slot, aligned, encodings, tensor in zip(self._slots, self._aligned, self._encodings,
+                                                    tensors):
+            is_tensor = isinstance(tensor, torch.Tensor)
+            address = tensor.data_ptr() if is_tensor else tensor.base.data_ptr()
             if aligned and address & 15:
                 return False
+            if is_tensor:
+                values[slot] = address
+            elif encodings is None:  # a TMA descriptor the launcher encodes
+                values[slot] = tensor
+            else:
+                encoded = encodings.get(tensor, address)
+                values[slot:slot + len(encoded)] = encoded
         try:
             self._launch(*self._grid, torch._C._cuda_getCurrentRawStream(device),
                          *self._middle, *values)
@@ -261,6 +288,54 @@ class PlanCache:
                                       or _is_descriptor(arg)]):
             return
         self.keep(key, kernel.launch_planned(grid, args, meta))
+
+
+class _Encodings:
+    """The encoded forms of one descriptor argument of a plan, by what they encode: the
+    launcher's arguments for a descriptor (the encoded ``CUtensorMap``, then its shape and
+    strides), from Triton's own encoder on first sight. Starts over when full."""
+
+    __slots__ = ("_meta", "_by_geometry", "width")
+    SIZE = 64
+
+    def __init__(self, meta: dict, descriptor) -> None:
+        self._meta = meta
+        self._by_geometry: dict = {}
+        self.width = len(self.get(descriptor, _address(descriptor)))
+
+    def get(self, descriptor, address: int) -> list:
+        key = (address, *descriptor.shape, *descriptor.strides, descriptor.padding)
+        encoded = self._by_geometry.get(key)
+        if encoded is None:
+            encoded = _ENCODE[0](descriptor, self._meta)
+            if len(self._by_geometry) >= self.SIZE:
+                self._by_geometry.clear()
+            self._by_geometry[key] = encoded
+        return encoded
+
+
+_ENCODE: list = [None]  # Triton's encoder of a host TMA descriptor, once found
+
+
+def _unwrap_descriptor_launch(launch):
+    """``(C launcher, per-descriptor metadata)`` where ``launch`` is Triton's wrapper that
+    encodes the host TMA descriptors of a TMA-lowered kernel before calling its C launcher,
+    else ``None`` (no descriptor arguments, another Triton, descriptors not lowered to TMA)."""
+    code, closure = getattr(launch, "__code__", None), getattr(launch, "__closure__", None)
+    if code is None or not closure:
+        return None
+    cells = dict(zip(code.co_freevars, (cell.cell_contents for cell in closure)))
+    inner, metas = cells.get("launcher"), cells.get("tensordesc_meta")
+    if (not callable(inner) or not isinstance(metas, list)
+            or not all(isinstance(meta, dict) for meta in metas)):
+        return None
+    if _ENCODE[0] is None:
+        try:
+            from triton.backends.nvidia.driver import make_tensordesc_arg
+        except ImportError:  # pragma: no cover - another Triton
+            return None
+        _ENCODE[0] = make_tensordesc_arg
+    return inner, metas
 
 
 def _is_descriptor(value: object) -> bool:

@@ -168,3 +168,77 @@ def test_plan_cache_launches_from_the_keys_plan(monkeypatch):
     cache.launch(("k", 3), Kernel(), (5,), (x, 3), {"C": 2})  # full: starts over
     cache.launch(("k", 1), Kernel(), (5,), (x, 1), {"C": 2})
     assert len(planned) == 4
+
+
+class _TmaDescriptor(_Descriptor):
+    """A host TMA descriptor as Triton's: a tensor, its shape and strides, a padding."""
+
+    def __init__(self, base, shape=(4, 4)):
+        super().__init__(base)
+        self.shape = list(shape)
+        self.strides = [shape[1], 1]
+        self.padding = "zero"
+
+
+def _descriptor_wrapper(launcher, tensordesc_meta):
+    """A launch function shaped as Triton's wrapper that encodes descriptors before its C
+    launcher (its closure names the launcher and the descriptors' metadata)."""
+
+    def inner(*args):
+        raise AssertionError(f"the plan should call {launcher} with {tensordesc_meta} itself")
+
+    return inner
+
+
+def test_plan_encodes_each_descriptor_once_per_geometry(monkeypatch):
+    """Behind Triton's encoding wrapper the plan calls the C launcher itself, each descriptor
+    expanded in its place (encoded map, shape, strides), and encodes a descriptor only for a
+    new address or geometry."""
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0, raising=False)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda d: 1234, raising=False)
+    encoded = []
+
+    def encode(descriptor, meta):
+        encoded.append((descriptor.base.data_ptr(), tuple(descriptor.shape)))
+        return [("map", descriptor.base.data_ptr(), meta["swizzle"]), *descriptor.shape,
+                *descriptor.strides]
+
+    monkeypatch.setattr(_triton, "_ENCODE", [encode])
+    launcher = _Launcher()
+    first, second = torch.zeros(64), torch.zeros(64)
+    compiled = _Compiled(_descriptor_wrapper(launcher, [{"swizzle": 128}]))
+    bound = {"a_desc": _TmaDescriptor(first), "out_ptr": torch.zeros(8), "M": 40, "BLOCK": 64}
+    plan = _triton.LaunchPlan.build(compiled, (3,), 0, bound)
+    assert encoded == [(first.data_ptr(), (4, 4))]  # the width of its arguments, once
+    out = torch.zeros(8)
+    for base in (first, second, first, second):
+        assert plan(_TmaDescriptor(base), out) is True
+    assert plan(_TmaDescriptor(first, shape=(2, 8)), out) is True
+    assert encoded == [(first.data_ptr(), (4, 4)), (second.data_ptr(), (4, 4)),
+                       (first.data_ptr(), (2, 8))]
+    assert [args[13:] for args in launcher.calls[:2]] == [
+        (("map", first.data_ptr(), 128), 4, 4, 4, 1, out.data_ptr(), 40, 64),
+        (("map", second.data_ptr(), 128), 4, 4, 4, 1, out.data_ptr(), 40, 64)]
+    assert launcher.calls[-1][13:18] == (("map", first.data_ptr(), 128), 2, 8, 8, 1)
+    assert plan(_TmaDescriptor(first[1:]), out) is False  # misaligned: declined, not encoded
+    assert len(encoded) == 3
+
+
+def test_plan_leaves_unknown_launchers_to_encode():
+    """A launcher that is not Triton's encoding wrapper (or whose descriptors are not lowered
+    to TMA: metadata ``None``) encodes its descriptors itself."""
+    assert _triton._unwrap_descriptor_launch(_Launcher()) is None
+    assert _triton._unwrap_descriptor_launch(_descriptor_wrapper(_Launcher(), [None])) is None
+    assert _triton._unwrap_descriptor_launch(lambda *args: None) is None
+
+
+def test_unwraps_tritons_own_encoding_wrapper():
+    """The wrapper this Triton builds around a launcher of a descriptor-taking kernel is the
+    one the plan recognizes (the launcher and the metadata come back)."""
+    driver = pytest.importorskip("triton.backends.nvidia.driver")
+    launcher, metas = _Launcher(), [{"swizzle": 128, "elem_size": 2, "elem_type": 1,
+                                     "block_size": [128, 64], "fp4_padded": False}]
+    wrapped = driver.wrap_handle_tensordesc(
+        launcher, {"a_desc": "tensordesc<bf16[128, 64]>", "M": "i32"}, metas)
+    assert wrapped is not launcher
+    assert _triton._unwrap_descriptor_launch(wrapped) == (launcher, metas)
