@@ -174,7 +174,8 @@ def test_gluon_kernels_take_the_operands_they_support(monkeypatch):
         calls.append("mm" if bias is None else "mm+bias")
         out = fp8_torch_gemm.dequantized_reference(a, a_inv, b_, b_inv, ends)
         if bias is not None:
-            out += torch.repeat_interleave(bias.float(), torch.tensor(SIZES), dim=0)
+            out += torch.repeat_interleave(bias.float(), torch.tensor(SIZES, device=bias.device),
+                                           dim=0)
         return out.to(out_dtype)
 
     def gluon_wgrad(*args, **kwargs):
