@@ -5,6 +5,7 @@ decorator and only the plain-PyTorch references run.
 """
 
 import functools
+import operator
 import os
 
 import torch
@@ -134,7 +135,11 @@ class _Kernel:
         that repeats this launch with other tensors (``None`` where only Triton's own
         path can launch: the interpreter, launch hooks, scratch buffers)."""
         compiled, bound = self._run(grid, args, meta)
-        return None if bound is None else LaunchPlan.build(compiled, grid, *bound)
+        if bound is None:
+            return None
+        positions = tuple(i for i, arg in enumerate(args)
+                          if isinstance(arg, torch.Tensor) or _is_descriptor(arg))
+        return LaunchPlan.build(compiled, grid, *bound, positions=positions)
 
 
 def _full_grid(grid: tuple) -> tuple[int, int, int]:
@@ -175,9 +180,10 @@ class LaunchPlan:
     """
 
     __slots__ = ("_launch", "_grid", "_middle", "_values", "_slots", "_aligned", "_device",
-                 "_encodings")
+                 "_encodings", "_pick")
 
-    def __init__(self, launch, grid, middle, values, slots, aligned, device, encodings=None):
+    def __init__(self, launch, grid, middle, values, slots, aligned, device, encodings=None,
+                 positions=None):
         self._launch = launch
         self._grid = grid
         self._middle = middle
@@ -188,9 +194,20 @@ class LaunchPlan:
         # Per slot ``None`` (a tensor, or a descriptor the launcher encodes) or the
         # :class:`_Encodings` of a descriptor encoded here, ``values[slot:slot + width]``.
         self._encodings = encodings or (None,) * len(slots)
+        # The tensor arguments out of the kernel's positional arguments (:meth:`launch_from`).
+        self._pick = None
+        if positions is not None and len(positions) == len(slots) > 1:
+            self._pick = operator.itemgetter(*positions)
+        elif positions is not None and len(positions) == len(slots) == 1:
+            only = positions[0]
+            self._pick = lambda args: (args[only],)
 
     @classmethod
-    def build(cls, compiled, grid, device: int, bound: dict) -> "LaunchPlan | None":
+    def build(cls, compiled, grid, device: int, bound: dict,
+              positions: tuple[int, ...] | None = None) -> "LaunchPlan | None":
+        """The plan of a launch that ran ``compiled`` with the arguments ``bound`` (by
+        name, in the kernel's order); ``positions``: where the tensor arguments sit among
+        the positional arguments of the launch (for :meth:`launch_from`)."""
         launcher = getattr(compiled, "run", None)
         launch = getattr(launcher, "launch", None)
         if launch is None or getattr(launcher, "global_scratch_size", 1) or getattr(
@@ -216,7 +233,16 @@ class LaunchPlan:
             else:
                 values.append(v)
         return cls(launch, _full_grid(grid), middle, values, tuple(slots), aligned, device,
-                   tuple(encodings))
+                   tuple(encodings), positions)
+
+    def launch_from(self, args: tuple) -> bool:
+        """:meth:`__call__` on the tensor arguments among ``args``, the kernel's positional
+        arguments as the planned launch took them."""
+        pick = self._pick
+        if pick is None:
+            return self(*[arg for arg in args if isinstance(arg, torch.Tensor)
+                          or _is_descriptor(arg)])
+        return self(*pick(args))
 
     def __call__(self, *tensors: torch.Tensor) -> bool:
         """Launch on ``tensors`` (in the kernel's order of tensor arguments); ``False``
@@ -281,13 +307,16 @@ class PlanCache:
     def clear(self) -> None:
         self._plans.clear()
 
+    def try_launch(self, key: tuple, args: tuple) -> bool:
+        """Launch from the plan under ``key`` on the tensors among ``args`` (the kernel's
+        positional arguments); ``False`` where there is no plan or it cannot launch."""
+        plan = self._plans.get(key)
+        return plan is not None and plan.launch_from(args)
+
     def launch(self, key: tuple, kernel: "_Kernel", grid: tuple, args: tuple, meta: dict) -> None:
         """``kernel[grid](*args, **meta)``, from the plan under ``key`` where it can."""
-        plan = self._plans.get(key)
-        if plan is not None and plan(*[arg for arg in args if isinstance(arg, torch.Tensor)
-                                      or _is_descriptor(arg)]):
-            return
-        self.keep(key, kernel.launch_planned(grid, args, meta))
+        if not self.try_launch(key, args):
+            self.keep(key, kernel.launch_planned(grid, args, meta))
 
 
 class _Encodings:

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from grouped_linear.kernels import _triton
+from grouped_linear.kernels import _gluon, _triton
 from grouped_linear.kernels._triton import HAS_TRITON, interpreting, triton
 from grouped_linear.kernels.gemm import triton_gemm
 
@@ -242,3 +242,41 @@ def test_unwraps_tritons_own_encoding_wrapper():
         launcher, {"a_desc": "tensordesc<bf16[128, 64]>", "M": "i32"}, metas)
     assert wrapped is not launcher
     assert _triton._unwrap_descriptor_launch(wrapped) == (launcher, metas)
+
+
+def test_plan_takes_the_tensors_from_the_launch_arguments_by_position(monkeypatch):
+    """A plan built with the positions of the tensor arguments launches from a full argument
+    tuple (integers and all) on the tensors at those positions; the cache's ``try_launch``
+    says whether a plan launched."""
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0, raising=False)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda d: 1234, raising=False)
+    launcher = _Launcher()
+    x, out = torch.zeros(4), torch.zeros(8)
+    bound = {"x": x, "n": 3, "out": out, "m": 5, "BLOCK": 64}
+    plan = _triton.LaunchPlan.build(_Compiled(launcher), (2,), 0, bound, positions=(0, 2))
+    y, other = torch.zeros(4), torch.zeros(8)
+    assert plan.launch_from((y, 3, other, 5)) is True
+    assert launcher.calls[-1][13:] == (y.data_ptr(), 3, other.data_ptr(), 5, 64)
+    single = _triton.LaunchPlan.build(_Compiled(launcher), (2,), 0, {"x": x, "n": 3},
+                                      positions=(0,))
+    assert single.launch_from((y, 3)) is True and launcher.calls[-1][13:] == (y.data_ptr(), 3)
+    cache = _triton.PlanCache()
+    assert cache.try_launch(("k",), (y, 3, other, 5)) is False  # no plan yet
+    cache.keep(("k",), plan)
+    assert cache.try_launch(("k",), (other, 3, y, 5)) is True
+    assert launcher.calls[-1][13:] == (other.data_ptr(), 3, y.data_ptr(), 5, 64)
+
+
+@pytest.mark.skipif(not _gluon.HAS_GLUON, reason="needs Gluon")
+def test_descriptor_is_tritons_and_checks_what_tma_needs():
+    """The descriptor equals Triton's own construction of it; a start off 16 bytes, rows not
+    in whole 16 bytes, a column stride or an empty dimension raise ValueError."""
+    t = torch.zeros(64, 32, dtype=torch.bfloat16)
+    ours = _gluon.descriptor(t, 16, 32)
+    theirs = _gluon.TensorDescriptor(t, [64, 32], [32, 1], [16, 32], ours.layout)
+    assert type(ours) is type(theirs) and ours == theirs
+    base = torch.zeros(4096, dtype=torch.bfloat16)
+    for bad in (base[1:1 + 64 * 32].view(64, 32), base[:64 * 36].view(64, 36),
+                t.t(), t[:0]):
+        with pytest.raises(ValueError, match="no TMA descriptor"):
+            _gluon.descriptor(bad, 16, 32)

@@ -304,14 +304,15 @@ def launch(a: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor, out: torch
     bias_arg = bias if has_bias else out
     args = (a_desc, b_desc, out_desc, bias_arg, out, ends, a_inv, b_inv, M, width, R, G,
             bias.stride(0) if has_bias else 0, out.stride(0), b_inv.stride(0), b_inv.stride(1))
-    meta = dict(HAS_BIAS=has_bias, TRANSPOSED=transposed_weight, SCALED=factors is not None,
-                TMA_STORE=tma_store, GROUP_M=config.group_m,
-                BLOCK_G=max(32, next_power_of_2(G + 1)), NUM_PROGRAMS=programs,
-                STAGES=config.stages, num_warps=config.warps)
     key = (args[8:], config, has_bias, transposed_weight, factors is not None, tma_store,
            a.dtype, weight.dtype, out.dtype, bias_arg.dtype, ends.dtype, a_inv.dtype,
            b_inv.dtype, a.device)
-    _PLANS.launch(key, _mm_kernel, (programs,), args, meta)
+    if not _PLANS.try_launch(key, args):
+        meta = dict(HAS_BIAS=has_bias, TRANSPOSED=transposed_weight,
+                    SCALED=factors is not None, TMA_STORE=tma_store, GROUP_M=config.group_m,
+                    BLOCK_G=max(32, next_power_of_2(G + 1)), NUM_PROGRAMS=programs,
+                    STAGES=config.stages, num_warps=config.warps)
+        _PLANS.keep(key, _mm_kernel.launch_planned((programs,), args, meta))
     return out
 
 

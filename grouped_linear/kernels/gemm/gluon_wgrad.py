@@ -303,12 +303,13 @@ def wgrad(grad_out: torch.Tensor, x: torch.Tensor, ends: torch.Tensor, with_bias
     programs = max(1, min(sm_count(x.device), tiles))
     bias_arg = grad_b if with_bias else grad_w
     args = (dy_desc, x_desc, out_desc, grad_w, bias_arg, ends, N, K, G)
-    meta = dict(HAS_BIAS=with_bias, BAND_N=config.band_n, NUM_PROGRAMS=programs,
-                STAGES=config.stages, TMA_STORE=out_dtype != torch.float32,
-                num_warps=config.warps)
     key = (N, K, G, config, with_bias, x.dtype, out_dtype, bias_arg.dtype, ends.dtype,
            x.device)
-    _PLANS.launch(key, _wgrad_kernel, (programs,), args, meta)
+    if not _PLANS.try_launch(key, args):
+        meta = dict(HAS_BIAS=with_bias, BAND_N=config.band_n, NUM_PROGRAMS=programs,
+                    STAGES=config.stages, TMA_STORE=out_dtype != torch.float32,
+                    num_warps=config.warps)
+        _PLANS.keep(key, _wgrad_kernel.launch_planned((programs,), args, meta))
     return grad_w, grad_b
 
 
