@@ -2,7 +2,7 @@
 rows up to which the Triton kernels beat torch's grouped GEMM (CUDA).
 
 From the repository root, ``PYTHONPATH=. python benchmarks/backend_choice.py [--part
-dtypes|rows|fine|fine-backward]`` (default: every part):
+dtypes|rows|fine|fp8-small|fine-backward]`` (default: every part):
 
 * ``dtypes``: ``gl.grouped_linear`` (no bias, CUDA splits) with ``backend="loop"`` and
   ``"grouped"`` in bf16, fp16 and fp32 on four cases; forward and forward+backward
@@ -18,6 +18,9 @@ dtypes|rows|fine|fine-backward]`` (default: every part):
   ``Float8Rowwise`` / ``Float8Blockwise`` layers with a warm weight cache on the
   ``fp8_fused`` route and on the FP8 GEMM routes (``fp8_fused_max_work`` moved to either
   side): where each wins sets ``triton_auto_max_rows`` and ``fp8_fused_max_work``.
+* ``fp8-small``: the same FP8 columns (and raw ``F.grouped_mm``) on 8-64 groups of 8-128
+  rows at 1024 x 1024, 2048 x 768 and 4096 x 2048, in three alternating rounds: where the
+  ``fp8_fused`` route stops paying as groups and weights grow.
 * ``fine-backward``: the backward alone (input and weight gradients, bf16, no bias) of the
   fine cells the ``triton`` route takes (at most ``triton_auto_max_rows`` rows; balanced
   and skewed splits): torch's two grouped GEMMs, the Gluon dgrad and weight gradient of the
@@ -26,6 +29,9 @@ dtypes|rows|fine|fine-backward]`` (default: every part):
   (``zero_`` of both): which launch shape, and whether one launch or two, the ``triton``
   route's backward takes (``triton_gemm.wgrad_tile``, ``ONE_LAUNCH_MAX_WEIGHTS``).
 """
+
+import contextlib
+import statistics
 
 import torch
 import torch.nn.functional as F
@@ -124,17 +130,24 @@ def rows() -> None:
 FINE_FEATURES = [(2048, 768), (768, 2048), (4096, 2048), (7168, 2048)]
 
 
-def _step_us(fn, grad, leaves) -> tuple[float, float]:
+def _step_us(fn, grad, leaves, rep_ms: int = 100) -> tuple[float, float]:
     """Median µs of ``fn()`` and of ``fn().backward(grad)`` (short warm-ups: the caller warms
     the GPU once per cell)."""
-    options = {"cuda_warmup_ms": 100, "cuda_rep_ms": 100}
+    options = {"cuda_warmup_ms": rep_ms, "cuda_rep_ms": rep_ms}
     fwd = median_ms(fn, leaves, **options)
     step = median_ms(lambda: fn().backward(grad), leaves, **options)
     return fwd * 1e3, step * 1e3
 
 
-def _fine_cell(groups: int, per_group: int, K: int, N: int) -> dict:
-    """µs (forward, forward+backward) of every column on one balanced cell."""
+FP8_COLUMNS = {"row": gl.recipes.Float8Rowwise, "block": gl.recipes.Float8Blockwise}
+
+
+def _fine_cell(groups: int, per_group: int, K: int, N: int, bf16: bool = True,
+               rounds: int = 1, rep_ms: int = 100) -> dict:
+    """µs (forward, forward+backward) of every column on one balanced cell: medians over
+    ``rounds`` rounds, the columns alternating within each round. ``bf16``: the triton and
+    grouped backends too. FP8 columns: a warm weight cache on the ``fp8_fused`` route and on
+    the FP8 GEMM routes (``fp8_fused_max_work`` moved to either side while each is timed)."""
     sizes = [per_group] * groups
     M = sum(sizes)
     splits, ends = device_groups(sizes)
@@ -142,39 +155,60 @@ def _fine_cell(groups: int, per_group: int, K: int, N: int) -> dict:
     w = randn(groups, N, K, device=CUDA, dtype=torch.bfloat16, scale=K ** -0.5,
               requires_grad=True)
     grad = randn(M, N, device=CUDA, dtype=torch.bfloat16)
-    warm_gpu()
-    times = {"torch": _step_us(
-        lambda: torch.nn.functional.grouped_mm(x, w.transpose(-2, -1), offs=ends), grad, [x, w])}
-    for backend in ("triton", "grouped"):
-        times[backend] = _step_us(
-            lambda b=backend: gl.grouped_linear(x, w, None, splits, backend=b), grad, [x, w])
-    for name, recipe in (("row", gl.recipes.Float8Rowwise()),
-                         ("block", gl.recipes.Float8Blockwise())):
+    columns = {"torch": (None, lambda: torch.nn.functional.grouped_mm(
+        x, w.transpose(-2, -1), offs=ends), [x, w])}
+    for backend in ("triton", "grouped") if bf16 else ():
+        columns[backend] = (None, lambda b=backend: gl.grouped_linear(x, w, None, splits,
+                                                                      backend=b), [x, w])
+    for name, recipe in FP8_COLUMNS.items():
         for route, limit in (("fused", 2**62), ("gemm", 0)):
             with _tuning.override(fp8_fused_max_work=limit):
                 layer = gl.GroupedLinear(groups, K, N, bias=False, params_dtype=torch.bfloat16,
-                                         device=CUDA, recipe=recipe)
+                                         device=CUDA, recipe=recipe())
                 layer(x, splits, is_first_microbatch=True)  # fills the weight cache
-                times[f"{name} {route}"] = _step_us(
-                    lambda layer=layer: layer(x, splits, is_first_microbatch=False), grad,
-                    [x, layer.weight])
-    return times
+            columns[f"{name} {route}"] = (
+                limit, lambda layer=layer: layer(x, splits, is_first_microbatch=False),
+                [x, layer.weight])
+    warm_gpu()
+    runs: dict = {name: [] for name in columns}
+    for _ in range(rounds):
+        for name, (limit, fn, leaves) in columns.items():
+            with (_tuning.override(fp8_fused_max_work=limit) if limit is not None
+                  else contextlib.nullcontext()):
+                runs[name].append(_step_us(fn, grad, leaves, rep_ms))
+    return {name: tuple(statistics.median(run[i] for run in times) for i in (0, 1))
+            for name, times in runs.items()}
+
+
+def _print_cells(cells, bf16: bool = True, rounds: int = 1, rep_ms: int = 100) -> None:
+    """One line per ``(groups, rows per group, K, N)`` cell: each column's µs and its
+    forward+backward against torch's."""
+    header = None
+    for groups, per_group, K, N in cells:
+        times = _fine_cell(groups, per_group, K, N, bf16, rounds, rep_ms)
+        if header is None:
+            header = list(times)
+            print("cell | " + " | ".join(f"{c} fwd, fwd+bwd" for c in header)
+                  + f" (µs, median of {rounds} alternating rounds; each column's "
+                  "forward+backward against torch's in brackets)")
+        base = times["torch"][1]
+        line = [f"{times[c][0]:.0f}, {times[c][1]:.0f} ({base / times[c][1]:.2f}x)"
+                for c in header]
+        print(f"G{groups} r{per_group} {K}x{N} | " + " | ".join(line), flush=True)
 
 
 def fine() -> None:
     """µs per cell of raw grouped_mm, the bf16 backends and the FP8 routes (module doc)."""
-    columns = ["torch", "triton", "grouped", "row fused", "row gemm", "block fused",
-               "block gemm"]
-    print("cell | " + " | ".join(f"{c} fwd, fwd+bwd" for c in columns)
-          + " (µs; each column's forward+backward against torch's in brackets)")
-    for K, N in FINE_FEATURES:
-        for groups in (64, 128, 256):
-            for per_group in (8, 32, 128):
-                times = _fine_cell(groups, per_group, K, N)
-                base = times["torch"][1]
-                cells = [f"{times[c][0]:.0f}, {times[c][1]:.0f} ({base / times[c][1]:.2f}x)"
-                         for c in columns]
-                print(f"G{groups} r{per_group} {K}x{N} | " + " | ".join(cells), flush=True)
+    _print_cells([(groups, per_group, K, N) for K, N in FINE_FEATURES
+                  for groups in (64, 128, 256) for per_group in (8, 32, 128)])
+
+
+def fp8_small() -> None:
+    """The FP8 routes on small calls of few to many groups (module doc), alternating rounds."""
+    _print_cells([(groups, per_group, K, N) for K, N in ((1024, 1024), (2048, 768),
+                                                          (4096, 2048))
+                  for groups in (8, 16, 32, 64) for per_group in (8, 32, 128)],
+                 bf16=False, rounds=3, rep_ms=40)
 
 
 WGRAD_TILES = [  # (rows per step, N, K, warps, stages, K tiles per program); programs per
@@ -250,7 +284,7 @@ def fine_backward() -> None:
 
 
 def main() -> None:
-    args = part_arguments(__doc__, ("dtypes", "rows", "fine", "fine-backward"))
+    args = part_arguments(__doc__, ("dtypes", "rows", "fine", "fp8-small", "fine-backward"))
     torch.manual_seed(0)
     if "dtypes" in args.parts:
         dtypes()
@@ -258,6 +292,8 @@ def main() -> None:
         rows()
     if "fine" in args.parts:
         fine()
+    if "fp8-small" in args.parts:
+        fp8_small()
     if "fine-backward" in args.parts:
         fine_backward()
 
