@@ -84,6 +84,11 @@ class _Kernel:
     problems are made of launches. Launch hooks (profilers) and the CPU interpreter take
     Triton's path, and so does every launch after a Triton launcher has rejected the
     cached path's arguments (:attr:`cached`). Other attributes are the JIT function's.
+
+    A launch that repeats one seen before, every argument but the tensors' addresses
+    equal (the grid, integers, constexprs, tensors' dtypes, descriptors' tiles), goes one
+    step further: from the second time on it launches from a :class:`LaunchPlan` kept by
+    the kernel (no binding at all; a Gluon kernel's descriptors encoded once per address).
     """
 
     def __init__(self, jit_fn):
@@ -93,6 +98,8 @@ class _Kernel:
         self._interpreted = not hasattr(jit_fn, "device_caches")
         # False once a launcher has rejected the cached path: Triton's own path from then on.
         self.cached = True
+        self._plans = PlanCache()
+        self._seen: set = set()  # launch keys met once, planned when met again
 
     def __getattr__(self, name):
         return getattr(self.jit_fn, name)
@@ -101,6 +108,29 @@ class _Kernel:
         return lambda *args, **meta: self._launch(grid, args, meta)
 
     def _launch(self, grid, args, meta):
+        """A launch from the kernel's plan for these arguments where one is kept; the second
+        time a launch is seen, through :meth:`launch_planned`, keeping its plan."""
+        if self._interpreted or type(grid) is not tuple:
+            return self._launch_direct(grid, args, meta)
+        try:
+            key = (grid, *map(_key_part, args), *meta.items())
+            if self._plans.try_launch(key, args):
+                return None
+        except TypeError:  # an argument that cannot be part of a key: no plan
+            return self._launch_direct(grid, args, meta)
+        if key not in self._seen:
+            if len(self._seen) >= PLANNED_KEYS:
+                self._seen.clear()
+            self._seen.add(key)
+            return self._launch_direct(grid, args, meta)
+        compiled, bound = self._run(grid, args, meta)
+        if bound is not None:
+            self._plans.keep(key, LaunchPlan.build(compiled, grid, *bound,
+                                                   positions=_tensor_positions(args)))
+        return compiled
+
+    def _launch_direct(self, grid, args, meta):
+        """The launch through the cached binary (or Triton's own path), no plan."""
         return self._run(grid, args, meta)[0]
 
     def _run(self, grid, args, meta):
@@ -137,9 +167,32 @@ class _Kernel:
         compiled, bound = self._run(grid, args, meta)
         if bound is None:
             return None
-        positions = tuple(i for i, arg in enumerate(args)
-                          if isinstance(arg, torch.Tensor) or _is_descriptor(arg))
-        return LaunchPlan.build(compiled, grid, *bound, positions=positions)
+        return LaunchPlan.build(compiled, grid, *bound, positions=_tensor_positions(args))
+
+
+# Launch keys a kernel remembers having seen once (and plans it keeps: PlanCache's size).
+PLANNED_KEYS = 256
+
+
+def _key_part(arg: object) -> object:
+    """What a launch argument contributes to the key of a kernel's own plans: a tensor its
+    dtype (its address is the plan's to fill in, its alignment the plan's to check), a TMA
+    descriptor its dtype, tile, layout and padding (shape and strides are encoded per launch),
+    an integer itself, anything else its type and value (``TypeError`` if unhashable)."""
+    if type(arg) is int:
+        return arg
+    if isinstance(arg, torch.Tensor):
+        return arg.dtype
+    if _is_descriptor(arg):
+        return (arg.base.dtype, *arg.block_shape, arg.layout, arg.padding)
+    hash(arg)
+    return (type(arg), arg)
+
+
+def _tensor_positions(args: tuple) -> tuple[int, ...]:
+    """Where the tensors and TMA descriptors sit among a launch's positional arguments."""
+    return tuple(i for i, arg in enumerate(args)
+                 if isinstance(arg, torch.Tensor) or _is_descriptor(arg))
 
 
 def _full_grid(grid: tuple) -> tuple[int, int, int]:

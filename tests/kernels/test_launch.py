@@ -280,3 +280,84 @@ def test_descriptor_is_tritons_and_checks_what_tma_needs():
                 t.t(), t[:0]):
         with pytest.raises(ValueError, match="no TMA descriptor"):
             _gluon.descriptor(bad, 16, 32)
+
+
+class _FakeJit:
+    """Stands in for a compiled ``@triton.jit`` function on device 0: its binder (counted)
+    binds every argument, specializes on the tensors' dtypes and the integers, and the
+    first launch of a specialization "compiles" it (counted)."""
+
+    def __init__(self):
+        self.binds = 0
+        self.compiles = 0
+        self.launcher = _Launcher()
+        self.cached_runs = []
+        self.device_caches = {0: (None, None, None, None, self._bind)}
+
+    def _bind(self, *args, **meta):
+        self.binds += 1
+        bound = {f"a{i}": arg for i, arg in enumerate(args)} | meta
+        specialization = [arg.dtype if isinstance(arg, torch.Tensor) else repr(arg) for arg in args]
+        return bound, specialization, {}
+
+    def __getitem__(self, grid):
+        def compile_and_launch(*args, **meta):
+            self.compiles += 1
+            compiled = _Compiled(self.launcher)
+            compiled.run = _CachedRun(compiled.run, self.cached_runs)
+            return compiled
+        return compile_and_launch
+
+
+class _CachedRun:
+    """A compiled kernel's ``run``: callable (the cached path, recorded) with the launcher's
+    attributes."""
+
+    def __init__(self, namespace, calls):
+        self.__dict__.update(vars(namespace))
+        self._calls = calls
+
+    def __call__(self, *args):
+        self._calls.append(args)
+
+
+def test_repeated_launches_go_through_the_kernels_own_plan(monkeypatch):
+    """The first launch of a key binds (and compiles), the second binds and keeps a plan,
+    later ones launch from the plan without binding, on their own tensors; another integer is
+    another key; an unhashable argument is launched without a plan."""
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0, raising=False)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda d: 1234, raising=False)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    jit = _FakeJit()
+    kernel = _triton._Kernel(jit)
+    assert not kernel._interpreted
+    x, out = torch.zeros(4), torch.zeros(8)
+    kernel[(3,)](x, 7, out, BLOCK=64)
+    kernel[(3,)](x, 7, out, BLOCK=64)
+    assert (jit.binds, jit.compiles, len(jit.cached_runs)) == (2, 1, 1)
+    y, other = torch.zeros(4), torch.zeros(8)
+    kernel[(3,)](y, 7, other, BLOCK=64)
+    assert jit.binds == 2 and len(jit.launcher.calls) == 1
+    assert jit.launcher.calls[-1][:4] == (3, 1, 1, 1234)
+    assert jit.launcher.calls[-1][13:] == (y.data_ptr(), 7, other.data_ptr(), 64)
+    kernel[(3,)](y, 8, other, BLOCK=64)  # another integer: bound again
+    kernel[(3,)](y, 7, other, BLOCK=32)  # another constexpr
+    kernel[(3,)](y.double(), 7, other, BLOCK=64)  # another dtype
+    assert jit.binds == 5 and len(jit.launcher.calls) == 1
+    kernel[(3,)](y, [7], other, BLOCK=64)
+    kernel[(3,)](y, [7], other, BLOCK=64)
+    assert jit.binds == 7 and len(jit.launcher.calls) == 1
+
+
+def test_launch_key_parts():
+    """Tensors key by dtype, integers by value, other values by type and value (True is not
+    1), descriptors by dtype, tile, layout and padding; lists cannot be keyed."""
+    part = _triton._key_part
+    assert part(torch.zeros(2)) == part(torch.ones(3)) == torch.float32
+    assert part(5) == 5 and part(True) != part(1) and part(1.0) != part(1)
+    assert part(None) == (type(None), None)
+    descriptor = _TmaDescriptor(torch.zeros(16, dtype=torch.bfloat16))
+    descriptor.layout = "layout"
+    assert part(descriptor) == (torch.bfloat16, 2, 2, "layout", "zero")
+    with pytest.raises(TypeError):
+        part([1])
