@@ -37,6 +37,9 @@ weight gradient is exactly zero (true where a cell has none). The summary gives,
 ``(K, N)`` and over all cells, each column's min, median and max ratio with the cell of the
 min, next to the targets: bf16 forward + backward >= 1.0x everywhere and >= 1.3x median,
 forward-only >= 1.0x, FP8 cached >= 1.0x in cells of >= 64 rows per group, >= 0.9x below.
+On CUDA it also gives the ceiling the bytes set on any bf16 column's ratio (``floor``
+rows): torch's time over the time to read and write what forward and backward must
+(:func:`byte_floor_ms`) at the device's measured copy bandwidth.
 
 On CPU (a smoke test, said so in the title line) the suite runs :data:`CPU_GRID` in float32
 without the FP8 columns and without peak memory; ``grouped_mm``'s columns run wherever a
@@ -61,7 +64,14 @@ import grouped_linear as gl
 from ..ops.checks import check_int
 from ..ops.dispatch import fp8_route, resolve_backend
 from .demo import resolve_device
-from .timing import format_table, median_seconds, peak_memory_bytes, progress, warm_gpu
+from .timing import (
+    copy_bandwidth,
+    format_table,
+    median_seconds,
+    peak_memory_bytes,
+    progress,
+    warm_gpu,
+)
 
 __all__ = ["CPU_GRID", "GRID", "CellInputs", "Grid", "cell_columns", "render_fine_tables",
            "run_fine_bench", "skewed_sizes"]
@@ -277,8 +287,19 @@ def cell_columns(cell: dict, names: list[str], dev: torch.device,
     return CellInputs(x, w, dy, splits, columns)
 
 
+def byte_floor_ms(G: int, M: int, K: int, N: int, element_size: int, bandwidth: float
+                  ) -> tuple[float, float]:
+    """Milliseconds to move the bytes no implementation can avoid, at ``bandwidth`` (read +
+    written bytes per second): forward+backward reads ``x`` and the weight, writes ``y``
+    (forward), reads ``dy`` and the weight, writes ``dx`` (dgrad), reads ``dy`` and ``x``,
+    writes ``dW`` (wgrad); and the forward alone."""
+    weight, rows = G * N * K, M * (K + N)
+    return (element_size * (3 * weight + 3 * rows) / bandwidth * 1e3,
+            element_size * (weight + rows) / bandwidth * 1e3)
+
+
 def _measure_cell(cell: dict, names: list[str], dev: torch.device, dtype: torch.dtype,
-                  rounds: int, reps: int) -> dict:
+                  rounds: int, reps: int, bandwidth: float | None = None) -> dict:
     G, K, N, sizes = cell["G"], cell["K"], cell["N"], cell["sizes"]
     M = sum(sizes)
     inputs = cell_columns(cell, names, dev, dtype)
@@ -321,6 +342,12 @@ def _measure_cell(cell: dict, names: list[str], dev: torch.device, dtype: torch.
     for name, entry in result["columns"].items():
         base = result["columns"].get(BASELINES["fwd" if name in FORWARD_ONLY else "fwd_bwd"])
         entry["ratio"] = base["ms"] / entry["ms"] if base and entry["ms"] > 0 else None
+    if bandwidth is not None:  # the most any column could gain on torch: its time / the floor
+        floors = byte_floor_ms(G, M, K, N, x.element_size(), bandwidth)
+        result["floor_ms"] = floors[0]
+        for kind, floor in zip(("fwd_bwd", "fwd"), floors):
+            base = result["columns"].get(BASELINES[kind])
+            result[f"{kind}_ceiling"] = base["ms"] / floor if base else None
     return result
 
 
@@ -333,6 +360,15 @@ def _summary(cells: list[dict], names: list[str]) -> list[dict]:
     groups["all"] = cells
     rows = []
     for features, members in groups.items():
+        for kind in ("fwd_bwd", "fwd"):  # the byte floor's ceiling on any column's ratio
+            ceilings = [(c[f"{kind}_ceiling"], c["name"]) for c in members
+                        if c.get(f"{kind}_ceiling") is not None]
+            if ceilings:
+                values = [v for v, _ in ceilings]
+                rows.append({"features": features, "column": f"floor ({kind})", "cells": "all",
+                             "count": len(values), "min": min(values),
+                             "median": statistics.median(values), "max": max(values),
+                             "worst": min(ceilings)[1], "target": None, "met": None})
         for name in names:
             if name in BASELINES.values():
                 continue
@@ -382,12 +418,15 @@ def run_fine_bench(device: str | torch.device = "auto", json_path: str | None = 
               "smoke_test": smoke, "dtype": str(dtype).removeprefix("torch."),
               "torch": torch.__version__, "grouped_linear": gl.__version__, "rounds": rounds,
               "reps": reps, "columns": names, "cells": []}
+    bandwidth = copy_bandwidth(dev)
+    report["copy_bandwidth"] = bandwidth
     bar = progress(len(cells), desc="fine-grained cells")
     with warnings.catch_warnings():
         # torch warns once when autograd's CUDA thread first creates its cuBLAS handle.
         warnings.filterwarnings("ignore", message=".*no current CUDA context.*")
         for cell in cells:
-            report["cells"].append(_measure_cell(cell, names, dev, dtype, rounds, reps))
+            report["cells"].append(_measure_cell(cell, names, dev, dtype, rounds, reps,
+                                                 bandwidth))
             if dev.type == "cuda":
                 gc.collect()  # a cell's tensors go before the next, larger one allocates
                 torch.cuda.empty_cache()

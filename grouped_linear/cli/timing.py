@@ -148,6 +148,17 @@ def median_seconds(
     return statistics.median(times)
 
 
+def copy_bandwidth(device: torch.device) -> float | None:
+    """Bytes per second read plus written by a device-to-device copy of 1 GiB on CUDA (the
+    byte floors of the benches divide by it); ``None`` elsewhere."""
+    if device.type != "cuda":
+        return None
+    src = torch.ones(2**29, device=device, dtype=torch.int16)
+    dst = torch.empty_like(src)
+    seconds = median_seconds(lambda: dst.copy_(src), device, cuda_warmup_ms=200)
+    return 2 * src.numel() * src.element_size() / seconds
+
+
 def warm_gpu(ms: float = 300.0, device: torch.device | str | None = None) -> None:
     """Keep the GPU busy with bf16 matmuls for about ``ms`` milliseconds; nothing off CUDA.
 

@@ -105,6 +105,28 @@ def test_cached_fp8_columns_are_summarised_by_rows_per_group():
                                                                        False)
 
 
+def test_the_byte_floor_counts_what_forward_and_backward_must_move():
+    """Forward+backward: x read twice and dx written, the weight read twice and dW written,
+    y written and dy read twice; forward: x, the weight and y once. Its ceilings are
+    summarised per (K, N) beside the columns, without a target."""
+    G, M, K, N, size = 3, 10, 16, 8, 2
+    tensors = {"x": M * K, "w": G * N * K, "y": M * N}
+    moved = {"x": 3, "w": 3, "y": 3}  # x, dx, x again; w, w, dW; y, dy, dy
+    bandwidth = 1e9
+    fwd_bwd, fwd = suite.byte_floor_ms(G, M, K, N, size, bandwidth)
+    assert fwd_bwd == pytest.approx(sum(size * n * moved[k] for k, n in tensors.items())
+                                     / bandwidth * 1e3)
+    assert fwd == pytest.approx(size * sum(tensors.values()) / bandwidth * 1e3)
+    cells = [{"name": name, "K": 8, "N": 8, "rows_per_group": 8, "fwd_bwd_ceiling": c,
+              "fwd_ceiling": c / 2, "columns": {"gl": {"ratio": 1.0}}}
+             for name, c in (("a", 1.4), ("b", 1.2), ("c", 1.3))]
+    rows = {(s["features"], s["column"]): s for s in suite._summary(cells, ["gl"])}
+    floor = rows["8x8", "floor (fwd_bwd)"]
+    assert (floor["min"], floor["median"], floor["max"], floor["worst"]) == (1.2, 1.3, 1.4, "b")
+    assert floor["target"] is None and floor["met"] is None
+    assert rows["all", "floor (fwd)"]["median"] == pytest.approx(0.65)
+
+
 @pytest.mark.parametrize("G, rows", [(4, 2), (8, 8), (64, 8), (128, 32), (256, 128)])
 def test_skewed_splits_keep_the_rows_and_empty_some_groups(G, rows):
     sizes = skewed_sizes(G, rows)
