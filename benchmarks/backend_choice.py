@@ -16,8 +16,8 @@ dtypes|rows|fine|fp8-small|fine-backward]`` (default: every part):
   K x N), µs of forward and forward+backward (no bias, CUDA splits, bf16) of raw
   ``F.grouped_mm``, this library's ``triton`` and ``grouped`` backends, and
   ``Float8Rowwise`` / ``Float8Blockwise`` layers with a warm weight cache on the
-  ``fp8_fused`` route and on the FP8 GEMM routes (``fp8_fused_max_work`` moved to either
-  side): where each wins sets ``triton_auto_max_rows`` and ``fp8_fused_max_work``.
+  ``fp8_fused`` route and on the FP8 GEMM routes (the fused route's bounds moved to either
+  side): where each wins sets ``triton_auto_max_rows`` and the ``fp8_fused_max_*`` bounds.
 * ``fp8-small``: the same FP8 columns (and raw ``F.grouped_mm``) on 8-64 groups of 8-128
   rows at 1024 x 1024, 2048 x 768 and 4096 x 2048, in three alternating rounds: where the
   ``fp8_fused`` route stops paying as groups and weights grow.
@@ -142,12 +142,18 @@ def _step_us(fn, grad, leaves, rep_ms: int = 100) -> tuple[float, float]:
 FP8_COLUMNS = {"row": gl.recipes.Float8Rowwise, "block": gl.recipes.Float8Blockwise}
 
 
+def _fused_limits(limit: int) -> dict:
+    """Every bound of the ``fp8_fused`` route at ``limit`` (0: never, 2**62: always)."""
+    return dict(fp8_fused_max_work=limit, fp8_fused_max_weights=limit,
+                fp8_fused_max_block_weights=limit)
+
+
 def _fine_cell(groups: int, per_group: int, K: int, N: int, bf16: bool = True,
                rounds: int = 1, rep_ms: int = 100) -> dict:
     """µs (forward, forward+backward) of every column on one balanced cell: medians over
     ``rounds`` rounds, the columns alternating within each round. ``bf16``: the triton and
     grouped backends too. FP8 columns: a warm weight cache on the ``fp8_fused`` route and on
-    the FP8 GEMM routes (``fp8_fused_max_work`` moved to either side while each is timed)."""
+    the FP8 GEMM routes (the fused route's bounds moved to either side while each is timed)."""
     sizes = [per_group] * groups
     M = sum(sizes)
     splits, ends = device_groups(sizes)
@@ -162,7 +168,7 @@ def _fine_cell(groups: int, per_group: int, K: int, N: int, bf16: bool = True,
                                                                       backend=b), [x, w])
     for name, recipe in FP8_COLUMNS.items():
         for route, limit in (("fused", 2**62), ("gemm", 0)):
-            with _tuning.override(fp8_fused_max_work=limit):
+            with _tuning.override(**_fused_limits(limit)):
                 layer = gl.GroupedLinear(groups, K, N, bias=False, params_dtype=torch.bfloat16,
                                          device=CUDA, recipe=recipe())
                 layer(x, splits, is_first_microbatch=True)  # fills the weight cache
@@ -173,7 +179,7 @@ def _fine_cell(groups: int, per_group: int, K: int, N: int, bf16: bool = True,
     runs: dict = {name: [] for name in columns}
     for _ in range(rounds):
         for name, (limit, fn, leaves) in columns.items():
-            with (_tuning.override(fp8_fused_max_work=limit) if limit is not None
+            with (_tuning.override(**_fused_limits(limit)) if limit is not None
                   else contextlib.nullcontext()):
                 runs[name].append(_step_us(fn, grad, leaves, rep_ms))
     return {name: tuple(statistics.median(run[i] for run in times) for i in (0, 1))

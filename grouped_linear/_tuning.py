@@ -26,10 +26,16 @@ class Tuning:
             in_features x out_features is at most this run the ``fp8_fused`` route (one
             launch per GEMM, quantization inside: small calls are bound by host time);
             larger ones the FP8 GEMM routes.
+        fp8_fused_max_weights: and whose groups x in_features x out_features is at most
+            this (``Float8Blockwise``: :attr:`fp8_fused_max_block_weights`): the fused
+            kernels' time grows with the weight they read and write per step, the GEMM
+            routes' host time does not.
     """
 
     triton_auto_max_rows: int = 4096
     fp8_fused_max_work: int = 2**32
+    fp8_fused_max_weights: int = 2**27
+    fp8_fused_max_block_weights: int = 2**26
 
 
 _current = Tuning()

@@ -155,10 +155,11 @@ def test_without_a_weight_gradient_nothing_of_x_is_kept(fused):
 
 @pytest.mark.fp8_fused
 def test_the_rule_sends_small_cuda_calls(monkeypatch):
-    """Rows x in x out up to ``fp8_fused_max_work``: ``fp8_fused``, for every recipe in
-    bf16/fp16 on CUDA; float32, CPU, large calls or a call whose rows are not given
-    (``num_rows=None``) take the other routes. Nothing runs (the device's capabilities are
-    faked)."""
+    """Rows x in x out up to ``fp8_fused_max_work`` and groups x in x out up to
+    ``fp8_fused_max_weights`` (blockwise: ``fp8_fused_max_block_weights``): ``fp8_fused``,
+    for every recipe in bf16/fp16 on CUDA; float32, CPU, large calls, large weights or a
+    call whose rows are not given (``num_rows=None``) take the other routes. Nothing runs
+    (the device's capabilities are faked)."""
     from grouped_linear.kernels.gemm import fp8_torch_gemm
     from grouped_linear.ops import dispatch
 
@@ -169,13 +170,18 @@ def test_the_rule_sends_small_cuda_calls(monkeypatch):
     monkeypatch.setattr(fp8_torch_gemm, "gemm_accepts", lambda *args: True)
     monkeypatch.setattr(dispatch, "_fp8_gemms_on", lambda device: True)
     cuda0 = torch.device("cuda", 0)
-    limit = _tuning.current().fp8_fused_max_work
-    rows = limit // (2048 * 768)
+    tuning = _tuning.current()
+    rows = tuning.fp8_fused_max_work // (2048 * 768)
     for recipe in (Float8Rowwise(), Float8Blockwise(), Float8Tensorwise()):
+        weights = (tuning.fp8_fused_max_block_weights if isinstance(recipe, Float8Blockwise)
+                   else tuning.fp8_fused_max_weights)
+        groups = weights // (2048 * 768)  # the most groups of this size the rule takes
+        assert 8 <= groups < 4095
         for dtype in (torch.bfloat16, torch.float16):
-            assert fp8_route(recipe, cuda0, dtype, 2048, 768, 64, rows) == "fp8_fused"
-        assert fp8_route(recipe, cuda0, torch.bfloat16, 2048, 768, 64, rows + 1) != "fp8_fused"
-        assert fp8_route(recipe, cuda0, torch.bfloat16, 2048, 768, 64) != "fp8_fused"
-        assert fp8_route(recipe, cuda0, torch.float32, 2048, 768, 64, 8) != "fp8_fused"
+            assert fp8_route(recipe, cuda0, dtype, 2048, 768, groups, rows) == "fp8_fused"
+        for G, M in ((groups, rows + 1), (groups + 1, 8)):
+            assert fp8_route(recipe, cuda0, torch.bfloat16, 2048, 768, G, M) != "fp8_fused"
+        assert fp8_route(recipe, cuda0, torch.bfloat16, 2048, 768, 8) != "fp8_fused"
+        assert fp8_route(recipe, cuda0, torch.float32, 2048, 768, 8, 8) != "fp8_fused"
         with _tuning.override(fp8_fused_max_work=0):
-            assert fp8_route(recipe, cuda0, torch.bfloat16, 2048, 768, 64, 8) != "fp8_fused"
+            assert fp8_route(recipe, cuda0, torch.bfloat16, 2048, 768, 8, 8) != "fp8_fused"
