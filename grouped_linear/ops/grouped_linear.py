@@ -224,11 +224,11 @@ def _fp8(route: str, x: torch.Tensor, pieces: list[torch.Tensor] | None, weight:
     cached weight only where it was made for the emulation."""
     weight_grad_ahead = torch.is_grad_enabled() and weight.requires_grad
     if pieces is not None:
-        return Fp8ScaledMMFunction.apply(None, weight, bias, splits.ends, config, cached,
-                                         weight_grad_ahead, *pieces)
+        return Fp8ScaledMMFunction.apply(None, weight, bias, splits.sizes, splits.ends, config,
+                                         cached, weight_grad_ahead, *pieces)
     if route == "fp8_scaled_mm" and x.shape[0] > 0:
-        return Fp8ScaledMMFunction.apply(x, weight, bias, splits.ends, config, cached,
-                                         weight_grad_ahead)
+        return Fp8ScaledMMFunction.apply(x, weight, bias, splits.sizes, splits.ends, config,
+                                         cached, weight_grad_ahead)
     if route == "fp8_fused" and x.shape[0] > 0:
         return Fp8FusedFunction.apply(x, weight, bias, splits.sizes, splits.ends, config, cached,
                                       weight_grad_ahead)

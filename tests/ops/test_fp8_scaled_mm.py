@@ -36,9 +36,10 @@ def _leaves(dtype=torch.bfloat16, sizes=SIZES):
 
 
 def _apply(x, w, b, recipe, weight_grad_ahead=True, save_original_input=False, sizes=SIZES):
-    ends = torch.tensor(sizes, device=DEVICE).cumsum(0).to(torch.int32)
+    sizes = torch.tensor(sizes, device=DEVICE)
+    ends = sizes.cumsum(0).to(torch.int32)
     config = Fp8Config(recipe, False, None, save_original_input)
-    return Fp8ScaledMMFunction.apply(x, w, b, ends, config, None, weight_grad_ahead)
+    return Fp8ScaledMMFunction.apply(x, w, b, sizes, ends, config, None, weight_grad_ahead)
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=repr)

@@ -36,7 +36,7 @@ from __future__ import annotations
 import torch
 
 from ...kernels import bias as bias_kernels
-from ...kernels.ends import aligned_ends, group_sizes
+from ...kernels.ends import aligned_ends
 from ...kernels.gemm import fp8_gluon_gemm, fp8_gluon_wgrad, fp8_torch_gemm, fp8_triton_gemm
 from ...kernels.gemm.gluon_gemm import is_input_major
 from ...kernels.quantize import common, folded, rows, transposed
@@ -96,10 +96,12 @@ class Fp8ScaledMMFunction(torch.autograd.Function):
     """``y = x @ W_g^T + b_g`` per group with the three GEMMs in FP8 (see module doc)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, ends, config: Fp8Config, cached: Fp8Weight | None,
+    def forward(ctx, x, weight, bias, sizes, ends, config: Fp8Config, cached: Fp8Weight | None,
                 weight_grad_ahead: bool, *pieces):
         """``x`` ``(M, K)``, or ``None`` with the input as ``pieces``: one ``(m_g, K)`` tensor
-        per group, quantized piece by piece (never concatenated). ``weight_grad_ahead``: a
+        per group, quantized piece by piece (never concatenated). ``sizes`` and ``ends``: the
+        ``(G,)`` rows per group and their cumulative ends on the device (the weight gradient
+        reads the sizes, the other kernels the ends). ``weight_grad_ahead``: a
         backward may want the weight's gradient (grad mode on and the weight requiring it;
         inside ``forward`` autograd cannot tell); without it nothing of ``x`` is kept."""
         recipe = config.recipe
@@ -130,7 +132,7 @@ class Fp8ScaledMMFunction(torch.autograd.Function):
                                                         data_ends=aligned), x_inv)
         else:
             saved = (x, None, *pieces)
-        ctx.save_for_backward(weight, ends, x_scale, aligned, *saved)
+        ctx.save_for_backward(weight, sizes, ends, x_scale, aligned, *saved)
         stash_dgrad_weight(ctx, w)
         ctx.piece_sizes = [piece.shape[0] for piece in pieces]
         ctx.dtype = dtype
@@ -140,7 +142,7 @@ class Fp8ScaledMMFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        weight, ends, x_scale, x_aligned, x, x_inv, *pieces = ctx.saved_tensors
+        weight, sizes, ends, x_scale, x_aligned, x, x_inv, *pieces = ctx.saved_tensors
         dtype = ctx.dtype
         config: Fp8Config = ctx.config
         recipe = config.recipe
@@ -148,7 +150,7 @@ class Fp8ScaledMMFunction(torch.autograd.Function):
         grad_out = grad_out.contiguous()
         dy_scale = token_group_scales(grad_out, ends, fp8_grad, recipe)
         grad_x = None
-        if ctx.needs_input_grad[0] or any(ctx.needs_input_grad[7:]):
+        if ctx.needs_input_grad[0] or any(ctx.needs_input_grad[8:]):
             wt_data, wt_inv, wt_fold = take_dgrad_weight(ctx, weight, recipe, "fp8_scaled_mm")
             if wt_fold is not None:  # rowwise: dy times the weight's channel factors
                 factors = folded.ColumnFactors.of_groups(wt_fold, ends, grad_out.shape[0])
@@ -187,7 +189,7 @@ class Fp8ScaledMMFunction(torch.autograd.Function):
             wgrad = (fp8_gluon_wgrad.blockwise_wgrad
                      if fp8_gluon_wgrad.wgrad_supported(*pair, ends.shape[0])
                      else fp8_triton_gemm.blockwise_wgrad)
-            grad_w = wgrad(*pair, group_sizes(ends), grad_out.shape[0], out_dtype,
+            grad_w = wgrad(*pair, sizes, grad_out.shape[0], out_dtype,
                            group_scales=True)
             return grad_w.transpose(1, 2) if is_input_major(weight) else grad_w
 
@@ -196,5 +198,5 @@ class Fp8ScaledMMFunction(torch.autograd.Function):
         if ctx.piece_sizes:  # views of the one dgrad output, no copy
             grad_pieces = grad_x.split(ctx.piece_sizes) if grad_x is not None else \
                 (None,) * len(ctx.piece_sizes)
-            return None, grad_w, grad_b, None, None, None, None, *grad_pieces
-        return grad_x, grad_w, grad_b, None, None, None, None
+            return None, grad_w, grad_b, None, None, None, None, None, *grad_pieces
+        return grad_x, grad_w, grad_b, None, None, None, None, None
