@@ -146,7 +146,8 @@ def fp8_route(recipe: Float8Recipe, device: torch.device, dtype: torch.dtype, in
       ``in_features`` x ``out_features`` and ``fp8_fused_max_weights`` (blockwise:
       ``fp8_fused_max_block_weights``) for ``num_groups`` x ``in_features`` x
       ``out_features``: one launch per GEMM, where the other routes' quantization passes
-      make a small call's host time;
+      make a small call's host time (past the weight bound too where neither GEMM route
+      below takes the call);
     * ``"fp8_blockwise"``: ``Float8Blockwise``, E4M3, bf16, a GPU with FP8 tensor cores;
     * ``"fp8_scaled_mm"``: ``Float8Rowwise``/``Float8Tensorwise``, bf16, sm90, features that
       are multiples of 16, a format pair and a group count (at most
@@ -156,11 +157,11 @@ def fp8_route(recipe: Float8Recipe, device: torch.device, dtype: torch.dtype, in
     tuning = _tuning.current()
     max_weights = (tuning.fp8_fused_max_block_weights if isinstance(recipe, Float8Blockwise)
                    else tuning.fp8_fused_max_weights)
-    if (num_rows is not None and dtype in (torch.bfloat16, torch.float16)
-            and device.type == "cuda"
-            and HAS_TRITON and fp8_fused_gemm.fits(num_groups, in_features, out_features)
-            and num_rows * in_features * out_features <= tuning.fp8_fused_max_work
-            and num_groups * in_features * out_features <= max_weights):
+    small = (num_rows is not None and dtype in (torch.bfloat16, torch.float16)
+             and device.type == "cuda"
+             and HAS_TRITON and fp8_fused_gemm.fits(num_groups, in_features, out_features)
+             and num_rows * in_features * out_features <= tuning.fp8_fused_max_work)
+    if small and num_groups * in_features * out_features <= max_weights:
         return "fp8_fused"
     if (isinstance(recipe, Float8Blockwise) and recipe.fp8_format == "e4m3"
             and dtype == torch.bfloat16 and _fp8_gemms_on(device)
@@ -173,7 +174,7 @@ def fp8_route(recipe: Float8Recipe, device: torch.device, dtype: torch.dtype, in
                                             device.index if device.index is not None
                                             else torch.cuda.current_device())):
         return "fp8_scaled_mm"
-    return "fp8_emulated"
+    return "fp8_fused" if small else "fp8_emulated"  # a large weight no GEMM route takes
 
 
 def choose_route(backend: str, recipe: Float8Recipe | None, device: torch.device,

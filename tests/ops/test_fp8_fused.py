@@ -11,7 +11,7 @@ import torch
 
 import grouped_linear as gl
 from grouped_linear import _tuning
-from grouped_linear.ops.dispatch import fp8_route
+from grouped_linear.ops.dispatch import TORCH_GROUPED_MAX_GROUPS, fp8_route
 from grouped_linear.ops.fp8.primary import Float8WeightTensor
 from grouped_linear.recipes import Float8Blockwise, Float8Rowwise, Float8Tensorwise
 from tests.reference import rel_err
@@ -185,3 +185,9 @@ def test_the_rule_sends_small_cuda_calls(monkeypatch):
         assert fp8_route(recipe, cuda0, torch.float32, 2048, 768, 8, 8) != "fp8_fused"
         with _tuning.override(fp8_fused_max_work=0):
             assert fp8_route(recipe, cuda0, torch.bfloat16, 2048, 768, 8, 8) != "fp8_fused"
+        # past the weight bound, where no FP8 GEMM route takes the call (fp16 input; more
+        # groups than torch's grouped GEMMs take): still fused, not the emulation
+        assert fp8_route(recipe, cuda0, torch.float16, 2048, 768, groups + 1, 8) == "fp8_fused"
+        many = 2 * TORCH_GROUPED_MAX_GROUPS
+        assert fp8_route(recipe, cuda0, torch.bfloat16, 2048, 768, many, 8) == (
+            "fp8_blockwise" if isinstance(recipe, Float8Blockwise) else "fp8_fused")
