@@ -61,6 +61,26 @@ def test_bias_grad(sizes, tail, N, dtype):
     assert torch.equal(got, bias_kernels.bias_grad(grad, offs, dtype))  # deterministic
 
 
+@pytest.mark.parametrize("sizes, tail, N", CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_bias_grad_off_triton_on_the_cpu(monkeypatch, sizes, tail, N, dtype):
+    """Without Triton on the CPU the bias gradient adds each row into its group's sum in row
+    order: float64 sums of the groups within float32 rounding, the tail (NaN here) left out,
+    empty groups zero, and the reference's segment sums bit for bit."""
+    M = sum(sizes) + tail
+    grad = torch.randn(M, N, dtype=dtype)
+    grad[sum(sizes):] = float("nan")
+    offs = torch.tensor(sizes).cumsum(0).to(torch.int32)
+    monkeypatch.setattr(bias_kernels, "use_triton", lambda t: False)
+    got = bias_kernels.bias_grad(grad, offs, torch.float32)
+    starts = [e - n for n, e in zip(sizes, offs.tolist())]
+    want = torch.stack([grad[s:s + n].double().sum(0) for s, n in zip(starts, sizes)])
+    assert got.dtype == torch.float32 and torch.isfinite(got).all()
+    assert rel_err(got, want) < 1e-6
+    assert all(torch.all(got[g] == 0) for g, n in enumerate(sizes) if n == 0)
+    assert torch.equal(got, bias_kernels.bias_grad_reference(grad, offs, torch.float32))
+
+
 def test_bias_grad_large_group_int64_safe_indexing():
     grad = torch.randn(300, 7, device=DEVICE)
     offs = torch.tensor([0, 300], device=DEVICE, dtype=torch.int32)
