@@ -123,11 +123,8 @@ class _Kernel:
                 self._seen.clear()
             self._seen.add(key)
             return self._launch_direct(grid, args, meta)
-        compiled, bound = self._run(grid, args, meta)
-        if bound is not None:
-            self._plans.keep(key, LaunchPlan.build(compiled, grid, *bound,
-                                                   positions=_tensor_positions(args)))
-        return compiled
+        self._plans.keep(key, self.launch_planned(grid, args, meta))
+        return None
 
     def _launch_direct(self, grid, args, meta):
         """The launch through the cached binary (or Triton's own path), no plan."""
@@ -247,7 +244,8 @@ class LaunchPlan:
         # Per slot ``None`` (a tensor, or a descriptor the launcher encodes) or the
         # :class:`_Encodings` of a descriptor encoded here, ``values[slot:slot + width]``.
         self._encodings = encodings or (None,) * len(slots)
-        # The tensor arguments out of the kernel's positional arguments (:meth:`launch_from`).
+        # The tensor arguments out of the kernel's positional arguments (:meth:`launch_from`;
+        # ``None``: some tensor came by keyword, the plan launches only through its call).
         self._pick = None
         if positions is not None and len(positions) == len(slots) > 1:
             self._pick = operator.itemgetter(*positions)
@@ -257,7 +255,7 @@ class LaunchPlan:
 
     @classmethod
     def build(cls, compiled, grid, device: int, bound: dict,
-              positions: tuple[int, ...] | None = None) -> "LaunchPlan | None":
+              positions: tuple[int, ...]) -> "LaunchPlan | None":
         """The plan of a launch that ran ``compiled`` with the arguments ``bound`` (by
         name, in the kernel's order); ``positions``: where the tensor arguments sit among
         the positional arguments of the launch (for :meth:`launch_from`)."""
@@ -292,10 +290,7 @@ class LaunchPlan:
         """:meth:`__call__` on the tensor arguments among ``args``, the kernel's positional
         arguments as the planned launch took them."""
         pick = self._pick
-        if pick is None:
-            return self(*[arg for arg in args if isinstance(arg, torch.Tensor)
-                          or _is_descriptor(arg)])
-        return self(*pick(args))
+        return pick is not None and self(*pick(args))
 
     def __call__(self, *tensors: torch.Tensor) -> bool:
         """Launch on ``tensors`` (in the kernel's order of tensor arguments); ``False``

@@ -134,7 +134,7 @@ def test_plan_takes_descriptors_in_their_places(monkeypatch):
     launcher = _Launcher()
     first = torch.zeros(16)
     bound = {"a_desc": _Descriptor(first), "out_ptr": torch.zeros(8), "M": 40, "BLOCK": 64}
-    plan = _triton.LaunchPlan.build(_Compiled(launcher), (3,), 0, bound)
+    plan = _triton.LaunchPlan.build(_Compiled(launcher), (3,), 0, bound, positions=(0, 1))
     descriptor, out = _Descriptor(torch.zeros(16)), torch.zeros(8)
     assert plan(descriptor, out) is True
     (args,) = launcher.calls
@@ -155,7 +155,8 @@ def test_plan_cache_launches_from_the_keys_plan(monkeypatch):
         def launch_planned(self, grid, args, meta):
             planned.append(args)
             bound = {"x": args[0], "n": args[1], **meta}
-            return _triton.LaunchPlan.build(_Compiled(launcher), grid, 0, bound)
+            return _triton.LaunchPlan.build(_Compiled(launcher), grid, 0, bound,
+                                            positions=(0,))
 
     cache = _triton.PlanCache(size=2)
     x, y = torch.zeros(4), torch.zeros(4)
@@ -208,7 +209,7 @@ def test_plan_encodes_each_descriptor_once_per_geometry(monkeypatch):
     first, second = torch.zeros(64), torch.zeros(64)
     compiled = _Compiled(_descriptor_wrapper(launcher, [{"swizzle": 128}]))
     bound = {"a_desc": _TmaDescriptor(first), "out_ptr": torch.zeros(8), "M": 40, "BLOCK": 64}
-    plan = _triton.LaunchPlan.build(compiled, (3,), 0, bound)
+    plan = _triton.LaunchPlan.build(compiled, (3,), 0, bound, positions=(0, 1))
     assert encoded == [(first.data_ptr(), (4, 4))]  # the width of its arguments, once
     out = torch.zeros(8)
     for base in (first, second, first, second):
@@ -260,6 +261,9 @@ def test_plan_takes_the_tensors_from_the_launch_arguments_by_position(monkeypatc
     single = _triton.LaunchPlan.build(_Compiled(launcher), (2,), 0, {"x": x, "n": 3},
                                       positions=(0,))
     assert single.launch_from((y, 3)) is True and launcher.calls[-1][13:] == (y.data_ptr(), 3)
+    calls = len(launcher.calls)  # a tensor passed by keyword: the arguments do not hold it
+    by_keyword = _triton.LaunchPlan.build(_Compiled(launcher), (2,), 0, bound, positions=(0,))
+    assert by_keyword.launch_from((y, 3, other, 5)) is False and len(launcher.calls) == calls
     cache = _triton.PlanCache()
     assert cache.try_launch(("k",), (y, 3, other, 5)) is False  # no plan yet
     cache.keep(("k",), plan)
