@@ -121,6 +121,13 @@ def _covered(h: torch.Tensor, ends: torch.Tensor) -> bool:
     return ends.device.type == "cpu" and ends.shape[0] > 0 and int(ends[-1]) >= h.shape[0]
 
 
+def _gate_only(kind: str, h: torch.Tensor, bias: torch.Tensor | None, ends: torch.Tensor) -> bool:
+    """Whether ``f(gate) * up`` needs only the gate in the compute dtype: a gated kind without
+    parameters, no bias, every row in a group."""
+    return (kind in GATED_KINDS and kind not in KIND_PARAMETERS and bias is None
+            and _covered(h, ends))
+
+
 def _biased(h: torch.Tensor, bias: torch.Tensor | None, ends: torch.Tensor
             ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``h + bias[g]`` in the compute dtype, and the ``(M, 1)`` mask of rows in a group
@@ -150,8 +157,13 @@ def bias_act_reference(h: torch.Tensor, bias: torch.Tensor | None, ends: torch.T
                        probs: torch.Tensor | None = None) -> torch.Tensor:
     """Differentiable plain-PyTorch form (float32 math, float64 for float64; output in
     ``h.dtype``); with ``probs``, each row scaled by its ``(M,)`` probability."""
-    value, in_group = _biased(h, bias, ends)
-    out = _activated(value, kind, interleaved, alpha, limit)
+    if _gate_only(kind, h, bias, ends):  # only the gate is converted; up promotes exactly
+        compute = torch.float64 if h.dtype == torch.float64 else torch.float32
+        gate, up = _halves(h, interleaved)
+        out, in_group = _base_activation(kind, gate.to(compute)) * up, None
+    else:
+        value, in_group = _biased(h, bias, ends)
+        out = _activated(value, kind, interleaved, alpha, limit)
     if probs is not None:
         out = out * probs.to(out.dtype).unsqueeze(1)
     if zero_tail and in_group is not None:
@@ -171,7 +183,7 @@ def bias_act_backward_reference(grad_a: torch.Tensor, h: torch.Tensor,
     (each half rounded once, as its float32 values are), without a float32 ``(M, W)`` copy."""
     compute = torch.float64 if h.dtype == torch.float64 else torch.float32
     generic = kind in GATED_KINDS and kind not in KIND_PARAMETERS  # f(gate) * up
-    if generic and bias is None and _covered(h, ends):
+    if _gate_only(kind, h, bias, ends):
         # h as it is: only the gate is converted, the products promote up exactly
         value, in_group = h, None
     else:

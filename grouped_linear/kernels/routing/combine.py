@@ -33,15 +33,23 @@ FP8_TILE = 128
 
 def combine_rows_reference(src: torch.Tensor, row_map: torch.Tensor,
                            weights: torch.Tensor | None) -> torch.Tensor:
-    """``out[t] = sum_j weights[t, j] * src[row_map[t, j]]`` in float32, over the slots whose
-    row lies inside ``src``; output in ``src``'s dtype."""
+    """``out[t] = sum_j weights[t, j] * src[row_map[t, j]]`` in float32 (float64 where either
+    input is), over the slots whose row lies inside ``src``; output in ``src``'s dtype."""
     tokens, k = row_map.shape
-    rows = gather_rows_reference(src, row_map.reshape(-1)).view(tokens, k, *src.shape[1:]).float()
+    rows = gather_rows_reference(src, row_map.reshape(-1)).view(tokens, k, *src.shape[1:])
+    if weights is None and src.dtype in _SUMMED_AS_IS:
+        return rows.sum(dim=1)  # torch sums 16-bit floats in float32, rounding once
+    acc = torch.float64 if torch.float64 in (src.dtype, getattr(weights, "dtype", None)) \
+        else torch.float32
+    rows = rows.to(acc)
     if weights is not None:
         valid = (row_map >= 0) & (row_map < src.shape[0])
-        weights = weights.float().masked_fill(~valid, 0)
+        weights = weights.to(acc).masked_fill(~valid, 0)
         rows = rows * weights.view(tokens, k, *([1] * (src.dim() - 1)))
     return rows.sum(dim=1).to(src.dtype)
+
+
+_SUMMED_AS_IS = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 
 
 @triton.jit

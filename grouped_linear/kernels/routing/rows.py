@@ -333,12 +333,13 @@ def scatter_rows(src: torch.Tensor, row_map: torch.Tensor, token_of_row: torch.T
 
 def spread_rows_reference(src: torch.Tensor, row_map: torch.Tensor, num_rows: int,
                           weights: torch.Tensor | None) -> torch.Tensor:
-    """``(T, H)`` -> ``(num_rows, H)``: ``out[row_map[t, j]] = weights[t, j] * src[t]`` (in
-    float32, or float64 when either input is) for the slots whose row lies in
+    """``(T, H)`` -> ``(num_rows, H)``: ``out[row_map[t, j]] = weights[t, j] * src[t]`` (the
+    products in float32, or float64 when either input is) for the slots whose row lies in
     ``[0, num_rows)``; rows no slot holds are 0. Rows held by a slot must be distinct."""
     tokens, k = row_map.shape
     wide = src.dtype == torch.float64 or (weights is not None and weights.dtype == torch.float64)
-    acc = torch.float64 if wide else torch.float32
+    # Without weights the rows are copied, not computed: they stay in their dtype.
+    acc = src.dtype if weights is None else torch.float64 if wide else torch.float32
     flat = row_map.reshape(-1).to(torch.int64)
     valid = (flat >= 0) & (flat < num_rows)
     out = torch.zeros(num_rows + 1, *src.shape[1:], dtype=acc, device=src.device)

@@ -88,3 +88,32 @@ def test_combine_keeping_fp8_writes_the_held_rows_as_row_tiles(H, dtype):
     exact = combine.slot_dots_reference(src, grad, row_map, torch.float64)
     bound = combine.slot_dots_reference(src.abs(), grad.abs(), row_map, torch.float64) / 16
     assert ((got.double() - exact).abs() <= bound * (1 + 1e-3) + 1e-6).all()
+
+
+@pytest.mark.parametrize("with_weights", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_combine_reference_rounds_once(with_weights, dtype):
+    """The plain-PyTorch combine (the CPU path) gives the float64 sums rounded once to the
+    rows' dtype: exact in float64, no intermediate rounding in 16-bit dtypes."""
+    gen = torch.Generator().manual_seed(3)
+    src = torch.randn(40, 24, generator=gen).to(dtype)
+    row_map = torch.randperm(40, generator=gen)[:36].view(12, 3)
+    row_map[0, 1], row_map[5, 2] = -1, 40  # dropped, and outside the source
+    weights = torch.rand(12, 3, generator=gen, dtype=torch.float64) if with_weights else None
+    exact = torch.zeros(12, 24, dtype=torch.float64)
+    for t in range(12):
+        for j in range(3):
+            r = int(row_map[t, j])
+            if 0 <= r < 40:
+                exact[t] += src[r].double() * (float(weights[t, j]) if with_weights else 1.0)
+    got = combine.combine_rows_reference(src, row_map, weights)
+    assert got.dtype == dtype
+    if dtype == torch.float64:
+        torch.testing.assert_close(got, exact, rtol=1e-14, atol=1e-14)
+    elif dtype == torch.bfloat16 and not with_weights:
+        # float32 sums of three bf16 values are exact here: one rounding, to bf16
+        torch.testing.assert_close(got, exact.to(dtype), rtol=0, atol=0)
+    elif dtype == torch.float32:
+        torch.testing.assert_close(got.double(), exact, rtol=1e-6, atol=1e-6)
+    else:
+        torch.testing.assert_close(got.double(), exact, rtol=2 ** -7, atol=1e-6)
