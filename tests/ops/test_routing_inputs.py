@@ -9,7 +9,7 @@ from fractions import Fraction
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from grouped_linear.ops.permutation import TRACEABLE, permute, unpermute
@@ -312,6 +312,8 @@ def test_unpermute_top1_dense_probs():
        capacity=st.one_of(st.none(), st.integers(1, 6), st.sampled_from([0.5, 1.0, 1.5])),
        policy=st.sampled_from(["probs", "position"]), pad=st.booleans(),
        num_out_tokens=st.one_of(st.none(), st.integers(0, 12)), seed=st.integers(0, 2**16))
+@example(tokens=1, k=3, num_experts=3, form="indices", capacity=None, policy="probs", pad=False,
+         num_out_tokens=None, seed=32767)  # [[0, 1, 1]]: k == E and only 0 and 1
 def test_round_trip(tokens, k, num_experts, form, capacity, policy, pad, num_out_tokens, seed):
     """permute -> identity -> unpermute is, for every token, the probability-weighted sum of
     its kept slots; the layout, sizes, row map and permuted probs are the reference's."""
@@ -333,6 +335,13 @@ def test_round_trip(tokens, k, num_experts, form, capacity, policy, pad, num_out
         count = math.ceil(Fraction(capacity) * tokens * (k if form == "indices" else 1)
                           / num_experts)
     pad = pad and capacity is not None
+    if (form == "indices" and k == num_experts >= 3 and tokens > 0
+            and bool(((routing == 0) | (routing == 1)).all())):
+        # (T, E) integers of only 0 and 1 read as TransformerEngine's int mask: refused
+        with pytest.raises(ValueError, match=r"routing map is passed as topk_indices\.bool\(\)"):
+            permute(x, routing, num_experts, probs=probs, capacity=capacity,
+                    drop_policy=policy, num_out_tokens=num_out_tokens, pad_to_capacity=pad)
+        return
     got = permute(x, routing, num_experts, probs=probs, capacity=capacity, drop_policy=policy,
                   num_out_tokens=num_out_tokens, pad_to_capacity=pad)
     want = ref_route(x, routing, num_experts, 1, probs, count, policy, num_out_tokens, pad)
