@@ -30,3 +30,31 @@ def _fp8_routes_under_test(request):
 
     with _tuning.override(fp8_fused_max_work=0):
         yield
+
+
+# --------------------------------------------------------------------------- bad-input report
+# How many inputs the bad-input suite tried, by class, printed at the end of a run; under
+# pytest-xdist each worker hands its counts to the controller, which prints the sum.
+def _tried():
+    from tests.bad_input.checks import TRIED
+
+    return TRIED
+
+
+def pytest_sessionfinish(session):
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:  # an xdist worker
+        workeroutput["bad_input_tried"] = dict(_tried())
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    _tried().update(getattr(node, "workeroutput", {}).get("bad_input_tried", {}))
+
+
+def pytest_terminal_summary(terminalreporter):
+    tried = _tried()
+    if tried:
+        classes = ", ".join(f"{kind} {count}" for kind, count in sorted(tried.items()))
+        terminalreporter.write_line(f"bad-input suite: {sum(tried.values())} inputs tried "
+                                    f"({classes})")
