@@ -418,7 +418,7 @@ def run_fine_bench(device: str | torch.device = "auto", json_path: str | None = 
               "smoke_test": smoke, "dtype": str(dtype).removeprefix("torch."),
               "torch": torch.__version__, "grouped_linear": gl.__version__, "rounds": rounds,
               "reps": reps, "columns": names, "cells": []}
-    bandwidth = copy_bandwidth(dev)
+    bandwidth = copy_bandwidth(dev) if dev.type == "cuda" else None
     report["copy_bandwidth"] = bandwidth
     bar = progress(len(cells), desc="fine-grained cells")
     with warnings.catch_warnings():

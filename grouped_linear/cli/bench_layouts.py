@@ -69,7 +69,7 @@ import grouped_linear as gl
 
 from .bench import Shape, load_shapes, scale_for_cpu
 from .demo import resolve_device
-from .timing import format_table, median_seconds, progress, randn
+from .timing import copy_bandwidth, format_table, median_seconds, progress, randn
 
 __all__ = ["run_layouts_bench", "render_layouts_table"]
 
@@ -98,14 +98,6 @@ def _round_up(value: int, multiple: int) -> int:
 
 def _gbps(nbytes: int, seconds: float) -> float:
     return nbytes / seconds / 1e9 if seconds > 0 else float("nan")
-
-
-def _copy_gbps(numel: int, dev: torch.device, dtype: torch.dtype, reps: int) -> float:
-    """GB/s of ``dst.copy_(src)`` over ``numel`` elements, counting the read and the write."""
-    src = randn(numel, device=dev, dtype=dtype)
-    dst = torch.empty_like(src)
-    seconds = median_seconds(lambda: dst.copy_(src), dev, reps=reps)
-    return _gbps(2 * src.numel() * src.element_size(), seconds)
 
 
 def _routing(tokens: int, dev: torch.device) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
@@ -304,7 +296,7 @@ def run_layouts_bench(device: str | torch.device = "auto", json_path: str | None
         # torch warns once when autograd's CUDA thread first creates its cuBLAS handle.
         warnings.filterwarnings("ignore", message=".*no current CUDA context.*")
         bar.set_description("layouts: copy")
-        copy_gbps = _copy_gbps(max(hiddens) * max(row_counts), dev, dtype, reps)
+        copy_gbps = copy_bandwidth(dev, max(hiddens) * max(row_counts), dtype, reps) / 1e9
         bar.update(1)
         rows: list[dict] = []
         for hidden in hiddens:

@@ -148,15 +148,15 @@ def median_seconds(
     return statistics.median(times)
 
 
-def copy_bandwidth(device: torch.device) -> float | None:
-    """Bytes per second read plus written by a device-to-device copy of 1 GiB on CUDA (the
-    byte floors of the benches divide by it); ``None`` elsewhere."""
-    if device.type != "cuda":
-        return None
-    src = torch.ones(2**29, device=device, dtype=torch.int16)
+def copy_bandwidth(device: torch.device, numel: int = 2**29, dtype: torch.dtype = torch.bfloat16,
+                   reps: int = 5) -> float:
+    """Bytes per second read plus written by ``dst.copy_(src)`` over ``numel`` random elements
+    of ``dtype`` (1 GiB by default; the byte floors and "of copy" fractions of the benches
+    divide by it); NaN where the copy took no measurable time."""
+    src = randn(numel, device=device, dtype=dtype)
     dst = torch.empty_like(src)
-    seconds = median_seconds(lambda: dst.copy_(src), device, cuda_warmup_ms=200)
-    return 2 * src.numel() * src.element_size() / seconds
+    seconds = median_seconds(lambda: dst.copy_(src), device, reps=reps)
+    return 2 * src.numel() * src.element_size() / seconds if seconds > 0 else float("nan")
 
 
 def warm_gpu(ms: float = 300.0, device: torch.device | str | None = None) -> None:
