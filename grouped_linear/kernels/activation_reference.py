@@ -121,6 +121,11 @@ def _covered(h: torch.Tensor, ends: torch.Tensor) -> bool:
     return ends.device.type == "cpu" and ends.shape[0] > 0 and int(ends[-1]) >= h.shape[0]
 
 
+def _compute_dtype(h: torch.Tensor) -> torch.dtype:
+    """The dtype the plain-PyTorch forms compute in: float64 for float64, else float32."""
+    return torch.float64 if h.dtype == torch.float64 else torch.float32
+
+
 def _gate_only(kind: str, h: torch.Tensor, bias: torch.Tensor | None, ends: torch.Tensor) -> bool:
     """Whether ``f(gate) * up`` needs only the gate in the compute dtype: a gated kind without
     parameters, no bias, every row in a group."""
@@ -132,7 +137,7 @@ def _biased(h: torch.Tensor, bias: torch.Tensor | None, ends: torch.Tensor
             ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``h + bias[g]`` in the compute dtype, and the ``(M, 1)`` mask of rows in a group
     (``None`` when every row is in one, as the host can tell for group ends on the CPU)."""
-    compute = torch.float64 if h.dtype == torch.float64 else torch.float32
+    compute = _compute_dtype(h)
     value = h.to(compute)
     covered = _covered(h, ends)
     if bias is None and covered:
@@ -158,7 +163,7 @@ def bias_act_reference(h: torch.Tensor, bias: torch.Tensor | None, ends: torch.T
     """Differentiable plain-PyTorch form (float32 math, float64 for float64; output in
     ``h.dtype``); with ``probs``, each row scaled by its ``(M,)`` probability."""
     if _gate_only(kind, h, bias, ends):  # only the gate is converted; up promotes exactly
-        compute = torch.float64 if h.dtype == torch.float64 else torch.float32
+        compute = _compute_dtype(h)
         gate, up = _halves(h, interleaved)
         out, in_group = _base_activation(kind, gate.to(compute)) * up, None
     else:
@@ -181,7 +186,7 @@ def bias_act_backward_reference(grad_a: torch.Tensor, h: torch.Tensor,
     autograd: it also runs inside custom ops, where autograd does not record). Rows past the
     last group get zero. The gradient of ``h`` is written into ``h``'s dtype half by half
     (each half rounded once, as its float32 values are), without a float32 ``(M, W)`` copy."""
-    compute = torch.float64 if h.dtype == torch.float64 else torch.float32
+    compute = _compute_dtype(h)
     generic = kind in GATED_KINDS and kind not in KIND_PARAMETERS  # f(gate) * up
     if _gate_only(kind, h, bias, ends):
         # h as it is: only the gate is converted, the products promote up exactly

@@ -15,6 +15,7 @@ from .rows import (
     slot_options,
     slot_row,
     slot_table,
+    weighted_dtype,
 )
 
 __all__ = ["combine_rows", "combine_rows_reference", "combine_rows_keeping_fp8", "slot_dots",
@@ -39,8 +40,7 @@ def combine_rows_reference(src: torch.Tensor, row_map: torch.Tensor,
     rows = gather_rows_reference(src, row_map.reshape(-1)).view(tokens, k, *src.shape[1:])
     if weights is None and src.dtype in _SUMMED_AS_IS:
         return rows.sum(dim=1)  # torch sums 16-bit floats in float32, rounding once
-    acc = torch.float64 if torch.float64 in (src.dtype, getattr(weights, "dtype", None)) \
-        else torch.float32
+    acc = weighted_dtype(src, weights)
     rows = rows.to(acc)
     if weights is not None:
         valid = (row_map >= 0) & (row_map < src.shape[0])

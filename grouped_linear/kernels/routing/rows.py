@@ -15,7 +15,7 @@ except ImportError:  # pragma: no cover - older Triton or none
     gdc_wait = None
 
 __all__ = ["gather_rows", "gather_rows_reference", "spread_rows", "spread_rows_reference",
-           "scatter_rows", "SCATTER_CONFIG"]
+           "scatter_rows", "SCATTER_CONFIG", "weighted_dtype"]
 
 # Launch shape (rows per program, columns per program, warps) of scatter_rows (permute forward,
 # and spread_rows): the default of its config= keyword; the layouts bench times it,
@@ -331,15 +331,21 @@ def scatter_rows(src: torch.Tensor, row_map: torch.Tensor, token_of_row: torch.T
     return _scatter(src, row_map, token_of_row, None, src.dtype, groups=groups, config=config)
 
 
+def weighted_dtype(src: torch.Tensor, weights: torch.Tensor | None) -> torch.dtype:
+    """The dtype the references weight rows in: float64 where ``src`` or ``weights`` is,
+    else float32."""
+    wide = torch.float64 in (src.dtype, None if weights is None else weights.dtype)
+    return torch.float64 if wide else torch.float32
+
+
 def spread_rows_reference(src: torch.Tensor, row_map: torch.Tensor, num_rows: int,
                           weights: torch.Tensor | None) -> torch.Tensor:
     """``(T, H)`` -> ``(num_rows, H)``: ``out[row_map[t, j]] = weights[t, j] * src[t]`` (the
     products in float32, or float64 when either input is) for the slots whose row lies in
     ``[0, num_rows)``; rows no slot holds are 0. Rows held by a slot must be distinct."""
     tokens, k = row_map.shape
-    wide = src.dtype == torch.float64 or (weights is not None and weights.dtype == torch.float64)
     # Without weights the rows are copied, not computed: they stay in their dtype.
-    acc = src.dtype if weights is None else torch.float64 if wide else torch.float32
+    acc = src.dtype if weights is None else weighted_dtype(src, weights)
     flat = row_map.reshape(-1).to(torch.int64)
     valid = (flat >= 0) & (flat < num_rows)
     out = torch.zeros(num_rows + 1, *src.shape[1:], dtype=acc, device=src.device)
