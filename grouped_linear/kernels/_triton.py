@@ -328,8 +328,9 @@ class LaunchPlan:
 class PlanCache:
     """:class:`LaunchPlan` objects by a key the caller builds from everything a launch fixes
     besides its tensors (every integer and constexpr argument, every tensor's dtype and
-    device): :meth:`launch` launches from the key's plan, else the usual way, keeping a plan
-    of that launch. Starts over when full."""
+    device): :meth:`try_launch` launches from the key's plan; where it cannot, the caller
+    launches through :meth:`_Kernel.launch_planned` and keeps that plan (:meth:`keep`). Starts
+    over when full."""
 
     __slots__ = ("_plans", "_size")
 
@@ -360,11 +361,6 @@ class PlanCache:
         positional arguments); ``False`` where there is no plan or it cannot launch."""
         plan = self._plans.get(key)
         return plan is not None and plan.launch_from(args)
-
-    def launch(self, key: tuple, kernel: "_Kernel", grid: tuple, args: tuple, meta: dict) -> None:
-        """``kernel[grid](*args, **meta)``, from the plan under ``key`` where it can."""
-        if not self.try_launch(key, args):
-            self.keep(key, kernel.launch_planned(grid, args, meta))
 
 
 class _Encodings:
