@@ -7,6 +7,7 @@ decorator and only the plain-PyTorch references run.
 import functools
 import operator
 import os
+import threading
 
 import torch
 
@@ -19,7 +20,7 @@ except ImportError:  # pragma: no cover - exercised only without triton installe
     HAS_TRITON = False
 
 __all__ = ["triton", "tl", "HAS_TRITON", "Stub", "interpreting", "use_triton", "kernel",
-           "LaunchPlan", "PlanCache", "cdiv", "next_power_of_2", "sm_count"]
+           "LaunchPlan", "PlanCache", "cdiv", "next_power_of_2", "sm_count", "bind_context"]
 
 
 class Stub:
@@ -37,6 +38,23 @@ class Stub:
 
 if not HAS_TRITON:  # pragma: no cover
     triton = tl = Stub()
+
+
+_THREAD = threading.local()
+
+
+def bind_context() -> None:
+    """Make the current CUDA device's primary context current in this thread (once a thread).
+
+    Triton encodes a launch's TMA descriptors (``cuTensorMapEncodeTiled``, a driver call)
+    before its launcher makes a context current, and the encoding fails with "invalid device
+    context" in a thread that no CUDA runtime call has touched: autograd's backward thread,
+    when the caching allocator serves the backward's allocations from its cache and only
+    Triton kernels run before the first descriptor. A runtime call binds the context."""
+    if not getattr(_THREAD, "bound", False):
+        if torch.cuda.is_available():
+            torch.cuda.mem_get_info()
+        _THREAD.bound = True
 
 
 def cdiv(a: int, b: int) -> int:
@@ -133,7 +151,10 @@ class _Kernel:
     def _run(self, grid, args, meta):
         """Launch; return what Triton's launch returns and, when the cached path knows the
         compiled binary, ``(device, bound arguments)`` for :class:`LaunchPlan` (else ``None``)."""
-        if not self.cached or self._interpreted or _hooks_active():
+        if self._interpreted:
+            return self.jit_fn[grid](*args, **meta), None
+        bind_context()  # Triton's launcher encodes the TMA descriptors before binding one
+        if not self.cached or _hooks_active():
             return self.jit_fn[grid](*args, **meta), None
         device = torch.cuda.current_device()
         binder = self.jit_fn.device_caches[device][4]
@@ -380,6 +401,7 @@ class _Encodings:
         key = (address, *descriptor.shape, *descriptor.strides, descriptor.padding)
         encoded = self._by_geometry.get(key)
         if encoded is None:
+            bind_context()
             encoded = _ENCODE[0](descriptor, self._meta)
             if len(self._by_geometry) >= self.SIZE:
                 self._by_geometry.clear()

@@ -201,3 +201,53 @@ def test_gluon_kernels_take_the_cached_launch_path():
     for got in cached:
         assert torch.equal(got, slow)
     assert rel_err(slow, want) < 1e-2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available()
+                    or torch.cuda.get_device_capability() != (9, 0), reason="needs sm90")
+@pytest.mark.parametrize("planned", [False, True])
+def test_descriptor_launch_from_a_thread_no_cuda_call_has_touched(planned):
+    """Triton encodes TMA descriptors before its launcher makes a context current: the
+    first descriptor launch of a fresh thread (autograd's backward thread, when every
+    allocation comes from the cache) binds one first, through Triton's launch and through
+    a plan encoding a new address alike. The thread's values equal the main thread's."""
+    import threading
+
+    from grouped_linear.kernels.quantize import blocks_gluon
+
+    torch.manual_seed(6)
+    t = torch.randn(300, 256, device="cuda", dtype=torch.bfloat16)
+    other = torch.randn(300, 256, device="cuda", dtype=torch.bfloat16)  # a new address
+    sizes = torch.tensor([100, 0, 200], device="cuda", dtype=torch.int32)
+    kernel = blocks_gluon._quantize_both_kernel
+    assert blocks_gluon.supported(t, 3)
+    kernel._plans.clear()
+    kernel._seen.clear()
+
+    def quantize(rows):
+        return blocks_gluon.quantize_row_tiles_and_token_blocks(rows, sizes, torch.float8_e4m3fn,
+                                                                False)
+
+    want = [v.clone() for pair in quantize(other) for v in pair]
+    if planned:
+        quantize(t)  # seen twice: planned, with t's descriptor encoded (not other's)
+    else:
+        kernel._plans.clear()
+        kernel._seen.clear()
+    torch.cuda.synchronize()  # the outputs' blocks are back in the cache for the thread
+    results = []
+
+    def run():
+        try:
+            results.append([v for pair in quantize(other) for v in pair])
+        except Exception as error:  # noqa: BLE001 - handed to the test's thread
+            results.append(error)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    got = results[0]
+    assert not isinstance(got, Exception), got
+    for a, b in zip(got, want):
+        assert torch.equal(a.view(torch.uint8) if a.dtype.itemsize == 1 else a,
+                           b.view(torch.uint8) if b.dtype.itemsize == 1 else b)
