@@ -331,6 +331,7 @@ class LaunchPlan:
             if is_tensor:
                 values[slot] = address
             elif encodings is None:  # a TMA descriptor the launcher encodes
+                bind_context()
                 values[slot] = tensor
             else:
                 encoded = encodings.get(tensor, address)
