@@ -16,7 +16,6 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 
 import pytest
 import torch
@@ -46,8 +45,8 @@ from grouped_linear.kernels.routing import rows as layout
 if HAS_TRITON:
     import triton
     from triton.backends import backends
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+
+    from tests.kernels.sm90 import TARGET, compile_triton, overwritten_buffers, ptxas_notes
 
 pytestmark = pytest.mark.skipif(not HAS_TRITON or "nvidia" not in backends,
                                 reason="needs Triton's NVIDIA backend")
@@ -59,26 +58,6 @@ SM90_SHARED_BYTES = 227 * 1024  # the most one block may allocate on sm90
 FP8_MAX = torch.finfo(torch.float8_e4m3fn).max
 
 
-def _compile(kernel, pointers, constants, num_warps=4):
-    kernel = getattr(kernel, "jit_fn", kernel)  # the JIT function under the launch wrapper
-    signature = {}
-    for param in kernel.params:
-        if param.is_constexpr:
-            signature[param.name] = "constexpr"
-        elif param.name in constants:  # an integer argument specialized to a value
-            signature[param.name] = "constexpr"
-        elif param.name.endswith("_ptr"):
-            signature[param.name] = pointers.get(param.name, "*fp32")
-        else:
-            signature[param.name] = "i32"
-    # What Triton's launcher specializes on aligned shapes: 16-divisible pointers and ints.
-    aligned = {(i,): [["tt.divisibility", 16]] for i, param in enumerate(kernel.params)
-               if signature[param.name] != "constexpr" and param.name not in constants}
-    source = ASTSource(kernel, signature, constants, aligned)
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": num_warps, "num_stages": 3})
-
-
 def _mm_case(reduction_contiguous):
     constants = {"UPCAST": False, "BLOCK_M": 128, "BLOCK_N": fg.BLOCK,
                  "BLOCK_K": fg.MM_BLOCK_K, "BLOCK_G": 16, "NUM_PROGRAMS": 132,
@@ -87,6 +66,15 @@ def _mm_case(reduction_contiguous):
         constants["stride_br"] = 1
     return (fg._fp8_grouped_mm_kernel,
             {"a_ptr": F8, "b_ptr": F8, "out_ptr": "*bf16", "sizes_ptr": "*i64"}, constants, 8)
+
+
+def _wgrad_case(tile, block_g: int):
+    """The bf16 weight gradient at one of its launch shapes (bias gradient included)."""
+    return (tg._grouped_wgrad_kernel,
+            {"dy_ptr": "*bf16", "x_ptr": "*bf16", "dw_ptr": "*bf16", "sizes_ptr": "*i64"},
+            {"HAS_BIAS": True, "PRECISION": "tf32", "UPCAST": False, "BLOCK_M": tile.block_m,
+             "BLOCK_N": tile.block_n, "BLOCK_K": tile.block_k, "BLOCK_G": block_g,
+             "K_RUN": tile.k_run}, tile.warps, tile.stages)
 
 
 # The launch constants the tiled transposed quantization shares across its modes.
@@ -135,22 +123,18 @@ CASES = {
                  "sizes_ptr": "*i64"},
                 {"HAS_BIAS": True, "PRECISION": "tf32", "UPCAST": False, "BLOCK_M": 64, "BLOCK_N": 128,
                  "BLOCK_K": 64, "BLOCK_G": 16, "NUM_PROGRAMS": 132, "stride_bk": 1}, 4),
-    "bf16 wgrad": (tg._grouped_wgrad_kernel,
-                   {"dy_ptr": "*bf16", "x_ptr": "*bf16", "dw_ptr": "*bf16", "sizes_ptr": "*i64"},
-                   {"HAS_BIAS": True, "PRECISION": "tf32", "UPCAST": False, "BLOCK_M": 64,
-                    "BLOCK_N": 64, "BLOCK_K": 64, "BLOCK_G": 16, "K_RUN": 1}, 4),
-    "bf16 wgrad, runs of K tiles": (
-        tg._grouped_wgrad_kernel,
-        {"dy_ptr": "*bf16", "x_ptr": "*bf16", "dw_ptr": "*bf16", "sizes_ptr": "*i64"},
-        {"HAS_BIAS": True, "PRECISION": "tf32", "UPCAST": False, "BLOCK_M": 64, "BLOCK_N": 64,
-         "BLOCK_K": 64, "BLOCK_G": 512, "K_RUN": 4}, 4),
+    "bf16 wgrad": _wgrad_case(tg.WGRAD_TILE, 16),
+    "bf16 wgrad, 512-slot group table": _wgrad_case(tg.WGRAD_TILE, 512),
+    "bf16 wgrad, small groups": _wgrad_case(tg.SMALL_GROUPS_TILE, 16),
     "bf16 backward": (
         tg._grouped_backward_kernel,
         {"dy_ptr": "*bf16", "x_ptr": "*bf16", "w_ptr": "*bf16", "dx_ptr": "*bf16",
          "dw_ptr": "*bf16", "sizes_ptr": "*i64"},
         {"HAS_BIAS": True, "PRECISION": "tf32", "UPCAST": False, "DX_BLOCK_M": 64,
-         "DX_BLOCK_N": 128, "DX_BLOCK_K": 64, "DW_BLOCK_M": 64, "DW_BLOCK_N": 64,
-         "DW_BLOCK_K": 64, "DW_K_RUN": 1, "BLOCK_G": 16, "DX_PROGRAMS": 132}, 4),
+         "DX_BLOCK_N": 128, "DX_BLOCK_K": 64, "DW_BLOCK_M": tg.ONE_LAUNCH_TILE.block_m,
+         "DW_BLOCK_N": tg.ONE_LAUNCH_TILE.block_n, "DW_BLOCK_K": tg.ONE_LAUNCH_TILE.block_k,
+         "DW_K_RUN": tg.ONE_LAUNCH_TILE.k_run, "BLOCK_G": 16, "DX_PROGRAMS": 132},
+        tg.ONE_LAUNCH_TILE.warps, tg.ONE_LAUNCH_TILE.stages),
     "rows": (q._quantize_rows_kernel, {"t_ptr": "*bf16", "q_ptr": F8},
              {"FP8_MAX": FP8_MAX, "POW2": False, "GIVEN_SCALE": False, "PIECES": False,
               "GROUPS": "none", "GROUP_ROWS": 1,
@@ -280,7 +264,7 @@ CASES = {
 }
 
 PIPELINED = {"fp8 mm blockwise", "fp8 blockwise wgrad", "fp8 group-scaled wgrad",
-             "bf16 mm", "bf16 wgrad", "bf16 wgrad, runs of K tiles", "bf16 backward"} | {
+             "bf16 mm", "bf16 wgrad", "bf16 wgrad, 512-slot group table", "bf16 backward"} | {
                  name for name in CASES if name.startswith("fp8 fused")}
 # Kernels whose launch shape was chosen so that ptxas keeps every value in registers.
 NO_SPILLS = {name for name in CASES if name.startswith("fp8 fused")}
@@ -331,7 +315,7 @@ def _compile_gluon(kernel, pointers, constants, num_warps, maxnreg=None):
     options = {"num_warps": num_warps}
     if maxnreg is not None:
         options["maxnreg"] = maxnreg
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+    return triton.compile(source, target=TARGET, options=options)
 
 
 def _bf16_descriptor(rows: int, cols: int, dtype: str = "bf16") -> str:
@@ -434,18 +418,6 @@ GLUON_STREAMING = {"gluon row tiles and token blocks",
                    *(name for name in GLUON_CASES if name.startswith("gluon transposed"))}
 
 
-def _ptxas_notes(ptx: str) -> str:
-    """What ``ptxas -v`` reports on ``ptx`` for sm90a (registers, spills, serialized MMAs)."""
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-    with tempfile.TemporaryDirectory() as folder:
-        path = os.path.join(folder, "kernel.ptx")
-        with open(path, "w") as f:
-            f.write(ptx)
-        report = subprocess.run([ptxas, "-arch=sm_90a", "-v", path, "-o", os.devnull],
-                                capture_output=True, text=True)
-    return report.stdout + report.stderr
-
-
 def _check_gluon(name: str) -> str:
     kernel, pointers, constants, num_warps, maxnreg = GLUON_CASES[name]
     try:
@@ -469,7 +441,7 @@ def _check_gluon(name: str) -> str:
         return "no register split between warp-specialized partitions"
     # ptxas serializes the asynchronous MMAs when registers run short or an in-flight
     # accumulator is copied (notes C7512-C7515): the kernel would lose its overlap silently
-    notes = _ptxas_notes(ptx)
+    notes = ptxas_notes(ptx)
     if "wgmma.mma_async instructions are serialized" in notes:
         return "ptxas serializes the MMAs: " + notes.split("Potential Performance Loss:")[-1][:200]
     if " 0 bytes spill stores" not in notes:
@@ -480,9 +452,9 @@ def _check_gluon(name: str) -> str:
 def _check(name: str) -> str:
     if name in GLUON_CASES:
         return _check_gluon(name)
-    kernel, pointers, constants, num_warps = CASES[name]
+    kernel, pointers, constants, num_warps, *stages = CASES[name]
     try:
-        compiled = _compile(kernel, pointers, constants, num_warps)
+        compiled = compile_triton(kernel, pointers, constants, num_warps, *stages)
     except Exception as error:  # noqa: BLE001 (reported per case)
         return f"compile error: {type(error).__name__}: {str(error)[:500]}"
     if not compiled.asm.get("cubin"):
@@ -491,7 +463,12 @@ def _check(name: str) -> str:
         return "the dot is not lowered to warp-group MMA"
     if name in PIPELINED and ASYNC_LOAD not in compiled.asm["ttgir"]:
         return "the main loop is not software-pipelined"
-    if name in NO_SPILLS and " 0 bytes spill stores" not in _ptxas_notes(compiled.asm["ptx"]):
+    # A copy of a later step landing in the buffer a step's MMA is still reading: a race
+    # (wrong products now and then), from a pipeliner that gave an operand too few buffers.
+    overwritten = overwritten_buffers(compiled.asm["ttgir"])
+    if overwritten:
+        return "a copy in flight overwrites what the MMA reads: " + "; ".join(overwritten)
+    if name in NO_SPILLS and " 0 bytes spill stores" not in ptxas_notes(compiled.asm["ptx"]):
         return "register spills"
     if name in VECTOR_LOADS and ("ld.global.b16" in compiled.asm["ptx"]
                                  or "ld.global.v4" not in compiled.asm["ptx"]):

@@ -130,8 +130,14 @@ def _wgrad_tile(pid, dy_ptr, x_ptr, dw_ptr, db_ptr, sizes_ptr, M, N, K, G,
                 BLOCK_G: tl.constexpr, K_RUN: tl.constexpr):
     """Program ``pid`` (numbered group, N tile, run of ``K_RUN`` K tiles): those tiles of
     ``dw[g] = dy[rows of g]^T @ x[rows of g]`` one after the other (the group looked up
-    once) and, with ``HAS_BIAS``, from the first K tile ``db[g] = sum of dy[rows of g]``
-    (float32 sums)."""
+    once) and, with ``HAS_BIAS``, the program of the first run ``db[g] = sum of dy[rows of g]``
+    (float32 sums) in a pass of its own.
+
+    The sums are not taken from the ``dy`` tiles the products load: a second reader of a
+    pipelined operand left Triton 3.6's pipeliner two shared buffers for ``dy`` where the
+    asynchronous ``wgmma`` needs three, and the copy of step ``i + 2`` then overwrote the
+    tile step ``i``'s product was still reading (sm90; now and then one tile of a weight
+    gradient took a row too many or too few)."""
     n_tiles = tl.cdiv(N, BLOCK_N)
     k_tiles = tl.cdiv(K, BLOCK_K)
     k_runs = tl.cdiv(k_tiles, K_RUN)
@@ -141,7 +147,18 @@ def _wgrad_tile(pid, dy_ptr, x_ptr, dw_ptr, db_ptr, sizes_ptr, M, N, K, G,
     start, end = group_span(g, sizes_ptr, G, M, BLOCK_G)
     cols_n = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = cols_n < N
-    bias_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    if HAS_BIAS:
+        if k_run == 0:
+            sums = tl.zeros([BLOCK_N], dtype=tl.float32)
+            for m0 in range(start, end, BLOCK_M):
+                rows = tl.arange(0, BLOCK_M)
+                row_mask = rows < (end - m0).to(tl.int32)
+                dy_t = tl.load(dy_ptr + m0 * stride_dym
+                               + (rows[None, :] * stride_dym + cols_n[:, None]),
+                               mask=n_mask[:, None] & row_mask[None, :], other=0.0)
+                sums += tl.sum(dy_t.to(tl.float32), axis=1)
+            tl.store(db_ptr + g.to(tl.int64) * N + cols_n, sums.to(db_ptr.dtype.element_ty),
+                     mask=n_mask)
     for k_tile in range(k_run * K_RUN, tl.minimum(k_run * K_RUN + K_RUN, k_tiles)):
         cols_k = k_tile * BLOCK_K + tl.arange(0, BLOCK_K)
         k_mask = cols_k < K
@@ -158,17 +175,10 @@ def _wgrad_tile(pid, dy_ptr, x_ptr, dw_ptr, db_ptr, sizes_ptr, M, N, K, G,
                         + (rows[:, None] * stride_xm + cols_k[None, :]),
                         mask=row_mask[:, None] & k_mask[None, :], other=0.0)
             acc = _mma(dy_t, x, acc, PRECISION, UPCAST)
-            if HAS_BIAS:
-                if k_tile == 0:  # the one tile per (group, N tile) that stores the sums
-                    bias_acc += tl.sum(dy_t.to(tl.float32), axis=1)
         dw = dw_ptr + (g.to(tl.int64) * stride_dwg + (n_tile * BLOCK_N).to(tl.int64) * stride_dwn
                        + k_tile * BLOCK_K)
         tl.store(dw + (tl.arange(0, BLOCK_N)[:, None] * stride_dwn + tl.arange(0, BLOCK_K)[None, :]),
                  acc.to(dw_ptr.dtype.element_ty), mask=n_mask[:, None] & k_mask[None, :])
-    if HAS_BIAS:
-        if k_run == 0:
-            tl.store(db_ptr + g.to(tl.int64) * N + cols_n, bias_acc.to(db_ptr.dtype.element_ty),
-                     mask=n_mask)
 
 
 @kernel
