@@ -4,12 +4,13 @@ Triton compiles ahead of time for a target it is given: each case builds a kerne
 the pointer dtypes and launch constants its wrapper uses on CUDA (FP8 data, no
 interpreter upcasts, every pointer and integer argument a multiple of 16 as on aligned
 shapes); the GEMMs must lower their dots to Hopper's warp-group MMA, and those in
-``PIPELINED`` must load their main loop's tiles asynchronously (software pipelining: a
-loop that Triton does not pipeline runs at a fraction of the tensor cores' speed).
-Compile errors that only a GPU run would otherwise reveal fail here, in CI. The
-compiling runs in a child process without ``TRITON_INTERPRET`` (under the interpreter the
-kernels are not compilable objects); ``python -m tests.kernels.test_compiles_for_sm90``
-prints one line per case.
+``PIPELINED`` must load their main loop's tiles asynchronously (a loop that Triton does not
+pipeline runs at a fraction of the tensor cores' speed) into shared buffers that outlast
+the copies in flight while the asynchronous MMAs read them (else a later step's copy
+overwrites a tile still being read: a race). Compile errors that only a GPU run would
+otherwise reveal fail here, in CI. The compiling runs in a child process without
+``TRITON_INTERPRET`` (under the interpreter the kernels are not compilable objects);
+``python -m tests.kernels.test_compiles_for_sm90`` prints one line per case.
 """
 
 import json
