@@ -71,11 +71,10 @@ def _mm_case(reduction_contiguous):
 
 def _wgrad_case(tile, block_g: int):
     """The bf16 weight gradient at one of its launch shapes (bias gradient included)."""
-    return (tg._grouped_wgrad_kernel,
-            {"dy_ptr": "*bf16", "x_ptr": "*bf16", "dw_ptr": "*bf16", "sizes_ptr": "*i64"},
-            {"HAS_BIAS": True, "PRECISION": "tf32", "UPCAST": False, "BLOCK_M": tile.block_m,
-             "BLOCK_N": tile.block_n, "BLOCK_K": tile.block_k, "BLOCK_G": block_g,
-             "K_RUN": tile.k_run}, tile.warps, tile.stages)
+    constants = {"HAS_BIAS": True, "PRECISION": "tf32", "UPCAST": False, "BLOCK_G": block_g,
+                 **{k.upper(): getattr(tile, k) for k in ("block_m", "block_n", "block_k", "k_run")}}
+    return (tg._grouped_wgrad_kernel, {"dy_ptr": "*bf16", "x_ptr": "*bf16", "dw_ptr": "*bf16",
+                                       "sizes_ptr": "*i64"}, constants, tile.warps, tile.stages)
 
 
 # The launch constants the tiled transposed quantization shares across its modes.
