@@ -133,10 +133,10 @@ def _wgrad_tile(pid, dy_ptr, x_ptr, dw_ptr, db_ptr, sizes_ptr, M, N, K, G,
     once) and, with ``HAS_BIAS``, the program of the first run ``db[g] = sum of dy[rows of g]``
     (float32 sums) in a pass of its own.
 
-    The sums are not taken from the ``dy`` tiles the products load: a second reader of a
-    pipelined operand left Triton 3.6's pipeliner two shared buffers for ``dy`` where the
-    asynchronous ``wgmma`` needs three, and the copy of step ``i + 2`` then overwrote the
-    tile step ``i``'s product was still reading (sm90; now and then one tile of a weight
+    The sums are not taken from the ``dy`` tiles the products load: with that second
+    reader, Triton 3.6's pipeliner gave ``dy`` one shared buffer fewer than its copies in
+    flight while the asynchronous ``wgmma`` still read it, and a later step's copy then
+    overwrote the tile a product was reading (sm90; now and then one tile of a weight
     gradient took a row too many or too few)."""
     n_tiles = tl.cdiv(N, BLOCK_N)
     k_tiles = tl.cdiv(K, BLOCK_K)
