@@ -123,6 +123,17 @@ def _grouped_mm_kernel(a_ptr, b_ptr, bias_ptr, out_ptr, sizes_ptr, M, N, K, G,
 
 
 @triton.jit
+def _dy_rows_t(dy_ptr, m0, end, cols_n, n_mask, stride_dym, BLOCK_M: tl.constexpr):
+    """``dy[m0 : m0 + BLOCK_M, cols_n]`` transposed, ``(BLOCK_N, BLOCK_M)``, zeros past
+    ``end``. An int64 scalar base (``m0`` runs over the int64 group rows) and int32 offsets
+    within the block: 64-bit pointer tensors cost 10-20 registers a program."""
+    rows = tl.arange(0, BLOCK_M)
+    row_mask = rows < (end - m0).to(tl.int32)
+    return tl.load(dy_ptr + m0 * stride_dym + (rows[None, :] * stride_dym + cols_n[:, None]),
+                   mask=n_mask[:, None] & row_mask[None, :], other=0.0)
+
+
+@triton.jit
 def _wgrad_tile(pid, dy_ptr, x_ptr, dw_ptr, db_ptr, sizes_ptr, M, N, K, G,
                 stride_dym, stride_xm, stride_dwg, stride_dwn,
                 HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
@@ -133,11 +144,8 @@ def _wgrad_tile(pid, dy_ptr, x_ptr, dw_ptr, db_ptr, sizes_ptr, M, N, K, G,
     once) and, with ``HAS_BIAS``, the program of the first run ``db[g] = sum of dy[rows of g]``
     (float32 sums) in a pass of its own.
 
-    The sums are not taken from the ``dy`` tiles the products load: with that second
-    reader, Triton 3.6's pipeliner gave ``dy`` one shared buffer fewer than its copies in
-    flight while the asynchronous ``wgmma`` still read it, and a later step's copy then
-    overwrote the tile a product was reading (sm90; now and then one tile of a weight
-    gradient took a row too many or too few)."""
+    Not from the products' ``dy`` tiles: with that second reader Triton 3.6's pipeliner kept
+    one buffer too few for ``dy`` on sm90, a race (docs/design.md, "Determinism")."""
     n_tiles = tl.cdiv(N, BLOCK_N)
     k_tiles = tl.cdiv(K, BLOCK_K)
     k_runs = tl.cdiv(k_tiles, K_RUN)
@@ -151,11 +159,7 @@ def _wgrad_tile(pid, dy_ptr, x_ptr, dw_ptr, db_ptr, sizes_ptr, M, N, K, G,
         if k_run == 0:
             sums = tl.zeros([BLOCK_N], dtype=tl.float32)
             for m0 in range(start, end, BLOCK_M):
-                rows = tl.arange(0, BLOCK_M)
-                row_mask = rows < (end - m0).to(tl.int32)
-                dy_t = tl.load(dy_ptr + m0 * stride_dym
-                               + (rows[None, :] * stride_dym + cols_n[:, None]),
-                               mask=n_mask[:, None] & row_mask[None, :], other=0.0)
+                dy_t = _dy_rows_t(dy_ptr, m0, end, cols_n, n_mask, stride_dym, BLOCK_M)
                 sums += tl.sum(dy_t.to(tl.float32), axis=1)
             tl.store(db_ptr + g.to(tl.int64) * N + cols_n, sums.to(db_ptr.dtype.element_ty),
                      mask=n_mask)
@@ -164,13 +168,9 @@ def _wgrad_tile(pid, dy_ptr, x_ptr, dw_ptr, db_ptr, sizes_ptr, M, N, K, G,
         k_mask = cols_k < K
         acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
         for m0 in range(start, end, BLOCK_M):
-            # int64 scalar bases (m0 runs over the int64 group rows), int32 offsets within
-            # the block: 64-bit pointer tensors cost 10-20 registers a program
+            dy_t = _dy_rows_t(dy_ptr, m0, end, cols_n, n_mask, stride_dym, BLOCK_M)
             rows = tl.arange(0, BLOCK_M)
             row_mask = rows < (end - m0).to(tl.int32)
-            dy_t = tl.load(dy_ptr + m0 * stride_dym
-                           + (rows[None, :] * stride_dym + cols_n[:, None]),
-                           mask=n_mask[:, None] & row_mask[None, :], other=0.0)
             x = tl.load(x_ptr + m0 * stride_xm
                         + (rows[:, None] * stride_xm + cols_k[None, :]),
                         mask=row_mask[:, None] & k_mask[None, :], other=0.0)
