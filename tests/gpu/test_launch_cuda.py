@@ -276,6 +276,7 @@ def test_weight_gradients_repeat_bit_for_bit(launch):
             return triton_gemm.wgrad(dy, x, sizes, True, tile=tile)
     first = [t.clone() for t in run()]
     side, load = torch.cuda.Stream(), torch.randn(2048, 2048, device="cuda")
+    side.wait_stream(torch.cuda.current_stream())
     differing = 0
     for i in range(200):
         if i % 2:
