@@ -133,7 +133,7 @@ CASES = {
         {"HAS_BIAS": True, "PRECISION": "tf32", "UPCAST": False, "DX_BLOCK_M": 64,
          "DX_BLOCK_N": 128, "DX_BLOCK_K": 64, "DW_BLOCK_M": tg.ONE_LAUNCH_TILE.block_m,
          "DW_BLOCK_N": tg.ONE_LAUNCH_TILE.block_n, "DW_BLOCK_K": tg.ONE_LAUNCH_TILE.block_k,
-         "DW_K_RUN": tg.ONE_LAUNCH_TILE.k_run, "BLOCK_G": 16, "DX_PROGRAMS": 132},
+         "DW_K_RUN": tg.ONE_LAUNCH_TILE.k_run, "BLOCK_G": 16, "DX_PROGRAMS": 132, "stride_wk": 1},
         tg.ONE_LAUNCH_TILE.warps, tg.ONE_LAUNCH_TILE.stages),
     "rows": (q._quantize_rows_kernel, {"t_ptr": "*bf16", "q_ptr": F8},
              {"FP8_MAX": FP8_MAX, "POW2": False, "GIVEN_SCALE": False, "PIECES": False,
