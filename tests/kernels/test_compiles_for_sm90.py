@@ -267,7 +267,7 @@ PIPELINED = {"fp8 mm blockwise", "fp8 blockwise wgrad", "fp8 group-scaled wgrad"
              "bf16 mm", "bf16 wgrad", "bf16 wgrad, 512-slot group table", "bf16 backward"} | {
                  name for name in CASES if name.startswith("fp8 fused")}
 # Kernels whose launch shape was chosen so that ptxas keeps every value in registers.
-NO_SPILLS = {name for name in CASES if name.startswith("fp8 fused")}
+NO_SPILLS = {name for name in CASES if name.startswith(("fp8 fused", "bf16 "))}
 # Streaming kernels whose bf16 loads must stay 16-byte vectors (one read at copy speed).
 VECTOR_LOADS = {"rows", "rows of pieces", "columns scaled", "rows, scale per group", "group amax",
                 "bias activation, interleaved forward", "bias activation, interleaved backward",
