@@ -57,6 +57,19 @@ def _base_activation(kind: str, value: torch.Tensor) -> torch.Tensor:
     return F.relu(value)
 
 
+def _base_activation_(kind: str, value: torch.Tensor) -> torch.Tensor:
+    """:func:`_base_activation` in place (``value`` must be a tensor of the caller's own)."""
+    if kind in ("swiglu", "silu", "clamped_swiglu"):
+        return F.silu(value, inplace=True)
+    if kind in ("geglu", "gelu"):
+        return torch.ops.aten.gelu_(value, approximate="tanh")
+    if kind in ("geglu_erf", "gelu_erf"):
+        return torch.ops.aten.gelu_(value)
+    if kind == "relu2":
+        return value.relu_().square_()
+    return value.relu_()
+
+
 def _activation_backward(kind: str, grad: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     """``grad * f'(value)``: for SiLU aten's fused derivative (one pass over ``value``)."""
     if kind in ("swiglu", "silu", "clamped_swiglu"):
@@ -163,16 +176,19 @@ def bias_act_reference(h: torch.Tensor, bias: torch.Tensor | None, ends: torch.T
     """Differentiable plain-PyTorch form (float32 math, float64 for float64; output in
     ``h.dtype``); with ``probs``, each row scaled by its ``(M,)`` probability."""
     if _gate_only(kind, h, bias, ends):  # only the gate is converted; up promotes exactly
-        compute = _compute_dtype(h)
         gate, up = _halves(h, interleaved)
-        out, in_group = _base_activation(kind, gate.to(compute)) * up, None
+        compute, in_group = _compute_dtype(h), None
+        # f(gate) in a buffer of its own (in place on the converted copy), then in place:
+        # on the CPU each fresh activation-sized buffer costs as much as a pass
+        out = (_base_activation(kind, gate) if gate.dtype == compute
+               else _base_activation_(kind, gate.to(compute))).mul_(up)
     else:
         value, in_group = _biased(h, bias, ends)
         out = _activated(value, kind, interleaved, alpha, limit)
     if probs is not None:
-        out = out * probs.to(out.dtype).unsqueeze(1)
+        out = out.mul_(probs.to(out.dtype).unsqueeze(1))
     if zero_tail and in_group is not None:
-        out = torch.where(in_group, out, torch.zeros((), dtype=out.dtype, device=out.device))
+        out = out.masked_fill_(~in_group, 0)
     return out.to(h.dtype)
 
 
@@ -214,10 +230,21 @@ def bias_act_backward_reference(grad_a: torch.Tensor, h: torch.Tensor,
     gate = gate.to(compute)
     base = _base_activation(kind, gate)  # f(gate), for the output's and up's gradients
     grad_probs = _scale_by_probs(grad_a, lambda: base * up, probs, probs_grad)
-    torch.mul(grad_a, base, out=grad_up)
-    scaled = torch.mul(grad_a, up, out=base)  # f(gate) is spent: its buffer takes grad_a * up
+    # The products go straight into their halves where those have the compute dtype; else
+    # into buffers already held (f(gate)'s, then grad_a's) and copied: an ``out=`` of
+    # another dtype would allocate a temporary for each.
+    direct = grad_h.dtype == compute
+    if direct:
+        torch.mul(grad_a, base, out=grad_up)
+        scaled = torch.mul(grad_a, up, out=base)  # f(gate) is spent: its buffer takes it
+    else:
+        grad_up.copy_(base.mul_(grad_a))
+        scaled = grad_a.mul_(up)
     if kind == "swiglu":
-        torch.ops.aten.silu_backward.grad_input(scaled, gate, grad_input=grad_gate)
+        torch.ops.aten.silu_backward.grad_input(scaled, gate,
+                                                grad_input=grad_gate if direct else scaled)
+        if not direct:
+            grad_gate.copy_(scaled)
     else:
         grad_gate.copy_(_activation_backward(kind, scaled, gate))
     return grad_h, grad_probs

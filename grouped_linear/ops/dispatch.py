@@ -68,10 +68,10 @@ def resolve_backend(backend: str, device: torch.device, dtype: torch.dtype, in_f
     :attr:`~grouped_linear._tuning.Tuning.triton_auto_max_rows` rows (one launch per GEMM,
     bias and tail fused, where launches dominate), the grouped GEMMs above (sync-free in
     bf16); past :data:`TORCH_GROUPED_MAX_GROUPS` groups the Triton kernels at any row count,
-    past theirs the loop. On CPU, fp32, and bf16 without a bias: the grouped GEMM (torch's
-    C++ loop over the groups, a few percent faster than the Python one) where its 16-byte
-    rows allow; bf16 with a bias stays on the loop (the grouped route adds a bias through a
-    float32 copy of its operands, at half the speed). Everywhere else the per-group loop:
+    past theirs the loop. On CPU, fp32 and bf16: the grouped GEMM (torch's C++ loop over the
+    groups, a few percent faster than the Python one) where its 16-byte rows allow; a bf16
+    bias joins the forward's products by ``addmm`` per group (one rounding), the backward's
+    GEMMs have none to add. Everywhere else the per-group loop:
     for fp32 on CUDA it honours
     ``torch.backends.cuda.matmul.allow_tf32``; torch's grouped GEMM has no float64.
     """
@@ -124,7 +124,7 @@ def resolve_backend(backend: str, device: torch.device, dtype: torch.dtype, in_f
     if device.type == "cpu" and in_features > 0 and out_features > 0:
         row_alignment = 16 // dtype.itemsize
         takes = in_features % row_alignment == 0 and out_features % row_alignment == 0
-        if takes and (dtype == torch.float32 or (dtype == torch.bfloat16 and not has_bias)):
+        if takes and dtype in (torch.float32, torch.bfloat16):
             return "grouped"
     return "loop"
 

@@ -31,15 +31,15 @@ CPU, CUDA = torch.device("cpu"), torch.device("cuda")  # resolution only: nothin
     (torch.float32, 0, 32, False, "loop"),  # zero width: no strides torch's grouped GEMM takes
     (torch.float32, 64, 0, False, "loop"),
     (torch.bfloat16, 64, 32, False, "grouped"),
-    (torch.bfloat16, 64, 32, True, "loop"),  # the grouped route adds a bf16 bias in float32
+    (torch.bfloat16, 64, 32, True, "grouped"),  # the bias by addmm per group, forward only
     (torch.bfloat16, 64, 36, False, "loop"),  # rows of 72 bytes
     (torch.float16, 64, 32, False, "loop"),  # the grouped backend takes no fp16 on CPU
     (torch.float64, 64, 32, False, "loop"),  # torch's grouped GEMM has no float64
 ])
-def test_cpu_auto_takes_the_grouped_gemm_for_fp32_and_unbiased_bf16(
+def test_cpu_auto_takes_the_grouped_gemm_for_fp32_and_bf16(
         dtype, in_features, out_features, has_bias, want, rows, groups):
-    """On CPU ``auto`` runs torch's grouped GEMM in fp32 and in bf16 without a bias, whatever
-    the rows and groups, and the loop otherwise (benchmarks/cpu_backends.py); a recipe runs
+    """On CPU ``auto`` runs torch's grouped GEMM in fp32 and bf16, with or without a bias,
+    whatever the rows and groups, and the loop otherwise (benchmarks/cpu_backends.py); a recipe runs
     the emulation."""
     assert choose_route("auto", None, CPU, dtype, in_features, out_features, rows,
                         groups, has_bias) == want

@@ -71,6 +71,9 @@ def routing_map_reference(topk_indices: torch.Tensor, num_experts: int, multiple
     sorted_key, order = torch.sort(key, stable=True)
     experts = torch.arange(num_experts, device=device, dtype=torch.int64)
     ends = torch.searchsorted(sorted_key, experts, right=True)
+    if (capacity is None and keep is None and group_rows is None and multiple == 1
+            and (num_rows is None or num_rows <= slots)):
+        return _unpadded(sorted_key, order, ends, k, num_experts, num_rows)
     starts = group_starts(ends)
     counts = _kept(ends - starts, capacity, keep)
     if group_rows is not None:
@@ -103,6 +106,23 @@ def routing_map_reference(topk_indices: torch.Tensor, num_experts: int, multiple
     sorted_pos = (starts.index_select(0, clamped) + local).clamp(0, slots - 1)
     token_of_row = torch.where(held, order.index_select(0, sorted_pos) // k, -1)
     return m_splits, row_map, token_of_row, counts
+
+
+def _unpadded(sorted_key: torch.Tensor, order: torch.Tensor, ends: torch.Tensor, k: int,
+              num_experts: int, num_rows: int | None
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`routing_map_reference` where every slot is kept and nothing is padded: the slot
+    at sorted position ``p`` is row ``p`` (the dropped ones sort last), a third of the ops
+    (the CPU's routing is host-bound on small steps)."""
+    slots = sorted_key.shape[0]
+    counts = ends - group_starts(ends)
+    position = torch.arange(slots, device=sorted_key.device, dtype=torch.int64)
+    dest = torch.where(sorted_key < num_experts, position, -1)
+    row_map = torch.empty_like(dest).scatter_(0, order, dest).view(-1, k)
+    kept = ends[-1]  # rows holding a slot
+    num_rows = int(kept) if num_rows is None else num_rows
+    token_of_row = torch.where(position[:num_rows] < kept, order[:num_rows] // k, -1)
+    return counts, row_map, token_of_row, counts.clone()  # two tensors, as elsewhere
 
 
 @triton.jit

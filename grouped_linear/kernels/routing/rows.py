@@ -37,7 +37,9 @@ def gather_rows_reference(src: torch.Tensor, index: torch.Tensor,
     if src.shape[0] == 0 or index.numel() == 0:
         return src.new_zeros(index.shape[0], *src.shape[1:])
     out = src.index_select(0, index.clamp(0, src.shape[0] - 1))
-    out = out.masked_fill_(~valid.view(-1, *([1] * (src.dim() - 1))), 0)
+    # the host reads CPU indices freely (but not while torch.compile traces)
+    if src.device.type != "cpu" or torch.compiler.is_compiling() or not bool(valid.all()):
+        out = out.masked_fill_(~valid.view(-1, *([1] * (src.dim() - 1))), 0)
     if scale is not None:
         out = (out.float() * scale.float().masked_fill(~valid, 0).unsqueeze(1)).to(src.dtype)
     return out

@@ -84,6 +84,22 @@ def test_routing_map_edge_cases():
     assert token_of_row.tolist()[:8] == [0, -1, 3, -1, 1, 2, -1, -1]
 
 
+@pytest.mark.parametrize("tokens, k, experts", [(0, 2, 4), (1, 1, 1), (60, 4, 8), (33, 8, 64)])
+@pytest.mark.parametrize("drop", [0.0, 0.3])
+def test_reference_takes_a_shortcut_where_nothing_is_padded_or_capped(tokens, k, experts, drop):
+    """Every slot kept and no padding (the common call): the reference's shortcut gives what
+    its general computation gives (reached here through a capacity no expert can fill)."""
+    gen = torch.Generator().manual_seed(tokens + k)
+    topk = _routing(gen, tokens, k, experts, drop=drop)
+    for num_rows in (None, topk.numel()):
+        short = routing.routing_map_reference(topk, experts, 1, num_rows)
+        general = routing.routing_map_reference(topk, experts, 1, num_rows,
+                                                capacity=topk.numel() + 1)
+        for name, a, b in zip(("m_splits", "row_map", "token_of_row", "counts"), short,
+                              general, strict=True):
+            assert a.dtype == b.dtype and torch.equal(a, b), name
+
+
 def test_routing_map_many_experts_falls_back():
     gen = torch.Generator().manual_seed(3)
     topk = _routing(gen, 12, 2, 1500)
