@@ -30,8 +30,8 @@ test: lint
 # the CPU cores, and the processes share Triton's on-disk cache (a kernel compiled by one is
 # loaded by the others). GPU_TEST_PATHS='...' on the command line runs some of them. The
 # transformers tests need transformers importable (README, Development). `make bench`
-# prints the tables of BENCHMARKS.md but the transformers suite's (that one needs transformers:
-# `python -m grouped_linear bench --suite transformers`).
+# prints the tables of BENCHMARKS.md, the transformers suite's where transformers is importable;
+# BENCH_JSON=DIR also writes each suite's numbers to DIR/<suite>.json.
 GPU_TEST_PATHS := tests/gpu tests/kernels tests/ops tests/test_recipes.py \
 	tests/modules/test_grouped_linear.py tests/modules/test_nd_input.py
 GPU_TEST_WORKERS ?= 12
@@ -45,10 +45,14 @@ test-gpu:
 	exit $$status
 
 bench:
-	$(PYTHON) -m grouped_linear bench
-	$(PYTHON) -m grouped_linear bench --suite layouts
-	$(PYTHON) -m grouped_linear bench --suite moe
-	$(PYTHON) -m grouped_linear bench --suite fine
+	@set -e; [ -z "$(BENCH_JSON)" ] || mkdir -p "$(BENCH_JSON)"; \
+	for suite in gemm layouts moe fine transformers; do \
+		if [ $$suite = transformers ] && ! $(PYTHON) -c "import transformers" 2>/dev/null; then \
+			echo "== $$suite: skipped (transformers is not importable)"; continue; \
+		fi; \
+		echo "== $$suite"; \
+		$(PYTHON) -m grouped_linear bench --suite $$suite $(if $(BENCH_JSON),--json $(BENCH_JSON)/$$suite.json); \
+	done
 
 # The scripts of benchmarks/ (benchmarks/README.md says what each measures), each once with
 # its defaults, on a CUDA machine; EP_WORLD: GPUs for the expert-parallel run.
