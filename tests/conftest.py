@@ -8,6 +8,13 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
+# pytest-xdist workers share the machine's cores: each takes its share of torch's CPU threads
+# (by default every process takes them all, and their waiting OpenMP threads contend: tests/ops
+# and tests/kernels with two workers on two cores, 260 s with two threads each, 241 with one).
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    torch.set_num_threads(max(1, torch.get_num_threads() // _WORKERS))
+
 
 @pytest.fixture(autouse=True)
 def _seed_and_precision():
