@@ -420,8 +420,9 @@ def unpermute(
             "row_map",
             f"entries must be -1 (dropped) or a row of y_perm in [0, {num_rows})",
         )
-        used = row_map[row_map >= 0]
-        if used.numel() != torch.unique(used).numel():
+        # slots per row (-1 counted apart, at 0): one count, where a sort would find repeats
+        held = torch.bincount(row_map.reshape(-1).to(torch.int64) + 1, minlength=num_rows + 1)
+        if num_rows > 0 and int(held[1:].max()) > 1:
             raise ValueError(
                 "row_map has repeated non-negative entries: each row of y_perm may be "
                 "held by at most one slot (as permute produces)"
