@@ -105,22 +105,24 @@ def _join(gate: torch.Tensor, up: torch.Tensor, interleaved: bool) -> torch.Tens
 def _gated(kind: str, gate: torch.Tensor, up: torch.Tensor, alpha: float,
            limit: float) -> torch.Tensor:
     if kind == "gpt_oss_swiglu":
-        g = gate.clamp(max=limit)
-        return (up.clamp(-limit, limit) + 1) * g * torch.sigmoid(alpha * g)
+        g = gate.clamp(max=limit)  # then in place on fresh buffers
+        return up.clamp(-limit, limit).add_(1).mul_(g).mul_(torch.mul(g, alpha).sigmoid_())
     if kind == "clamped_swiglu":
-        return F.silu(gate.clamp(max=limit)) * up.clamp(-limit, limit)
+        return F.silu(gate.clamp(max=limit), inplace=True).mul_(up.clamp(-limit, limit))
     return _base_activation(kind, gate) * up
 
 
 def _gated_grads(kind: str, gate: torch.Tensor, up: torch.Tensor, grad_a: torch.Tensor,
                  alpha: float, limit: float) -> tuple[torch.Tensor, torch.Tensor]:
-    if kind == "gpt_oss_swiglu":
+    if kind == "gpt_oss_swiglu":  # in place on its own buffers (a backward: no autograd)
         g = gate.clamp(max=limit)
-        s = torch.sigmoid(alpha * g)
-        zero = torch.zeros((), dtype=grad_a.dtype, device=grad_a.device)
-        grad_gate = grad_a * (up.clamp(-limit, limit) + 1) * (s + alpha * g * s * (1 - s))
-        return (torch.where(gate <= limit, grad_gate, zero),
-                torch.where((up >= -limit) & (up <= limit), grad_a * g * s, zero))
+        s = torch.mul(g, alpha).sigmoid_()
+        # d/d gate: grad_a * (u + 1) * s * (1 + alpha * g * (1 - s)); d/d up: grad_a * g * s
+        grad_gate = torch.sub(1, s).mul_(g).mul_(alpha).add_(1).mul_(s)
+        grad_gate.mul_(up.clamp(-limit, limit).add_(1)).mul_(grad_a)
+        grad_up = g.mul_(s).mul_(grad_a)
+        return (grad_gate.masked_fill_(~(gate <= limit), 0),
+                grad_up.masked_fill_(~((up >= -limit) & (up <= limit)), 0))
     if kind == "clamped_swiglu":  # a value at the limit passes its gradient, as clamp's does
         g, u = gate.clamp(max=limit), up.clamp(-limit, limit)
         zero = torch.zeros((), dtype=grad_a.dtype, device=grad_a.device)
@@ -158,7 +160,9 @@ def _biased(h: torch.Tensor, bias: torch.Tensor | None, ends: torch.Tensor
     groups = row_groups(ends, h.shape[0])
     if bias is not None:
         padded = torch.cat([bias.to(compute), bias.new_zeros(1, bias.shape[1], dtype=compute)])
-        value = value + padded.index_select(0, groups)
+        added = padded.index_select(0, groups)
+        # into the converted copy where there is one (h itself is not written)
+        value = value + added if value is h else value.add_(added)
     return value, (None if covered else (groups < ends.shape[0]).unsqueeze(1))
 
 
