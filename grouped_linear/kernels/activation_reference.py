@@ -189,10 +189,13 @@ def bias_act_reference(h: torch.Tensor, bias: torch.Tensor | None, ends: torch.T
     else:
         value, in_group = _biased(h, bias, ends)
         out = _activated(value, kind, interleaved, alpha, limit)
+    # in place where autograd records nothing (ReLU's backward reads its output)
+    recorded = out.requires_grad
     if probs is not None:
-        out = out.mul_(probs.to(out.dtype).unsqueeze(1))
+        scale = probs.to(out.dtype).unsqueeze(1)
+        out = out * scale if recorded else out.mul_(scale)
     if zero_tail and in_group is not None:
-        out = out.masked_fill_(~in_group, 0)
+        out = out.masked_fill(~in_group, 0) if recorded else out.masked_fill_(~in_group, 0)
     return out.to(h.dtype)
 
 

@@ -318,3 +318,24 @@ def test_fp8_output_is_the_output_quantized_per_row(kind, interleaved, fp8, pow2
     # no rows: the reference's empty result
     codes, inv = act.bias_act_forward_fp8(h[:0], bias, ends * 0, kind, fp8, pow2, interleaved)
     assert codes.shape == (0, out.shape[1]) and inv.shape == (0,)
+
+
+@pytest.mark.parametrize("kind, interleaved", CASES)
+def test_reference_is_differentiable_as_written(kind, interleaved):
+    """The plain-PyTorch form, with a bias, row probabilities and rows past the groups, under
+    autograd in float64: gradcheck (its in-place steps must not touch what autograd keeps)."""
+    gen = torch.Generator().manual_seed(len(kind) + interleaved)
+    width = 24 if kind in GATED else 12
+    h = torch.randn(40, width, generator=gen, dtype=torch.float64, requires_grad=True)
+    bias = torch.randn(3, width, generator=gen, dtype=torch.float64, requires_grad=True)
+    probs = torch.rand(40, generator=gen, dtype=torch.float64, requires_grad=True)
+    ends = torch.tensor([10, 20, 30], dtype=torch.int32)  # rows 30 to 39 in no group
+    params = {"alpha": 0.8, "limit": 1.0} if kind in CLAMPED else {}  # clamps reached
+    if kind == "clamped_swiglu":
+        params.pop("alpha")
+    for with_bias in (False, True):
+        def f(h, probs, *bias_or_none):
+            return act.bias_act_reference(h, bias_or_none[0] if bias_or_none else None, ends,
+                                          kind, True, interleaved, probs=probs, **params)
+        inputs = (h, probs, bias) if with_bias else (h, probs)
+        assert torch.autograd.gradcheck(f, inputs)
