@@ -329,12 +329,14 @@ def test_reference_is_differentiable_as_written(kind, interleaved):
     h = torch.randn(40, width, generator=gen, dtype=torch.float64, requires_grad=True)
     bias = torch.randn(3, width, generator=gen, dtype=torch.float64, requires_grad=True)
     probs = torch.rand(40, generator=gen, dtype=torch.float64, requires_grad=True)
-    ends = torch.tensor([10, 20, 30], dtype=torch.int32)  # rows 30 to 39 in no group
     params = {"alpha": 0.8, "limit": 1.0} if kind in CLAMPED else {}  # clamps reached
     if kind == "clamped_swiglu":
         params.pop("alpha")
-    for with_bias in (False, True):
-        def f(h, probs, *bias_or_none):
+    # rows 30 to 39 in no group, or every row in one (without a bias: the gate-only form)
+    for last, with_bias in ((30, False), (30, True), (40, False)):
+        ends = torch.tensor([10, 20, last], dtype=torch.int32)
+
+        def f(h, probs, *bias_or_none, ends=ends):
             return act.bias_act_reference(h, bias_or_none[0] if bias_or_none else None, ends,
                                           kind, True, interleaved, probs=probs, **params)
         inputs = (h, probs, bias) if with_bias else (h, probs)
