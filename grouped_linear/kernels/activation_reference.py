@@ -141,11 +141,15 @@ def _compute_dtype(h: torch.Tensor) -> torch.dtype:
     return torch.float64 if h.dtype == torch.float64 else torch.float32
 
 
+def _generic(kind: str) -> bool:
+    """Whether ``kind`` is ``f(gate) * up`` with no parameters (no clamping)."""
+    return kind in GATED_KINDS and kind not in KIND_PARAMETERS
+
+
 def _gate_only(kind: str, h: torch.Tensor, bias: torch.Tensor | None, ends: torch.Tensor) -> bool:
     """Whether ``f(gate) * up`` needs only the gate in the compute dtype: a gated kind without
     parameters, no bias, every row in a group."""
-    return (kind in GATED_KINDS and kind not in KIND_PARAMETERS and bias is None
-            and _covered(h, ends))
+    return _generic(kind) and bias is None and _covered(h, ends)
 
 
 def _biased(h: torch.Tensor, bias: torch.Tensor | None, ends: torch.Tensor
@@ -210,7 +214,7 @@ def bias_act_backward_reference(grad_a: torch.Tensor, h: torch.Tensor,
     last group get zero. The gradient of ``h`` is written into ``h``'s dtype half by half
     (each half rounded once, as its float32 values are), without a float32 ``(M, W)`` copy."""
     compute = _compute_dtype(h)
-    generic = kind in GATED_KINDS and kind not in KIND_PARAMETERS  # f(gate) * up
+    generic = _generic(kind)  # f(gate) * up
     if _gate_only(kind, h, bias, ends):
         # h as it is: only the gate is converted, the products promote up exactly
         value, in_group = h, None
