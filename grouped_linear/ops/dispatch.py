@@ -59,8 +59,7 @@ def check_backend(backend: object) -> str:
 
 
 def resolve_backend(backend: str, device: torch.device, dtype: torch.dtype, in_features: int,
-                    out_features: int, num_rows: int = 0, num_groups: int = 1,
-                    has_bias: bool = False) -> str:
+                    out_features: int, num_rows: int = 0, num_groups: int = 1) -> str:
     """The high-precision route for ``backend`` (``"auto"`` included), or ``ValueError``
     where the backend asked for by name cannot take the call.
 
@@ -179,12 +178,12 @@ def fp8_route(recipe: Float8Recipe, device: torch.device, dtype: torch.dtype, in
 
 def choose_route(backend: str, recipe: Float8Recipe | None, device: torch.device,
                  dtype: torch.dtype, in_features: int, out_features: int, num_rows: int,
-                 num_groups: int, has_bias: bool = False) -> str:
+                 num_groups: int) -> str:
     """The route of one call (see the module's table). With a recipe ``backend`` is only
     checked for its name: it selects among the high-precision implementations."""
     if recipe is None:
         return resolve_backend(backend, device, dtype, in_features, out_features, num_rows,
-                               num_groups, has_bias)
+                               num_groups)
     check_backend(backend)
     check_recipe(recipe, device)
     return fp8_route(recipe, device, dtype, in_features, out_features, num_groups, num_rows)
@@ -247,6 +246,6 @@ def _plain_route(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
         return ""
     try:
         return resolve_backend(backend, device, dtype, in_features, out_features, x.shape[0],
-                               num_groups, bias is not None)
+                               num_groups)
     except ValueError:
         return ""  # the checked path raises it again, with its context

@@ -156,7 +156,7 @@ def apply_grouped_linear(
             )
     splits = normalize_splits(m_splits, num_groups=num_groups, num_rows=num_rows, device=device)
     route = choose_route(backend, recipe, device, dtype, in_features, out_features, num_rows,
-                         num_groups, bias is not None)
+                         num_groups)
     # Only the FP8 rowwise/tensorwise GEMMs quantize a list piece by piece where it lies.
     if pieces is not None and (route != "fp8_scaled_mm" or num_rows == 0 or tp is not None):
         x, pieces = torch.cat(pieces), None

@@ -23,26 +23,25 @@ CPU, CUDA = torch.device("cpu"), torch.device("cuda")  # resolution only: nothin
 
 @pytest.mark.parametrize("groups", [1, 128, 65536])
 @pytest.mark.parametrize("rows", [0, 4096, 1 << 20])
-@pytest.mark.parametrize("dtype, in_features, out_features, has_bias, want", [
-    (torch.float32, 64, 32, True, "grouped"),
-    (torch.float32, 2048, 768, False, "grouped"),
-    (torch.float32, 62, 32, False, "loop"),  # rows of 248 bytes: torch's grouped GEMM refuses
-    (torch.float32, 64, 30, False, "loop"),
-    (torch.float32, 0, 32, False, "loop"),  # zero width: no strides torch's grouped GEMM takes
-    (torch.float32, 64, 0, False, "loop"),
-    (torch.bfloat16, 64, 32, False, "grouped"),
-    (torch.bfloat16, 64, 32, True, "grouped"),  # the bias by addmm per group, forward only
-    (torch.bfloat16, 64, 36, False, "loop"),  # rows of 72 bytes
-    (torch.float16, 64, 32, False, "loop"),  # the grouped backend takes no fp16 on CPU
-    (torch.float64, 64, 32, False, "loop"),  # torch's grouped GEMM has no float64
+@pytest.mark.parametrize("dtype, in_features, out_features, want", [
+    (torch.float32, 64, 32, "grouped"),
+    (torch.float32, 2048, 768, "grouped"),
+    (torch.float32, 62, 32, "loop"),  # rows of 248 bytes: torch's grouped GEMM refuses
+    (torch.float32, 64, 30, "loop"),
+    (torch.float32, 0, 32, "loop"),  # zero width: no strides torch's grouped GEMM takes
+    (torch.float32, 64, 0, "loop"),
+    (torch.bfloat16, 64, 32, "grouped"),  # a bias too: by addmm per group, forward only
+    (torch.bfloat16, 64, 36, "loop"),  # rows of 72 bytes
+    (torch.float16, 64, 32, "loop"),  # the grouped backend takes no fp16 on CPU
+    (torch.float64, 64, 32, "loop"),  # torch's grouped GEMM has no float64
 ])
 def test_cpu_auto_takes_the_grouped_gemm_for_fp32_and_bf16(
-        dtype, in_features, out_features, has_bias, want, rows, groups):
+        dtype, in_features, out_features, want, rows, groups):
     """On CPU ``auto`` runs torch's grouped GEMM in fp32 and bf16, with or without a bias,
     whatever the rows and groups, and the loop otherwise (benchmarks/cpu_backends.py); a recipe runs
     the emulation."""
     assert choose_route("auto", None, CPU, dtype, in_features, out_features, rows,
-                        groups, has_bias) == want
+                        groups) == want
     if want == "grouped":  # what auto picks, the backend asked for by name takes
         assert resolve_backend("grouped", CPU, dtype, in_features, out_features, rows,
                                groups) == "grouped"
