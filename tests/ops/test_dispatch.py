@@ -227,3 +227,16 @@ def test_fp8_routes_on_either_side_of_their_group_bounds(recipe, monkeypatch):
         assert fp8_route(recipe, cuda0, torch.bfloat16, 64, 64, 4096, rows) == "fp8_emulated"
     assert fp8_route(recipe, cuda0, torch.bfloat16, 64, 64, 1, None) == (
         large if large == "fp8_blockwise" else "fp8_scaled_mm")
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64])
+def test_the_plain_calls_route_is_the_route_tables(dtype, with_bias):
+    """The fast path's verdict for a call signature (reached here directly, on CPU tensors)
+    is the route the table gives the same call."""
+    G, N, K, M = 3, 32, 64, 40
+    x, weight = torch.randn(M, K, dtype=dtype), torch.randn(G, N, K, dtype=dtype)
+    bias = torch.randn(G, N, dtype=dtype) if with_bias else None
+    splits = torch.tensor([10, 0, 30])
+    want = choose_route("auto", None, CPU, dtype, K, N, M, G)
+    assert dispatch._plain_route(x, weight, bias, splits, "auto") == want
