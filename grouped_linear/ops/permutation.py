@@ -156,10 +156,7 @@ def _check_range(values: torch.Tensor, high: int, name: str, allowed: str) -> No
 
     Compared in int64: in a narrow dtype ``-1`` and ``high`` would wrap (uint8 has no -1,
     int8 no 200)."""
-    if values.numel() == 0:
-        return
-    low, top = (int(v) for v in torch.aminmax(values))  # one op in the common, valid case
-    if low >= -1 and top < high:
+    if values.numel() == 0 or row_kernels.within(values, -1, high):  # the common case
         return
     wide = values.to(torch.int64)
     bad = (wide < -1) | (wide >= high)

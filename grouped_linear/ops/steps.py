@@ -80,7 +80,7 @@ def forward_impl(
         # torch.addmm per group (tail rows zero); on CPU for the grouped route too, whose
         # GEMM stores only the input dtype (its backward has no bias to add)
         return torch_gemm.forward(x, weight, ends, host_ends, "loop", bias.to(x.dtype))
-    if x.is_cuda and triton_gemm.fits(weight.shape[0], weight.shape[2], weight.shape[1]):
+    if triton_gemm.fits(weight.shape[0], weight.shape[2], weight.shape[1]):
         # torch's grouped GEMM stores only the input dtype: the Triton GEMM adds the bias
         return triton_gemm.forward(x, weight, bias, group_sizes(ends))
     out = torch_gemm.forward(x.float(), weight.float(), ends, host_ends, backend)

@@ -14,8 +14,8 @@ try:  # grid dependency control (programmatic dependent launch), Triton >= 3.4
 except ImportError:  # pragma: no cover - older Triton or none
     gdc_wait = None
 
-__all__ = ["gather_rows", "gather_rows_reference", "spread_rows", "spread_rows_reference",
-           "scatter_rows", "SCATTER_CONFIG", "weighted_dtype"]
+__all__ = ["within", "gather_rows", "gather_rows_reference", "spread_rows",
+           "spread_rows_reference", "scatter_rows", "SCATTER_CONFIG", "weighted_dtype"]
 
 # Launch shape (rows per program, columns per program, warps) of scatter_rows (permute forward,
 # and spread_rows): the default of its config= keyword; the layouts bench times it,
@@ -30,24 +30,29 @@ GAP_PROGRAMS_PER_SM = 4
 
 
 # --------------------------------------------------------------------------- row gathers
+def within(values: torch.Tensor, low: int, high: int) -> bool:
+    """Whether every one of ``values`` (non-empty, read on the host: a sync on CUDA) lies in
+    ``[low, high)``: one ``aminmax``, compared as Python ints (no dtype wraps around)."""
+    least, most = (int(v) for v in torch.aminmax(values))
+    return least >= low and most < high
+
+
 def gather_rows_reference(src: torch.Tensor, index: torch.Tensor,
                           scale: torch.Tensor | None = None) -> torch.Tensor:
     """``out[r] = scale[r] * src[index[r]]``, a zero row where ``index[r]`` is outside ``src``."""
     if src.shape[0] == 0 or index.numel() == 0:
         return src.new_zeros(index.shape[0], *src.shape[1:])
-    if src.device.type == "cpu" and not torch.compiler.is_compiling():
-        # the host reads CPU indices freely: every one inside src (the common case) is a
-        # plain index_select, one op where the masked form takes six
-        low, high = (int(v) for v in torch.aminmax(index))
-        if low >= 0 and high < src.shape[0]:
-            out = src.index_select(0, index)
-            return out if scale is None else (out.float() * scale.float().unsqueeze(1)).to(
-                src.dtype)
-    valid = (index >= 0) & (index < src.shape[0])
-    out = src.index_select(0, index.clamp(0, src.shape[0] - 1))
-    out = out.masked_fill_(~valid.view(-1, *([1] * (src.dim() - 1))), 0)
+    valid = None  # every index inside src: a plain index_select, one op where masking takes six
+    # (the host reads CPU indices freely, but not while torch.compile traces)
+    if (src.device.type != "cpu" or torch.compiler.is_compiling()
+            or not within(index, 0, src.shape[0])):
+        valid = (index >= 0) & (index < src.shape[0])
+    out = src.index_select(0, index if valid is None else index.clamp(0, src.shape[0] - 1))
+    if valid is not None:
+        out = out.masked_fill_(~valid.view(-1, *([1] * (src.dim() - 1))), 0)
     if scale is not None:
-        out = (out.float() * scale.float().masked_fill(~valid, 0).unsqueeze(1)).to(src.dtype)
+        scale = scale.float() if valid is None else scale.float().masked_fill(~valid, 0)
+        out = (out.float() * scale.unsqueeze(1)).to(src.dtype)
     return out
 
 
