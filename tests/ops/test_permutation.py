@@ -455,3 +455,15 @@ def test_no_tokens_or_no_slots(dtype):
     assert routed.shape == (0, 4) and splits.tolist() == [0, 0, 0]
     (routed.sum() + unpermute(routed, row_map).sum()).backward()
     assert x.grad.shape == (0, 4)
+    # k = 0 with tokens: nothing routed, each token's output zero, x's gradient zero
+    x = torch.randn(3, 4, dtype=dtype, requires_grad=True)
+    for multiple in (1, 2):
+        routed, splits, row_map = permute(x, torch.zeros(3, 0, dtype=torch.long), 2,
+                                          multiple=multiple)
+        assert routed.shape == (0, 4) and splits.tolist() == [0, 0]
+        assert row_map.shape == (3, 0)
+        out = unpermute(routed, row_map)
+        assert torch.equal(out, torch.zeros(3, 4, dtype=dtype))
+        x.grad = None
+        (routed.sum() + out.sum()).backward()
+        assert torch.equal(x.grad, torch.zeros_like(x))

@@ -73,7 +73,7 @@ def routing_map_reference(topk_indices: torch.Tensor, num_experts: int, multiple
     ends = torch.searchsorted(sorted_key, experts, right=True)
     if (capacity is None and keep is None and group_rows is None and multiple == 1
             and (num_rows is None or num_rows <= slots)):
-        return _unpadded(sorted_key, order, ends, k, num_experts, num_rows)
+        return _unpadded(sorted_key, order, ends, tokens, k, num_experts, num_rows)
     starts = group_starts(ends)
     counts = _kept(ends - starts, capacity, keep)
     if group_rows is not None:
@@ -108,8 +108,8 @@ def routing_map_reference(topk_indices: torch.Tensor, num_experts: int, multiple
     return m_splits, row_map, token_of_row, counts
 
 
-def _unpadded(sorted_key: torch.Tensor, order: torch.Tensor, ends: torch.Tensor, k: int,
-              num_experts: int, num_rows: int | None
+def _unpadded(sorted_key: torch.Tensor, order: torch.Tensor, ends: torch.Tensor, tokens: int,
+              k: int, num_experts: int, num_rows: int | None
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`routing_map_reference` where every slot is kept and nothing is padded: the slot
     at sorted position ``p`` is row ``p`` (the dropped ones sort last), a third of the ops
@@ -118,7 +118,7 @@ def _unpadded(sorted_key: torch.Tensor, order: torch.Tensor, ends: torch.Tensor,
     counts = ends - group_starts(ends)
     position = torch.arange(slots, device=sorted_key.device, dtype=torch.int64)
     dest = torch.where(sorted_key < num_experts, position, -1)
-    row_map = torch.empty_like(dest).scatter_(0, order, dest).view(-1, k)
+    row_map = torch.empty_like(dest).scatter_(0, order, dest).view(tokens, k)
     kept = ends[-1]  # rows holding a slot
     num_rows = int(kept) if num_rows is None else num_rows
     token_of_row = torch.where(position[:num_rows] < kept, order[:num_rows] // k, -1)
