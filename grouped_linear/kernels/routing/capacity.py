@@ -45,8 +45,10 @@ def drop_over_capacity_reference(topk_indices: torch.Tensor, priority: torch.Ten
 def _sort_key(value, slot):
     """uint64 keys in the order of the slots' ranks: higher priority first, then lower slot.
     High word: the float32 priority's bits made order-preserving as unsigned (``-0.0`` taken
-    as ``+0.0``); low word: ``2**32 - 1 - slot``."""
-    bits = (value + 0.0).to(tl.uint32, bitcast=True).to(tl.uint64)
+    as ``+0.0``; every NaN, whatever its sign and payload, above ``+inf``, as ``torch.sort``
+    ranks it); low word: ``2**32 - 1 - slot``."""
+    bits = (value + 0.0).to(tl.uint32, bitcast=True)
+    bits = tl.where(value != value, 0x7FFFFFFF, bits).to(tl.uint64)
     negative = bits >= 0x80000000
     ordered = tl.where(negative, 0xFFFFFFFF - bits, bits + 0x80000000)
     return (ordered << 32) | (0xFFFFFFFF - slot.to(tl.uint64))

@@ -106,3 +106,24 @@ def test_drop_over_capacity_large_groups_and_signed_priorities():
                                                   experts, capacity)
         want = capacity_kernels.drop_over_capacity_reference(topk, priority, experts, capacity)
         assert torch.equal(got.cpu(), want)
+
+
+def test_drop_over_capacity_ranks_every_nan_highest():
+    """NaN priorities of either sign and any payload rank above ``+inf`` and tie among
+    themselves (the lower slot first), as ``torch.sort`` orders them on every device."""
+    nan_bits = torch.tensor([0x7FC00000, -0x00400000, 0x7F800001, -0x007FFFFF],
+                            dtype=torch.int32)  # +NaN, -NaN, payloads of both signs
+    nans = nan_bits.view(torch.float32)
+    assert bool(nans.isnan().all()) and bool(nans.view(torch.int32).lt(0).any())
+    values = torch.tensor([0.9, float("inf"), -float("inf"), 0.5, 0.0, -0.2, 3.0, 0.1])
+    priority = torch.cat([values, nans, nans]).view(8, 2)
+    topk = torch.zeros(8, 2, dtype=torch.int64)
+    for capacity in (1, 4, 8, 9, 12):
+        got = capacity_kernels.drop_over_capacity(topk.to(DEVICE), priority.to(DEVICE), 1,
+                                                  capacity).cpu()
+        want = capacity_kernels.drop_over_capacity_reference(topk, priority, 1, capacity)
+        flat = priority.reshape(-1).tolist()
+        best = sorted(range(16), key=lambda s: (0 if flat[s] != flat[s] else 1,
+                                                -flat[s] if flat[s] == flat[s] else 0, s))
+        kept = (got.reshape(-1) == 0).nonzero().reshape(-1).tolist()
+        assert kept == sorted(best[:capacity]) and torch.equal(got, want)
