@@ -20,7 +20,7 @@ from grouped_linear.kernels.routing import combine as combine_kernels
 from grouped_linear.kernels.routing import routing_map as routing
 from grouped_linear.kernels.routing import rows as row_kernels
 from grouped_linear.ops import routing_inputs as inputs
-from grouped_linear.ops.checks import MAX_ROWS, check_int, check_matrix, host_checks
+from grouped_linear.ops.checks import MAX_ROWS, check_int, check_matrix, describe, host_checks
 from grouped_linear.ops.fp8.rows import Float8Rows, rows_recipe
 from grouped_linear.ops.grouped_linear import reads_fp8_rows
 from grouped_linear.ops.splits import SPLIT_DTYPES, debug_checks_enabled
@@ -366,8 +366,9 @@ def unpermute(
             probabilities gathered at each slot's expert.
         topk_indices: the routing given to :func:`permute` (``(T, k)``, ``(T,)`` or
             a bool ``(T, E)`` map), used only to gather dense ``(T, E)`` ``probs``:
-            slot ``(t, j)`` weighs ``probs[t, topk_indices[t, j]]``. On CPU an index
-            outside ``[-1, E)`` is a ValueError; on CUDA its slot weighs 0.
+            slot ``(t, j)`` weighs ``probs[t, topk_indices[t, j]]`` (without ``probs``
+            a ValueError). On CPU an index outside ``[-1, E)`` is a ValueError; on
+            CUDA its slot weighs 0.
 
     Returns:
         ``(T, H)`` in ``y_perm``'s dtype:
@@ -392,6 +393,13 @@ def unpermute(
     if row_map.device != y_perm.device:
         raise ValueError(f"row_map is on {row_map.device} but y_perm is on {y_perm.device}")
     experts = None
+    if probs is None and topk_indices is not None:
+        given = (f"shape {tuple(topk_indices.shape)}" if isinstance(topk_indices, torch.Tensor)
+                 else describe(topk_indices))
+        raise ValueError(
+            f"topk_indices is given ({given}) without probs: it serves only to gather dense "
+            "(T, E) probs at each slot's expert (a plain sum needs neither)"
+        )
     if probs is not None:
         if not isinstance(probs, torch.Tensor):
             raise TypeError(f"probs is {type(probs).__name__}: expected a torch.Tensor or None")
@@ -420,9 +428,11 @@ def unpermute(
         # slots per row (-1 counted apart, at 0): one count, where a sort would find repeats
         held = torch.bincount(row_map.reshape(-1).to(torch.int64) + 1, minlength=num_rows + 1)
         if num_rows > 0 and int(held[1:].max()) > 1:
+            row = int(held[1:].argmax())
+            (t0, j0), (t1, j1) = (row_map == row).nonzero()[:2].tolist()
             raise ValueError(
-                "row_map has repeated non-negative entries: each row of y_perm may be "
-                "held by at most one slot (as permute produces)"
+                f"row_map[{t0}, {j0}] and row_map[{t1}, {j1}] are both {row}: each row of "
+                "y_perm may be held by at most one slot (as permute produces)"
             )
         if experts is not None and topk_indices.dtype != torch.bool:
             high = probs.shape[1]

@@ -157,7 +157,16 @@ UNPERMUTE_CASES: dict[str, Case] = {
     "row_map = -9": (
         "range", lambda: gl.unpermute(_x(5), _long([[0, 3], [1, -9], [4, 2]])), "row_map", "-9"),
     "row_map repeated": (
-        "range", lambda: gl.unpermute(_x(5), _long([[0, 3], [1, -1], [3, 2]])), "row_map", None),
+        "range", lambda: gl.unpermute(_x(5), _long([[0, 3], [1, -1], [3, 2]])), "row_map", "3"),
+    "row_map repeated names both slots": (
+        "range", lambda: gl.unpermute(_x(5), _long([[0, 3], [1, -1], [3, 2]])),
+        "row_map[0, 1]", "row_map[2, 0]"),
+    "topk_indices without probs": (
+        "range", lambda: gl.unpermute(_x(5), _row_map(), topk_indices=_long([[0, 1]] * 3)),
+        ("topk_indices", "probs"), None),
+    "topk_indices=junk without probs": (
+        "type", lambda: gl.unpermute(_x(5), _row_map(), topk_indices="junk"), "topk_indices",
+        "junk"),
     "row_map uint8 past y_perm": (
         "range", lambda: gl.unpermute(_x(5), _long([[0, 3], [1, 200], [4, 2]]).to(torch.uint8)),
         "row_map", "200"),

@@ -290,7 +290,8 @@ ROW_MAP = torch.tensor([[0, 3], [1, -1], [4, 2]])
         ((Y, ROW_MAP, [[1.0, 1.0]] * 3), TypeError, "probs is list"),
         ((Y, ROW_MAP + 1), ValueError, r"row_map\[2, 0\] is 5: entries must be -1"),
         ((Y, ROW_MAP - 1), ValueError, r"row_map\[1, 1\] is -2"),
-        ((Y, torch.tensor([[0, 1], [1, 2]])), ValueError, "repeated non-negative entries"),
+        ((Y, torch.tensor([[0, 1], [1, 2]])), ValueError,
+         r"row_map\[0, 1\] and row_map\[1, 0\] are both 1: each row of y_perm"),
     ],
 )
 def test_unpermute_errors(args, exc, match):
