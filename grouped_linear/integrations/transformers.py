@@ -18,6 +18,9 @@ not, a post-expert norm): no copy, checkpoint keys unchanged. Expert-parallel se
 
 from __future__ import annotations
 
+import contextlib
+import math
+
 import torch
 
 from .. import recipes
@@ -73,28 +76,39 @@ def _gate_parameters(module: torch.nn.Module) -> list[dict[str, float]]:
 def _probe(module: torch.nn.Module) -> dict | None:
     """The :func:`~grouped_linear.grouped_mlp` activation arguments that compute the module's
     own gate (``_apply_gate``) or activation (``act_fn``), or ``None`` (then the module's own
-    runs unfused). Found by evaluating both on float64 values spanning twice the module's
-    clamping limits (at least ±12), within 1e-6: a module that computes its gate in float32
-    matches as the fused kernels compute in float32 too, while the kinds differ by far more."""
-    width = 16
+    runs unfused). Found by evaluating both on float64 values within 1e-6: every gate value
+    of ``[-span, span]`` in steps of 1/16 (``span``: 64, or past twice a finite clamping
+    limit) against up values spread over the same range, so that a function clipping or
+    bending anywhere in it (ReLU6, a GELU clipped at 10) differs. A module that computes its
+    gate in float32 matches, as the fused kernels compute in float32 too, while the kinds
+    differ by far more."""
     assignments = _gate_parameters(module)
-    span = max([12.0] + [2 * params["limit"] + 2 for params in assignments])
-    values = torch.linspace(-span, span, 4 * width, dtype=torch.float64).view(2, 2 * width)
-    ends = torch.tensor([2], dtype=torch.int32)
+    limits = [params["limit"] for params in assignments if math.isfinite(params["limit"])]
+    span = max([64.0] + [2 * limit + 2 for limit in limits])
+    grid = torch.linspace(-span, span, int(32 * span) + 1, dtype=torch.float64)
+    width = 64  # columns of the probe's rows (any number: the kinds act elementwise)
+    rows = grid.numel() // width + 1
+    gate = torch.cat([grid, grid[: rows * width - grid.numel()]]).view(rows, width)
+    ends = torch.tensor([rows], dtype=torch.int32)
     if module.has_gate:
-        with torch.no_grad():
-            want = module._apply_gate(values)
+        up = gate.flip(0).flip(1) / 4 + 0.5  # each gate value meets an unrelated up value
         candidates = [(kind, order, params) for kind in GATED_KINDS
                       for order in ("concatenated", "interleaved")
                       for params in ([{}] if kind not in KIND_PARAMETERS else
                                      [p for p in assignments
                                       if set(p) == set(KIND_PARAMETERS[kind])])]
     else:
-        values = values[:, :width]
-        with torch.no_grad():
-            want = module.act_fn(values)
         candidates = [(kind, "concatenated", {}) for kind in _NON_GATED]
+    wants = {}
     for kind, order, params in candidates:
+        if order not in wants:  # the module's own, on this order's layout of the values
+            values = (gate if not module.has_gate else
+                      torch.stack((gate, up), -1).flatten(1) if order == "interleaved" else
+                      torch.cat((gate, up), 1))
+            with torch.no_grad():
+                want = module._apply_gate(values) if module.has_gate else module.act_fn(values)
+            wants[order] = values, want
+        values, want = wants[order]
         got = bias_act_reference(values, None, ends, kind, False, order == "interleaved",
                                  **params)
         if got.shape == want.shape and torch.allclose(got, want.to(got.dtype), rtol=1e-6,
@@ -104,42 +118,75 @@ def _probe(module: torch.nn.Module) -> dict | None:
 
 
 def _gate_key(module: torch.nn.Module) -> tuple:
-    """The gate parameters the module stores (numbers; ``None`` for any other value)."""
+    """What the probe's verdict depends on: the gate parameters the module stores (numbers;
+    ``None`` for any other value) and the functions it would call (``act_fn``, and
+    ``_apply_gate`` where it is the module's own rather than its class's)."""
     values = (getattr(module, name, None) for name in _GATE_ATTRIBUTES)
-    return tuple(v if isinstance(v, (int, float)) and not isinstance(v, bool) else None
-                 for v in values)
+    numbers = tuple(v if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+                    for v in values)
+    gate = getattr(module, "_apply_gate", None)
+    return numbers, (getattr(module, "act_fn", None), getattr(gate, "__func__", gate))
+
+
+def _same_key(a: tuple, b: tuple) -> bool:
+    """Equal numbers and the very same functions (compared by identity)."""
+    return a[0] == b[0] and all(x is y for x, y in zip(a[1], b[1], strict=True))
 
 
 @torch.compiler.disable
-def _probed(module: torch.nn.Module, key: tuple) -> dict | None:
-    fused = _probe(module)
+def _probed(module: torch.nn.Module) -> dict | None:
+    return _probe(module)
+
+
+@torch.compiler.disable
+def _remember(module: torch.nn.Module, key: tuple, fused: dict | None) -> None:
     setattr(module, _ATTRIBUTE, (key, fused))
-    return fused
+
+
+def _lookup(module: torch.nn.Module) -> tuple[dict | None, tuple | None]:
+    """The module's fused activation arguments, and the key to remember a fresh probe under
+    (``None`` where they were remembered already)."""
+    key = _gate_key(module)
+    cached = getattr(module, _ATTRIBUTE, None)
+    if cached is not None and _same_key(cached[0], key):
+        return cached[1], None
+    return _probed(module), key
 
 
 def _fused_activation(module: torch.nn.Module) -> dict | None:
     """The module's fused activation arguments: probed on its first call (eagerly; a model
     switched by :func:`enable` has them before it is compiled) and again after its gate
-    parameters (``alpha``, ``limit`` or their ``swiglu_`` names) change."""
-    key = _gate_key(module)
-    cached = getattr(module, _ATTRIBUTE, None)
-    if cached is None or cached[0] != key:
-        return _probed(module, key)
-    return cached[1]
+    parameters (``alpha``, ``limit`` or their ``swiglu_`` names) or functions (``act_fn``,
+    ``_apply_gate``) change; remembered on the module."""
+    fused, key = _lookup(module)
+    if key is not None:
+        _remember(module, key, fused)
+    return fused
 
 
 def experts_forward(module: torch.nn.Module, hidden_states: torch.Tensor,
                     top_k_index: torch.Tensor, top_k_weights: torch.Tensor, *,
                     recipe: recipes.Float8Recipe | None = None) -> torch.Tensor:
     """One transformers experts module's forward: ``(T, H)`` tokens, ``(T, k)`` expert indices
-    and routing weights -> ``(T, H)``, the routing-weighted sum of each token's experts."""
+    and routing weights -> ``(T, H)``, the routing-weighted sum of each token's experts.
+    A gate probed on this call is remembered once the call has gone through (a rejected call
+    leaves the module as it was)."""
+    fused, key = _lookup(module)
+    out = _forward(module, hidden_states, top_k_index, top_k_weights, recipe, fused)
+    if key is not None:
+        _remember(module, key, fused)
+    return out
+
+
+def _forward(module: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+             top_k_weights: torch.Tensor, recipe: recipes.Float8Recipe | None,
+             fused: dict | None) -> torch.Tensor:
     num_experts = module.num_experts
     if module._is_expert_parallel:  # another rank's experts: a dropped slot
         top_k_index = torch.where(top_k_index < num_experts, top_k_index,
                                   top_k_index.new_full((), -1))
     w1, b1 = _projection(module, "gate_up_proj" if module.has_gate else "up_proj")
     w2, b2 = _projection(module, "down_proj")
-    fused = _fused_activation(module)
     # rows permuted as FP8 codes where fc1 reads them (its route, its geometry)
     rows_recipe = reads_fp8_rows(num_experts, w1.shape[1], w1.shape[2], recipe,
                                  hidden_states.shape[0] * top_k_index.shape[1],
@@ -176,7 +223,10 @@ def experts_forward(module: torch.nn.Module, hidden_states: torch.Tensor,
         out = grouped_linear(h, w2, b2, m_splits, recipe=recipe)
     if module.has_post_expert_norm:
         out = module.post_expert_norm(out)
-    return unpermute(out, row_map, top_k_weights).to(hidden_states.dtype)
+    # the combine keeps its input for the weights' gradient as the recipe's FP8 codes:
+    # an entry's own recipe, as gl.autocast's would
+    with (recipes.autocast(recipe) if recipe is not None else contextlib.nullcontext()):
+        return unpermute(out, row_map, top_k_weights).to(hidden_states.dtype)
 
 
 def _entry(recipe: recipes.Float8Recipe):
@@ -216,17 +266,24 @@ def enable(model: torch.nn.Module, recipe: recipes.Float8Recipe | None = None) -
     """Register the entries and switch ``model`` (a transformers ``PreTrainedModel``) to them:
     the plain entry without ``recipe`` (it follows ``gl.autocast``), else the entry of that
     recipe (:data:`RECIPE_NAMES` for the default settings, ``"grouped_linear_<recipe>"`` for
-    others). Returns ``model``."""
+    others). Every experts module's gate is probed again. Returns ``model``; a model without
+    experts modules that transformers dispatches is a ``ValueError``."""
     if not hasattr(model, "set_experts_implementation"):
         raise TypeError(
             f"model is {type(model).__name__}: expected a transformers PreTrainedModel "
             "(transformers 5 or later)"
         )
     recipe = recipes.check_recipe(recipe)
+    experts = [module for module in model.modules()
+               if hasattr(module, "_is_expert_parallel") and hasattr(module, "num_experts")]
+    if not experts:
+        raise ValueError(
+            f"model is a {type(model).__name__} without experts modules that transformers "
+            "dispatches (classes decorated with @use_experts_implementation): nothing to enable"
+        )
     register()
-    for module in model.modules():  # probe every gate now, outside any compiled region
-        if hasattr(module, "_is_expert_parallel") and hasattr(module, "num_experts"):
-            _fused_activation(module)
+    for module in experts:  # probe every gate now, outside any compiled region
+        _remember(module, _gate_key(module), _probe(module))
     name = NAME
     if recipe is not None:
         name = next((n for n, cls in RECIPE_NAMES.items() if recipe == cls()),

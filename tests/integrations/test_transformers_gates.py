@@ -8,6 +8,7 @@ import copy
 
 import pytest
 import torch
+from transformers.activations import ACT2FN
 
 import grouped_linear.integrations.transformers as gl_hf
 from tests.integrations.test_transformers_families import FAMILIES, _build, _inputs, _run
@@ -59,7 +60,7 @@ def test_every_family_but_its_own_gates_runs_fused():
 
 @pytest.mark.parametrize("class_name", ["DeepseekV4Experts", "GptOssExperts"])
 def test_a_limit_past_the_default_probe_range_is_still_told_apart(class_name):
-    """At limit 40 a clamped gate equals the plain one on ±12: the probe spans twice the
+    """At limit 40 a clamped gate equals the plain one up to 40: the probe spans twice the
     module's limit, so the clamp is seen."""
     experts = _experts(class_name)
     setattr(experts, _limit_attribute(experts), 40.0)
@@ -120,3 +121,44 @@ def test_without_transformers_the_entry_and_the_suite_say_what_to_install(monkey
         main(["bench", "--suite", "transformers", "--device", "cpu"])
     assert exit_info.value.code == 2
     assert "transformers 5 or later" in capsys.readouterr().err
+
+
+def _matches_eager(experts: torch.nn.Module, scale: float) -> None:
+    """The entry's output and every gradient against the module's own eager forward, with
+    the inputs scaled by ``scale`` (pre-activations far from zero)."""
+    hidden, index, weights = _inputs(experts)
+    hidden = hidden * scale
+    got = _run(experts, gl_hf.NAME, hidden, index, weights)
+    want = _run(experts, "eager", hidden, index, weights)
+    assert rel_err(got[0], want[0]) < 1e-6 and rel_err(got[1], want[1]) < 1e-6
+    assert rel_err(got[2], want[2]) < 1e-6
+    for name in want[3]:
+        assert rel_err(got[3][name], want[3][name]) < 1e-6, name
+
+
+@pytest.mark.parametrize("class_name, act, clip", [
+    ("NemotronHExperts", "relu6", 6.0),  # non-gated: relu up to 6
+    ("Qwen3MoeExperts", "gelu_10", 10.0),  # gated: erf-GELU up to 10
+])
+def test_an_activation_that_departs_from_a_kind_late_is_not_taken_for_it(class_name, act,
+                                                                           clip):
+    """Activations equal to a fused kind near zero but clipped further out run the module's
+    own (unfused), and the entry matches eager where the clip binds."""
+    gl_hf.register()
+    experts = _experts(class_name)
+    experts.act_fn = ACT2FN[act]
+    assert gl_hf._probe(experts) is None
+    hidden, index, _ = _inputs(experts)
+    _matches_eager(experts, scale=4 * clip / float(hidden.abs().max()))
+
+
+def test_a_replaced_activation_function_is_probed_again():
+    """After the first call, a new ``act_fn`` (SiLU -> exact GELU) is found again, by the
+    next call and by enable(), and the output follows it."""
+    gl_hf.register()
+    experts = _experts("Qwen3MoeExperts")
+    _matches_eager(experts, scale=4.0)
+    assert gl_hf._fused_activation(experts)["activation"] == "swiglu"
+    experts.act_fn = ACT2FN["gelu"]
+    _matches_eager(experts, scale=4.0)
+    assert gl_hf._fused_activation(experts)["activation"] == "geglu_erf"

@@ -3,6 +3,7 @@ optimizer steps against transformers' eager experts, one-line enabling, checkpoi
 
 from __future__ import annotations
 
+import copy
 import functools
 import os
 import pathlib
@@ -15,6 +16,7 @@ import transformers
 
 import grouped_linear as gl
 import grouped_linear.integrations.transformers as gl_hf
+from tests.integrations.test_transformers_families import _build, _inputs, _run
 from tests.integrations.tiny_models import FAMILIES, tiny_model
 from tests.reference import rel_err
 
@@ -178,6 +180,29 @@ def test_each_fp8_entry_runs_its_recipe_and_stays_close(name, recipe):
         assert rel_err(grad, rowwise[1][key]) > 1e-3, key
 
 
+def test_fp8_entry_combines_as_under_autocast_where_the_weights_scale_the_combine():
+    """GPT-OSS (fc2 biased: the routing weights scale the combine, not the activation): the
+    named rowwise entry gives the plain entry's results under ``gl.autocast`` bit for bit,
+    the routing weights' gradient included (the combine keeps its input in that recipe's
+    FP8 codes), and leaves no recipe set behind."""
+    gl_hf.register()
+    experts = copy.deepcopy(_build("transformers.models.gpt_oss.modeling_gpt_oss",
+                                   "GptOssExperts")).float()
+    hidden, index, weights = (t.float() if t.is_floating_point() else t
+                              for t in _inputs(experts))
+    recipe = gl.recipes.Float8Rowwise()
+    with gl.autocast(recipe):
+        want = _run(experts, gl_hf.NAME, hidden, index, weights)
+    got = _run(experts, "grouped_linear_fp8_rowwise", hidden, index, weights)
+    assert gl.recipes.current_recipe() is None
+    for a, b in zip(got[:3], want[:3]):
+        assert torch.equal(a, b)
+    for name in want[3]:
+        assert torch.equal(got[3][name], want[3][name]), name
+    plain = _run(experts, gl_hf.NAME, hidden, index, weights)  # no recipe: no FP8 at all
+    assert not torch.equal(plain[2], want[2])
+
+
 def test_fp8_entry_follows_the_optimizer_updates():
     """After optimizer steps the FP8 entry computes from the updated weights: the trained
     model's logits equal those of a fresh model given its weights (nothing quantized from
@@ -219,6 +244,52 @@ def test_enable_rejects_what_is_not_a_transformers_model():
         gl_hf.enable(torch.nn.Linear(2, 2))
     with pytest.raises((TypeError, ValueError), match="recipe"):
         gl_hf.enable(tiny_model("olmoe"), recipe="fp8")
+    # a transformers model without experts modules: refused, left as it was
+    config = transformers.AutoConfig.for_model(
+        "llama", vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, intermediate_size=48)
+    dense = transformers.AutoModelForCausalLM.from_config(config)
+    before = dense.config._experts_implementation
+    with pytest.raises(ValueError, match="model is a LlamaForCausalLM without experts modules"):
+        gl_hf.enable(dense)
+    assert dense.config._experts_implementation == before
+
+
+def test_enable_probes_every_gate_again():
+    """An ``act_fn`` replaced on every experts module is found by enable() (and the model then
+    matches eager with the new activation)."""
+    from transformers.activations import ACT2FN
+
+    model = tiny_model("qwen3_moe")
+    gl_hf.enable(model)
+    experts = [m for m in model.modules() if hasattr(m, "_is_expert_parallel")]
+    assert experts and all(gl_hf._fused_activation(m)["activation"] == "swiglu"
+                           for m in experts)
+    for module in experts:
+        module.act_fn = ACT2FN["gelu_pytorch_tanh"]
+    gl_hf.enable(model)
+    assert all(getattr(m, gl_hf._ATTRIBUTE)[1]["activation"] == "geglu" for m in experts)
+    got = model(IDS).logits
+    model.set_experts_implementation("eager")
+    assert rel_err(got, model(IDS).logits) < 1e-10
+
+
+def test_a_rejected_call_leaves_the_module_unprobed():
+    """Indices past the experts (not expert-parallel) and a dtype mismatch are refused on the
+    module's first call; the gate it probed is not remembered."""
+    gl_hf.register()
+    experts = copy.deepcopy(_build("transformers.models.qwen3_moe.modeling_qwen3_moe",
+                                   "Qwen3MoeExperts"))
+    experts.__dict__.pop(gl_hf._ATTRIBUTE, None)  # the shared instance may have run already
+    hidden, index, weights = _inputs(experts)
+    experts.config._experts_implementation = gl_hf.NAME
+    with pytest.raises(ValueError, match="topk_indices"):
+        experts(hidden, index + experts.num_experts, weights)
+    with pytest.raises(TypeError, match="dtype"):
+        experts(hidden.float(), index, weights.float())
+    assert not hasattr(experts, gl_hf._ATTRIBUTE)
+    experts(hidden, index, weights)
+    assert getattr(experts, gl_hf._ATTRIBUTE)[1]["activation"] == "swiglu"
 
 
 def compiled_matches_eager() -> None:
