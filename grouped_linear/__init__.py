@@ -13,7 +13,7 @@ from .ops.fp8.rows import Float8Rows
 from .ops.mlp import grouped_mlp
 from .ops.padding import pad_groups, unpad_groups
 from .ops.permutation import permute, unpermute
-from .recipes import autocast
+from .recipes import autocast, checkpoint_context
 
 __version__ = "0.1.0"
 
@@ -36,5 +36,6 @@ __all__ = [
     "sort_chunks_by_index",
     "recipes",
     "autocast",
+    "checkpoint_context",
     "__version__",
 ]

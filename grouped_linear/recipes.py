@@ -121,3 +121,14 @@ def autocast(recipe: Float8Recipe | None) -> Iterator[None]:
         yield
     finally:
         _state.recipe = previous
+
+
+def checkpoint_context() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
+    """The ``context_fn`` of ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False,
+    context_fn=gl.checkpoint_context)`` around layers that take their recipe from an enclosing
+    :func:`autocast`: the recomputation, which runs in backward (outside the region), runs
+    under the recipe of the checkpointed forward. ``torch.utils.checkpoint`` restores torch's
+    own autocast state, not this one; without it the recomputed forward would run without
+    the recipe and backward would mix two computations. (The reentrant form has no such hook:
+    there give the modules their ``recipe=``.)"""
+    return contextlib.nullcontext(), autocast(current_recipe())

@@ -1,5 +1,6 @@
 """torch.compile(fullgraph=True) and activation checkpointing around the layers (CPU)."""
 
+import pytest
 import torch
 import torch._dynamo
 from torch.utils.checkpoint import checkpoint
@@ -54,6 +55,33 @@ def test_activation_checkpointing():
     mlp(x_ref, [4, 0, 8]).sum().backward()
     for a, b in zip(got, _grads(mlp, x_ref)):
         torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("recipe", [gl.recipes.Float8Rowwise(), gl.recipes.Float8Tensorwise(),
+                                    gl.recipes.Float8Blockwise()], ids=lambda r: type(r).__name__)
+def test_activation_checkpointing_inside_autocast_recomputes_with_its_recipe(recipe):
+    """With ``context_fn=gl.checkpoint_context`` the recomputation in backward (outside the
+    ``gl.autocast`` region) runs the region's recipe: every gradient equals the unchecked
+    step's bit for bit; without it, the recomputed forward runs without the recipe and the
+    gradients differ (what the context is for)."""
+    torch.manual_seed(0)
+    mlp = gl.GroupedMLP(2, 32, 16)
+    x, grad = torch.randn(12, 32), torch.randn(12, 32)
+
+    def grads(checkpointed: bool, **checkpoint_args):
+        mlp.zero_grad(set_to_none=True)
+        leaf = x.clone().requires_grad_()
+        with gl.autocast(recipe):
+            y = (checkpoint(mlp, leaf, [5, 7], use_reentrant=False, **checkpoint_args)
+                 if checkpointed else mlp(leaf, [5, 7]))
+        y.backward(grad)
+        return _grads(mlp, leaf)
+
+    plain = grads(False)
+    for a, b in zip(grads(True, context_fn=gl.checkpoint_context), plain, strict=True):
+        assert torch.equal(a, b)
+    assert gl.recipes.current_recipe() is None
+    assert not all(torch.equal(a, b) for a, b in zip(grads(True), plain, strict=True))
 
 
 def test_compiled_with_host_list_splits_and_list_input():
