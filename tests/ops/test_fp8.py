@@ -172,6 +172,36 @@ def test_loading_a_state_dict_refreshes_the_cache():
     assert torch.equal(layer(x, [5, 7], is_first_microbatch=False), other(x, [5, 7]))
 
 
+@pytest.mark.parametrize("recipe", [Float8Rowwise(), gl.recipes.Float8Blockwise()],
+                         ids=lambda r: type(r).__name__)
+def test_a_cache_filled_under_inference_mode_serves_training_and_loads(recipe):
+    """An evaluation pass under ``torch.inference_mode`` fills the cache with inference
+    tensors; training afterwards (reusing it or refreshing it) and a state-dict load work
+    and give what a layer that never saw inference mode gives."""
+    torch.manual_seed(0)
+    layer = gl.GroupedLinear(2, 32, 16, recipe=recipe)
+    fresh = gl.GroupedLinear(2, 32, 16, recipe=recipe)
+    fresh.load_state_dict(layer.state_dict())
+    other = gl.GroupedLinear(2, 32, 16, recipe=recipe)
+    x, splits = torch.randn(12, 32), [5, 7]
+    with torch.inference_mode():
+        layer(x, splits, is_first_microbatch=True)
+    for microbatch in (False, True):
+        for module in (layer, fresh):
+            module.zero_grad(set_to_none=True)
+        leaves = [x.clone().requires_grad_() for _ in range(2)]
+        outs = [m(leaf, splits, is_first_microbatch=microbatch)
+                for m, leaf in zip((layer, fresh), leaves)]
+        for out in outs:
+            out.sum().backward()
+        assert torch.equal(outs[0], outs[1]) and torch.equal(leaves[0].grad, leaves[1].grad)
+        assert torch.equal(layer.weight.grad, fresh.weight.grad)
+    with torch.inference_mode():
+        layer(x, splits, is_first_microbatch=True)
+    layer.load_state_dict(other.state_dict())
+    assert torch.equal(layer(x, splits, is_first_microbatch=False), other(x, splits))
+
+
 @pytest.mark.parametrize("route, recipe", [
     ("fp8_scaled_mm", Float8Rowwise()), ("fp8_scaled_mm", Float8Tensorwise()),
     ("fp8_scaled_mm", Float8Rowwise(power_of_two_scales=True)),

@@ -195,16 +195,25 @@ class Fp8WeightCache:
             refresh: bool) -> Fp8Weight:
         entry = self.entry
         if (entry is None or entry.recipe != recipe or entry.route != route
-                or entry.shape != tuple(weight.shape)):
+                or entry.shape != tuple(weight.shape) or self._stuck_in_inference()):
             entry = self.entry = Fp8Weight(weight, recipe, route)
         elif refresh:
             entry.refresh_(weight)
         return entry
 
+    def _stuck_in_inference(self) -> bool:
+        """Whether the held copy was made under ``torch.inference_mode`` and is now needed
+        outside it, where its buffers can be neither written nor saved for backward: it is
+        then quantized afresh."""
+        return (self.entry is not None and not torch.is_inference_mode_enabled()
+                and self.entry.buffers()[0].is_inference())
+
     @torch.no_grad()
     def refresh_(self, weight: torch.Tensor) -> None:
         """Re-quantize a held copy from ``weight`` (e.g. after a state-dict load)."""
-        if self.entry is not None:
+        if self._stuck_in_inference():
+            self.entry = Fp8Weight(weight, self.entry.recipe, self.entry.route)
+        elif self.entry is not None:
             self.entry.refresh_(weight)
 
 
