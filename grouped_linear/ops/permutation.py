@@ -206,7 +206,9 @@ def permute(
             ``num_out_tokens`` slots of the expert-sorted order (the layout's order
             below, after any capacity drop) are kept, the rest dropped (TE's
             ``num_out_tokens``); ``N`` is then at most ``num_out_tokens`` (the bound
-            below on CUDA). Needs ``multiple=1`` (ValueError otherwise).
+            below on CUDA), but for ``pad_to_capacity``, whose groups hold exactly
+            ``capacity`` rows whatever is kept. Needs ``multiple=1`` (ValueError
+            otherwise).
         capacity: optional per-expert limit: an int ``>= 1``, or a float factor
             ``f > 0`` giving ``ceil(f * T * k / E)`` (computed exactly; index routing
             only, as a map's ``k`` is not known without reading it: with a map pass a
