@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 from collections import deque
 from collections.abc import Callable, Sequence
 
@@ -115,6 +116,11 @@ class GroupedLinear(nn.Module):
         if params_dtype is not None and (not isinstance(params_dtype, torch.dtype)
                                          or not params_dtype.is_floating_point):
             raise TypeError(f"params_dtype={params_dtype!r}: expected a floating-point torch.dtype")
+        if params_dtype not in (None, torch.float16, torch.bfloat16, torch.float32, torch.float64):
+            raise TypeError(f"params_dtype={params_dtype}: the weights are initialised and trained in "
+                             "float16, bfloat16, float32 or float64; for FP8 weights build the layer "
+                             "in one of those, then gl.to_fp8_weights(model) (README: FP8 primary "
+                             "weights)")
         device = _check_device(device)
         if init_method is not None and not callable(init_method):
             raise TypeError(f"init_method must be callable, got {init_method!r}")
@@ -208,17 +214,13 @@ class GroupedLinear(nn.Module):
 
     def grouped_weight(self) -> torch.Tensor:
         """The weight as one ``(G, out, in)`` tensor (stacked in the per-expert layout)."""
-        if self.single_grouped_weight:
-            return self.weight
-        return torch.stack(self.weight_list())
+        return self.weight if self.single_grouped_weight else torch.stack(self.weight_list())
 
     def grouped_bias(self) -> torch.Tensor | None:
         """The bias as one ``(G, out)`` tensor, or ``None``."""
         if not self.use_bias:
             return None
-        if self.single_grouped_bias:
-            return self.bias
-        return torch.stack(self.bias_list())
+        return self.bias if self.single_grouped_bias else torch.stack(self.bias_list())
 
     def reset_parameters(self) -> None:
         """Initialise each expert as ``nn.Linear`` would (or with ``init_method``).
@@ -372,9 +374,15 @@ class GroupedLinear(nn.Module):
     def check_state_dict(self, state_dict: dict, prefix: str = "") -> None:
         """Raise ``TypeError`` (not a tensor) or ``ValueError`` (another shape), naming the
         entry, where an entry of ``state_dict`` under ``prefix`` that this layer would load
-        (from either weight and bias layout) does not fit its parameter; changes nothing.
-        Loading checks every entry this way before it copies any."""
+        (from either weight and bias layout) does not fit its parameter, or where a per-expert
+        entry (``weight{i}``, ``bias{i}``) names an expert ``i >= G`` (a checkpoint of more
+        experts); changes nothing. Loading checks every entry this way before it copies any."""
         G = self.num_gemms
+        for key in state_dict:
+            expert = key.startswith(prefix) and re.fullmatch(r"(?:weight|bias)([0-9]+)", key[len(prefix):])
+            if expert and int(expert[1]) >= G:  # strict=False would drop it, strict=True load the rest
+                raise ValueError(f"state dict entry {key!r} is expert {int(expert[1])}, but this layer "
+                                 f"has num_gemms={G} experts (0 to {G - 1})")
         for name, single in (("weight", self.single_grouped_weight),
                              ("bias", self.single_grouped_bias)):
             if name == "bias" and not self.use_bias:
@@ -455,15 +463,11 @@ def _apply_init_method(init_method: Callable[[torch.Tensor], object], weight: to
             f"in place) or a tensor of shape {tuple(weight.shape)}"
         )
     if result.shape != weight.shape:
-        raise ValueError(
-            f"init_method returned a tensor of shape {tuple(result.shape)}: expected the "
-            f"weight's shape {tuple(weight.shape)}"
-        )
+        raise ValueError(f"init_method returned a tensor of shape {tuple(result.shape)}: expected "
+                         f"the weight's shape {tuple(weight.shape)}")
     if not result.is_floating_point():
-        raise TypeError(
-            f"init_method returned a tensor of dtype {result.dtype}: expected a floating-point "
-            "tensor"
-        )
+        raise TypeError(f"init_method returned a tensor of dtype {result.dtype}: expected a "
+                        "floating-point tensor")
     if result.untyped_storage().data_ptr() == weight.untyped_storage().data_ptr():
         result = result.clone()  # a view of the weight itself (its transpose, say)
     weight.copy_(result)
@@ -471,14 +475,10 @@ def _apply_init_method(init_method: Callable[[torch.Tensor], object], weight: to
 
 def _check_entry(key: str, value: object, shape: tuple[int, ...]) -> None:
     if not isinstance(value, torch.Tensor):
-        raise TypeError(
-            f"state dict entry {key!r} is {type(value).__name__}: expected a tensor of shape "
-            f"{shape}"
-        )
+        raise TypeError(f"state dict entry {key!r} is {type(value).__name__}: expected a tensor "
+                        f"of shape {shape}")
     if tuple(value.shape) != shape:
-        raise ValueError(
-            f"state dict entry {key!r} has shape {tuple(value.shape)}, expected {shape}"
-        )
+        raise ValueError(f"state dict entry {key!r} has shape {tuple(value.shape)}, expected {shape}")
     if value.is_meta:
         raise ValueError(f"state dict entry {key!r} is on the meta device: it holds no values")
 

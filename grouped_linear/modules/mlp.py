@@ -170,11 +170,15 @@ class GroupedMLP(nn.Module):
                     probs=probs, probs_on=self.probs_on, fc2_rows=fc2_rows)
         return y.reshape(*leading, self.hidden_size) if leading is not None else y
 
+    def check_state_dict(self, state_dict: dict, prefix: str = "") -> None:
+        """:meth:`GroupedLinear.check_state_dict` of both layers (``prefix + "fc1."``, ``"fc2."``)."""
+        self.fc1.check_state_dict(state_dict, prefix + "fc1.")
+        self.fc2.check_state_dict(state_dict, prefix + "fc2.")
+
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):
         # Both layers' entries checked before either loads: a rejected load changes neither.
-        self.fc1.check_state_dict(state_dict, prefix + "fc1.")
-        self.fc2.check_state_dict(state_dict, prefix + "fc2.")
+        self.check_state_dict(state_dict, prefix)
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
                                       unexpected_keys, error_msgs)
 

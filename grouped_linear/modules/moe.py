@@ -10,6 +10,7 @@ from torch import nn
 from ..ops.checks import check_int
 from ..ops.permutation import permute, unpermute
 from ..parallel.expert_parallel import combine, dispatch
+from .grouped_linear import _check_entry
 from .mlp import GroupedMLP
 
 __all__ = ["ExpertParallelMoE"]
@@ -97,6 +98,17 @@ class ExpertParallelMoE(nn.Module):
         if x.dim() != 2 or x.shape[1] != self.hidden_size:
             raise ValueError(f"x is {tuple(x.shape)}: expected a (tokens, {self.hidden_size}) "
                              "tensor")
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):
+        # Every entry checked before the router (loaded first) or an expert changes: a
+        # rejected load changes nothing.
+        key, shape = prefix + "router.weight", tuple(self.router.weight.shape)
+        if key in state_dict:
+            _check_entry(key, state_dict[key], shape)
+        self.experts.check_state_dict(state_dict, prefix + "experts.")
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                      unexpected_keys, error_msgs)
 
     def extra_repr(self) -> str:
         return (f"num_experts={self.num_experts}, top_k={self.top_k}, ep_size={self.ep_size}, "

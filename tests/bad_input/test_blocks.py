@@ -82,6 +82,7 @@ MOE_CONSTRUCTOR_CASES: list[tuple[str, dict[str, object], Names, str | None]] = 
     ("range", {"activation": "tanh"}, "activation", None),
     ("type", {"return_bias": "yes"}, "return_bias", "'yes'"),
     ("dtype", {"params_dtype": torch.int32}, "params_dtype", None),
+    ("dtype", {"params_dtype": torch.float8_e4m3fn}, "params_dtype", "torch.float8_e4m3fn"),
     ("type", {"params_dtype": "float32"}, "params_dtype", None),
 ]
 

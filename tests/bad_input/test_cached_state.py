@@ -138,6 +138,35 @@ def test_grouped_mlp_load_state_dict_refused_by_fc2_keeps_fc1() -> None:
     expect_rejected("shape", lambda: mlp.load_state_dict(state), "fc2.weight", state=mlp)
 
 
+@pytest.mark.parametrize("strict", [True, False])
+@pytest.mark.parametrize("layer_kind", ["fp8", "delayed"])
+def test_load_state_dict_of_more_experts_per_expert_keys(layer_kind: str, strict: bool) -> None:
+    """``weight{G}`` / ``bias{G}`` of a larger checkpoint: refused before experts 0..G-1 load
+    (not dropped by ``strict=False``, nor an "unexpected key" after the load), in either
+    layout, naming the key and the layer's expert count."""
+    layer = make_layer(layer_kind)
+    source = gl.GroupedLinear(G + 1, K, N, single_grouped_weight=False, single_grouped_bias=False)
+    state = {k: v.detach() + 1 for k, v in source.state_dict().items()}
+    expect_rejected("range", lambda: layer.load_state_dict(state, strict=strict), f"weight{G}",
+                    "num_gemms", state=layer, value=str(G))
+
+
+@pytest.mark.parametrize("key, value", [
+    ("experts.fc2.weight", torch.zeros(4, 3 + 1, 6)),  # fc2 is (E, H, F) = (4, 3, 6)
+    ("experts.fc1.bias", np.zeros((4, 12), np.float32)),
+    ("router.weight", torch.zeros(5, 3)),
+], ids=["fc2.weight shape", "fc1.bias ndarray", "router.weight shape"])
+def test_moe_load_state_dict_refused_keeps_router_and_experts(key: str, value: object) -> None:
+    """The router loads first and the experts after it: one bad entry of either refuses the
+    whole load, leaving every parameter as it was."""
+    moe = gl.ExpertParallelMoE(3, 6, 4, 2)
+    for param in moe.parameters():
+        param.grad = torch.randn_like(param)
+    state = {k: v.clone() + 1 for k, v in moe.state_dict().items()} | {key: value}
+    expect_rejected("type" if isinstance(value, np.ndarray) else "shape",
+                    lambda: moe.load_state_dict(state), key, state=moe)
+
+
 # --------------------------------------------------------------------------- init_method
 def test_init_method_returning_a_tensor() -> None:
     """An ``init_method`` that returns its values instead of writing them: they are used, or

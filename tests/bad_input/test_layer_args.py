@@ -42,6 +42,8 @@ CONSTRUCTOR_CASES: list[tuple[str, dict[str, object], Names]] = [
     ("type", {"reduce_output": "no"}, "reduce_output"),
     ("dtype", {"params_dtype": torch.int32}, "params_dtype"),
     ("dtype", {"params_dtype": torch.bool}, "params_dtype"),
+    ("dtype", {"params_dtype": torch.float8_e4m3fn}, "params_dtype"),
+    ("dtype", {"params_dtype": torch.float8_e5m2}, "params_dtype"),
     ("type", {"params_dtype": "float32"}, "params_dtype"),
     ("type", {"params_dtype": float}, "params_dtype"),
     ("device", {"device": "banana"}, "device"),

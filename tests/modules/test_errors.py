@@ -26,6 +26,8 @@ G, K, N = 3, 8, 4
         ((G, K, N), {"init_method": 3}, TypeError, r"init_method must be callable, got 3"),
         ((G, K, N), {"params_dtype": torch.int32}, TypeError,
          r"params_dtype=torch.int32: expected a floating-point"),
+        ((G, K, N), {"params_dtype": torch.float8_e4m3fn}, TypeError,
+         r"params_dtype=torch.float8_e4m3fn: .* float32 .* gl.to_fp8_weights\(model\)"),
         ((G, K, N), {"return_bias": "y"}, TypeError, r"return_bias must be a bool, got 'y'"),
     ],
 )
