@@ -178,15 +178,55 @@ def experts_forward(module: torch.nn.Module, hidden_states: torch.Tensor,
     return out
 
 
+def _check_call(module: torch.nn.Module, hidden_states: object, top_k_index: object,
+                top_k_weights: object, features: int) -> None:
+    """The entry's arguments, by transformers' names: ``(T, H)`` floating hidden states of
+    the module's width, ``(T, k)`` integer indices and ``(T, k)`` floating weights; on CPU
+    (outside tracing) indices in ``[-1, num_experts)`` unless the module is expert-parallel."""
+    for name, value in (("hidden_states", hidden_states), ("top_k_index", top_k_index),
+                        ("top_k_weights", top_k_weights)):
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"{name} is {type(value).__name__}: expected a torch.Tensor")
+    if not hidden_states.is_floating_point() or not top_k_weights.is_floating_point():
+        name, value = (("hidden_states", hidden_states) if not hidden_states.is_floating_point()
+                       else ("top_k_weights", top_k_weights))
+        raise TypeError(f"{name} has dtype {value.dtype}: expected a floating-point tensor")
+    if top_k_index.is_floating_point() or top_k_index.is_complex() or top_k_index.dtype == torch.bool:
+        raise TypeError(f"top_k_index has dtype {top_k_index.dtype}: expected integer expert "
+                        "indices")
+    if hidden_states.dim() != 2 or hidden_states.shape[1] != features:
+        raise ValueError(f"hidden_states has shape {tuple(hidden_states.shape)}: expected "
+                         f"(tokens, {features}) for this experts module")
+    tokens = hidden_states.shape[0]
+    if top_k_index.dim() != 2 or top_k_index.shape[0] != tokens:
+        raise ValueError(f"top_k_index has shape {tuple(top_k_index.shape)}: expected "
+                         f"({tokens}, top_k), one row per token of hidden_states")
+    if top_k_weights.shape != top_k_index.shape:
+        raise ValueError(f"top_k_weights has shape {tuple(top_k_weights.shape)}: expected "
+                         f"top_k_index's {tuple(top_k_index.shape)}")
+    if (module._is_expert_parallel or top_k_index.device.type != "cpu"
+            or top_k_index.numel() == 0 or torch.compiler.is_compiling()):
+        return
+    low, high = (int(v) for v in torch.aminmax(top_k_index))
+    if low < -1 or high >= module.num_experts:
+        t, j = (int(v) for v in ((top_k_index < -1) | (top_k_index >= module.num_experts))
+                .nonzero()[0])
+        raise ValueError(
+            f"top_k_index[{t}, {j}] is {int(top_k_index[t, j])}: expert indices must be in "
+            f"[0, {module.num_experts}) (-1: no expert); indices past the experts are other "
+            "ranks' only in an expert-parallel module (_is_expert_parallel)")
+
+
 def _forward(module: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
              top_k_weights: torch.Tensor, recipe: recipes.Float8Recipe | None,
              fused: dict | None) -> torch.Tensor:
     num_experts = module.num_experts
+    w1, b1 = _projection(module, "gate_up_proj" if module.has_gate else "up_proj")
+    w2, b2 = _projection(module, "down_proj")
+    _check_call(module, hidden_states, top_k_index, top_k_weights, w1.shape[2])
     if module._is_expert_parallel:  # another rank's experts: a dropped slot
         top_k_index = torch.where(top_k_index < num_experts, top_k_index,
                                   top_k_index.new_full((), -1))
-    w1, b1 = _projection(module, "gate_up_proj" if module.has_gate else "up_proj")
-    w2, b2 = _projection(module, "down_proj")
     # rows permuted as FP8 codes where fc1 reads them (its route, its geometry)
     rows_recipe = reads_fp8_rows(num_experts, w1.shape[1], w1.shape[2], recipe,
                                  hidden_states.shape[0] * top_k_index.shape[1],

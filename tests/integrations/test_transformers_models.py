@@ -203,6 +203,45 @@ def test_fp8_entry_combines_as_under_autocast_where_the_weights_scale_the_combin
     assert not torch.equal(plain[2], want[2])
 
 
+def _bad_calls(hidden, index, weights, num_experts):
+    """(label, (hidden_states, top_k_index, top_k_weights), error, message pattern)."""
+    return [
+        ("width", (torch.randn(hidden.shape[0], hidden.shape[1] + 1, dtype=hidden.dtype),
+                   index, weights), ValueError,
+         rf"hidden_states has shape \({hidden.shape[0]}, {hidden.shape[1] + 1}\)"),
+        ("3-D hidden", (hidden[None], index, weights), ValueError, "hidden_states has shape"),
+        ("list hidden", (hidden.tolist(), index, weights), TypeError, "hidden_states is list"),
+        ("weights k+1", (hidden, index, torch.rand(hidden.shape[0], index.shape[1] + 1,
+                                                   dtype=weights.dtype)),
+         ValueError, "top_k_weights has shape"),
+        ("index rows", (hidden, index[:-1], weights[:-1]), ValueError, "top_k_index has shape"),
+        ("int weights", (hidden, index, torch.ones_like(index)), TypeError,
+         "top_k_weights has dtype torch.int64"),
+        ("float index", (hidden, index.double(), weights), TypeError,
+         "top_k_index has dtype torch.float64"),
+        ("index past the experts", (hidden, index + num_experts, weights), ValueError,
+         rf"top_k_index\[0, 0\] is {int(index[0, 0]) + num_experts}: .*_is_expert_parallel"),
+    ]
+
+
+@pytest.mark.parametrize("family, class_name", [("qwen3_moe", "Qwen3MoeExperts"),
+                                                ("gpt_oss", "GptOssExperts")])
+def test_bad_calls_are_named_by_the_entry_arguments(family, class_name):
+    """Each bad argument is refused by transformers' name for it (not the names of the ops
+    the entry runs), with its value, before the module changes."""
+    gl_hf.register()
+    experts = copy.deepcopy(_build(f"transformers.models.{family}.modeling_{family}",
+                                   class_name))
+    experts.__dict__.pop(gl_hf._ATTRIBUTE, None)
+    experts.config._experts_implementation = gl_hf.NAME
+    hidden, index, weights = _inputs(experts)
+    for label, args, error, pattern in _bad_calls(hidden, index, weights, experts.num_experts):
+        with pytest.raises(error, match=pattern):
+            experts(*args)
+        assert not hasattr(experts, gl_hf._ATTRIBUTE), label
+        assert all(p.grad is None for p in experts.parameters()), label
+
+
 def test_fp8_entry_follows_the_optimizer_updates():
     """After optimizer steps the FP8 entry computes from the updated weights: the trained
     model's logits equal those of a fresh model given its weights (nothing quantized from
@@ -283,7 +322,7 @@ def test_a_rejected_call_leaves_the_module_unprobed():
     experts.__dict__.pop(gl_hf._ATTRIBUTE, None)  # the shared instance may have run already
     hidden, index, weights = _inputs(experts)
     experts.config._experts_implementation = gl_hf.NAME
-    with pytest.raises(ValueError, match="topk_indices"):
+    with pytest.raises(ValueError, match="top_k_index"):
         experts(hidden, index + experts.num_experts, weights)
     with pytest.raises(TypeError, match="dtype"):
         experts(hidden.float(), index, weights.float())
