@@ -407,6 +407,9 @@ def unpermute(
             raise TypeError(f"probs is {type(probs).__name__}: expected a torch.Tensor or None")
         if not probs.is_floating_point():
             raise TypeError(f"probs has dtype {probs.dtype}: expected a floating-point tensor")
+        if not y_perm.is_floating_point():  # weighted sums of integers would be truncated
+            raise TypeError(f"y_perm has dtype {y_perm.dtype}: weighting by probs needs "
+                            "floating-point rows")
         if probs.device != y_perm.device:
             raise ValueError(f"probs is on {probs.device} but y_perm is on {y_perm.device}")
         if topk_indices is not None:

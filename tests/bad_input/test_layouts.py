@@ -172,6 +172,9 @@ UNPERMUTE_CASES: dict[str, Case] = {
         "row_map", "200"),
     "probs=list": ("type", lambda: gl.unpermute(_x(5), _row_map(), [[1.0, 1.0]] * 3), "probs",
                    None),
+    "integer y_perm weighted": (
+        "dtype", lambda: gl.unpermute(_long([[1, 3]] * 5), _row_map(), torch.full((3, 2), 0.5)),
+        "y_perm", "torch.int64"),
     "probs int": (
         "dtype", lambda: gl.unpermute(_x(5), _row_map(), torch.ones(3, 2, dtype=torch.long)),
         "probs", None),
