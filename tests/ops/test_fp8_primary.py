@@ -256,3 +256,133 @@ def test_master_step_refuses_what_is_no_optimizer_before_any_change(optimizer, m
     assert torch.equal(stored.codes, codes)
     masters.step(torch.optim.SGD(masters.params, lr=0.0))  # an optimizer: the step runs
     assert stored.grad is None and torch.equal(masters.params[0].grad, grad.float())
+
+
+def _fp8_layer(recipe, seed, bias=False):
+    """A GroupedLinear of ``_weight(seed)`` with its weight stored in ``recipe``'s FP8."""
+    layer = gl.GroupedLinear(G, K, N, bias=bias, recipe=recipe)
+    with torch.no_grad():
+        layer.weight.copy_(_weight(seed))
+    return gl.to_fp8_weights(layer)
+
+
+def _swap_load(model, state):
+    """``load_state_dict(assign=True)`` as torch does it when swapping tensors."""
+    before = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        model.load_state_dict(state, assign=True)
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(before)
+
+
+def _quantized(values, recipe):
+    return Float8WeightTensor.quantize(values, recipe).dequantize()
+
+
+# Each writes ``_weight(7)`` (or part of it) into the model's FP8 weight after the masters
+# were built, as ``source`` (an FP8 layer of ``_weight(7)``) holds it or as ``plain`` is
+# quantized; returns the values the weight then holds, computed without the model.
+WRITES = {
+    "nothing": lambda model, source, plain: model.weight.dequantize().clone(),
+    "load_fp8_state_dict": lambda model, source, plain: (
+        model.load_state_dict(source.state_dict()), source.weight.dequantize())[1],
+    "load_plain_state_dict": lambda model, source, plain: (
+        model.load_state_dict({"weight": plain}), _quantized(plain, source.recipe))[1],
+    "into_a_state_dict_entry": lambda model, source, plain: (
+        model.state_dict()["weight"].copy_(plain), _quantized(plain, source.recipe))[1],
+    "store_": lambda model, source, plain: (
+        model.weight.store_(plain), _quantized(plain, source.recipe))[1],
+    "one_expert": lambda model, source, plain: torch.cat([
+        model.weight.dequantize()[:1].clone(),
+        (model.weight[1:].copy_(plain[1:]), _quantized(plain, source.recipe)[1:])[1]]),
+    "swap_assign_load": lambda model, source, plain: (
+        _swap_load(model, source.state_dict()), source.weight.dequantize().clone())[1],
+}
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=IDS)
+@pytest.mark.parametrize("write", list(WRITES))
+def test_a_master_follows_its_weight_written_elsewhere(write, recipe):
+    """A weight written after the masters were built (a checkpoint loaded, ...) is read into
+    its master before the step: a step at ``lr=0`` leaves the written values bit for bit,
+    in the weight and in the master."""
+    model, source = _fp8_layer(recipe, 0), _fp8_layer(recipe, 7)
+    masters = MasterWeights(model.parameters())
+    opt = torch.optim.SGD(masters.params, lr=0.0)
+    with torch.no_grad():
+        written = WRITES[write](model, source, _weight(7))
+    model(torch.randn(40, K), SIZES).sum().backward()
+    masters.step(opt)
+    assert torch.equal(model.weight.dequantize(), written)
+    assert torch.equal(masters.params[0], written)
+    assert write == "nothing" or not torch.equal(written, _fp8_layer(recipe, 0).weight.dequantize())
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=IDS)
+def test_a_step_after_a_load_updates_the_loaded_weight(recipe):
+    """Trained, loaded from a checkpoint, trained again: the second step starts from the
+    checkpoint's values, ``quantize(loaded - lr * grad)``."""
+    model, source = _fp8_layer(recipe, 0), _fp8_layer(recipe, 7)
+    masters = MasterWeights(model.parameters())
+    opt = torch.optim.SGD(masters.params, lr=0.1)
+    x = torch.randn(40, K, generator=torch.Generator().manual_seed(5))
+    model(x, SIZES).sum().backward()
+    masters.step(opt)
+    opt.zero_grad()
+    model.load_state_dict(source.state_dict())
+    model(x, SIZES).sum().backward()
+    grad = model.weight.grad.float()
+    masters.step(opt)
+    expected = source.weight.dequantize().add(grad, alpha=-0.1)  # SGD's update
+    torch.testing.assert_close(masters.params[0], expected, rtol=1e-6, atol=0)
+    assert torch.equal(model.weight.dequantize(), _quantized(expected, recipe))
+
+
+def test_rewriting_the_stored_values_keeps_the_masters_finer_bits():
+    """A weight rewritten with the values its master stored (a checkpoint of these same
+    weights) keeps the master, and with it the updates below the FP8 step."""
+    model = _fp8_layer(RECIPES[0], 0)
+    masters = MasterWeights(model.parameters())
+    opt = torch.optim.SGD(masters.params, lr=1e-4)
+    model(torch.randn(40, K), SIZES).sum().backward()
+    masters.step(opt)
+    master = masters.params[0].clone()
+    assert not torch.equal(master, model.weight.dequantize())  # it holds finer bits
+    model.load_state_dict(model.state_dict())
+    masters.step(opt)  # no gradient: nothing to update
+    assert torch.equal(masters.params[0], master)
+
+
+WRONG_OPTIMIZERS = {
+    "over_the_fp8_parameters": (lambda model, masters: model.parameters(),
+                                r"it holds the FP8 parameters of masters.pairs \[0\]"),
+    "over_the_others_only": (lambda model, masters: masters.others,
+                             r"it lacks masters.params \[0\]"),
+    "over_other_masters": (lambda model, masters: MasterWeights(model.parameters()).params,
+                           r"it lacks masters.params \[0\]"),
+}
+
+
+@pytest.mark.parametrize("wrong", list(WRONG_OPTIMIZERS))
+def test_master_step_refuses_an_optimizer_not_over_the_masters(wrong):
+    """An optimizer whose parameters are not the masters would lose the step: ``ValueError``
+    naming it, before a gradient moves, a weight is stored or the optimizer steps."""
+    model = _fp8_layer(RECIPES[0], 0, bias=True)
+    masters = MasterWeights(model.parameters())
+    params, match = WRONG_OPTIMIZERS[wrong]
+    opt = torch.optim.SGD(params(model, masters), lr=1.0, momentum=0.9)
+    model(torch.randn(40, K), SIZES).sum().backward()
+    weight, bias = model.weight, model.bias
+    grads, codes, inv = (weight.grad, bias.grad), weight.codes.clone(), weight.inv.clone()
+    values = (masters.params[0].clone(), bias.detach().clone())
+    with pytest.raises(ValueError, match=r"optimizer is SGD: its parameters are not the "
+                                         r"masters \(" + match):
+        masters.step(opt)
+    assert weight.grad is grads[0] and bias.grad is grads[1] and masters.params[0].grad is None
+    assert torch.equal(weight.codes.view(torch.uint8), codes.view(torch.uint8))
+    assert torch.equal(weight.inv, inv)
+    assert torch.equal(masters.params[0], values[0]) and torch.equal(bias, values[1])
+    assert not opt.state  # momentum buffers are made by a step
+    masters.step(torch.optim.SGD(masters.params + masters.others, lr=1.0))
+    assert weight.grad is None and not torch.equal(masters.params[0], values[0])

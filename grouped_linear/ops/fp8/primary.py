@@ -20,6 +20,7 @@ from collections.abc import Iterable
 from itertools import accumulate
 
 import torch
+from torch.autograd.graph import increment_version
 from torch.utils._pytree import tree_map_only
 
 from ...kernels.quantize import blocks, groups, rows
@@ -131,19 +132,23 @@ class Float8WeightTensor(torch.Tensor):
     def store_(self, values: torch.Tensor) -> Float8WeightTensor:
         """Quantize ``values`` into this tensor's buffers, in place (CUDA graphs that read them
         keep their addresses). Another FP8 weight of the same recipe is copied as it is."""
-        if isinstance(values, Float8WeightTensor):
-            if values.recipe == self.recipe and values.codes.shape == self.codes.shape:
-                self.codes.copy_(values.codes)
-                self.inv.copy_(values.inv)
-                return self
-            values = values.dequantize()
-        values = values.to(self.device).reshape(self.codes.shape)
-        if self.codes.is_contiguous() and self.inv.is_contiguous():
-            quantize_weight_codes(values, self.recipe, out=(self.codes, self.inv))
-            return self
-        codes, inv = quantize_weight_codes(values, self.recipe)
-        self.codes.copy_(codes)
-        self.inv.copy_(inv)
+        if (isinstance(values, Float8WeightTensor) and values.recipe == self.recipe
+                and values.codes.shape == self.codes.shape):
+            self.codes.copy_(values.codes)
+            self.inv.copy_(values.inv)
+        else:
+            if isinstance(values, Float8WeightTensor):
+                values = values.dequantize()
+            values = values.to(self.device).reshape(self.codes.shape)
+            if self.codes.is_contiguous() and self.inv.is_contiguous():
+                quantize_weight_codes(values, self.recipe, out=(self.codes, self.inv))
+            else:
+                codes, inv = quantize_weight_codes(values, self.recipe)
+                self.codes.copy_(codes)
+                self.inv.copy_(inv)
+        # torch counts no write made by a kernel through pointers or inside
+        # __torch_dispatch__; MasterWeights finds writes by these counters.
+        increment_version((self.codes, self.inv))
         return self
 
     def _like(self, codes: torch.Tensor, inv: torch.Tensor, dtype: torch.dtype | None = None,
@@ -338,6 +343,27 @@ def _check_parameters(parameters: object) -> list[torch.nn.Parameter]:
     return found
 
 
+def _version(t: torch.Tensor) -> int:
+    """``t``'s version counter (-1 for an inference tensor, which keeps none)."""
+    return -1 if t.is_inference() else t._version
+
+
+def _signature(p: torch.Tensor) -> tuple[int, ...]:
+    """What any write into the FP8 parameter ``p`` changes: the version counters of ``p``,
+    its local shard and their codes and factors (in-place ops, ``store_``, aliases such as
+    ``state_dict()`` entries, whole-expert pieces) and the buffers' addresses
+    (``torch.utils.swap_tensors``, which ``load_state_dict(assign=True)`` uses under
+    ``torch.__future__.set_swap_module_params_on_conversion(True)``)."""
+    stored = _stored(p)
+    return (_version(p), _version(stored), _version(stored.codes), _version(stored.inv),
+            stored.codes.data_ptr(), stored.inv.data_ptr())
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s local shard if it is a DTensor, else ``t``."""
+    return getattr(t, "_local_tensor", t)
+
+
 class MasterWeights:
     """float32 master copies of FP8 primary weights, for an optimizer to update.
 
@@ -352,6 +378,19 @@ class MasterWeights:
         loss.backward()
         masters.step(opt)
         opt.zero_grad()
+
+    A master follows its FP8 weight written elsewhere since the master last read or stored
+    it (``model.load_state_dict(checkpoint)``, a checkpoint loaded into ``state_dict()``
+    entries, ``copy_``, ``store_``): :meth:`step` reads the weight's values into the master
+    before the optimizer updates it. Writes are found by the weight's version counters and
+    buffer addresses (``swap_tensors``), free at every step, then confirmed by value: a weight
+    rewritten with exactly the quantized master (a checkpoint of these same weights) keeps the
+    master and its bits below the FP8 step. A kernel writing the codes through their pointers
+    must count its write (``torch.autograd.graph.increment_version``). A master equal to its
+    weight's values (just read, left as it was by the optimizer: ``lr=0``, a frozen weight) is
+    not stored back, so such a step leaves the weight bit for bit.
+    ``load_state_dict(assign=True)`` without swapping tensors puts new parameter objects in
+    the model, which the masters do not see: build the masters and the optimizer again.
 
     Under FSDP2 (parameters sharded by ``fully_shard``), each master is a DTensor sharded as
     its parameter: every rank keeps float32 copies of its own experts only.
@@ -375,21 +414,68 @@ class MasterWeights:
                                             stride=p.stride())
             self.pairs.append((p, master.detach().requires_grad_(p.requires_grad)))
         self.params = [master for _, master in self.pairs]
+        # Per pair: the weight's signature when the master last read or stored it, and
+        # whether the master was read from it (holds its values) rather than stored into it.
+        self._seen = [_signature(p) for p, _ in self.pairs]
+        self._read = [True] * len(self.pairs)
 
-    @torch.no_grad()
-    def step(self, optimizer: torch.optim.Optimizer) -> None:
-        """Move the FP8 parameters' gradients onto the masters, ``optimizer.step()``, quantize
-        the masters into the FP8 parameters. ``optimizer`` must be an optimizer (a
-        ``torch.optim.Optimizer``, or an object with ``step()`` and ``param_groups``):
-        ``TypeError`` naming it otherwise, before any gradient moves."""
+    def _check_optimizer(self, optimizer: object) -> None:
+        """``TypeError`` for what is no optimizer, ``ValueError`` for one that holds an FP8
+        parameter or lacks a master that requires grad; both name ``optimizer``."""
         if not isinstance(optimizer, torch.optim.Optimizer) and not (
                 callable(getattr(optimizer, "step", None))
                 and hasattr(optimizer, "param_groups")):
             raise TypeError(f"optimizer is {describe(optimizer)}: expected a "
                             "torch.optim.Optimizer over the masters (MasterWeights.params)")
+        try:
+            held = {id(t) for group in optimizer.param_groups for t in group["params"]}
+        except (TypeError, KeyError) as e:
+            raise TypeError(f"optimizer is {describe(optimizer)}: its param_groups are not "
+                            "dicts of 'params' as a torch.optim.Optimizer's are") from e
+        fp8 = [i for i, (p, _) in enumerate(self.pairs) if id(p) in held]
+        lacks = [i for i, (_, m) in enumerate(self.pairs) if m.requires_grad and id(m) not in held]
+        if fp8 or lacks:
+            what = (f"it holds the FP8 parameters of masters.pairs {fp8}" if fp8 else
+                    f"it lacks masters.params {lacks}")
+            raise ValueError(f"optimizer is {describe(optimizer)}: its parameters are not the "
+                             f"masters ({what}); build it over masters.params + "
+                             "masters.others, the masters of this MasterWeights")
+
+    def _follow(self, i: int) -> None:
+        """Read pair ``i``'s weight into its master if something else wrote the weight."""
+        p, master = self.pairs[i]
+        signature = _signature(p)
+        if signature == self._seen[i]:
+            return
+        self._seen[i] = signature
+        stored, local = _stored(p), _local(master)
+        if not self._read[i]:
+            codes, inv = quantize_weight_codes(local, stored.recipe)
+            if (codes.shape == stored.codes.shape and inv.shape == stored.inv.shape
+                    and torch.equal(codes.view(torch.uint8), stored.codes.view(torch.uint8))
+                    and torch.equal(inv, stored.inv)):
+                return  # rewritten with the values the master stored
+        local.copy_(stored.dequantize(torch.float32))
+        self._read[i] = True
+
+    @torch.no_grad()
+    def step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Read weights written elsewhere into their masters, move the FP8 parameters'
+        gradients onto the masters, ``optimizer.step()``, quantize the masters into the FP8
+        parameters. ``optimizer`` must be an optimizer (a ``torch.optim.Optimizer``, or an
+        object with ``step()`` and ``param_groups``) whose parameters include every master
+        that requires grad and no FP8 parameter: ``TypeError``/``ValueError`` naming it
+        otherwise, before anything changes."""
+        self._check_optimizer(optimizer)
+        for i in range(len(self.pairs)):
+            self._follow(i)
         for p, master in self.pairs:
             master.grad = None if p.grad is None else p.grad.float()
             p.grad = None
         optimizer.step()
-        for p, master in self.pairs:
-            _stored(p).store_(getattr(master, "_local_tensor", master))
+        for i, (p, master) in enumerate(self.pairs):
+            stored, local = _stored(p), _local(master)
+            if not (self._read[i] and torch.equal(local, stored.dequantize(torch.float32))):
+                stored.store_(local)
+                self._read[i] = False
+            self._seen[i] = _signature(p)
