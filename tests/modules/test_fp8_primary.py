@@ -61,6 +61,37 @@ def test_a_layer_that_cannot_be_stored_leaves_every_layer_unchanged():
     assert model["b"].recipe == ROW and isinstance(model["b"].weight, Float8WeightTensor)
 
 
+@pytest.mark.parametrize("weights_only", [False, True])
+def test_pickled_weights_keep_their_parameter_flag_and_shape(weights_only):
+    """``torch.save`` / ``torch.load`` of a module with a frozen FP8 weight, and of a reshaped
+    view: the frozen weight comes back a parameter (MasterWeights takes it), the view of its
+    shape, each with the same codes and factors."""
+    mlp = gl.to_fp8_weights(_mlp())
+    mlp.fc1.weight.requires_grad_(False)
+    view = mlp.fc2.weight.detach().view(-1, mlp.fc2.weight.shape[-1])
+
+    def round_trip(obj):
+        buffer = io.BytesIO()
+        torch.save(obj, buffer)
+        buffer.seek(0)
+        return torch.load(buffer, weights_only=weights_only)
+
+    state, loaded_view = round_trip({"weight": mlp.fc1.weight}), round_trip(view)
+    weight = state["weight"]
+    assert isinstance(weight, torch.nn.Parameter) and isinstance(weight, Float8WeightTensor)
+    assert not weight.requires_grad and weight.shape == mlp.fc1.weight.shape
+    assert torch.equal(weight.codes.view(torch.uint8), mlp.fc1.weight.codes.view(torch.uint8))
+    assert isinstance(loaded_view, Float8WeightTensor)
+    assert not isinstance(loaded_view, torch.nn.Parameter)
+    assert loaded_view.shape == view.shape
+    assert torch.equal(loaded_view.dequantize(), view.dequantize())
+    if not weights_only:
+        copy_ = round_trip(mlp)
+        assert isinstance(copy_.fc1.weight, torch.nn.Parameter)
+        assert not copy_.fc1.weight.requires_grad
+        gl.MasterWeights(copy_.parameters())
+
+
 def test_state_dicts_round_trip_and_load_into_plain_modules():
     mlp = gl.to_fp8_weights(_mlp(BLOCK))
     buffer = io.BytesIO()

@@ -171,7 +171,8 @@ class Float8WeightTensor(torch.Tensor):
         return Float8WeightTensor(inner["codes"], inner["inv"], recipe, dtype, shape=shape)
 
     def __reduce_ex__(self, protocol):
-        return (_rebuild, (self.codes, self.inv, self.recipe, self.dtype, self.requires_grad))
+        return (_rebuild, (self.codes, self.inv, self.recipe, self.dtype, self.requires_grad,
+                           isinstance(self, torch.nn.Parameter), tuple(self.shape)))
 
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
         """FSDP2: all-gather this rank's experts' codes and factors, not high-precision
@@ -305,9 +306,14 @@ def _infer_shape(shape, numel: int) -> list[int] | None:
     return shape if total == numel and -1 not in shape else None
 
 
-def _rebuild(codes, inv, recipe, dtype, requires_grad):
-    tensor = Float8WeightTensor(codes, inv, recipe, dtype)
-    return torch.nn.Parameter(tensor, requires_grad) if requires_grad else tensor
+def _rebuild(codes, inv, recipe, dtype, requires_grad, parameter=None, shape=None):
+    """The unpickled weight: a parameter where it was one (frozen or not), of its shape (a
+    reshaped view's too). Pickles without the last two (older ones) give a parameter where
+    the weight required grad, of the codes' shape."""
+    tensor = Float8WeightTensor(codes, inv, recipe, dtype, shape=shape)
+    if parameter if parameter is not None else requires_grad:
+        return torch.nn.Parameter(tensor, requires_grad)
+    return tensor.requires_grad_(requires_grad)
 
 
 # ``torch.load(weights_only=True)`` (torch.distributed.checkpoint's loads among them) may
