@@ -233,21 +233,22 @@ class GroupedLinear(nn.Module):
         Parameters sharded by ``fully_shard`` (FSDP2) are drawn in full on every rank and
         each keeps its shard (``distribute_tensor`` takes rank 0's draw), so the deferred
         initialisation pattern (``meta`` device, ``fully_shard``, ``to_empty``, then this)
-        gives the unsharded layer's values for the same seed.
+        gives the unsharded layer's values for the same seed. FP8 weights store the draw.
         """
         own = dict(self.named_parameters(recurse=False))
         with torch.no_grad():
-            if DTensor is None or not any(isinstance(p, DTensor) for p in own.values()):
+            if not any(isinstance(p, (DTensor or (), Float8WeightTensor)) for p in own.values()):
                 self._initialise(self.weight_list(), self.bias_list())
                 return
-            full = {name: torch.empty(p.shape, dtype=p.dtype, device=p.to_local().device)
-                    for name, p in own.items()}
+            full = {name: torch.empty(p.shape, dtype=p.dtype, device=getattr(
+                p, "to_local", lambda p=p: p)().device) for name, p in own.items()}
             weights = self._per_expert("weight", self.single_grouped_weight, full.__getitem__)
             biases = (self._per_expert("bias", self.single_grouped_bias, full.__getitem__)
                       if self.use_bias else None)
             self._initialise(weights, biases)
             for name, param in own.items():
-                param.copy_(distribute_tensor(full[name], param.device_mesh, param.placements))
+                param.copy_(distribute_tensor(full[name], param.device_mesh, param.placements)
+                            if DTensor is not None and isinstance(param, DTensor) else full[name])
 
     def _initialise(self, weights: list[torch.Tensor], biases: list[torch.Tensor] | None) -> None:
         """Fill the per-expert ``weights`` ``(N, K)`` then ``biases`` ``(N,)`` in place (local

@@ -92,6 +92,22 @@ def test_pickled_weights_keep_their_parameter_flag_and_shape(weights_only):
         gl.MasterWeights(copy_.parameters())
 
 
+@pytest.mark.parametrize("recipe", [ROW, BLOCK], ids=["rowwise", "blockwise"])
+def test_reset_parameters_stores_the_plain_layers_draw(recipe):
+    """``reset_parameters()`` of an FP8 weight: the plain layer's draw for the same seed,
+    quantized (the bias drawn as the plain layer's)."""
+    layer = gl.to_fp8_weights(gl.GroupedLinear(3, 128, 64, bias=True, recipe=recipe))
+    plain = gl.GroupedLinear(3, 128, 64, bias=True, recipe=recipe)
+    torch.manual_seed(5)
+    layer.reset_parameters()
+    torch.manual_seed(5)
+    plain.reset_parameters()
+    want = Float8WeightTensor.quantize(plain.weight.detach(), recipe)
+    assert isinstance(layer.weight, Float8WeightTensor)
+    assert torch.equal(layer.weight.dequantize(), want.dequantize())
+    assert torch.equal(layer.bias, plain.bias)
+
+
 def test_state_dicts_round_trip_and_load_into_plain_modules():
     mlp = gl.to_fp8_weights(_mlp(BLOCK))
     buffer = io.BytesIO()
