@@ -81,7 +81,12 @@ def _probe(module: torch.nn.Module) -> dict | None:
     limit) against up values spread over the same range, so that a function clipping or
     bending anywhere in it (ReLU6, a GELU clipped at 10) differs. A module that computes its
     gate in float32 matches, as the fused kernels compute in float32 too, while the kinds
-    differ by far more."""
+    differ by far more. An ``act_fn`` with parameters of its own (learned: what it computes
+    changes in training) or one that cannot take these values (parameters on another device
+    or dtype) runs as the module's own."""
+    act_fn = getattr(module, "act_fn", None)
+    if isinstance(act_fn, torch.nn.Module) and any(True for _ in act_fn.parameters()):
+        return None
     assignments = _gate_parameters(module)
     limits = [params["limit"] for params in assignments if math.isfinite(params["limit"])]
     span = max([64.0] + [2 * limit + 2 for limit in limits])
@@ -105,8 +110,12 @@ def _probe(module: torch.nn.Module) -> dict | None:
             values = (gate if not module.has_gate else
                       torch.stack((gate, up), -1).flatten(1) if order == "interleaved" else
                       torch.cat((gate, up), 1))
-            with torch.no_grad():
-                want = module._apply_gate(values) if module.has_gate else module.act_fn(values)
+            try:
+                with torch.no_grad():
+                    want = (module._apply_gate(values) if module.has_gate
+                            else module.act_fn(values))
+            except (RuntimeError, TypeError, ValueError):
+                return None
             wants[order] = values, want
         values, want = wants[order]
         got = bias_act_reference(values, None, ends, kind, False, order == "interleaved",

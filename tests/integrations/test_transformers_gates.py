@@ -162,3 +162,25 @@ def test_a_replaced_activation_function_is_probed_again():
     experts.act_fn = ACT2FN["gelu"]
     _matches_eager(experts, scale=4.0)
     assert gl_hf._fused_activation(experts)["activation"] == "geglu_erf"
+
+
+class _CudaOnly(torch.nn.Module):
+    """SiLU that refuses CPU values, as an activation holding CUDA parameters would."""
+
+    def forward(self, x):
+        if x.device.type == "cpu" and x.dtype == torch.float64:
+            raise RuntimeError("Expected all tensors to be on the same device")
+        return torch.nn.functional.silu(x)
+
+
+def test_learned_or_unprobeable_activations_run_as_the_modules_own():
+    """An ``act_fn`` with parameters (PReLU: trained, so it changes) or one that cannot take
+    the probe's values is not fused; the entry still matches eager."""
+    gl_hf.register()
+    for act_fn in (torch.nn.PReLU(dtype=torch.float64), _CudaOnly()):
+        experts = _experts("NemotronHExperts")
+        experts.act_fn = act_fn
+        assert gl_hf._probe(experts) is None
+    experts = _experts("NemotronHExperts")
+    experts.act_fn = torch.nn.PReLU(dtype=torch.float64)
+    _matches_eager(experts, scale=4.0)
