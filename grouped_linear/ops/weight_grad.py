@@ -167,9 +167,13 @@ class WeightGradSink:
                 self.placeholder = "empty"
 
     def weight_grad_dtype(self) -> torch.dtype | None:
-        """The dtype the weight gradient is computed in: ``main_grad``'s when fused into it
-        (fp32 accumulation for half-precision parameters), else the parameter's (``None``)."""
-        return self.weights[0].main_grad.dtype if self.fuse_main_grad else None
+        """The dtype the weight gradient is computed in: when fused into ``main_grad``, the
+        wider of its dtype and the parameter's (fp32 for half-precision parameters with an
+        fp32 ``main_grad``; a narrower ``main_grad`` receives the gradient rounded once, not
+        one computed from operands rounded to its dtype), else the parameter's (``None``)."""
+        if not self.fuse_main_grad:
+            return None
+        return torch.promote_types(self.weights[0].dtype, self.weights[0].main_grad.dtype)
 
     def _pieces(self, params: list[torch.nn.Parameter], grad: torch.Tensor) -> list[torch.Tensor]:
         if len(params) == 1 and params[0].shape == grad.shape:

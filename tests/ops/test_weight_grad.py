@@ -210,6 +210,33 @@ def test_main_grad_accumulates_in_float32(backend, dtype, delay):
     assert rel_err(got, want) < 1e-6
 
 
+@pytest.mark.parametrize("backend", ["loop", "grouped", "triton"])
+@pytest.mark.parametrize("main_dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("delay", [False, True])
+def test_a_narrower_main_grad_gets_the_gradient_rounded_once(backend, main_dtype, delay):
+    """An fp32 layer fusing into an fp16 / bf16 ``main_grad``: the gradient is computed in
+    fp32 and rounded once into it, equal to the float64 gradient so rounded; operands
+    rounded to ``main_grad``'s dtype first (1e4 and 1e-8 in fp16: 0 and inf) would not be."""
+    sizes = [3, 0, 5]
+    layer = gl.GroupedLinear(len(sizes), 8, 4, bias=False, backend=backend,
+                             device=_device(backend), fuse_wgrad_accumulation=True,
+                             delay_wgrad_compute=delay)
+    layer.weight.main_grad = torch.zeros(layer.weight.shape, dtype=main_dtype,
+                                         device=_device(backend))
+    gen = torch.Generator().manual_seed(4)
+    x = (torch.rand(sum(sizes), 8, generator=gen) + 0.5) * 1e4
+    g = (torch.rand(sum(sizes), 4, generator=gen) + 0.5) * 1e-8
+    layer(x.to(_device(backend)), sizes).backward(g.to(_device(backend)))
+    layer.backward_dw()
+    w = layer.weight.detach().cpu().double()
+    want = reference_grads(x.double(), w, None, sizes, g.double())[2]
+    got = layer.weight.main_grad.cpu()
+    assert got.dtype == main_dtype and bool(got[0].ne(0).all())
+    # rounded once: within half a step of main_grad's dtype (any summation order)
+    half_step = 0.51 * torch.finfo(main_dtype).eps
+    assert torch.allclose(got.double(), want, rtol=half_step, atol=0)
+
+
 @pytest.mark.parametrize("delay", [False, True])
 def test_fp8_main_grad_is_not_rounded_to_the_parameter_dtype(delay):
     layer = gl.GroupedLinear(G, 64, 32, params_dtype=torch.bfloat16, recipe=Float8Rowwise(),
