@@ -374,6 +374,28 @@ def test_a_weight_stored_input_major_gets_its_gradient_in_its_own_layout(backend
         assert rel_err(bias.grad, ref[3]) < TOL[dtype]
 
 
+@pytest.mark.parametrize("backend", ["loop", "grouped", "triton"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [5, 7, 13])
+def test_an_input_major_weight_with_a_column_major_input_of_any_row_count(backend, dtype, rows):
+    """An input-major weight's gradient multiplies ``x^T`` (``(K, M)``): with ``x``
+    column-major and ``M`` rows not a multiple of 16 bytes, torch's grouped GEMM takes it
+    only as a copy whose rows are padded to 16 bytes; every gradient is the float64
+    reference's."""
+    sizes = [2, 0, rows - 2]
+    G, K, N = len(sizes), 8, 16
+    device = TRITON_DEVICE if backend == "triton" else "cpu"
+    stored = torch.randn(G, K, N, device=device).to(dtype).requires_grad_()
+    x = torch.randn(K, rows, device=device).to(dtype).t().requires_grad_()
+    assert x.stride() == (1, rows)
+    y = gl.grouped_linear(x, stored.transpose(1, 2), None, sizes, backend=backend)
+    grad_out = torch.randn_like(y)
+    y.backward(grad_out)
+    ref = reference_grads(x, stored.transpose(1, 2), None, sizes, grad_out)
+    assert rel_err(stored.grad.transpose(1, 2), ref[2]) < TOL[dtype]
+    assert rel_err(y, ref[0]) < TOL[dtype] and rel_err(x.grad, ref[1]) < TOL[dtype]
+
+
 def test_a_weight_stored_input_major_compiles_whole():
     """``torch.compile(fullgraph=True)`` of a call on an input-major weight: the weight
     gradient operator's shape function gives the stored layout, and the compiled gradients

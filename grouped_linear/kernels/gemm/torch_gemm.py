@@ -38,16 +38,20 @@ def loop_bounds(ends: torch.Tensor, host_ends: torch.Tensor | None) -> list[tupl
 
 
 def _grouped_mm_layout(t: torch.Tensor) -> torch.Tensor:
-    """``t``, or a contiguous copy where torch's grouped GEMM refuses its layout: it takes a
-    16-byte aligned start and, of the last two strides, one 1 and the other a multiple of
-    16 bytes that spans the row (a transposed or sliced input may have neither)."""
+    """``t``, or a row-major copy whose rows start 16 bytes apart where torch's grouped GEMM
+    refuses its layout: it takes a 16-byte aligned start and, of the last two strides, one 1
+    and the other a multiple of 16 bytes that spans the row (a transposed or sliced input
+    may have neither; a contiguous copy neither where its rows are not a multiple of 16
+    bytes long, as the ``(K, M)`` transpose of an input of ``M`` rows)."""
     rows, cols = t.stride()[-2:]
     alignment = 16 // t.element_size()
     if t.data_ptr() % 16 == 0 and (
             (cols == 1 and rows % alignment == 0 and rows >= max(1, t.shape[-1]))
             or (rows == 1 and cols % alignment == 0 and cols >= max(1, t.shape[-2]))):
         return t
-    return t.clone(memory_format=torch.contiguous_format)
+    width = t.shape[-1]
+    padded = t.new_empty(*t.shape[:-1], -(-width // alignment) * alignment)[..., :width]
+    return padded.copy_(t)
 
 
 def _loop_forward(x, weight, ends, host_ends, bias):
