@@ -139,11 +139,12 @@ def apply_grouped_linear(
     # would cast an integer input silently).
     device = check_operands(x, (("x", x), ("weight", weight), ("bias", bias)))
     if torch.is_autocast_enabled(device.type):
-        if pieces is not None:
-            x, pieces = torch.cat(pieces), None
         dtype = torch.get_autocast_dtype(device.type)
-        x, weight = x.to(dtype), weight.to(dtype)
-        bias = bias.to(dtype) if bias is not None else None
+        if pieces is not None and x.dtype != torch.float64:
+            x, pieces = torch.cat(pieces), None
+        # as torch.autocast casts F.linear's operands: float64 ones are left as they are
+        x, weight, bias = (t.to(dtype) if t is not None and t.dtype != torch.float64 else t
+                           for t in (x, weight, bias))
     dtype = x.dtype
     num_rows = x.shape[0] if pieces is None else sum(piece.shape[0] for piece in pieces)
     for name, tensor in (("weight", weight), ("bias", bias)):

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -141,6 +142,22 @@ def test_autocast_computes_in_autocast_dtype():
     ref = reference_grads(x, w, b, sizes, torch.ones(8, 8))
     assert rel_err(y, ref[0]) < 1e-2
     assert rel_err(w.grad, ref[2]) < 1e-2
+
+
+def test_autocast_leaves_float64_as_torch_autocast_does():
+    """``torch.autocast`` casts no float64 operand (``F.linear`` stays float64 inside it):
+    a float64 call inside the region is the float64 call, bit for bit, list input too."""
+    sizes = [5, 3]
+    x = torch.randn(8, 16, dtype=torch.float64)
+    w = torch.randn(2, 8, 16, dtype=torch.float64)
+    b = torch.randn(2, 8, dtype=torch.float64)
+    want = gl.grouped_linear(x, w, b, sizes)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert F.linear(x, w[0], b[0]).dtype == torch.float64  # what torch does
+        got = gl.grouped_linear(x, w, b, sizes)
+        pieces = gl.grouped_linear([x[:5], x[5:]], w, b, sizes)
+    assert got.dtype == torch.float64 and torch.equal(got, want)
+    assert torch.equal(pieces, want)
 
 
 @settings(max_examples=40, deadline=None)
