@@ -37,7 +37,7 @@ class GroupedLinear(nn.Module):
         out_features: size of each output row.
         bias: learn a bias per group.
         return_bias: return ``(y, bias)`` with the bias not added (the
-            ``(G, out)`` parameter, the list of per-expert biases, or ``None``).
+            ``(G, out)`` bias, the list of per-expert ones, or ``None``; copies).
         single_grouped_weight: one ``weight`` parameter ``(G, out, in)``; if
             ``False``, ``weight0`` ... ``weight{G-1}`` of shape ``(out, in)``.
         single_grouped_bias: one ``bias`` ``(G, out)``; else ``bias0`` ... ``(out,)``.
@@ -330,7 +330,8 @@ class GroupedLinear(nn.Module):
             return out
         if not self.use_bias:
             return out, None
-        return out, (self.bias if self.single_grouped_bias else self.bias_list())
+        return out, (self.bias.clone() if self.single_grouped_bias  # copies: FSDP2 frees the
+                     else [b.clone() for b in self.bias_list()])  # gathered ones after forward
 
     def _weight_grad_sink(self) -> WeightGradSink | None:
         """Where this call's parameter gradients go under ``delay_wgrad_compute`` or

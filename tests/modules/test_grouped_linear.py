@@ -184,13 +184,18 @@ def test_return_bias():
     single = _layer(return_bias=True)
     x = torch.randn(sum(SIZES), K, dtype=torch.float64)
     y, bias = single(x, SIZES)
-    assert bias is single.bias
+    # a copy of the parameter (FSDP2 frees a sharded layer's gathered one after its forward)
+    assert torch.equal(bias, single.bias) and bias.data_ptr() != single.bias.data_ptr()
+    bias.sum().backward(retain_graph=True)
+    assert torch.equal(single.bias.grad, torch.ones_like(single.bias))
     w, b = _grouped(single)
     ref = reference_grads(x, w, None, SIZES, torch.zeros(sum(SIZES), N))[0]
     assert rel_err(y, ref) < 1e-12
     split = _layer(return_bias=True, single_grouped_bias=False)
     _, biases = split(x, SIZES)
-    assert isinstance(biases, list) and len(biases) == G and biases[2] is split.bias2
+    assert isinstance(biases, list) and len(biases) == G and torch.equal(biases[2], split.bias2)
+    biases[2].sum().backward()
+    assert torch.equal(split.bias2.grad, torch.ones_like(split.bias2))
     _, none = _layer(return_bias=True, bias=False)(x, SIZES)
     assert none is None
 

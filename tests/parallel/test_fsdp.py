@@ -91,3 +91,44 @@ def test_deferred_init_under_fully_shard_and_delayed_wgrad_error():
     """meta -> fully_shard -> to_empty -> reset_parameters gives the unsharded layer's values
     for the same seed (both layouts); delay_wgrad_compute under fully_shard raises."""
     spawn_gloo(_deferred_init_worker)
+
+
+class _AddsTheBias(torch.nn.Module):
+    """A parent adding a child layer's returned bias after the layer's forward (when FSDP2
+    has freed the gathered parameters of the child)."""
+
+    def __init__(self, single):
+        super().__init__()
+        self.layer = gl.GroupedLinear(E, H, FFN, return_bias=True, single_grouped_weight=single,
+                                      single_grouped_bias=single)
+
+    def forward(self, x):
+        y, bias = self.layer(x, SIZES)
+        bias = torch.stack(bias) if isinstance(bias, list) else bias
+        return y + torch.repeat_interleave(bias, torch.tensor(SIZES), 0)
+
+
+def _return_bias_worker(rank, world):
+    mesh = init_device_mesh("cpu", (world,))
+    xs = [torch.randn(sum(SIZES), H, generator=torch.Generator().manual_seed(r))
+          for r in range(world)]
+    for single in (True, False):
+        torch.manual_seed(0)
+        ref = _AddsTheBias(single)
+        torch.manual_seed(0)
+        model = _AddsTheBias(single)
+        fully_shard(model.layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        y = model(xs[rank])
+        y.square().sum().backward()
+        sum(ref(x).square().sum() for x in xs).backward()
+        assert rel_err(y, ref(xs[rank])) < 1e-6
+        for (name, p), p_ref in zip(model.named_parameters(), ref.parameters()):
+            assert rel_err(p.grad.full_tensor() * world, p_ref.grad) < 1e-6, (single, name)
+
+
+def test_a_returned_bias_outlives_the_sharded_layers_forward():
+    """``return_bias=True`` on a layer sharded by fully_shard inside a sharded parent: the
+    returned bias is the layer's (not its gathered storage, freed after the layer's
+    forward), and every gradient equals one process's (both layouts)."""
+    spawn_gloo(_return_bias_worker)
