@@ -150,6 +150,9 @@ class GroupedMLP(nn.Module):
         x, leading = flatten_rows(x, self.hidden_size)
         x, splits = split_rows(x, m_splits, self.hidden_size, self.num_experts)
         probs = check_probs(probs, self.probs_on, x, leading)
+        if probs is not None and self.probs_on == "activation":
+            # each rank scales its slice of the features: the gradient sums over the ranks
+            probs = self.fc1.tp.enter(probs)
         # fc1 adds its own bias where its gradient must wait for backward_dw, or where the
         # parameters are only gathered while fc1 itself runs (FSDP); else the activation does.
         fc1_adds_bias = self.fc1.delay_wgrad_compute or _is_fully_sharded(self.fc1)

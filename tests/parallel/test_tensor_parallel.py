@@ -116,11 +116,31 @@ def _check_interleaved_mlp(rank):
                                ref.fc2.weight.grad[:, :, rank * F:(rank + 1) * F], **TOL)
 
 
+def _check_mlp_probs(rank):
+    """Routing probabilities on the input or on the activation (each rank's slice of the
+    features): every rank's ``probs`` gradient is the whole one, as ``x``'s is."""
+    for probs_on in ("activation", "input"):
+        kwargs = dict(params_dtype=torch.float64, probs_on=probs_on)
+        ref, tp = _pair(lambda kw=kwargs: gl.GroupedMLP(G, K, 2 * F, **kw),
+                        lambda kw=kwargs: gl.GroupedMLP(G, K, 2 * F, tp_size=2, **kw))
+        x = torch.randn(8, K, dtype=torch.float64, requires_grad=True)
+        probs = torch.rand(8, dtype=torch.float64, requires_grad=True)
+        x_ref, probs_ref = (t.detach().clone().requires_grad_() for t in (x, probs))
+        y = tp(x, SIZES, probs)
+        y.square().sum().backward()
+        y_ref = ref(x_ref, SIZES, probs_ref)
+        y_ref.square().sum().backward()
+        torch.testing.assert_close(y, y_ref, **TOL)
+        torch.testing.assert_close(x.grad, x_ref.grad, **TOL)
+        torch.testing.assert_close(probs.grad, probs_ref.grad, **TOL)
+
+
 def _worker(rank, world):
     _check_column(rank)
     _check_row(rank)
     _check_mlp(rank)
     _check_interleaved_mlp(rank)
+    _check_mlp_probs(rank)
 
 
 def test_tensor_parallel_matches_single_process():
@@ -139,7 +159,7 @@ def test_row_layer_without_reduction_needs_the_bias_returned():
         layer = gl.GroupedLinear(3, 8, 6, parallel_mode="row", tp_size=1,
                                  tp_group=dist.group.WORLD, reduce_output=False, return_bias=True)
         out, bias = layer(torch.randn(8, 8), [3, 0, 5])
-        assert out.shape == (8, 6) and bias is layer.bias
+        assert out.shape == (8, 6) and torch.equal(bias, layer.bias)
         with pytest.raises(ValueError, match="return_bias=False with reduce_output=False"):
             layer(torch.randn(8, 8), [3, 0, 5], return_bias=False)
     finally:
