@@ -196,9 +196,8 @@ class GroupedLinear(nn.Module):
     def _bias_params(self) -> list[nn.Parameter] | None:
         if not self.use_bias:
             return None
-        if self.single_grouped_bias:
-            return [self.bias]
-        return [getattr(self, f"bias{i}") for i in range(self.num_gemms)]
+        return [getattr(self, f"bias{i}") for i in range(self.num_gemms)] if not (
+            self.single_grouped_bias) else [self.bias]
 
     def reads_fp8_rows(self, num_rows: int, dtype: torch.dtype, device: torch.device
                        ) -> Float8Rowwise | None:
@@ -338,16 +337,15 @@ class GroupedLinear(nn.Module):
         ``fuse_wgrad_accumulation`` (``None`` when no weight gradient is wanted); a missing
         ``main_grad`` raises here, before anything runs."""
         weights, names = self._weight_params()
-        if not (torch.is_grad_enabled() and any(w.requires_grad for w in weights)):
+        trains_w = any(w.requires_grad for w in weights)  # (a delayed bias waits even alone)
+        if not torch.is_grad_enabled() or not (trains_w or self.delay_wgrad_compute and any(
+                b.requires_grad for b in self._bias_params() or ())):
             return None
-        if self.fuse_wgrad_accumulation:
+        if self.fuse_wgrad_accumulation and trains_w:
             check_main_grad(weights, names)
-        return WeightGradSink(
-            weights, self._bias_params(), names,
-            delay=self.delay_wgrad_compute,
-            fuse_main_grad=self.fuse_wgrad_accumulation,
-            queue=self._pending_wgrads,
-        )
+        return WeightGradSink(weights, self._bias_params(), names, delay=self.delay_wgrad_compute,
+                              fuse_main_grad=self.fuse_wgrad_accumulation and trains_w,
+                              queue=self._pending_wgrads)
 
     def backward_dw(self) -> None:
         """Compute the weight and bias gradients of every pending backward, oldest first.

@@ -409,3 +409,26 @@ def test_a_flag_that_is_not_a_bool_is_rejected_before_anything_runs(flag, single
     with pytest.raises(TypeError, match=rf"{name}\.{flag} must be a bool, got 1"):
         layer(torch.randn(M, K, dtype=torch.float64), SIZES)
     assert _same_snapshot(before, _params_snapshot(layer)) and not layer._pending_wgrads
+
+
+@pytest.mark.parametrize("single", [True, False])
+@pytest.mark.parametrize("fuse", [False, True])
+def test_a_delayed_bias_waits_for_backward_dw_with_the_weight_frozen(single, fuse):
+    """``delay_wgrad_compute`` with a frozen weight and a trained bias: backward leaves the
+    bias gradient to ``backward_dw`` (nothing queued for the weight, no ``main_grad``
+    needed for it), which gives the float64 reference's."""
+    layer = _layer(delay_wgrad_compute=True, fuse_wgrad_accumulation=fuse,
+                   single_grouped_weight=single, single_grouped_bias=single)
+    for weight in _weights(layer):
+        weight.requires_grad_(False)
+    x = torch.randn(sum(SIZES), K, dtype=_dtype("loop"), requires_grad=True)
+    g = torch.randn(sum(SIZES), N, dtype=x.dtype)
+    layer(x, SIZES).backward(g)
+    biases = [layer.bias] if single else [getattr(layer, f"bias{i}") for i in range(G)]
+    assert all(b.grad is None for b in biases) and x.grad is not None
+    layer.backward_dw()
+    want = reference_grads(x, layer.grouped_weight().detach(), layer.grouped_bias().detach(),
+                           SIZES, g)[3]
+    got = layer.bias.grad if single else torch.stack([b.grad for b in biases])
+    assert rel_err(got, want) < 1e-12
+    assert all(w.grad is None for w in _weights(layer))
