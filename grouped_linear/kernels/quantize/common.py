@@ -30,7 +30,10 @@ def scale_from_amax(amax: torch.Tensor, fp8_dtype: torch.dtype, power_of_two: bo
                         torch.ones_like(amax))
     scale = scale.clamp(max=_FLOAT32_MAX)
     if power_of_two:  # from the exponent: a float32 log2 rounds up just below a power of two
-        scale = torch.ldexp(torch.ones_like(scale), torch.frexp(scale).exponent - 1)
+        # (a scale of 0, from an infinite amax, stays 0 as in the kernels: frexp(0) would
+        # give 0.5, and the unit's infinity a finite value)
+        scale = torch.where(scale > 0, torch.ldexp(torch.ones_like(scale),
+                                                   torch.frexp(scale).exponent - 1), scale)
     return scale
 
 

@@ -23,14 +23,14 @@ def _scales_kernel(amax_ptr, scale_ptr, inv_ptr, n, FP8_MAX: tl.constexpr, POW2:
 @pytest.mark.parametrize("power_of_two", [False, True], ids=["scales", "pow2"])
 def test_kernel_scales_are_the_hosts(fp8, power_of_two):
     """Random maxima over 80 binades, the maxima whose scales fall just below and on powers
-    of two (where a float32 log2 rounds up), zero and float32's extremes: the kernels'
+    of two (where a float32 log2 rounds up), zero, float32's extremes and infinity: the kernels'
     scales and their inverses equal the host's."""
     fp8_max = torch.finfo(fp8).max
     rand = torch.rand(4096) * torch.exp2(torch.randint(-40, 40, (4096,)).float())
     powers = torch.exp2(torch.arange(-30, 30).float())
     below = powers.nextafter(torch.zeros_like(powers))
     near = fp8_max / torch.cat([powers, below])
-    amax = torch.cat([rand, near, torch.tensor([0.0, 1e-38, 3.4e38, 1e-30])])
+    amax = torch.cat([rand, near, torch.tensor([0.0, 1e-38, 3.4e38, 1e-30, float("inf")])])
     amax_d = amax.to(DEVICE)
     scale, inv = torch.empty_like(amax_d), torch.empty_like(amax_d)
     _scales_kernel[(triton.cdiv(amax.numel(), 1024),)](amax_d, scale, inv, amax.numel(),
@@ -39,6 +39,26 @@ def test_kernel_scales_are_the_hosts(fp8, power_of_two):
     want = scale_from_amax(amax, fp8, power_of_two)
     assert torch.equal(scale.cpu(), want)
     assert torch.equal(inv.cpu(), 1.0 / want)
-    if power_of_two:  # never above the exact scale
+    if power_of_two:  # never above the exact scale (an infinite maximum's 0 stays 0)
         exact = scale_from_amax(amax, fp8, False)
-        assert torch.all(want <= exact) and torch.all(want > exact / 2)
+        finite = exact > 0
+        assert torch.all(want <= exact) and torch.all(want[finite] > exact[finite] / 2)
+        assert torch.equal(want[~finite], exact[~finite])
+
+
+@pytest.mark.parametrize("recipe_class", ["Float8Rowwise", "Float8Tensorwise", "Float8Blockwise"])
+def test_an_infinite_input_stays_non_finite_with_power_of_two_scales(recipe_class):
+    """An infinite input's unit has scale 0 (factor inf) with power-of-two scales too, so the
+    emulated GEMM's output is not finite where the exact one is not (a scale of 0.5 made
+    it a finite 448 * 2)."""
+    import grouped_linear as gl
+
+    recipe = getattr(gl.recipes, recipe_class)(power_of_two_scales=True)
+    assert scale_from_amax(torch.tensor([float("inf")]), torch.float8_e4m3fn, True).item() == 0
+    x = torch.randn(6, 128)
+    x[0, 0] = float("inf")
+    w = torch.randn(2, 128, 128).abs()  # positive: the exact output's row 0 is +inf
+    with torch.no_grad():
+        y = gl.grouped_linear(x, w, None, [4, 2], recipe=recipe)
+    assert not bool(y[0].isfinite().all())
+    assert bool(y[4:].isfinite().all())  # the other group's rows do not meet the inf
