@@ -35,6 +35,7 @@ from .common import (
     finish,
     fp8_buffer,
     inverse,
+    magnitudes,
     pad_to,
     saturate,
     scale_from_amax,
@@ -63,7 +64,7 @@ def quantize_row_tiles_reference(t: torch.Tensor, fp8_dtype: torch.dtype, power_
     M, C = t.shape
     blocks = cdiv(C, tile)
     padded = pad_to(t.float(), 1, tile).view(M, blocks, tile)
-    amax = padded.abs().amax(dim=2) if padded.numel() else padded.new_zeros(M, blocks)
+    amax = magnitudes(padded).amax(dim=2) if padded.numel() else padded.new_zeros(M, blocks)
     scale = scale_from_amax(amax, fp8_dtype, power_of_two)
     data = saturate(padded, scale[:, :, None], fp8_dtype).view(M, blocks * tile)[:, :C]
     return data.contiguous(), 1.0 / scale
@@ -130,7 +131,7 @@ def quantize_weight_blocks_reference(weight: torch.Tensor, fp8_dtype: torch.dtyp
     nb, kb = cdiv(N, block), cdiv(K, block)
     padded = pad_to(pad_to(weight.float(), 1, block), 2, block)
     tiles = padded.view(G, nb, block, kb, block)
-    amax = tiles.abs().amax(dim=(2, 4)) if tiles.numel() else tiles.new_zeros(G, nb, kb)
+    amax = magnitudes(tiles).amax(dim=(2, 4)) if tiles.numel() else tiles.new_zeros(G, nb, kb)
     scale = scale_from_amax(amax, fp8_dtype, power_of_two)
     data = saturate(tiles, scale[:, :, None, :, None], fp8_dtype)
     return data.view(G, nb * block, kb * block)[:, :N, :K].contiguous(), 1.0 / scale
@@ -236,7 +237,7 @@ def quantize_token_blocks_reference(t: torch.Tensor, sizes: torch.Tensor, fp8_dt
     blocks = num_token_blocks(M, sizes.shape[0], tile)
     index = token_block_index(sizes.to(t.device), M, tile)
     amax = torch.zeros(blocks + 1, C, device=t.device, dtype=torch.float32)
-    amax.scatter_reduce_(0, index[:, None].expand(M, C), t.abs().float(), "amax")
+    amax.scatter_reduce_(0, index[:, None].expand(M, C), magnitudes(t).float(), "amax")
     scale = scale_from_amax(amax[:blocks], fp8_dtype, power_of_two)
     per_row = torch.cat([scale, torch.ones_like(scale[:1])]).index_select(0, index)
     fp8_max = torch.finfo(fp8_dtype).max

@@ -14,7 +14,8 @@ import torch
 from .._triton import interpreting, tl, triton
 
 __all__ = ["scale_from_amax", "unit_factors", "saturate", "amax_to_scale", "inverse", "fp8_buffer",
-           "finish", "pad_to", "fold_row_factors", "group_amax", "piece_shift", "PieceShifts", "piece_shifts"]
+           "finish", "pad_to", "fold_row_factors", "group_amax", "magnitudes", "piece_shift",
+           "PieceShifts", "piece_shifts"]
 
 
 _FLOAT32_MAX = torch.finfo(torch.float32).max
@@ -108,10 +109,16 @@ def fold_row_factors(t: torch.Tensor, row_factors: torch.Tensor) -> torch.Tensor
     return (t.float() * row_factors.float()[:, None]).clamp(-limit, limit)
 
 
+def magnitudes(t: torch.Tensor) -> torch.Tensor:
+    """``|t|`` with a NaN taken as 0, as the kernels' maxima skip it: a unit's scale comes from
+    its other values (the NaN stays NaN in its own code)."""
+    return t.abs().nan_to_num_(nan=0.0, posinf=float("inf"))
+
+
 def group_amax(t: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
     """``(G, C)`` max of ``|t|`` over each group's rows (0 for empty groups)."""
     bounds = torch.cat([ends.new_zeros(1), ends]).to(torch.int64)
-    return torch.segment_reduce(t.abs().float().contiguous(), "max", offsets=bounds, axis=0,
+    return torch.segment_reduce(magnitudes(t).float().contiguous(), "max", offsets=bounds, axis=0,
                                 unsafe=True, initial=0.0)
 
 

@@ -20,7 +20,7 @@ GEMM multiplies, so CPU emulation and tests see the same numerics as the device 
 import torch
 
 from .._groups import row_groups
-from .common import group_amax, pad_to, saturate, scale_from_amax
+from .common import group_amax, magnitudes, pad_to, saturate, scale_from_amax
 
 __all__ = ["dequantize_codes", "fake_quant", "fake_quant_rows", "fake_quant_group_columns",
            "fake_quant_groups",
@@ -36,7 +36,7 @@ def fake_quant(t: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype) -> 
 
 def fake_quant_rows(t: torch.Tensor, fp8_dtype: torch.dtype, power_of_two: bool) -> torch.Tensor:
     """One scale per row of ``(M, C)``."""
-    amax = t.abs().amax(dim=1, keepdim=True) if t.shape[1] else t.new_zeros(t.shape[0], 1)
+    amax = magnitudes(t).amax(dim=1, keepdim=True) if t.shape[1] else t.new_zeros(t.shape[0], 1)
     return fake_quant(t, scale_from_amax(amax, fp8_dtype, power_of_two), fp8_dtype)
 
 
@@ -73,7 +73,7 @@ def fake_quant_weight(weight: torch.Tensor, dim: int | None, fp8_dtype: torch.dt
     """``(G, N, K)`` weight: one scale per slice along ``dim`` (2: per output channel,
     1: per input channel) or per group (``dim=None``)."""
     dims = (1, 2) if dim is None else (dim,)
-    amax = weight.abs().amax(dim=dims, keepdim=True)
+    amax = magnitudes(weight).amax(dim=dims, keepdim=True)
     return fake_quant(weight, scale_from_amax(amax, fp8_dtype, power_of_two), fp8_dtype)
 
 
@@ -83,7 +83,7 @@ def fake_quant_column_tiles(t: torch.Tensor, fp8_dtype: torch.dtype, power_of_tw
     M, C = t.shape
     padded = pad_to(t.float(), 1, tile)
     tiles = padded.view(M, padded.shape[1] // tile, tile)  # explicit sizes: M may be 0
-    scale = scale_from_amax(tiles.abs().amax(dim=2, keepdim=True), fp8_dtype, power_of_two)
+    scale = scale_from_amax(magnitudes(tiles).amax(dim=2, keepdim=True), fp8_dtype, power_of_two)
     return fake_quant(tiles, scale, fp8_dtype).view(M, padded.shape[1])[:, :C]
 
 
@@ -93,7 +93,7 @@ def fake_quant_weight_blocks(weight: torch.Tensor, fp8_dtype: torch.dtype, power
     G, N, K = weight.shape
     padded = pad_to(pad_to(weight.float(), 1, block), 2, block)
     tiles = padded.view(G, padded.shape[1] // block, block, padded.shape[2] // block, block)
-    scale = scale_from_amax(tiles.abs().amax(dim=(2, 4), keepdim=True), fp8_dtype, power_of_two)
+    scale = scale_from_amax(magnitudes(tiles).amax(dim=(2, 4), keepdim=True), fp8_dtype, power_of_two)
     return fake_quant(tiles, scale, fp8_dtype).view(padded.shape)[:, :N, :K]
 
 

@@ -17,7 +17,7 @@ import torch
 
 from .._groups import row_group, row_groups
 from .._triton import cdiv, kernel, next_power_of_2, tl, triton, use_triton
-from .common import amax_to_scale, scale_from_amax
+from .common import amax_to_scale, magnitudes, scale_from_amax
 
 __all__ = ["group_amax_scales", "group_amax_scales_reference", "weight_group_scales",
            "weight_group_scales_reference", "AMAX_CONFIG"]
@@ -108,7 +108,7 @@ def group_amax_scales_reference(t: torch.Tensor, ends: torch.Tensor, fp8_dtype: 
     G = ends.shape[0]
     if t.shape[1] == 0 or t.shape[0] == 0:
         return scale_from_amax(t.new_zeros(G, dtype=torch.float32), fp8_dtype, power_of_two)
-    row_amax = torch.linalg.vector_norm(t, ord=float("inf"), dim=1).float()
+    row_amax = magnitudes(t).amax(dim=1).float()
     amax = row_amax.new_zeros(G + 1).scatter_reduce_(0, row_groups(ends, t.shape[0]), row_amax,
                                                      "amax")
     return scale_from_amax(amax[:G], fp8_dtype, power_of_two)
@@ -132,7 +132,7 @@ def weight_group_scales_reference(weight: torch.Tensor, fp8_dtype: torch.dtype,
     if weight[0].numel() == 0:
         return scale_from_amax(weight.new_zeros(weight.shape[0], dtype=torch.float32), fp8_dtype,
                                power_of_two)
-    amax = torch.linalg.vector_norm(weight, ord=float("inf"), dim=(1, 2)).float()
+    amax = magnitudes(weight).amax(dim=(1, 2)).float()
     return scale_from_amax(amax, fp8_dtype, power_of_two)
 
 

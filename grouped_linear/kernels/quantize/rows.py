@@ -16,6 +16,7 @@ from .common import (
     finish,
     fp8_buffer,
     inverse,
+    magnitudes,
     piece_shift,
     piece_shifts,
     saturate,
@@ -35,7 +36,7 @@ def quantize_rows_reference(t: torch.Tensor, fp8_dtype: torch.dtype, power_of_tw
                             scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(R, C)`` -> FP8 ``(R, C)`` and ``(R,)`` float32 dequantization factors."""
     if scale is None:
-        amax = t.abs().amax(dim=1) if t.shape[1] else t.new_zeros(t.shape[0])
+        amax = magnitudes(t).amax(dim=1) if t.shape[1] else t.new_zeros(t.shape[0])
         scale = scale_from_amax(amax, fp8_dtype, power_of_two)
     return saturate(t, scale[:, None], fp8_dtype), 1.0 / scale
 

@@ -62,3 +62,30 @@ def test_an_infinite_input_stays_non_finite_with_power_of_two_scales(recipe_clas
         y = gl.grouped_linear(x, w, None, [4, 2], recipe=recipe)
     assert not bool(y[0].isfinite().all())
     assert bool(y[4:].isfinite().all())  # the other group's rows do not meet the inf
+
+
+@pytest.mark.parametrize("recipe_class", ["Float8Rowwise", "Float8Tensorwise", "Float8Blockwise"])
+@pytest.mark.parametrize("power_of_two", [False, True])
+def test_a_nan_spoils_only_what_it_touches(recipe_class, power_of_two):
+    """A NaN input or weight value is left out of its unit's scale (as the kernels' maxima
+    leave it): the output is NaN where the NaN enters the exact product and otherwise what
+    a 0 in its place gives, bit for bit (a scale of 1 for the NaN's whole unit clipped the
+    other rows at 448)."""
+    import grouped_linear as gl
+
+    recipe = getattr(gl.recipes, recipe_class)(power_of_two_scales=power_of_two)
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(8, 128, generator=gen) * 1000
+    w = torch.randn(2, 3, 128, generator=gen)
+    x[0, 0], w[0, 1, 5] = 0.0, 0.0
+    with torch.no_grad():
+        clean = gl.grouped_linear(x, w, None, [4, 4], recipe=recipe)
+        x_nan, w_nan = x.clone(), w.clone()
+        x_nan[0, 0], w_nan[0, 1, 5] = float("nan"), float("nan")
+        got = gl.grouped_linear(x_nan, w, None, [4, 4], recipe=recipe)
+        got_w = gl.grouped_linear(x, w_nan, None, [4, 4], recipe=recipe)
+    assert bool(got[0].isnan().all()) and torch.equal(got[1:], clean[1:])
+    assert bool(got_w[:4, 1].isnan().all())
+    keep = torch.ones_like(clean, dtype=torch.bool)
+    keep[:4, 1] = False
+    assert torch.equal(got_w[keep], clean[keep])
