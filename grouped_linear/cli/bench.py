@@ -1,6 +1,6 @@
 """``python -m grouped_linear bench``: this library against the baselines, side by side.
 
-Columns, measured in one process on the same random inputs per shape:
+Columns, measured in one process on random inputs of each shape's sizes (the same gradient):
 
 * ``dense``: one ``torch.matmul`` ``(M, K) @ (K, N)`` of the same FLOPs (the ceiling);
 * ``loop``: a separate weight tensor per expert and one ``torch.matmul`` per group

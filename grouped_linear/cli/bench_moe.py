@@ -27,6 +27,7 @@ per case by a plain loop over the experts.
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Callable
 from copy import deepcopy
 from dataclasses import dataclass, field, replace
@@ -123,6 +124,8 @@ class _Inputs:
         if not column.primary:
             return self.mlp
         if column.recipe not in self.primary:
+            for layer in (self.mlp.fc1, self.mlp.fc2):  # no cached FP8 weights in the copy
+                layer._fp8_weights.entry = None
             dev = self.x.device
             before = torch.cuda.memory_allocated(dev) if dev.type == "cuda" else 0
             copy = gl.to_fp8_weights(deepcopy(self.mlp), column.recipe)
@@ -257,7 +260,7 @@ def _measure_case(case: Case, dev: torch.device, dtype: torch.dtype, rounds: int
               "num_experts": case.num_experts, "hidden": case.hidden, "ffn": case.ffn,
               "flops": flops, "columns": {}}
     for name, column in columns.items():
-        median = sorted(seconds[name])[len(seconds[name]) // 2]
+        median = statistics.median(seconds[name])
         saved = _saved_bytes(inputs, column, dev)  # after a step: this column's weight cache
         inputs.drop_grads()
         peak = peak_memory_bytes(_step(inputs, column), dev,

@@ -14,6 +14,7 @@ relative difference of the output from ``transformers``'.
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass
 
 import torch
@@ -121,7 +122,7 @@ def _measure_case(case: Case, dev: torch.device, dtype: torch.dtype, rounds: int
     result = {"case": case.name, "tokens": case.tokens, "top_k": case.top_k, **case.config,
               "columns": {}}
     for name, entry in columns.items():
-        median = sorted(seconds[name])[len(seconds[name]) // 2]
+        median = statistics.median(seconds[name])
         result["columns"][name] = {
             "ms": median * 1e3,
             "tflops": flops / median / 1e12,

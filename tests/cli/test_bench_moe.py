@@ -83,6 +83,32 @@ def test_the_reference_is_the_block_in_float64():
     assert torch.allclose(inputs.probs.sum(-1), torch.ones(5))
 
 
+def test_fp8_primary_copies_carry_no_cached_weights_and_rounds_take_the_median(monkeypatch):
+    """An FP8-primary column's module is copied from the block after the FP8 weights an
+    earlier column cached are freed (else its peak counts a stale copy of them); an even
+    number of rounds reports the median of the middle two."""
+    import torch
+
+    case = Case("check", num_experts=4, top_k=2, hidden=64, ffn=32, tokens=64)
+    inputs = bench_moe._inputs(case, torch.device("cpu"), torch.float32)
+    for column in bench_moe._columns(torch.device("cpu")).values():  # as the suite runs them
+        for leaf in inputs.leaves(column):
+            leaf.grad = None
+        bench_moe._step(inputs, column)()
+    assert inputs.primary
+    for copy, _ in inputs.primary.values():
+        assert copy.fc1._fp8_weights.entry is None and copy.fc2._fp8_weights.entry is None
+    columns, calls = len(bench_moe._columns(torch.device("cpu"))), []
+
+    def timed(*args, **kwargs):  # every column 1 s in the first round, 3 s in the second
+        calls.append(None)
+        return 1.0 if len(calls) <= columns else 3.0
+
+    monkeypatch.setattr(bench_moe, "median_seconds", timed)
+    report = bench_moe._measure_case(case, torch.device("cpu"), torch.float32, rounds=2, reps=1)
+    assert {c["ms"] for c in report["columns"].values()} == {2000.0}
+
+
 def test_the_cases_are_the_models_measured():
     assert {(c.name, c.num_experts, c.top_k, c.hidden, c.ffn, c.tokens) for c in CASES} == {
         ("deepseek_v3_ep8", 32, 8, 7168, 2048, 16384),
