@@ -124,14 +124,18 @@ class _Inputs:
         if not column.primary:
             return self.mlp
         if column.recipe not in self.primary:
-            for layer in (self.mlp.fc1, self.mlp.fc2):  # no cached FP8 weights in the copy
-                layer._fp8_weights.entry = None
+            self.free_fp8_weights()  # none in the copy
             dev = self.x.device
             before = torch.cuda.memory_allocated(dev) if dev.type == "cuda" else 0
             copy = gl.to_fp8_weights(deepcopy(self.mlp), column.recipe)
             after = torch.cuda.memory_allocated(dev) if dev.type == "cuda" else 0
             self.primary[column.recipe] = (copy, after - before)
         return self.primary[column.recipe][0]
+
+    def free_fp8_weights(self) -> None:
+        """Drop the FP8 weights the block's layers cached for an FP8 column."""
+        for layer in (self.mlp.fc1, self.mlp.fc2):
+            layer._fp8_weights.entry = None
 
     def leaves(self, column: Column) -> list[torch.Tensor]:
         return [self.x, self.probs, *self.module(column).parameters()]
@@ -175,8 +179,7 @@ def _forward(inputs: _Inputs, column: Column) -> torch.Tensor:
     mlp = inputs.module(column)
     mlp.recompute_activation = column.recompute
     if column.recipe is None or column.primary:
-        for layer in (inputs.mlp.fc1, inputs.mlp.fc2):
-            layer._fp8_weights.entry = None
+        inputs.free_fp8_weights()
     with gl.autocast(column.recipe):
         rows, m_splits, row_map = gl.permute(inputs.x, inputs.indices, mlp.num_experts,
                                              recipe=column.recipe)

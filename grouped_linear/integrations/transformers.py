@@ -73,6 +73,7 @@ def _gate_parameters(module: torch.nn.Module) -> list[dict[str, float]]:
     return assignments + [{"limit": limit} for limit in values["limit"]]
 
 
+@torch.compiler.disable
 def _probe(module: torch.nn.Module) -> dict | None:
     """The :func:`~grouped_linear.grouped_mlp` activation arguments that compute the module's
     own gate (``_apply_gate``) or activation (``act_fn``), or ``None`` (then the module's own
@@ -143,11 +144,6 @@ def _same_key(a: tuple, b: tuple) -> bool:
 
 
 @torch.compiler.disable
-def _probed(module: torch.nn.Module) -> dict | None:
-    return _probe(module)
-
-
-@torch.compiler.disable
 def _remember(module: torch.nn.Module, key: tuple, fused: dict | None) -> None:
     setattr(module, _ATTRIBUTE, (key, fused))
 
@@ -159,7 +155,7 @@ def _lookup(module: torch.nn.Module) -> tuple[dict | None, tuple | None]:
     cached = getattr(module, _ATTRIBUTE, None)
     if cached is not None and _same_key(cached[0], key):
         return cached[1], None
-    return _probed(module), key
+    return _probe(module), key
 
 
 def _fused_activation(module: torch.nn.Module) -> dict | None:

@@ -196,8 +196,8 @@ class GroupedLinear(nn.Module):
     def _bias_params(self) -> list[nn.Parameter] | None:
         if not self.use_bias:
             return None
-        return [getattr(self, f"bias{i}") for i in range(self.num_gemms)] if not (
-            self.single_grouped_bias) else [self.bias]
+        names = ["bias"] if self.single_grouped_bias else [f"bias{i}" for i in range(self.num_gemms)]
+        return [getattr(self, name) for name in names]
 
     def reads_fp8_rows(self, num_rows: int, dtype: torch.dtype, device: torch.device
                        ) -> Float8Rowwise | None:
@@ -236,18 +236,20 @@ class GroupedLinear(nn.Module):
         """
         own = dict(self.named_parameters(recurse=False))
         with torch.no_grad():
-            if not any(isinstance(p, (DTensor or (), Float8WeightTensor)) for p in own.values()):
+            sharded = {name: DTensor is not None and isinstance(p, DTensor) for name, p in own.items()}
+            if not any(sharded.values()) and not any(isinstance(p, Float8WeightTensor)
+                                                     for p in own.values()):
                 self._initialise(self.weight_list(), self.bias_list())
                 return
-            full = {name: torch.empty(p.shape, dtype=p.dtype, device=getattr(
-                p, "to_local", lambda p=p: p)().device) for name, p in own.items()}
+            full = {name: torch.empty(p.shape, dtype=p.dtype, device=(
+                p.to_local() if sharded[name] else p).device) for name, p in own.items()}
             weights = self._per_expert("weight", self.single_grouped_weight, full.__getitem__)
             biases = (self._per_expert("bias", self.single_grouped_bias, full.__getitem__)
                       if self.use_bias else None)
             self._initialise(weights, biases)
             for name, param in own.items():
                 param.copy_(distribute_tensor(full[name], param.device_mesh, param.placements)
-                            if DTensor is not None and isinstance(param, DTensor) else full[name])
+                            if sharded[name] else full[name])
 
     def _initialise(self, weights: list[torch.Tensor], biases: list[torch.Tensor] | None) -> None:
         """Fill the per-expert ``weights`` ``(N, K)`` then ``biases`` ``(N,)`` in place (local
