@@ -32,7 +32,7 @@ from .activation_reference import (
     bias_act_backward_reference,
     bias_act_reference,
 )
-from .quantize.common import amax_to_scale, finish, fp8_buffer, inverse
+from .quantize.common import amax_to_scale, clamp_keeping_nan, finish, fp8_buffer, inverse
 from .quantize.rows import quantize_rows_reference
 
 __all__ = ["ACTIVATION_KINDS", "ACT_CONFIG", "GATED_KINDS", "GPT_OSS_ALPHA", "GPT_OSS_LIMIT",
@@ -49,9 +49,9 @@ def _act(x, ACT: tl.constexpr):
         inner = 0.7978845608028654 * (x + 0.044715 * x * x * x)
         return x * tl.sigmoid(2.0 * inner)  # 0.5 * x * (1 + tanh(inner))
     elif ACT == 2:
-        return tl.maximum(x, 0.0)
+        return tl.maximum(x, 0.0, propagate_nan=tl.PropagateNan.ALL)
     elif ACT == 6:
-        r = tl.maximum(x, 0.0)
+        r = tl.maximum(x, 0.0, propagate_nan=tl.PropagateNan.ALL)
         return r * r
     else:
         return 0.5 * x * (1.0 + tl.math.erf(x * 0.7071067811865476))
@@ -70,7 +70,7 @@ def _act_grad(x, ACT: tl.constexpr):
     elif ACT == 2:
         return (x > 0.0).to(tl.float32)
     elif ACT == 6:
-        return 2.0 * tl.maximum(x, 0.0)
+        return 2.0 * tl.maximum(x, 0.0, propagate_nan=tl.PropagateNan.ALL)
     else:
         return (0.5 * (1.0 + tl.math.erf(x * 0.7071067811865476))
                 + x * 0.3989422804014327 * tl.exp(-0.5 * x * x))
@@ -253,7 +253,7 @@ def _bias_act_fp8_kernel(h_ptr, bias_ptr, ends_ptr, probs_ptr, q_ptr, inv_ptr, M
                               stride_h, stride_bias, alpha, limit, HAS_BIAS, GATED,
                               INTERLEAVED, ACT, HAS_PROBS, BLOCK_M, BLOCK_N)
         cols = block * BLOCK_N + tl.arange(0, BLOCK_N)
-        scaled = tl.clamp(result * scale[:, None], -FP8_MAX, FP8_MAX)
+        scaled = clamp_keeping_nan(result * scale[:, None], FP8_MAX)
         tl.store(q_ptr + rows.to(tl.int64)[:, None] * stride_q + cols[None, :],
                  scaled.to(q_ptr.dtype.element_ty),
                  mask=row_mask[:, None] & (cols < F)[None, :])

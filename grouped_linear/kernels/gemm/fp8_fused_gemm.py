@@ -31,7 +31,13 @@ from .._groups import tile_list, tile_masks, tile_origin, weight_tile
 from .._triton import cdiv, kernel, next_power_of_2, sm_count, tl, triton, use_triton
 from ..ends import group_ends_reference
 from ..quantize import emulate, transposed
-from ..quantize.common import amax_to_scale, inverse, saturate, scale_from_amax
+from ..quantize.common import (
+    amax_to_scale,
+    clamp_keeping_nan,
+    inverse,
+    saturate,
+    scale_from_amax,
+)
 from ..quantize.emulate import dequantize_codes
 from ..quantize.folded import ColumnFactors
 
@@ -52,7 +58,7 @@ def _round_fp8(values, scale, FP8_MAX: tl.constexpr, MANT: tl.constexpr,
     """``values * scale`` saturated at the format's largest value and rounded to the nearest
     FP8 value (ties to even), in float32: adding and taking away ``1.5 * 2**23`` steps
     rounds a float32 to a multiple of the step, the spacing of FP8 values in its binade."""
-    scaled = tl.clamp(values * scale, -FP8_MAX, FP8_MAX)
+    scaled = clamp_keeping_nan(values * scale, FP8_MAX)
     exponent = ((scaled.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
     step_exponent = tl.maximum(exponent, MIN_EXP) - MANT
     step = ((step_exponent + 127) << 23).to(tl.float32, bitcast=True)

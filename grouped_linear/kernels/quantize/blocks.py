@@ -32,6 +32,7 @@ from .._groups import group_rows
 from .._triton import cdiv, kernel, next_power_of_2, tl, triton, use_triton
 from .common import (
     amax_to_scale,
+    clamp_keeping_nan,
     finish,
     fp8_buffer,
     inverse,
@@ -95,7 +96,7 @@ def _quantize_row_tiles_kernel(t_ptr, q_ptr, inv_ptr, M, C, stride_tm, stride_tc
     values = tl.load(t_ptr + rows64 * stride_tm + cols64 * stride_tc, mask=mask,
                      other=0.0).to(tl.float32)
     scale = amax_to_scale(tl.max(tl.abs(values), axis=1), FP8_MAX, POW2)
-    scaled = tl.clamp(values * scale[:, None], -FP8_MAX, FP8_MAX)
+    scaled = clamp_keeping_nan(values * scale[:, None], FP8_MAX)
     tl.store(q_ptr + rows64 * C + cols64, scaled.to(q_ptr.dtype.element_ty), mask=mask)
     tl.store(inv_ptr + rows.to(tl.int64) * n_blocks + block, inverse(scale), mask=row_mask)
 
@@ -158,7 +159,7 @@ def _quantize_weight_blocks_kernel(w_ptr, q_ptr, inv_ptr, N, K, stride_wg, strid
                      other=0.0).to(tl.float32)
     amax = tl.max(tl.max(tl.abs(values), axis=1), axis=0)
     scale = amax_to_scale(amax, FP8_MAX, POW2)
-    scaled = tl.clamp(values * scale, -FP8_MAX, FP8_MAX)
+    scaled = clamp_keeping_nan(values * scale, FP8_MAX)
     tl.store(q_ptr + g * N * K + ns64 * K + ks64, scaled.to(q_ptr.dtype.element_ty), mask=mask)
     n_blocks = tl.num_programs(1)
     k_blocks = tl.num_programs(2)
@@ -281,7 +282,7 @@ def _quantize_token_blocks_kernel(t_ptr, sizes_ptr, q_ptr, inv_ptr, M, C, G, str
     values = tl.load(t_ptr + rows64 * stride_tm + cols64 * stride_tc, mask=mask & in_group,
                      other=0.0).to(tl.float32)
     scale = amax_to_scale(tl.max(tl.abs(values), axis=0), FP8_MAX, POW2)  # 1 outside groups
-    scaled = tl.clamp(values * scale[None, :], -FP8_MAX, FP8_MAX)
+    scaled = clamp_keeping_nan(values * scale[None, :], FP8_MAX)
     if BLOCK_LAYOUT:
         slots = (b.to(tl.int64) * TILE + offs)[:, None]
         tl.store(q_ptr + slots * stride_qm + cols64 * stride_qc, scaled.to(q_ptr.dtype.element_ty),

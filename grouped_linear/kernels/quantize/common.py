@@ -67,6 +67,13 @@ def saturate(t: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype) -> to
 
 
 @triton.jit
+def clamp_keeping_nan(values, limit):
+    """``clamp(values, -limit, limit)`` with NaN kept, as torch's ``clamp`` keeps it (Triton's
+    default drops a NaN operand of min/max on GPUs, and the interpreter keeps it)."""
+    return tl.clamp(values, -limit, limit, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
 def amax_to_scale(amax, FP8_MAX: tl.constexpr, POW2: tl.constexpr):
     # div_rn: Triton's ``/`` is PTX's approximate division (2 ulp), not the host's
     scale = tl.where(amax > 0, tl.math.div_rn(FP8_MAX, tl.maximum(amax, 1e-30)), 1.0)

@@ -19,7 +19,7 @@ import torch
 
 from .._groups import row_group, row_groups
 from .._triton import cdiv, kernel, next_power_of_2, tl, triton, use_triton
-from .common import amax_to_scale, finish, fp8_buffer, inverse
+from .common import amax_to_scale, clamp_keeping_nan, finish, fp8_buffer, inverse
 from .rows import quantize_rows_reference
 
 __all__ = ["ColumnFactors", "quantize_rows_folded", "quantize_rows_folded_reference",
@@ -101,7 +101,7 @@ def _quantize_rows_folded_kernel(t_ptr, factors_ptr, ends_ptr, q_ptr, inv_ptr, R
             for c0 in range(0, C, BLOCK_C):
                 values = _folded_block(t_ptr, factors_ptr, row, group, c0 + cols, live, C,
                                        stride_t)
-                scaled = tl.clamp(values * scale, -FP8_MAX, FP8_MAX)
+                scaled = clamp_keeping_nan(values * scale, FP8_MAX)
                 tl.store(q_ptr + row * stride_q + c0 + cols, scaled.to(q_ptr.dtype.element_ty),
                          mask=(c0 + cols < C) & live)
         else:
@@ -112,7 +112,7 @@ def _quantize_rows_folded_kernel(t_ptr, factors_ptr, ends_ptr, q_ptr, inv_ptr, R
             values = tl.load(t_ptr + row * stride_t + cols, mask=mask, other=0.0).to(tl.float32)
             values *= factors
             scale = amax_to_scale(tl.max(tl.abs(values), axis=0), FP8_MAX, POW2)
-            scaled = tl.clamp(values * scale, -FP8_MAX, FP8_MAX)
+            scaled = clamp_keeping_nan(values * scale, FP8_MAX)
             tl.store(q_ptr + row * stride_q + cols, scaled.to(q_ptr.dtype.element_ty), mask=mask)
         tl.store(inv_ptr + row, inverse(scale), mask=live)
 
@@ -172,7 +172,7 @@ def _scale_columns_kernel(t_ptr, scale_ptr, q_ptr, R, C, GROUP_ROWS, FP8_MAX: tl
     values = tl.load(t_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
     groups = (rows // GROUP_ROWS).to(tl.int64)
     values *= tl.load(scale_ptr + groups[:, None] * C + cols[None, :], mask=mask, other=0.0)
-    scaled = tl.clamp(values, -FP8_MAX, FP8_MAX)
+    scaled = clamp_keeping_nan(values, FP8_MAX)
     tl.store(q_ptr + offsets, scaled.to(q_ptr.dtype.element_ty), mask=mask)
 
 

@@ -13,6 +13,7 @@ from .._triton import cdiv, kernel, next_power_of_2, tl, triton, use_triton
 from .common import (
     PieceShifts,
     amax_to_scale,
+    clamp_keeping_nan,
     finish,
     fp8_buffer,
     inverse,
@@ -82,7 +83,7 @@ def _quantize_rows_kernel(t_ptr, q_ptr, inv_ptr, scale_ptr, shifts_ptr, ends_ptr
         cols = c0 + tl.arange(0, BLOCK_C)
         mask = row_mask[:, None] & (cols < C)[None, :]
         values = tl.load(t_ptr + base + cols[None, :], mask=mask, other=0.0)
-        scaled = tl.clamp(values.to(tl.float32) * scale[:, None], -FP8_MAX, FP8_MAX)
+        scaled = clamp_keeping_nan(values.to(tl.float32) * scale[:, None], FP8_MAX)
         tl.store(q_ptr + rows.to(tl.int64)[:, None] * stride_q + cols[None, :],
                  scaled.to(q_ptr.dtype.element_ty), mask=mask)
     tl.store(inv_ptr + rows, inverse(scale), mask=row_mask)

@@ -32,6 +32,7 @@ from ..ends import aligned_ends
 from . import transposed_gluon
 from .common import (
     amax_to_scale,
+    clamp_keeping_nan,
     finish,
     fold_row_factors,
     fp8_buffer,
@@ -104,7 +105,7 @@ def _fold(values, factors_ptr, row0, rows, left):
     """``values[r, :] * factors[row0 + r]`` for the tile's first ``left`` rows, saturated at
     float32's range (as :func:`fold_row_factors`)."""
     factors = tl.load(factors_ptr + row0 + rows, mask=rows < left, other=0.0)
-    return tl.clamp(values * factors[:, None], -3.4028234663852886e38, 3.4028234663852886e38)
+    return clamp_keeping_nan(values * factors[:, None], 3.4028234663852886e38)
 
 
 @triton.jit
@@ -258,7 +259,7 @@ def _quantize_columns_t_tiled_kernel(t_ptr, ends_ptr, dst_ends_ptr, scale_ptr, i
             else:
                 amax = tl.load(scale_ptr + clamped.to(tl.int64) * C + cols, mask=col_mask, other=0.0)
                 scaled = values.to(tl.float32) * amax_to_scale(amax, FP8_MAX, POW2)[None, :]
-            scaled = tl.clamp(scaled, -FP8_MAX, FP8_MAX)
+            scaled = clamp_keeping_nan(scaled, FP8_MAX)
         # No-ops that tell the compiler what DST_MULTIPLE promises (the tile's start and the
         # columns left in its slot are multiples of it), so the stores can be vectors.
         dst0 = dst0 // DST_MULTIPLE * DST_MULTIPLE

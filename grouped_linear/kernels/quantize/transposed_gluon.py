@@ -39,7 +39,7 @@ from .._gluon import (
     tile_list,
     tile_origin,
 )
-from .._triton import cdiv, kernel, next_power_of_2
+from .._triton import cdiv, kernel, next_power_of_2, tl
 from .blocks_gluon import _scale
 from .common import fold_row_factors, scale_from_amax
 
@@ -52,6 +52,7 @@ WARPS = 8  # 4 warps along the tokens, 2 along a slice's columns
 MAX_GROUPS = 4095  # each program scans the groups' block table, G + 1 slots, in registers
 SCALINGS = ("amax", "group", "unit")
 _SOURCE_DTYPES = (torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2)
+_NAN = gl.constexpr(tl.PropagateNan.ALL)  # min/max keep a NaN operand, as torch's clamp
 
 
 @kernel
@@ -106,15 +107,17 @@ def _columns_t_kernel(t_desc, ends_ptr, scale_ptr, inv_ptr, q_ptr, factors_ptr, 
             else:
                 values = gl.where(valid[:, None], values.to(gl.float32), 0.0)
                 if FACTORS:  # saturated at float32's range, as the Triton kernel's fold
-                    values = gl.minimum(gl.maximum(values * factors, -3.4028234663852886e38),
-                                        3.4028234663852886e38)
+                    values = gl.minimum(gl.maximum(values * factors, -3.4028234663852886e38,
+                                                   propagate_nan=_NAN),
+                                        3.4028234663852886e38, propagate_nan=_NAN)
                 if SCALING == "group":
                     scaled = values * gl.load(scale_ptr + g)
                 else:
                     amax = gl.load(scale_ptr + g.to(gl.int64) * C + cols, mask=col_mask,
                                    other=0.0)
                     scaled = values * _scale(amax, FP8_MAX, POW2)[None, :]
-                scaled = gl.minimum(gl.maximum(scaled, -FP8_MAX), FP8_MAX)
+                scaled = gl.minimum(gl.maximum(scaled, -FP8_MAX, propagate_nan=_NAN), FP8_MAX,
+                                    propagate_nan=_NAN)
                 codes = scaled.to(q_ptr.dtype.element_ty)
             gl.store(q_ptr + cols.to(gl.int64)[None, :] * stride_q + dst, codes,
                      mask=col_mask[None, :])
