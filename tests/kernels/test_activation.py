@@ -341,3 +341,35 @@ def test_reference_is_differentiable_as_written(kind, interleaved):
                                           kind, True, interleaved, probs=probs, **params)
         inputs = (h, probs, bias) if with_bias else (h, probs)
         assert torch.autograd.gradcheck(f, inputs)
+
+
+@pytest.mark.parametrize("kind,interleaved", CASES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_cpu_row_blocks_give_the_whole_reference(monkeypatch, kind, interleaved, dtype):
+    """The CPU route's blocks of rows (here of 64, with groups across their edges, an empty
+    group, rows past the groups, bias and probabilities) give the one-pass reference's output
+    and gradients (bit for bit with a bias)."""
+    sizes = (50, 80, 0, 1, 120)
+    h, bias, ends, _ = _case(kind, dtype, True, sizes=sizes, tail=30, F=8)
+    h, bias, ends = h.cpu(), bias.cpu(), ends.cpu()
+    probs = torch.rand(h.shape[0])
+    grad_a = torch.randn(h.shape[0], h.shape[1] // 2 if kind in GATED else h.shape[1]).to(dtype)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # the CPU route, not the interpreted kernel
+    monkeypatch.setattr(act, "CPU_BLOCK_BYTES", 1)  # the least rows a block takes: 64
+    assert len(act._cpu_blocks(h)) == 5
+    for zero_tail in (True, False):
+        got = act.bias_act_forward(h, bias, ends, kind, zero_tail, interleaved, probs=probs)
+        want = act.bias_act_reference(h, bias, ends, kind, zero_tail, interleaved, probs=probs)
+        assert torch.equal(got, want)
+    got_h, got_p = act.bias_act_backward(grad_a, h, bias, ends, kind, True, interleaved,
+                                         probs=probs, probs_grad=True)
+    want_h, want_p = act.bias_act_backward_reference(grad_a, h, bias, ends, kind, interleaved,
+                                                     probs=probs, probs_grad=True)
+    assert torch.equal(got_h, want_h) and torch.equal(got_p, want_p)
+    # without a bias, blocks inside the groups convert only the gate (contiguous, where the
+    # whole one computes on half views): the same float32 formulas, a rounding apart
+    got_h, none = act.bias_act_backward(grad_a, h, None, ends, kind, True, interleaved)
+    assert none is None
+    want_h = act.bias_act_backward_reference(grad_a, h, None, ends, kind, interleaved)[0]
+    eps = torch.finfo(dtype).eps
+    torch.testing.assert_close(got_h, want_h, rtol=eps, atol=eps * want_h.abs().max().item())
