@@ -31,16 +31,20 @@ test: lint
 # loaded by the others). GPU_TEST_PATHS='...' on the command line runs some of them. The
 # transformers tests need transformers importable (README, Development). `make bench`
 # prints the tables of BENCHMARKS.md, the transformers suite's where transformers is importable;
-# BENCH_JSON=DIR also writes each suite's numbers to DIR/<suite>.json.
+# BENCH_JSON=DIR also writes each suite's numbers to DIR/<suite>.json. Where pytest-timeout
+# is installed, a test that runs past GPU_TEST_TIMEOUT seconds fails with its stack, and the
+# run goes on.
 GPU_TEST_PATHS := tests/gpu tests/kernels tests/ops tests/test_recipes.py \
 	tests/modules/test_grouped_linear.py tests/modules/test_nd_input.py
 GPU_TEST_WORKERS ?= 12
 GPU_TEST_LOGS ?= /tmp/grouped_linear-test-gpu
+GPU_TEST_TIMEOUT ?= 240
 
 test-gpu:
 	@mkdir -p $(GPU_TEST_LOGS); \
+	timeout=$$($(PYTHON) -c "import pytest_timeout" 2>/dev/null && echo --timeout=$(GPU_TEST_TIMEOUT)); \
 	$(PYTHON) -m pytest -v -rf --durations=25 -p no:cacheprovider -n $(GPU_TEST_WORKERS) \
-		--dist load $(GPU_TEST_PATHS) > $(GPU_TEST_LOGS)/test-gpu.log 2>&1; status=$$?; \
+		$$timeout --dist load $(GPU_TEST_PATHS) > $(GPU_TEST_LOGS)/test-gpu.log 2>&1; status=$$?; \
 	grep -E "^(FAILED|ERROR)|passed|failed" $(GPU_TEST_LOGS)/test-gpu.log | tail -n 40; \
 	exit $$status
 

@@ -21,15 +21,17 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def grouped_linear_ref(x, weight, bias, sizes):
-    """Per-group ``x_g @ W_g^T + b_g`` in float64 with autograd; rows past ``sum(sizes)`` are 0."""
-    outs, start = [], 0
-    for g, size in enumerate(sizes):
-        y = x[start:start + size] @ weight[g].t()
-        if bias is not None:
-            y = y + bias[g]
-        outs.append(y)
-        start += size
-    tail = x.shape[0] - start
+    """Per-group ``x_g @ W_g^T + b_g`` in float64 with autograd; rows past ``sum(sizes)`` are 0.
+
+    The pieces come from ``split``/``unbind``, whose backward joins the pieces' gradients
+    once; indexing a group (``weight[g]``) would give each group's gradient a zero tensor of
+    the whole weight (quadratic in the groups: minutes at a thousand of them)."""
+    tail = x.shape[0] - sum(sizes)
+    rows = x.split(list(sizes) + [tail])
+    weights = weight.unbind(0)
+    biases = bias.unbind(0) if bias is not None else [None] * len(sizes)
+    outs = [rows_g @ w_g.t() if b_g is None else rows_g @ w_g.t() + b_g
+            for rows_g, w_g, b_g in zip(rows, weights, biases)]
     outs.append(x.new_zeros(tail, weight.shape[1]))
     return torch.cat(outs)
 
