@@ -9,6 +9,7 @@ import numbers
 from dataclasses import dataclass
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from ..kernels import activation as act_kernels
 from ..recipes import Float8Rowwise
@@ -130,6 +131,7 @@ class BiasActivationFunction(torch.autograd.Function):
                                                 act.interleaved, act.alpha, act.limit, probs)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_a):
         h, bias, ends, probs = ctx.saved_tensors
         act: Activation = ctx.act

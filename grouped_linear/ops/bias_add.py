@@ -4,6 +4,7 @@ layers add their bias after the all-reduce)."""
 from __future__ import annotations
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from ..kernels import bias as bias_kernels
 from .splits import GroupSplits
@@ -21,6 +22,7 @@ class _GroupBiasAdd(torch.autograd.Function):
         return bias_kernels.bias_epilogue_(y.clone(), bias, ends, zero_tail)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad):
         (ends,) = ctx.saved_tensors
         grad = grad.contiguous()

@@ -12,6 +12,7 @@ import operator
 from collections.abc import Sequence
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from grouped_linear.kernels.routing import rows as row_kernels
 from grouped_linear.ops.checks import (
@@ -70,6 +71,7 @@ class _SortChunks(torch.autograd.Function):
         return out, probs.index_select(0, source)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_out, grad_probs=None):  # type: ignore[override]
         out_sizes, inverse = ctx.saved_tensors
         # The output's chunks, put back in input order: the inverse permutation.

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 from torch._C._functorch import is_functorch_wrapped_tensor
+from torch.autograd.function import once_differentiable
 
 from ..kernels.gemm import triton_gemm
 
@@ -40,6 +41,7 @@ class TritonGroupedLinearFunction(torch.autograd.Function):
         return launches.forward(x, weight, bias, sizes)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_out):
         x, weight, sizes = ctx.saved_tensors
         need_x, need_w, need_b = ctx.needs_input_grad[:3]

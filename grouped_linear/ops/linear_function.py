@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from ..kernels.gemm.gluon_gemm import is_input_major
 from .fast_path import functorch_involved, records_graph
@@ -63,6 +64,7 @@ class GroupedLinearFunction(torch.autograd.Function):
         return out
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_out):
         x, weight, sizes, ends, host_ends = ctx.saved_tensors
         config: CallConfig = ctx.config

@@ -13,6 +13,7 @@ are deterministic.
 from __future__ import annotations
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from grouped_linear.kernels.quantize import rows as quantize_rows
 from grouped_linear.kernels.routing import capacity as capacity_kernels
@@ -73,6 +74,7 @@ class _PermuteRows(torch.autograd.Function):
         return row_kernels.scatter_rows(x, row_map, token_of_row, (m_splits, counts))
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad):  # type: ignore[override]
         (row_map,) = ctx.saved_tensors
         return _combine(grad, row_map, None), None, None, None, None
@@ -94,6 +96,7 @@ class _PermuteFp8Rows(torch.autograd.Function):
         return Float8Rows(rows.view(codes.dtype), factors, recipe, x.dtype)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad):  # type: ignore[override]
         (row_map,) = ctx.saved_tensors
         return _combine(grad, row_map, None), None, None, None, None, None, None, None
@@ -117,6 +120,7 @@ class _Unpermute(torch.autograd.Function):
         return _combine(y, row_map, probs)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_out):  # type: ignore[override]
         y, row_map, probs, factors = ctx.saved_tensors
         num_rows, y_dtype = ctx.rows_and_dtype

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.autograd.function import once_differentiable
 
 __all__ = ["TensorParallel", "check_tp_size", "check_tp_group", "copy_to_tp_region",
            "reduce_from_tp_region"]
@@ -137,6 +138,7 @@ class _CopyToRegion(torch.autograd.Function):
         return x.view_as(x)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad):
         grad = grad.contiguous()
         dist.all_reduce(grad, group=ctx.group)

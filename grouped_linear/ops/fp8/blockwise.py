@@ -23,6 +23,7 @@ zeros by the GEMMs themselves, nothing read back to the host.
 from __future__ import annotations
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from ...kernels import bias as bias_kernels
 from ...kernels.gemm import fp8_gluon_gemm, fp8_gluon_wgrad, fp8_triton_gemm
@@ -95,6 +96,7 @@ class Fp8BlockwiseFunction(torch.autograd.Function):
         return out
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_out):
         x, x_t, x_inv_blocks, weight, sizes, ends = ctx.saved_tensors
         config: Fp8Config = ctx.config

@@ -23,6 +23,7 @@ says which applies.
 from __future__ import annotations
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from ...kernels import bias as bias_kernels
 from ...kernels.gemm import torch_gemm
@@ -106,6 +107,7 @@ class Fp8EmulatedFunction(torch.autograd.Function):
         return out.to(x.dtype)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_out):
         x, weight, ends = ctx.saved_tensors
         config: Fp8Config = ctx.config

@@ -15,6 +15,7 @@ costs there (:func:`grouped_linear.ops.dispatch.fp8_route` says where it runs).
 from __future__ import annotations
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from ...kernels.gemm import fp8_fused_gemm
 from ...recipes import Float8Blockwise
@@ -49,6 +50,7 @@ class Fp8FusedFunction(torch.autograd.Function):
         return out
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_out):
         x, x_scale, weight, sizes, ends = ctx.saved_tensors
         codes, inv = ctx.weight_codes

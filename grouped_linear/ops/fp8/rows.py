@@ -14,6 +14,7 @@ dequantized copy), and an operation that would write into it is a ``TypeError``.
 from __future__ import annotations
 
 import torch
+from torch.autograd.function import once_differentiable
 from torch.utils._pytree import tree_map_only
 
 from ...recipes import Float8Recipe, Float8Rowwise
@@ -117,6 +118,7 @@ class _ScaleRows(torch.autograd.Function):
         return Float8Rows(rows.codes, rows.inv * probs.float(), rows.recipe, rows.dtype)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad):  # type: ignore[override]
         probs, *codes_inv = ctx.saved_tensors
         grad = grad.float()

@@ -34,6 +34,7 @@ nothing is read back to the host, so a step can be captured in a CUDA graph.
 from __future__ import annotations
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from ...kernels import bias as bias_kernels
 from ...kernels.ends import aligned_ends
@@ -141,6 +142,7 @@ class Fp8ScaledMMFunction(torch.autograd.Function):
         return out
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_out):
         weight, sizes, ends, x_scale, x_aligned, x, x_inv, *pieces = ctx.saved_tensors
         dtype = ctx.dtype
