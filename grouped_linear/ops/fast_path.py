@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 from torch._C._functorch import is_functorch_wrapped_tensor
+from torch.autograd import forward_ad
 from torch.autograd.function import once_differentiable
 
 from ..kernels.gemm import triton_gemm
@@ -58,10 +59,12 @@ class TritonGroupedLinearFunction(torch.autograd.Function):
 
 
 def records_graph(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """Whether a grouped linear call on these tensors must record an autograd node."""
-    return torch.is_grad_enabled() and (
+    """Whether a grouped linear call on these tensors must go through an autograd function:
+    it records a node, or a forward-mode AD level is open (the function then refuses dual
+    inputs, which the kernels alone would take without their tangents)."""
+    return (torch.is_grad_enabled() and (
         x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
-    )
+    )) or forward_ad._current_level >= 0
 
 
 def functorch_involved(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:

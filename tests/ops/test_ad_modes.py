@@ -1,9 +1,12 @@
-"""Gradients are first-order only: with ``create_graph=True`` the first-order gradients are
-the usual ones, and differentiating them again (a gradient penalty, a Hessian-vector product)
-raises instead of leaving out the library's part (the kernels' gradients carry no graph)."""
+"""Autograd modes beyond first-order reverse mode are refused, never half done: with
+``create_graph=True`` the first-order gradients are the usual ones, and differentiating them
+again (a gradient penalty, a Hessian-vector product) raises instead of leaving out the
+library's part (the kernels' gradients carry no graph); forward-mode AD raises instead of
+the kernels dropping the tangents."""
 
 import pytest
 import torch
+import torch.autograd.forward_ad as fwAD
 
 import grouped_linear as gl
 from grouped_linear.kernels._triton import HAS_TRITON, interpreting
@@ -66,3 +69,26 @@ def test_first_order_only(name):
     loss = call(x, *params).sum() + penalty
     with pytest.raises(RuntimeError, match="differentiate twice"):
         loss.backward()
+
+
+def _can_run(backend):
+    return backend != "triton" or (HAS_TRITON and (TRITON_DEVICE == "cuda" or interpreting()))
+
+
+@pytest.mark.parametrize("backend", ["loop", "grouped", "triton", "auto"])
+@pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
+def test_forward_mode_ad_is_refused(backend, grad):
+    """A dual input raises (the layer has no forward-mode derivative) under ``no_grad`` too,
+    where the kernels would run alone; plain inputs inside a dual level run as outside."""
+    if not _can_run(backend):
+        pytest.skip("needs CUDA or TRITON_INTERPRET=1")
+    device = TRITON_DEVICE if backend == "triton" else "cpu"
+    x = torch.randn(8, 8, device=device)
+    w = torch.randn(3, 8, 8, device=device)
+    splits = torch.tensor(SIZES, device=device)
+    want = gl.grouped_linear(x, w, None, splits, backend=backend)
+    with fwAD.dual_level(), torch.set_grad_enabled(grad):
+        assert torch.equal(gl.grouped_linear(x, w, None, splits, backend=backend), want)
+        dual = fwAD.make_dual(x, torch.randn_like(x))
+        with pytest.raises(NotImplementedError, match="forward"):
+            gl.grouped_linear(dual, w, None, splits, backend=backend)
