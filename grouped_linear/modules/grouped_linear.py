@@ -145,8 +145,7 @@ class GroupedLinear(nn.Module):
         self.save_original_input = save_original_input
         self._pending_wgrads: deque = deque()
         self._fp8_weights = Fp8WeightCache()
-        # What the op needs of tensor parallelism: nothing on one rank.
-        self._tp_hooks = self.tp if self.tp.size > 1 else None
+        self._tp_hooks = self.tp if self.tp.size > 1 else None  # the op's; none on one rank
 
         factory = {"device": device, "dtype": params_dtype or torch.get_default_dtype()}
         G = self.num_gemms
@@ -299,12 +298,13 @@ class GroupedLinear(nn.Module):
                 "return_bias=False with reduce_output=False: the caller reduces the output, "
                 "so the bias must be added after that reduction (return_bias=True)"
             )
-        # The parameters from their dict where they are plain entries (``self.weight`` goes
-        # through Module.__getattr__, a Python call each); a parametrization computes them.
+        # Plain entries from the dict (Module.__getattr__ is a Python call each), else
+        # computed (a parametrization); ``sources``: the experts' weights a stacked one is of.
         params = self._parameters
-        weight = params.get("weight") if self.single_grouped_weight else None
+        sources = None if self.single_grouped_weight else self.weight_list()
+        weight = params.get("weight") if sources is None else torch.stack(sources)
         if weight is None:
-            weight = self.grouped_weight()
+            weight = self.weight
         bias = None
         if self.use_bias and not return_bias:
             bias = params.get("bias") if self.single_grouped_bias else None
@@ -324,7 +324,7 @@ class GroupedLinear(nn.Module):
             x, weight, bias, m_splits, backend=self.backend, recipe=self.recipe, sink=sink,
             weight_cache=self._fp8_weights, is_first_microbatch=is_first_microbatch,
             tp=self._tp_hooks, save_original_input=self.save_original_input,
-        )
+            weight_sources=sources)
         if leading is not None:
             out = out.reshape(*leading, out.shape[-1])
         if not return_bias:
@@ -413,7 +413,7 @@ class GroupedLinear(nn.Module):
         # (its buffers stay, so captured CUDA graphs read the loaded weight).
         if self._fp8_weights.entry is not None:
             with torch.no_grad():
-                self._fp8_weights.refresh_(self.grouped_weight())
+                self._fp8_weights.refresh_(self.grouped_weight(), self._weight_params()[0])
 
     def extra_repr(self) -> str:
         parts = [

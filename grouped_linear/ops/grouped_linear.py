@@ -89,11 +89,14 @@ def apply_grouped_linear(
     is_first_microbatch: bool | None = None,
     tp: TensorParallelHooks | None = None,
     save_original_input: bool = False,
+    weight_sources: Sequence[torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """:func:`grouped_linear` with what a module adds: ``sink`` (its gradient routing),
     ``weight_cache`` with ``is_first_microbatch`` (its FP8 weight across microbatches:
-    ``None`` quantizes per call, ``True`` refreshes the cache, ``False`` reuses it) and
-    ``tp`` (its tensor-parallel regions). ``recipe=None`` takes ``gl.autocast``'s.
+    ``None`` quantizes per call, ``True`` refreshes the cache, ``False`` reuses it unless
+    the weight changed since, as ``weight_sources``, the parameters a stacked ``weight`` is
+    made of, tell) and ``tp`` (its tensor-parallel regions). ``recipe=None`` takes
+    ``gl.autocast``'s.
 
     Every argument is checked before any state changes (the cache, the sink's queue).
     """
@@ -180,7 +183,8 @@ def apply_grouped_linear(
         if primary:  # stored in FP8: read as it is
             cached = Fp8Weight.from_codes(weight.codes, weight.inv, recipe, route, dgrad=False)
         elif weight_cache is not None and is_first_microbatch is not None:
-            cached = weight_cache.get(weight, recipe, route, refresh=is_first_microbatch)
+            cached = weight_cache.get(weight, recipe, route, refresh=is_first_microbatch,
+                                      sources=weight_sources)
         config = Fp8Config(recipe, splits.may_have_tail, sink,
                            save_original_input or _INPUTS_REBUILT.get())
         out = _fp8(route, x, pieces, weight, bias, splits, config, cached)

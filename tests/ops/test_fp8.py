@@ -67,21 +67,44 @@ def test_rowwise_beats_tensorwise_on_rows_of_different_range():
     assert err["Float8Rowwise"] < err["Float8Tensorwise"]
 
 
-def test_weight_cache_across_microbatches():
+@pytest.mark.parametrize("single", [True, False], ids=["grouped_weight", "per_expert"])
+def test_weight_cache_across_microbatches(monkeypatch, single):
+    """``False`` reuses the cached copy while the weight is unchanged (no quantization, in
+    either layout: the per-expert one stacks a new tensor each call) and quantizes again
+    where it changed: an in-place update (an optimizer step passed ``False``), a replaced
+    parameter; ``True`` always refreshes; an empty cache fills."""
+    from grouped_linear.ops.fp8 import weight as fp8_weight
+
     torch.manual_seed(0)
-    layer = gl.GroupedLinear(2, K, N, recipe=Float8Rowwise())
+    layer = gl.GroupedLinear(2, K, N, recipe=Float8Rowwise(), single_grouped_weight=single)
     x = torch.randn(10, K)
+    quantized = []
+    for name in ("__init__", "refresh_"):
+        original = getattr(fp8_weight.Fp8Weight, name)
+
+        def spy(self, *args, _original=original, _name=name, **kwargs):
+            quantized.append(_name)
+            return _original(self, *args, **kwargs)
+        monkeypatch.setattr(fp8_weight.Fp8Weight, name, spy)
+
     first = layer(x, [4, 6], is_first_microbatch=True)
+    assert quantized == ["__init__"]
+    assert torch.equal(layer(x, [4, 6], is_first_microbatch=False), first)
+    assert torch.equal(layer(x, [4, 6], is_first_microbatch=False), first)
+    assert quantized == ["__init__"]  # reused twice
+    assert torch.equal(layer(x, [4, 6], is_first_microbatch=True), first)
+    assert quantized[1] == "refresh_"
     with torch.no_grad():
-        layer.weight.mul_(2.0)  # an optimizer step the cache has not seen
-    stale = layer(x, [4, 6], is_first_microbatch=False)
-    fresh = layer(x, [4, 6], is_first_microbatch=True)
+        (layer.weight if single else layer.weight1).mul_(2.0)  # a step the flag did not say
+    followed = layer(x, [4, 6], is_first_microbatch=False)
     uncached = layer(x, [4, 6])
-    assert torch.equal(stale, first)  # reused
-    assert torch.equal(fresh, uncached) and not torch.equal(fresh, first)
-    empty = gl.GroupedLinear(2, K, N, recipe=Float8Rowwise())
+    assert torch.equal(followed, uncached) and not torch.equal(followed, first)
+    replaced = torch.nn.Parameter((layer.weight if single else layer.weight0).detach() * 3)
+    setattr(layer, "weight" if single else "weight0", replaced)
+    assert torch.equal(layer(x, [4, 6], is_first_microbatch=False), layer(x, [4, 6]))
+    empty = gl.GroupedLinear(2, K, N, recipe=Float8Rowwise(), single_grouped_weight=single)
     empty.load_state_dict(layer.state_dict())
-    assert torch.equal(empty(x, [4, 6], is_first_microbatch=False), uncached)  # fills if empty
+    assert torch.equal(empty(x, [4, 6], is_first_microbatch=False), layer(x, [4, 6]))
 
 
 def test_fp8_with_delayed_wgrad_and_mlp():
@@ -143,23 +166,26 @@ def test_no_rows(recipe):
 
 @pytest.mark.parametrize("recipe", [Float8Rowwise(), Float8Tensorwise(), gl.recipes.Float8Blockwise()],
                          ids=repr)
-def test_stale_cache_dgrad_uses_the_cached_weight(recipe):
-    """``is_first_microbatch=False`` after a weight update computes with the cached weight:
-    forward and input gradient both (as the GPU paths' cached dgrad copy does)."""
+def test_a_changed_weight_is_quantized_again_for_forward_and_dgrad(recipe):
+    """``is_first_microbatch=False`` after a weight update computes with the updated weight,
+    forward and input gradient both (the GPU paths keep a cached dgrad copy too), as a layer
+    quantizing per call does."""
     torch.manual_seed(0)
     layer = gl.GroupedLinear(2, 32, 16, bias=False, recipe=recipe)
     x, grad = torch.randn(12, 32), torch.randn(12, 16)
     layer(x, [5, 7], is_first_microbatch=True)  # fills the cache
-    before = gl.GroupedLinear(2, 32, 16, bias=False, recipe=recipe)
-    before.load_state_dict(layer.state_dict())
     with torch.no_grad():
         layer.weight.mul_(2)
-    grads = []
-    for module, microbatch in ((layer, False), (before, None)):
+    after = gl.GroupedLinear(2, 32, 16, bias=False, recipe=recipe)
+    after.load_state_dict(layer.state_dict())
+    results = []
+    for module, microbatch in ((layer, False), (after, None)):
         xx = x.clone().requires_grad_()
-        module(xx, [5, 7], is_first_microbatch=microbatch).backward(grad)
-        grads.append(xx.grad)
-    assert rel_err(grads[0], grads[1]) < 1e-6
+        out = module(xx, [5, 7], is_first_microbatch=microbatch)
+        out.backward(grad)
+        results.append((out, xx.grad))
+    assert torch.equal(results[0][0], results[1][0])
+    assert rel_err(results[0][1], results[1][1]) < 1e-6
 
 
 def test_loading_a_state_dict_refreshes_the_cache():

@@ -7,7 +7,7 @@ is a module's copy of it across the microbatches of a step (``is_first_microbatc
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -185,20 +185,27 @@ class Fp8WeightCache:
 
     :meth:`get` returns the copy for a recipe and route, quantizing it when there is none (or
     it was made for another recipe, route or weight shape) and re-quantizing it in place on
-    the first microbatch, so that captured CUDA graphs keep reading the same buffers.
+    the first microbatch, so that captured CUDA graphs keep reading the same buffers. It also
+    re-quantizes where the weight changed since the copy was made, whatever the caller says
+    (an optimizer step before a call that passes ``refresh=False``, a parameter replaced or
+    converted): it follows the version counter and identity of each tensor the weight is
+    made of, so a stale copy is never used.
     """
 
     def __init__(self) -> None:
         self.entry: Fp8Weight | None = None
+        self.stamp: tuple | None = None  # the sources' (id, version, dtype) at quantization
 
-    def get(self, weight: torch.Tensor, recipe: Float8Recipe, route: str,
-            refresh: bool) -> Fp8Weight:
-        entry = self.entry
+    def get(self, weight: torch.Tensor, recipe: Float8Recipe, route: str, refresh: bool,
+            sources: Sequence[torch.Tensor] | None = None) -> Fp8Weight:
+        """``sources``: the parameters ``weight`` is stacked from (default: ``weight``)."""
+        entry, stamp = self.entry, _stamp(sources if sources is not None else (weight,))
         if (entry is None or entry.recipe != recipe or entry.route != route
                 or entry.shape != tuple(weight.shape) or self._stuck_in_inference()):
             entry = self.entry = Fp8Weight(weight, recipe, route)
-        elif refresh:
+        elif refresh or stamp != self.stamp:
             entry.refresh_(weight)
+        self.stamp = stamp
         return entry
 
     def _stuck_in_inference(self) -> bool:
@@ -209,12 +216,20 @@ class Fp8WeightCache:
                 and self.entry.buffers()[0].is_inference())
 
     @torch.no_grad()
-    def refresh_(self, weight: torch.Tensor) -> None:
+    def refresh_(self, weight: torch.Tensor, sources: Sequence[torch.Tensor] | None = None
+                 ) -> None:
         """Re-quantize a held copy from ``weight`` (e.g. after a state-dict load)."""
         if self._stuck_in_inference():
             self.entry = Fp8Weight(weight, self.entry.recipe, self.entry.route)
         elif self.entry is not None:
             self.entry.refresh_(weight)
+        self.stamp = _stamp(sources if sources is not None else (weight,))
+
+
+def _stamp(sources: Sequence[torch.Tensor]) -> tuple:
+    """What identifies the state of the tensors a weight is made of: in-place writes bump a
+    tensor's version, a replaced parameter is another object, a conversion another dtype."""
+    return tuple((id(t), t._version, t.dtype) for t in sources)
 
 
 def token_group_scales(t: torch.Tensor, ends: torch.Tensor, fp8_dtype: torch.dtype,
