@@ -154,10 +154,14 @@ def test_a_rejected_fp8_call_leaves_the_weight_cache_as_it_was():
     first = layer(x, [4, 6], is_first_microbatch=True)
     with torch.no_grad():
         layer.weight.mul_(3.0)
-    with pytest.raises(ValueError, match="sums to 11"):
-        layer(x, [5, 6], is_first_microbatch=True)
-    assert torch.equal(layer(x, [4, 6], is_first_microbatch=False), first)
-    assert not torch.equal(layer(x, [4, 6], is_first_microbatch=True), first)
+    entry, stamp = layer._fp8_weights.entry, layer._fp8_weights.stamp
+    held = [b.clone() for b in entry.buffers()]
+    for flag in (True, False):  # False: the weight changed, so it would quantize too
+        with pytest.raises(ValueError, match="sums to 11"):
+            layer(x, [5, 6], is_first_microbatch=flag)
+        assert layer._fp8_weights.entry is entry and layer._fp8_weights.stamp == stamp
+        assert all(torch.equal(a, b) for a, b in zip(entry.buffers(), held))
+    assert not torch.equal(layer(x, [4, 6], is_first_microbatch=False), first)
 
 
 # --------------------------------------------------------------------------- group counts

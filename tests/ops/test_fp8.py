@@ -188,6 +188,17 @@ def test_a_changed_weight_is_quantized_again_for_forward_and_dgrad(recipe):
     assert rel_err(results[0][1], results[1][1]) < 1e-6
 
 
+def test_a_layer_built_under_inference_mode_uses_its_cache():
+    """Parameters made under ``torch.inference_mode`` keep no version counter: the cache
+    still serves them (``False`` reuses what ``True`` quantized)."""
+    torch.manual_seed(0)
+    with torch.inference_mode():
+        layer = gl.GroupedLinear(2, 32, 16, recipe=Float8Rowwise())
+        x = torch.randn(12, 32)
+        first = layer(x, [5, 7], is_first_microbatch=True)
+        assert torch.equal(layer(x, [5, 7], is_first_microbatch=False), first)
+
+
 def test_loading_a_state_dict_refreshes_the_cache():
     torch.manual_seed(0)
     layer = gl.GroupedLinear(2, 32, 16, recipe=Float8Rowwise())

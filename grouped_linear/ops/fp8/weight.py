@@ -228,8 +228,9 @@ class Fp8WeightCache:
 
 def _stamp(sources: Sequence[torch.Tensor]) -> tuple:
     """What identifies the state of the tensors a weight is made of: in-place writes bump a
-    tensor's version, a replaced parameter is another object, a conversion another dtype."""
-    return tuple((id(t), t._version, t.dtype) for t in sources)
+    tensor's version, a replaced parameter is another object, a conversion another dtype
+    (an inference tensor, made under ``torch.inference_mode``, keeps no version)."""
+    return tuple((id(t), None if t.is_inference() else t._version, t.dtype) for t in sources)
 
 
 def token_group_scales(t: torch.Tensor, ends: torch.Tensor, fp8_dtype: torch.dtype,
