@@ -199,7 +199,7 @@ class Fp8WeightCache:
     def get(self, weight: torch.Tensor, recipe: Float8Recipe, route: str, refresh: bool,
             sources: Sequence[torch.Tensor] | None = None) -> Fp8Weight:
         """``sources``: the parameters ``weight`` is stacked from (default: ``weight``)."""
-        entry, stamp = self.entry, _stamp(sources if sources is not None else (weight,))
+        entry, stamp = self.entry, _stamp(weight, sources if sources is not None else (weight,))
         if (entry is None or entry.recipe != recipe or entry.route != route
                 or entry.shape != tuple(weight.shape) or self._stuck_in_inference()):
             entry = self.entry = Fp8Weight(weight, recipe, route)
@@ -223,14 +223,18 @@ class Fp8WeightCache:
             self.entry = Fp8Weight(weight, self.entry.recipe, self.entry.route)
         elif self.entry is not None:
             self.entry.refresh_(weight)
-        self.stamp = _stamp(sources if sources is not None else (weight,))
+        self.stamp = _stamp(weight, sources if sources is not None else (weight,))
 
 
-def _stamp(sources: Sequence[torch.Tensor]) -> tuple:
-    """What identifies the state of the tensors a weight is made of: in-place writes bump a
-    tensor's version, a replaced parameter is another object, a conversion another dtype
-    (an inference tensor, made under ``torch.inference_mode``, keeps no version)."""
-    return tuple((id(t), None if t.is_inference() else t._version, t.dtype) for t in sources)
+def _stamp(weight: torch.Tensor, sources: Sequence[torch.Tensor]) -> tuple:
+    """What identifies the state of the tensors ``weight`` is made of: in-place writes bump a
+    tensor's version, a replaced parameter is another object, a conversion gives another
+    dtype (an inference tensor, made under ``torch.inference_mode``, keeps no version)."""
+    try:
+        versions = tuple(t._version for t in sources)
+    except RuntimeError:  # an inference tensor among them
+        versions = tuple(None if t.is_inference() else t._version for t in sources)
+    return tuple(map(id, sources)), versions, weight.dtype
 
 
 def token_group_scales(t: torch.Tensor, ends: torch.Tensor, fp8_dtype: torch.dtype,
