@@ -194,7 +194,7 @@ class Fp8WeightCache:
 
     def __init__(self) -> None:
         self.entry: Fp8Weight | None = None
-        self.stamp: tuple | None = None  # the sources' (id, version, dtype) at quantization
+        self.stamp: tuple | None = None  # what the copy was made from (see _stamp)
 
     def get(self, weight: torch.Tensor, recipe: Float8Recipe, route: str, refresh: bool,
             sources: Sequence[torch.Tensor] | None = None) -> Fp8Weight:
