@@ -27,7 +27,7 @@ from .. import recipes
 from ..kernels.activation import GATED_KINDS, KIND_PARAMETERS, bias_act_reference
 from ..ops.grouped_linear import grouped_linear, reads_fp8_rows
 from ..ops.mlp import grouped_mlp
-from ..ops.permutation import permute, unpermute
+from ..ops.permutation import check_range, permute, unpermute
 from . import MissingDependency
 
 __all__ = ["NAME", "RECIPE_NAMES", "experts_forward", "register", "enable"]
@@ -212,14 +212,10 @@ def _check_call(module: torch.nn.Module, hidden_states: object, top_k_index: obj
     if (module._is_expert_parallel or top_k_index.device.type != "cpu"
             or top_k_index.numel() == 0 or torch.compiler.is_compiling()):
         return
-    low, high = (int(v) for v in torch.aminmax(top_k_index))
-    if low < -1 or high >= module.num_experts:
-        t, j = (int(v) for v in ((top_k_index < -1) | (top_k_index >= module.num_experts))
-                .nonzero()[0])
-        raise ValueError(
-            f"top_k_index[{t}, {j}] is {int(top_k_index[t, j])}: expert indices must be in "
-            f"[0, {module.num_experts}) (-1: no expert); indices past the experts are other "
-            "ranks' only in an expert-parallel module (_is_expert_parallel)")
+    check_range(top_k_index, module.num_experts, "top_k_index",
+                f"expert indices must be in [0, {module.num_experts}) (-1: no expert); indices "
+                "past the experts are other ranks' only in an expert-parallel module "
+                "(_is_expert_parallel)")
 
 
 def _forward(module: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,

@@ -155,7 +155,7 @@ def _check_integer_matrix(t: object, name: str) -> torch.Tensor:
 
 
 
-def _check_range(values: torch.Tensor, high: int, name: str, allowed: str) -> None:
+def check_range(values: torch.Tensor, high: int, name: str, allowed: str) -> None:
     """Raise ValueError naming the first ``(t, j)`` outside ``[-1, high)`` (host sync).
 
     Compared in int64: in a narrow dtype ``-1`` and ``high`` would wrap (uint8 has no -1,
@@ -294,7 +294,7 @@ def permute(
         fp8 = None  # the experts' calls take another route (their geometry judged H -> H)
     exact = x.device.type == "cpu" and host_checks()
     if not is_map and host_checks() and (exact or debug_checks_enabled()):
-        _check_range(
+        check_range(
             topk_indices.view(tokens, k),
             num_experts,
             "topk_indices",
@@ -428,7 +428,7 @@ def unpermute(
             )
     num_rows = y_perm.shape[0]
     if host_checks() and (y_perm.device.type == "cpu" or debug_checks_enabled()):
-        _check_range(
+        check_range(
             row_map,
             num_rows,
             "row_map",
@@ -445,7 +445,7 @@ def unpermute(
             )
         if experts is not None and topk_indices.dtype != torch.bool:
             high = probs.shape[1]
-            _check_range(topk_indices.view(row_map.shape), high, "topk_indices",
+            check_range(topk_indices.view(row_map.shape), high, "topk_indices",
                          f"expert indices must be in [-1, {high - 1}] (probs has {high} columns)")
             inputs.check_not_mask(topk_indices, high)
     if experts is not None:

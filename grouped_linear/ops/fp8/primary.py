@@ -322,9 +322,14 @@ torch.serialization.add_safe_globals([_rebuild, Float8Rowwise, Float8Tensorwise,
                                       Float8Blockwise])
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s local shard if it is a DTensor, else ``t``."""
+    return getattr(t, "_local_tensor", t)
+
+
 def _stored(p: torch.Tensor) -> Float8WeightTensor | None:
     """The FP8 storage of a parameter: itself, or its local shard under FSDP2 (a DTensor)."""
-    local = getattr(p, "_local_tensor", p)
+    local = _local(p)
     return local if isinstance(local, Float8WeightTensor) else None
 
 
@@ -349,7 +354,7 @@ def _check_parameters(parameters: object) -> list[torch.nn.Parameter]:
     return found
 
 
-def _version(t: torch.Tensor) -> int:
+def version_counter(t: torch.Tensor) -> int:
     """``t``'s version counter (-1 for an inference tensor, which keeps none)."""
     return -1 if t.is_inference() else t._version
 
@@ -361,13 +366,8 @@ def _signature(p: torch.Tensor) -> tuple[int, ...]:
     (``torch.utils.swap_tensors``, which ``load_state_dict(assign=True)`` uses under
     ``torch.__future__.set_swap_module_params_on_conversion(True)``)."""
     stored = _stored(p)
-    return (_version(p), _version(stored), _version(stored.codes), _version(stored.inv),
+    return (*map(version_counter, (p, stored, stored.codes, stored.inv)),
             stored.codes.data_ptr(), stored.inv.data_ptr())
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """``t``'s local shard if it is a DTensor, else ``t``."""
-    return getattr(t, "_local_tensor", t)
 
 
 class MasterWeights:

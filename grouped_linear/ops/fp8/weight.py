@@ -19,7 +19,7 @@ from ...kernels.quantize.emulate import dequantize_codes
 from ...kernels.quantize.transpose import transpose_groups
 from ...recipes import Float8Blockwise, Float8Recipe, Float8Rowwise, Float8Tensorwise
 from ..weight_grad import WeightGradSink, route_weight_grads
-from .primary import Float8WeightTensor, quantize_weight_codes
+from .primary import Float8WeightTensor, quantize_weight_codes, version_counter
 
 __all__ = ["Fp8Config", "Fp8Weight", "Fp8WeightCache", "quantize_weight_emulated",
            "stash_dgrad_weight", "take_dgrad_weight", "token_group_scales",
@@ -233,7 +233,7 @@ def _stamp(weight: torch.Tensor, sources: Sequence[torch.Tensor]) -> tuple:
     try:
         versions = tuple(t._version for t in sources)
     except RuntimeError:  # an inference tensor among them
-        versions = tuple(None if t.is_inference() else t._version for t in sources)
+        versions = tuple(map(version_counter, sources))
     return tuple(map(id, sources)), versions, weight.dtype
 
 
