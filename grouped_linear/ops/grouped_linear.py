@@ -141,6 +141,8 @@ def apply_grouped_linear(
     # Devices and kinds of dtype before anything converts or reads a value (torch.autocast
     # would cast an integer input silently).
     device = check_operands(x, (("x", x), ("weight", weight), ("bias", bias)))
+    if weight_sources is None:  # the cache follows the parameter, not an autocast copy of it
+        weight_sources = (weight,)
     if torch.is_autocast_enabled(device.type):
         dtype = torch.get_autocast_dtype(device.type)
         if pieces is not None and x.dtype != torch.float64:

@@ -1,5 +1,7 @@
 """FP8 recipes (emulated): numerics against float64, scaling, edge values, weight cache."""
 
+import contextlib
+
 import pytest
 import torch
 
@@ -105,6 +107,42 @@ def test_weight_cache_across_microbatches(monkeypatch, single):
     empty = gl.GroupedLinear(2, K, N, recipe=Float8Rowwise(), single_grouped_weight=single)
     empty.load_state_dict(layer.state_dict())
     assert torch.equal(empty(x, [4, 6], is_first_microbatch=False), layer(x, [4, 6]))
+
+
+@pytest.mark.parametrize("change", ["fused_adamw", "fused_sgd", "data_assigned", "autocast"])
+@pytest.mark.parametrize("single", [True, False], ids=["grouped_weight", "per_expert"])
+def test_the_cache_follows_changes_no_version_counter_shows(change, single):
+    """Weight changes that bump no version counter of the parameter itself: a fused
+    optimizer's step, new data assigned to ``.data``, an in-place write between calls under
+    ``torch.autocast`` (whose cast copy of the weight is new each call); each call with
+    ``False`` after one computes with the new weight, as a call quantizing afresh does."""
+    torch.manual_seed(0)
+    layer = gl.GroupedLinear(2, K, N, recipe=Float8Rowwise(), single_grouped_weight=single)
+    params = [layer.weight] if single else layer.weight_list()
+    x = torch.randn(10, K)
+    cast = (torch.autocast("cpu", dtype=torch.bfloat16) if change == "autocast"
+            else contextlib.nullcontext())
+    with cast:
+        before = layer(x, [4, 6], is_first_microbatch=True)
+    for _ in range(3):
+        if change.startswith("fused"):
+            for p in params:
+                p.grad = torch.randn_like(p)
+            optimizer = (torch.optim.AdamW(params, lr=0.1, fused=True) if change == "fused_adamw"
+                         else torch.optim.SGD(params, lr=0.5, fused=True))
+            versions = [p._version for p in params]
+            optimizer.step()
+            assert [p._version for p in params] == versions  # nothing the counters see
+        elif change == "data_assigned":
+            params[-1].data = params[-1].detach() * -2
+        else:
+            with torch.no_grad():
+                params[-1].mul_(-2)
+        with cast:
+            followed = layer(x, [4, 6], is_first_microbatch=False)
+            fresh = layer(x, [4, 6])
+        assert torch.equal(followed, fresh) and not torch.equal(followed, before)
+        before = followed
 
 
 def test_fp8_with_delayed_wgrad_and_mlp():

@@ -11,6 +11,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from ...kernels import bias as bias_kernels
 from ...kernels.gemm.gluon_gemm import is_input_major
@@ -188,13 +189,16 @@ class Fp8WeightCache:
     the first microbatch, so that captured CUDA graphs keep reading the same buffers. It also
     re-quantizes where the weight changed since the copy was made, whatever the caller says
     (an optimizer step before a call that passes ``refresh=False``, a parameter replaced or
-    converted): it follows the version counter and identity of each tensor the weight is
-    made of, so a stale copy is never used.
+    converted, new data): it follows the version counter, identity and address of each tensor
+    the weight is made of, and the steps of ``torch.optim`` optimizers (the fused ones bump no
+    version counter). What none of these sees: a write through ``param.data`` (a tensor with
+    a version counter of its own) between calls that pass ``refresh=False``.
     """
 
     def __init__(self) -> None:
         self.entry: Fp8Weight | None = None
         self.stamp: tuple | None = None  # what the copy was made from (see _stamp)
+        _OptimizerSteps.start()
 
     def get(self, weight: torch.Tensor, recipe: Float8Recipe, route: str, refresh: bool,
             sources: Sequence[torch.Tensor] | None = None) -> Fp8Weight:
@@ -226,15 +230,37 @@ class Fp8WeightCache:
         self.stamp = _stamp(weight, sources if sources is not None else (weight,))
 
 
+class _OptimizerSteps:
+    """How many ``torch.optim`` optimizer steps have run since the first FP8 weight cache was
+    made: the fused optimizers (``Adam(fused=True)``, ...) update parameters without bumping
+    their version counters, so a finished step is what tells the caches their weights may
+    have changed. The hook is global (every optimizer's ``step``) and only counts."""
+
+    count = 0
+    handle = None
+
+    @classmethod
+    def start(cls) -> None:
+        if cls.handle is None:
+            cls.handle = register_optimizer_step_post_hook(cls._count)
+
+    @classmethod
+    def _count(cls, optimizer, args, kwargs) -> None:
+        cls.count += 1
+
+
 def _stamp(weight: torch.Tensor, sources: Sequence[torch.Tensor]) -> tuple:
     """What identifies the state of the tensors ``weight`` is made of: in-place writes bump a
-    tensor's version, a replaced parameter is another object, a conversion gives another
-    dtype (an inference tensor, made under ``torch.inference_mode``, keeps no version)."""
+    tensor's version (an inference tensor, made under ``torch.inference_mode``, keeps none),
+    a replaced parameter is another object, new data (``param.data = ...``, a conversion) lies
+    at another address, an optimizer step is counted (:class:`_OptimizerSteps`), and the
+    weight's dtype is the one the GEMMs read (``torch.autocast``'s)."""
     try:
         versions = tuple(t._version for t in sources)
     except RuntimeError:  # an inference tensor among them
         versions = tuple(map(version_counter, sources))
-    return tuple(map(id, sources)), versions, weight.dtype
+    return (tuple(map(id, sources)), versions, tuple(t.data_ptr() for t in sources),
+            _OptimizerSteps.count, weight.dtype)
 
 
 def token_group_scales(t: torch.Tensor, ends: torch.Tensor, fp8_dtype: torch.dtype,
