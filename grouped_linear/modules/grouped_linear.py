@@ -343,8 +343,8 @@ class GroupedLinear(nn.Module):
         if not torch.is_grad_enabled() or not (trains_w or self.delay_wgrad_compute and any(
                 b.requires_grad for b in self._bias_params() or ())):
             return None
-        if self.fuse_wgrad_accumulation and trains_w:
-            check_main_grad(weights, names)
+        if self.fuse_wgrad_accumulation and trains_w:  # frozen experts need no main_grad
+            check_main_grad(*zip(*((w, n) for w, n in zip(weights, names) if w.requires_grad)))
         return WeightGradSink(weights, self._bias_params(), names, delay=self.delay_wgrad_compute,
                               fuse_main_grad=self.fuse_wgrad_accumulation and trains_w,
                               queue=self._pending_wgrads)

@@ -24,8 +24,10 @@ name, False)`` when the forward runs and required to be a ``bool``:
   its hooks). Per-expert weights of which only some carry it get zeros.
 
 The sink writes only what the running backward pass asks for: an input-only pass
-(``torch.autograd.grad(y, x)``, ``y.backward(inputs=[x])``) leaves the parameters alone, and
-``torch.autograd.grad`` over a parameter gets that gradient back from autograd. A weight
+(``torch.autograd.grad(y, x)``, ``y.backward(inputs=[x])``) leaves the parameters alone,
+per-expert parameters that are frozen (``requires_grad=False``) or left out of ``inputs=``
+get nothing (and need no ``main_grad``), and ``torch.autograd.grad`` over a parameter gets
+that gradient back from autograd. A weight
 gradient bound for an fp32 ``main_grad`` is computed in fp32 (never rounded to the
 parameter's dtype first). A queued gradient remembers the versions of the tensors it reads,
 so an in-place change before ``backward_dw`` raises as autograd does.
@@ -96,20 +98,23 @@ def _accumulate_grad(param: torch.Tensor, grad: torch.Tensor) -> None:
         param.grad.add_(grad)
 
 
-def _destination(params: Sequence[torch.nn.Parameter] | None) -> int:
+def _destination(params: Sequence[torch.nn.Parameter] | None) -> tuple[int, tuple[bool, ...]]:
     """Where the running backward pass wants the gradients of ``params``: nowhere (a pass
     that does not reach them), back to autograd (``torch.autograd.grad`` over one of them)
-    or into the sink (a ``backward`` that accumulates into them)."""
-    where = _NOWHERE
+    or into the sink (a ``backward`` that accumulates into them); and for the sink, which of
+    them it reaches (not the frozen ones, nor those an ``inputs=`` leaves out)."""
+    reached = []
     for param in params or ():
-        if not param.requires_grad:
-            continue
         try:
-            if torch._C._will_engine_execute_node(get_gradient_edge(param).node):
-                where = _SINK
+            reached.append(param.requires_grad and bool(
+                torch._C._will_engine_execute_node(get_gradient_edge(param).node)))
         except RuntimeError:  # torch.autograd.grad captures this leaf's gradient
-            return _AUTOGRAD
-    return where
+            return _AUTOGRAD, ()
+    return (_SINK if any(reached) else _NOWHERE), tuple(reached)
+
+
+def _chosen(items: Sequence, mask: Sequence[bool]) -> list:
+    return [item for item, keep in zip(items, mask) if keep]
 
 
 def _check_versions(reads: Sequence[tuple[torch.Tensor, int]]) -> None:
@@ -160,47 +165,58 @@ class WeightGradSink:
             names = self.weight_names
             self.overwrite = main_grad_flags(self.weights, names, "overwrite_main_grad")
             zero_out = main_grad_flags(self.weights, names, "zero_out_wgrad")
-            self.flagged = [w for w in self.weights if hasattr(w, "grad_added_to_main_grad")]
-            if any(zero_out) or 0 < len(self.flagged) < len(self.weights):
+            trained = [w for w in self.weights if w.requires_grad]
+            self.flagged = [w for w in trained if hasattr(w, "grad_added_to_main_grad")]
+            if any(zero_out) or 0 < len(self.flagged) < len(trained):
                 self.placeholder = "zeros"
             elif self.flagged:
                 self.placeholder = "empty"
 
-    def weight_grad_dtype(self) -> torch.dtype | None:
+    def weight_grad_dtype(self, mask: Sequence[bool]) -> torch.dtype | None:
         """The dtype the weight gradient is computed in: when fused into ``main_grad``, the
         wider of its dtype and the parameter's (fp32 for half-precision parameters with an
         fp32 ``main_grad``; a narrower ``main_grad`` receives the gradient rounded once, not
-        one computed from operands rounded to its dtype), else the parameter's (``None``)."""
+        one computed from operands rounded to its dtype), else the parameter's (``None``).
+        ``mask``: the weights that receive it."""
         if not self.fuse_main_grad:
             return None
-        return torch.promote_types(self.weights[0].dtype, self.weights[0].main_grad.dtype)
+        first = _chosen(self.weights, mask)[0]
+        return torch.promote_types(first.dtype, first.main_grad.dtype)
 
     def _pieces(self, params: list[torch.nn.Parameter], grad: torch.Tensor) -> list[torch.Tensor]:
         if len(params) == 1 and params[0].shape == grad.shape:
             return [grad]
         return list(grad.unbind(0))
 
-    @torch.no_grad()
-    def accept_weight_grad(self, grad_w: torch.Tensor) -> None:
-        pieces = self._pieces(self.weights, grad_w)
+    def check_main_grad(self, mask: Sequence[bool]) -> None:
+        """:func:`check_main_grad` of the weights in ``mask`` (where fused into it)."""
         if self.fuse_main_grad:
-            check_main_grad(self.weights, self.weight_names)
-            for param, piece, overwrite in zip(self.weights, pieces, self.overwrite):
-                if overwrite:
-                    param.main_grad.copy_(piece)
-                else:
-                    param.main_grad.add_(piece)
-        else:
-            for param, piece in zip(self.weights, pieces):
-                _accumulate_grad(param, piece)
+            check_main_grad(_chosen(self.weights, mask), _chosen(self.weight_names, mask))
 
-    def fused_weight_grad(self) -> torch.Tensor | None:
+    @torch.no_grad()
+    def accept_weight_grad(self, grad_w: torch.Tensor, mask: Sequence[bool]) -> None:
+        """Add ``grad_w``'s pieces into the weights in ``mask`` (their ``main_grad`` or
+        ``.grad``)."""
+        pieces = self._pieces(self.weights, grad_w)
+        self.check_main_grad(mask)
+        for param, piece, overwrite, keep in zip(self.weights, pieces, self.overwrite, mask):
+            if not keep:
+                continue
+            if not self.fuse_main_grad:
+                _accumulate_grad(param, piece)
+            elif overwrite:
+                param.main_grad.copy_(piece)
+            else:
+                param.main_grad.add_(piece)
+
+    def fused_weight_grad(self, mask: Sequence[bool]) -> torch.Tensor | None:
         """What autograd receives for the weight when its gradient goes into ``main_grad``
         (now, or in ``backward_dw``): zeros, an uninitialised placeholder or ``None``, of the
         ``(G, N, K)`` weight the autograd function took; marks ``grad_added_to_main_grad``
-        where the parameters carry it."""
-        for param in self.flagged:
-            param.grad_added_to_main_grad = True
+        where the parameters in ``mask`` carry it."""
+        for param in _chosen(self.weights, mask):
+            if any(param is flagged for flagged in self.flagged):
+                param.grad_added_to_main_grad = True
         if self.placeholder is None:
             return None
         first = self.weights[0]
@@ -209,15 +225,19 @@ class WeightGradSink:
         return make(shape, dtype=first.dtype, device=first.device)
 
     @torch.no_grad()
-    def accept_bias_grad(self, grad_b: torch.Tensor) -> None:
+    def accept_bias_grad(self, grad_b: torch.Tensor, mask: Sequence[bool]) -> None:
         assert self.biases is not None
-        for param, piece in zip(self.biases, self._pieces(self.biases, grad_b)):
-            _accumulate_grad(param, piece)
+        for param, piece, keep in zip(self.biases, self._pieces(self.biases, grad_b), mask):
+            if keep:
+                _accumulate_grad(param, piece)
 
-    def defer(self, compute: Callable[[], GradPair], reads: Sequence[torch.Tensor]) -> None:
+    def defer(self, compute: Callable[[], GradPair], reads: Sequence[torch.Tensor],
+              masks: tuple[Sequence[bool], Sequence[bool]]) -> None:
         """Queue a closure computing ``(grad_w, grad_b)`` for :meth:`flush`, with the versions
-        of the tensors it ``reads`` as they are now."""
-        self.queue.append((self, compute, [(t, t._version) for t in reads if t is not None]))
+        of the tensors it ``reads`` as they are now and the ``masks`` of the weights and
+        biases that receive them."""
+        self.queue.append((self, compute, [(t, t._version) for t in reads if t is not None],
+                           masks))
 
     @staticmethod
     @torch.no_grad()
@@ -225,17 +245,17 @@ class WeightGradSink:
         """Compute and apply every queued gradient, oldest first. Every entry is checked
         (``main_grad`` present and sound, inputs unchanged) before any gradient moves; a
         failing check raises and leaves the queue as it was."""
-        for sink, _, reads in queue:
-            if sink.fuse_main_grad:
-                check_main_grad(sink.weights, sink.weight_names)
+        for sink, _, reads, (mask_w, _) in queue:
+            if any(mask_w):
+                sink.check_main_grad(mask_w)
             _check_versions(reads)
         while queue:
-            sink, compute, _ = queue[0]
+            sink, compute, _, (mask_w, mask_b) = queue[0]
             grad_w, grad_b = compute()
             if grad_w is not None:
-                sink.accept_weight_grad(grad_w)
+                sink.accept_weight_grad(grad_w, mask_w)
             if grad_b is not None:
-                sink.accept_bias_grad(grad_b)
+                sink.accept_bias_grad(grad_b, mask_b)
             queue.popleft()
 
 
@@ -261,10 +281,12 @@ def route_weight_grads(sink: WeightGradSink | None, need_w: bool, need_b: bool,
     if torch.compiler.is_compiling():  # traced: no engine to ask, no versions to keep
         to_w = _SINK if need_w else _NOWHERE
         to_b = _SINK if need_b else _NOWHERE
+        mask_w = tuple(w.requires_grad for w in sink.weights)
+        mask_b = tuple(b.requires_grad for b in sink.biases or ())
         reads = ()
     else:
-        to_w = _destination(sink.weights) if need_w else _NOWHERE
-        to_b = _destination(sink.biases) if need_b else _NOWHERE
+        to_w, mask_w = _destination(sink.weights) if need_w else (_NOWHERE, ())
+        to_b, mask_b = _destination(sink.biases) if need_b else (_NOWHERE, ())
     if not sink.delay and to_b == _SINK:  # only weight gradients skip autograd when not delayed
         to_b = _AUTOGRAD
     now_w, now_b = to_w == _AUTOGRAD, to_b == _AUTOGRAD
@@ -272,13 +294,14 @@ def route_weight_grads(sink: WeightGradSink | None, need_w: bool, need_b: bool,
     if sink.delay:
         if later_w or later_b:
             sink.defer(lambda: compute(later_w, later_b,
-                                       sink.weight_grad_dtype() if later_w else None), reads)
+                                       sink.weight_grad_dtype(mask_w) if later_w else None),
+                       reads, (mask_w, mask_b))
         grad_w, grad_b = compute(now_w, now_b, None) if now_w or now_b else (None, None)
     elif later_w:  # fused into main_grad now
-        grad_w, grad_b = compute(True, now_b, sink.weight_grad_dtype())
-        sink.accept_weight_grad(grad_w)
+        grad_w, grad_b = compute(True, now_b, sink.weight_grad_dtype(mask_w))
+        sink.accept_weight_grad(grad_w, mask_w)
     else:
         return compute(now_w, now_b, None) if now_w or now_b else (None, None)
     if later_w and sink.fuse_main_grad:
-        grad_w = sink.fused_weight_grad()
+        grad_w = sink.fused_weight_grad(mask_w)
     return grad_w, grad_b

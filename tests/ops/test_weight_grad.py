@@ -432,3 +432,46 @@ def test_a_delayed_bias_waits_for_backward_dw_with_the_weight_frozen(single, fus
     got = layer.bias.grad if single else torch.stack([b.grad for b in biases])
     assert rel_err(got, want) < 1e-12
     assert all(w.grad is None for w in _weights(layer))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("mode", ["delay", "fuse", "both"])
+@pytest.mark.parametrize("pick", ["frozen", "inputs"])
+def test_per_expert_parameters_get_only_the_gradients_autograd_asks_for(backend, mode, pick):
+    """Per-expert parameters with a sink: an expert frozen (``requires_grad=False``, without a
+    ``main_grad``) or left out of ``backward(inputs=)`` gets nothing (no ``.grad``, its
+    ``main_grad`` untouched); the others get the float64 reference's gradients."""
+    dtype = _dtype(backend)
+    layer = _layer(backend, delay_wgrad_compute=mode != "fuse",
+                   fuse_wgrad_accumulation=mode != "delay", single_grouped_weight=False,
+                   single_grouped_bias=False)
+    weights = _weights(layer)
+    biases = [getattr(layer, f"bias{i}") for i in range(G)]
+    skipped = {1, 3}  # expert 1 has rows (5, 0, 9, 6), expert 3 too
+    if pick == "frozen":
+        for i in skipped:
+            weights[i].requires_grad_(False)
+            biases[i].requires_grad_(False)
+    for i, p in enumerate(weights):
+        if mode != "delay" and i not in skipped:
+            p.main_grad = torch.zeros_like(p, dtype=dtype)
+        elif mode != "delay" and pick == "inputs":  # frozen ones have none
+            p.main_grad = torch.full_like(p, 7.0)  # untouched below
+    w, b = layer.grouped_weight().detach(), layer.grouped_bias().detach()
+    x = torch.randn(M, K, dtype=dtype, device=_device(backend), requires_grad=True)
+    g = torch.randn(M, N, dtype=dtype, device=x.device)
+    wanted = [i for i in range(G) if i not in skipped]
+    inputs = [x] + [weights[i] for i in wanted] + [biases[i] for i in wanted]
+    layer(x, SIZES).backward(g, inputs=inputs if pick == "inputs" else None)
+    layer.backward_dw()
+    ref = reference_grads(x, w, b, SIZES, g)
+    assert rel_err(x.grad, ref[1]) < _tol(backend)
+    for i in range(G):
+        if i in skipped:
+            assert weights[i].grad is None and biases[i].grad is None
+            if mode != "delay" and pick == "inputs":
+                assert torch.equal(weights[i].main_grad, torch.full_like(weights[i], 7.0))
+        else:
+            got_w = weights[i].main_grad if mode != "delay" else weights[i].grad
+            assert rel_err(got_w, ref[2][i]) < _tol(backend)
+            assert rel_err(biases[i].grad, ref[3][i]) < _tol(backend)
