@@ -460,10 +460,8 @@ def _apply_init_method(init_method: Callable[[torch.Tensor], object], weight: to
     if result is None or result is weight:
         return
     if not isinstance(result, torch.Tensor):
-        raise TypeError(
-            f"init_method returned {type(result).__name__}: expected None (the weight filled "
-            f"in place) or a tensor of shape {tuple(weight.shape)}"
-        )
+        raise TypeError(f"init_method returned {type(result).__name__}: expected None (the weight "
+                        f"filled in place) or a tensor of shape {tuple(weight.shape)}")
     if result.shape != weight.shape:
         raise ValueError(f"init_method returned a tensor of shape {tuple(result.shape)}: expected "
                          f"the weight's shape {tuple(weight.shape)}")
@@ -495,6 +493,7 @@ def _remap_layout(state_dict: dict, prefix: str, name: str, num_groups: int, sin
         for key in expert_keys:
             del state_dict[key]
     elif not single and single_key in state_dict and not any(k in state_dict for k in expert_keys):
-        for key, piece in zip(expert_keys, state_dict[single_key].unbind(0)):
-            state_dict[key] = piece
-        del state_dict[single_key]
+        stacked = state_dict.pop(single_key)
+        if isinstance(stacked, Float8WeightTensor):  # FP8 primary weights: their values
+            stacked = stacked.dequantize()
+        state_dict.update(zip(expert_keys, stacked.unbind(0)))

@@ -124,6 +124,11 @@ def test_state_dicts_round_trip_and_load_into_plain_modules():
     plain = _mlp(BLOCK)
     plain.load_state_dict(state)
     assert torch.equal(plain.fc2.weight, mlp.fc2.weight.dequantize())
+    per_expert = gl.GroupedLinear(mlp.fc2.num_gemms, mlp.fc2.in_features, mlp.fc2.out_features,
+                                  single_grouped_weight=False)
+    per_expert.load_state_dict({k[len("fc2."):]: v for k, v in state.items()
+                                if k.startswith("fc2.")})
+    assert torch.equal(per_expert.grouped_weight(), mlp.fc2.weight.dequantize(torch.float32))
 
 
 def test_dtype_and_device_moves_keep_the_fp8_storage():
