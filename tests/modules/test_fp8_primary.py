@@ -128,7 +128,7 @@ def test_state_dicts_round_trip_and_load_into_plain_modules():
                                   single_grouped_weight=False)
     per_expert.load_state_dict({k[len("fc2."):]: v for k, v in state.items()
                                 if k.startswith("fc2.")})
-    assert torch.equal(per_expert.grouped_weight(), mlp.fc2.weight.dequantize(torch.float32))
+    assert torch.equal(per_expert.grouped_weight(), mlp.fc2.weight.dequantize().float())
 
 
 def test_dtype_and_device_moves_keep_the_fp8_storage():
