@@ -307,8 +307,10 @@ def enable(model: torch.nn.Module, recipe: recipes.Float8Recipe | None = None) -
     """Register the entries and switch ``model`` (a transformers ``PreTrainedModel``) to them:
     the plain entry without ``recipe`` (it follows ``gl.autocast``), else the entry of that
     recipe (:data:`RECIPE_NAMES` for the default settings, ``"grouped_linear_<recipe>"`` for
-    others). Every experts module's gate is probed again. Returns ``model``; a model without
-    experts modules that transformers dispatches is a ``ValueError``."""
+    others). Every experts module's gate is probed again, and every experts module's config
+    switched (also where transformers' own switch skips a subclass of a model class defined
+    in a script or notebook). Returns ``model``; a model without experts modules that
+    transformers dispatches is a ``ValueError``."""
     if not hasattr(model, "set_experts_implementation"):
         raise TypeError(
             f"model is {type(model).__name__}: expected a transformers PreTrainedModel "
@@ -332,4 +334,10 @@ def enable(model: torch.nn.Module, recipe: recipes.Float8Recipe | None = None) -
         if name not in RECIPE_NAMES:
             _experts_interface().register(name, _entry(recipe))
     model.set_experts_implementation(name)
+    # transformers switches a config only where the model class's source file shows the
+    # decorator: a subclass defined elsewhere (a script, a notebook) keeps its old entry.
+    configs = (getattr(m, "config", None) for m in experts)
+    for config in {id(c): c for c in configs if c is not None}.values():
+        if config._experts_implementation != name:
+            config._experts_implementation = name
     return model

@@ -294,6 +294,29 @@ def test_enable_rejects_what_is_not_a_transformers_model():
     assert dense.config._experts_implementation == before
 
 
+def test_enable_switches_a_subclass_transformers_would_not():
+    """A model class subclassed in a user's script or notebook, whose source transformers
+    cannot read (its switch then leaves the config alone): enable() still switches every
+    experts module, and the model then matches eager."""
+    model = tiny_model("qwen3_moe")
+    want = model(IDS).logits.detach()
+    user_class = type("UserQwen3Moe", (type(model),), {
+        "__module__": "builtins", "_can_set_experts_implementation_cached_value": False})
+    model.__class__ = user_class
+    gl_hf.register()
+    model.set_experts_implementation(gl_hf.NAME)
+    assert model.config._experts_implementation == "eager"  # transformers' own switch: none
+    calls = []
+    original = gl_hf._forward
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(gl_hf, "_forward", lambda *a, **k: calls.append(1) or original(*a, **k))
+        gl_hf.enable(model)
+        got = model(IDS).logits
+    assert model.config._experts_implementation == gl_hf.NAME
+    assert len(calls) == model.config.num_hidden_layers
+    assert rel_err(got, want) < 1e-10
+
+
 def test_enable_probes_every_gate_again():
     """An ``act_fn`` replaced on every experts module is found by enable() (and the model then
     matches eager with the new activation)."""
