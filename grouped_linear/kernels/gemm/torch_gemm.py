@@ -49,9 +49,9 @@ def _grouped_mm_layout(t: torch.Tensor) -> torch.Tensor:
             (cols == 1 and rows % alignment == 0 and rows >= max(1, t.shape[-1]))
             or (rows == 1 and cols % alignment == 0 and cols >= max(1, t.shape[-2]))):
         return t
-    width = t.shape[-1]
-    padded = t.new_empty(*t.shape[:-1], -(-width // alignment) * alignment)[..., :width]
-    return padded.copy_(t)
+    width = t.shape[-1]  # (rows of no columns keep a row stride too: 16 bytes)
+    padded = t.new_empty(*t.shape[:-1], -(-max(width, 1) // alignment) * alignment)
+    return padded[..., :width].copy_(t)
 
 
 def _loop_forward(x, weight, ends, host_ends, bias):
