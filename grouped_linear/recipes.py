@@ -96,7 +96,7 @@ def check_recipe(recipe: object, device: torch.device | None = None) -> Float8Re
     if recipe is None:
         return None
     if not isinstance(recipe, _RECIPES):
-        raise ValueError(
+        raise TypeError(
             f"recipe={recipe!r} is not a known recipe; use gl.recipes.Float8Rowwise(), "
             "Float8Tensorwise() or Float8Blockwise() (or None)"
         )

@@ -30,7 +30,7 @@ def test_autocast_nests_and_restores():
             assert current_recipe() == Float8Tensorwise()
         assert current_recipe() == Float8Rowwise()
     assert current_recipe() is None
-    with pytest.raises(ValueError, match=r"recipe='fp8' is not a known recipe"):
+    with pytest.raises(TypeError, match=r"recipe='fp8' is not a known recipe"):
         with gl.autocast("fp8"):
             pass
 

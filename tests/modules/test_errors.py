@@ -16,7 +16,7 @@ G, K, N = 3, 8, 4
         ((G, K, 0), {}, ValueError, r"out_features is 0: must be >= 1"),
         ((2.5, K, N), {}, TypeError, r"num_gemms is 2.5 of type float: expected an int"),
         ((G, K, N), {"backend": "cublas"}, ValueError, r"backend='cublas'"),
-        ((G, K, N), {"recipe": "fp8"}, ValueError, r"recipe='fp8'"),
+        ((G, K, N), {"recipe": "fp8"}, TypeError, r"recipe='fp8'"),
         ((G, K, N), {"parallel_mode": "diagonal"}, ValueError, r"parallel_mode='diagonal' is not"),
         ((G, K, N), {"tp_size": 2}, ValueError, r"tp_size=2 needs parallel_mode"),
         ((G, K, N), {"parallel_mode": "row", "tp_size": 2}, ValueError,
@@ -111,7 +111,7 @@ def test_functional_errors():
         gl.grouped_linear(x, w, torch.randn(G), [2, 2, 2])
     with pytest.raises(ValueError, match=r"backend='fast'"):
         gl.grouped_linear(x, w, None, [2, 2, 2], backend="fast")
-    with pytest.raises(ValueError, match=r"recipe='fp8'"):
+    with pytest.raises(TypeError, match=r"recipe='fp8'"):
         gl.grouped_linear(x, w, None, [2, 2, 2], recipe="fp8")
     with pytest.raises(ValueError, match=r"backend='grouped' does not support dtype torch.float64"):
         gl.grouped_linear(x.double(), w.double(), None, [2, 2, 2], backend="grouped")

@@ -54,7 +54,7 @@ def test_a_layer_that_cannot_be_stored_leaves_every_layer_unchanged():
         gl.to_fp8_weights(model, BLOCK)
     with pytest.raises(ValueError, match="single_grouped_weight=False"):
         gl.to_fp8_weights(gl.GroupedLinear(2, 64, 32, recipe=ROW, single_grouped_weight=False))
-    with pytest.raises(ValueError, match="is not a known recipe"):
+    with pytest.raises(TypeError, match="is not a known recipe"):
         gl.to_fp8_weights(model, "fp8")
     assert all(type(p.data) is torch.Tensor for p in model.parameters())
     gl.to_fp8_weights(model, ROW)  # one recipe for both

@@ -132,7 +132,7 @@ def test_rows_stay_plain_where_the_layer_takes_another_route():
 
 def test_a_recipe_that_is_not_one_is_refused():
     x, index, _ = _tokens()
-    with pytest.raises(ValueError, match="recipe='rowwise' is not a known recipe"):
+    with pytest.raises(TypeError, match="recipe='rowwise' is not a known recipe"):
         gl.permute(x, index, E, recipe="rowwise")
 
 

@@ -182,7 +182,7 @@ def _bad(**changes):
     (_bad(), {"gate_up_order": "paired"}, ValueError, r"gate_up_order='paired'"),
     (_bad(), {"alpha": 1.0}, ValueError, r"alpha=1.0 applies only"),
     (_bad(), {"backend": "loop"}, TypeError, r"'backend'"),
-    (_bad(), {"recipe": "fp8"}, ValueError, r"recipe='fp8'"),
+    (_bad(), {"recipe": "fp8"}, TypeError, r"recipe='fp8'"),
     (_bad(), {"probs": [0.5] * sum(SIZES)}, TypeError, r"probs must be a torch.Tensor"),
     (_bad(), {"probs": torch.ones(sum(SIZES), dtype=torch.int64)}, TypeError,
      r"probs has dtype torch.int64"),
