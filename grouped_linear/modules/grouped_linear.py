@@ -100,11 +100,10 @@ class GroupedLinear(nn.Module):
     ) -> None:
         super().__init__()
         # Every argument by type first, each error naming it; then what they mean together.
-        flags = {"bias": bias, "return_bias": return_bias,
-                 "single_grouped_weight": single_grouped_weight,
-                 "single_grouped_bias": single_grouped_bias,
-                 "delay_wgrad_compute": delay_wgrad_compute,
-                 "fuse_wgrad_accumulation": fuse_wgrad_accumulation, "reduce_output": reduce_output,
+        flags = {"bias": bias, "return_bias": return_bias, "single_grouped_weight":
+                 single_grouped_weight, "single_grouped_bias": single_grouped_bias,
+                 "delay_wgrad_compute": delay_wgrad_compute, "fuse_wgrad_accumulation":
+                 fuse_wgrad_accumulation, "reduce_output": reduce_output,
                  "save_original_input": save_original_input}
         for name, value in flags.items():
             if not isinstance(value, bool):
@@ -118,9 +117,8 @@ class GroupedLinear(nn.Module):
             raise TypeError(f"params_dtype={params_dtype!r}: expected a floating-point torch.dtype")
         if params_dtype not in (None, torch.float16, torch.bfloat16, torch.float32, torch.float64):
             raise TypeError(f"params_dtype={params_dtype}: the weights are initialised and trained in "
-                             "float16, bfloat16, float32 or float64; for FP8 weights build the layer "
-                             "in one of those, then gl.to_fp8_weights(model) (README: FP8 primary "
-                             "weights)")
+                             "float16, bfloat16, float32 or float64; for FP8 weights build the layer in "
+                             "one of those, then gl.to_fp8_weights(model) (README: FP8 primary weights)")
         device = _check_device(device)
         if init_method is not None and not callable(init_method):
             raise TypeError(f"init_method must be callable, got {init_method!r}")
@@ -129,10 +127,8 @@ class GroupedLinear(nn.Module):
         self.tp = TensorParallel.create(parallel_mode, tp_size, tp_group, reduce_output,
                                         tp_column_blocks, self.in_features, self.out_features)
         if self.tp.mode == "row" and not self.tp.reduce_output and bias and not return_bias:
-            raise ValueError(
-                "reduce_output=False leaves the reduction to the caller, so the bias must be "
-                "added after it: use return_bias=True (or bias=False)"
-            )
+            raise ValueError("reduce_output=False leaves the reduction to the caller, so the bias "
+                             "must be added after it: use return_bias=True (or bias=False)")
         self.use_bias = bool(bias)
         self.return_bias = return_bias
         self.single_grouped_weight = single_grouped_weight
@@ -288,16 +284,19 @@ class GroupedLinear(nn.Module):
         ``return_bias`` overrides the constructor's choice for this call (callers
         that fold the bias into their next kernel, like ``GroupedMLP``).
         """
+        if (not self.single_grouped_weight and torch.compiler.is_compiling()
+                and (self.delay_wgrad_compute or self.fuse_wgrad_accumulation)):
+            # eagerly (a graph break): compiled, the experts would get zero `.grad`s, not None
+            return _eager(self, x, m_splits, is_first_microbatch=is_first_microbatch,
+                          return_bias=return_bias)
         if return_bias is None:
             return_bias = self.return_bias
         elif not isinstance(return_bias, bool):
             raise TypeError(f"return_bias must be None or a bool, got {return_bias!r}")
         if (self.tp.mode == "row" and not self.tp.reduce_output and self.use_bias
                 and not return_bias):
-            raise ValueError(
-                "return_bias=False with reduce_output=False: the caller reduces the output, "
-                "so the bias must be added after that reduction (return_bias=True)"
-            )
+            raise ValueError("return_bias=False with reduce_output=False: the caller reduces the "
+                             "output, so the bias must be added after that reduction (return_bias=True)")
         # Plain entries from the dict (Module.__getattr__ is a Python call each), else
         # computed (a parametrization); ``sources``: the experts' weights a stacked one is of.
         params = self._parameters
@@ -364,12 +363,10 @@ class GroupedLinear(nn.Module):
         current = {id(p) for p in self.parameters(recurse=False)}
         for sink, *_ in self._pending_wgrads:
             if any(id(p) not in current for p in sink.weights + (sink.biases or [])):
-                raise ValueError(
-                    "backward_dw: the layer's parameters were replaced after the forward that "
-                    "queued this gradient (fully_shard reshards them when the backward ends), "
-                    "so it cannot reach them: delay_wgrad_compute=True does not work under "
-                    "FSDP2's fully_shard"
-                )
+                raise ValueError("backward_dw: the layer's parameters were replaced after the forward "
+                                 "that queued this gradient (fully_shard reshards them when the "
+                                 "backward ends), so it cannot reach them: delay_wgrad_compute=True "
+                                 "does not work under FSDP2's fully_shard")
         WeightGradSink.flush(self._pending_wgrads)
 
     # ------------------------------------------------------------------ state dict
@@ -437,6 +434,9 @@ class GroupedLinear(nn.Module):
         if self.tp.mode is not None:
             parts.append(f"parallel_mode={self.tp.mode!r}, tp_size={self.tp.size}")
         return ", ".join(parts)
+
+
+_eager = torch.compiler.disable(GroupedLinear.forward)
 
 
 def _check_device(device: object) -> torch.device | None:

@@ -19,7 +19,7 @@ import torch
 from ..kernels.ends import group_ends
 from ..recipes import Float8Recipe, Float8Rowwise, current_recipe
 from .bias_add import add_group_bias
-from .checks import DEVICE_TYPES, check_operands, check_tensor, describe
+from .checks import DEVICE_TYPES, check_operands, check_tensor, describe, host_checks
 from .dispatch import cached_verdict, choose_route
 from .fast_path import apply_triton_linear, functorch_involved
 from .fp8 import (
@@ -298,9 +298,10 @@ def join_inputs(
         elif isinstance(m_splits, GroupSplits):
             given = m_splits.host_sizes
         elif isinstance(m_splits, torch.Tensor):
-            # Read only a CPU tensor normalize_splits takes; it rejects the others by name.
+            # Read only a CPU tensor normalize_splits takes (it rejects the others by name),
+            # and not while torch.compile traces (split tensors are then never read).
             if (m_splits.device.type == "cpu" and m_splits.dtype in SPLIT_DTYPES
-                    and m_splits.dim() == 1):
+                    and m_splits.dim() == 1 and host_checks()):
                 given = m_splits.tolist()
         elif isinstance(m_splits, (list, tuple)):
             given = m_splits

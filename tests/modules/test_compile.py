@@ -96,3 +96,37 @@ def test_compiled_with_host_list_splits_and_list_input():
         want = module(x, [2, 3])
         torch.testing.assert_close(compiled(x, [2, 3]), want, rtol=1e-12, atol=1e-12)
         torch.testing.assert_close(compiled([x[:2], x[2:]]), want, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(compiled([x[:2], x[2:]], torch.tensor([2, 3])), want,
+                                   rtol=1e-12, atol=1e-12)  # a split tensor: not read
+
+
+@pytest.mark.parametrize("delay, fuse", [(True, False), (False, True), (True, True)])
+def test_compiled_per_expert_weights_with_a_gradient_sink_match_eager(delay, fuse):
+    """Per-expert weights with ``delay_wgrad_compute`` / ``fuse_wgrad_accumulation`` under
+    torch.compile: ``.grad`` stays ``None`` where eager leaves it so (an optimizer would
+    otherwise step on zero gradients), ``main_grad`` and the delayed gradients as eager's."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    eager = gl.GroupedLinear(3, 16, 8, params_dtype=torch.float64, single_grouped_weight=False,
+                             delay_wgrad_compute=delay, fuse_wgrad_accumulation=fuse)
+    compiled_layer = gl.GroupedLinear(3, 16, 8, params_dtype=torch.float64,
+                                      single_grouped_weight=False,
+                                      delay_wgrad_compute=delay, fuse_wgrad_accumulation=fuse)
+    compiled_layer.load_state_dict(eager.state_dict())
+    x = torch.randn(12, 16, dtype=torch.float64)
+    results = []
+    for layer, run in ((eager, eager), (compiled_layer, torch.compile(compiled_layer))):
+        for w in layer.weight_list():
+            w.main_grad = torch.zeros_like(w)
+        run(x, [4, 0, 8]).pow(2).sum().backward()
+        before = [p.grad is None for p in layer.parameters()]
+        layer.backward_dw()
+        results.append((before, [None if p.grad is None else p.grad.clone()
+                                 for p in layer.parameters()],
+                        [w.main_grad.clone() for w in layer.weight_list()]))
+    (before_e, grads_e, main_e), (before_c, grads_c, main_c) = results
+    assert before_c == before_e
+    assert [g is None for g in grads_c] == [g is None for g in grads_e]
+    for a, b in zip(grads_c + main_c, grads_e + main_e):
+        if a is not None:
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
