@@ -277,13 +277,11 @@ class GroupedLinear(nn.Module):
     ) -> torch.Tensor | tuple[torch.Tensor, object]:
         """Apply each group's linear map; see the class docstring for shapes.
 
-        ``is_first_microbatch`` only matters for FP8 recipes: ``None`` quantizes
-        the weight on every call, ``True`` quantizes it and refreshes the cache,
-        ``False`` reuses the cache (filling it if empty), as across the
-        microbatches of one step. High-precision compute ignores it.
-        ``return_bias`` overrides the constructor's choice for this call (callers
-        that fold the bias into their next kernel, like ``GroupedMLP``).
-        """
+        ``is_first_microbatch`` only matters for FP8 recipes: ``None`` quantizes the weight on
+        every call, ``True`` quantizes it and refreshes the cache, ``False`` reuses the cache
+        (filling it if empty), as across the microbatches of one step. ``return_bias``
+        overrides the constructor's choice for this call (callers that fold the bias into
+        their next kernel, like ``GroupedMLP``)."""
         if (not self.single_grouped_weight and torch.compiler.is_compiling()
                 and (self.delay_wgrad_compute or self.fuse_wgrad_accumulation)):
             # eagerly (a graph break): compiled, the experts would get zero `.grad`s, not None
@@ -351,15 +349,14 @@ class GroupedLinear(nn.Module):
     def backward_dw(self) -> None:
         """Compute the weight and bias gradients of every pending backward, oldest first.
 
-        Only does work with ``delay_wgrad_compute=True``; gradients accumulate
-        into ``.grad`` (or ``main_grad`` with ``fuse_wgrad_accumulation``, copied there where
-        the weight's ``overwrite_main_grad`` was set at the forward). Every pending
-        entry is checked first (``main_grad`` present, the inputs it reads not changed in place
-        since its backward): a call that raises leaves them all pending.
-        Not with ``fully_shard`` (FSDP2): it swaps the parameters back to their shards and
-        reduces their gradients when the backward ends, so a pending gradient would land
-        on a parameter that is no longer the layer's; that raises ``ValueError``.
-        """
+        Only does work with ``delay_wgrad_compute=True``; gradients accumulate into ``.grad``
+        (or ``main_grad`` with ``fuse_wgrad_accumulation``, copied there where the weight's
+        ``overwrite_main_grad`` was set at the forward). Every pending entry is checked first
+        (``main_grad`` present, the inputs it reads not changed in place since its backward):
+        a call that raises leaves them all pending. Not with ``fully_shard`` (FSDP2): it swaps
+        the parameters back to their shards and reduces their gradients when the backward
+        ends, so a pending gradient would land on a parameter that is no longer the layer's;
+        that raises ``ValueError``."""
         current = {id(p) for p in self.parameters(recurse=False)}
         for sink, *_ in self._pending_wgrads:
             if any(id(p) not in current for p in sink.weights + (sink.biases or [])):
@@ -407,10 +404,13 @@ class GroupedLinear(nn.Module):
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
                                       unexpected_keys, error_msgs)
         # A cached FP8 copy describes the weight before the load: re-quantize it in place
-        # (its buffers stay, so captured CUDA graphs read the loaded weight).
+        # (captured CUDA graphs keep its buffers); under fully_shard the next forward does.
         if self._fp8_weights.entry is not None:
-            with torch.no_grad():
-                self._fp8_weights.refresh_(self.grouped_weight(), self._weight_params()[0])
+            weight = self.grouped_weight().detach()
+            if DTensor is not None and isinstance(weight, DTensor):
+                self._fp8_weights.entry = None
+            else:
+                self._fp8_weights.refresh_(weight, self._weight_params()[0])
 
     def extra_repr(self) -> str:
         parts = [

@@ -54,6 +54,13 @@ def _worker(rank, world, checkpoint_dir):
     set_model_state_dict(restored, state)
     x = torch.randn(12, H)
     assert torch.equal(restored(x, SIZES), sharded(x, SIZES))
+    # A warm FP8 weight cache: a load into the sharded layers drops it, and the next
+    # forward quantizes the loaded weight (as a call quantizing afresh does).
+    warm = _shard(_model(7), mesh)
+    with gl.autocast(gl.recipes.Float8Rowwise()):
+        warm(x, SIZES, is_first_microbatch=True)
+        warm.load_state_dict(get_model_state_dict(sharded))
+        assert torch.equal(warm(x, SIZES, is_first_microbatch=False), sharded(x, SIZES))
 
 
 def test_fully_shard_trains_like_one_process_and_checkpoints():
