@@ -14,7 +14,7 @@ from ..ops.checks import check_int
 from ..ops.dispatch import check_backend
 from ..ops.fp8 import Float8WeightTensor, Fp8WeightCache
 from ..ops.grouped_linear import apply_grouped_linear, flatten_rows, reads_fp8_rows
-from ..ops.weight_grad import WeightGradSink, check_main_grad
+from ..ops.weight_grad import WeightGradSink
 from ..parallel.tensor_parallel import TensorParallel
 from ..recipes import Float8Rowwise, check_recipe
 
@@ -340,11 +340,11 @@ class GroupedLinear(nn.Module):
         if not torch.is_grad_enabled() or not (trains_w or self.delay_wgrad_compute and any(
                 b.requires_grad for b in self._bias_params() or ())):
             return None
-        if self.fuse_wgrad_accumulation and trains_w:  # frozen experts need no main_grad
-            check_main_grad(*zip(*((w, n) for w, n in zip(weights, names) if w.requires_grad)))
-        return WeightGradSink(weights, self._bias_params(), names, delay=self.delay_wgrad_compute,
+        sink = WeightGradSink(weights, self._bias_params(), names, delay=self.delay_wgrad_compute,
                               fuse_main_grad=self.fuse_wgrad_accumulation and trains_w,
                               queue=self._pending_wgrads)
+        sink.check_main_grad([w.requires_grad for w in weights])  # frozen experts need none
+        return sink
 
     def backward_dw(self) -> None:
         """Compute the weight and bias gradients of every pending backward, oldest first.

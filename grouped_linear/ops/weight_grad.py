@@ -215,7 +215,7 @@ class WeightGradSink:
         ``(G, N, K)`` weight the autograd function took; marks ``grad_added_to_main_grad``
         where the parameters in ``mask`` carry it."""
         for param in _chosen(self.weights, mask):
-            if any(param is flagged for flagged in self.flagged):
+            if hasattr(param, "grad_added_to_main_grad"):
                 param.grad_added_to_main_grad = True
         if self.placeholder is None:
             return None
@@ -246,8 +246,7 @@ class WeightGradSink:
         (``main_grad`` present and sound, inputs unchanged) before any gradient moves; a
         failing check raises and leaves the queue as it was."""
         for sink, _, reads, (mask_w, _) in queue:
-            if any(mask_w):
-                sink.check_main_grad(mask_w)
+            sink.check_main_grad(mask_w)
             _check_versions(reads)
         while queue:
             sink, compute, _, (mask_w, mask_b) = queue[0]

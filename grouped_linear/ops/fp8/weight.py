@@ -203,7 +203,7 @@ class Fp8WeightCache:
     def get(self, weight: torch.Tensor, recipe: Float8Recipe, route: str, refresh: bool,
             sources: Sequence[torch.Tensor] | None = None) -> Fp8Weight:
         """``sources``: the parameters ``weight`` is stacked from (default: ``weight``)."""
-        entry, stamp = self.entry, _stamp(weight, sources if sources is not None else (weight,))
+        entry, stamp = self.entry, _stamp(weight, sources)
         if (entry is None or entry.recipe != recipe or entry.route != route
                 or entry.shape != tuple(weight.shape) or self._stuck_in_inference()):
             entry = self.entry = Fp8Weight(weight, recipe, route)
@@ -227,7 +227,7 @@ class Fp8WeightCache:
             self.entry = Fp8Weight(weight, self.entry.recipe, self.entry.route)
         elif self.entry is not None:
             self.entry.refresh_(weight)
-        self.stamp = _stamp(weight, sources if sources is not None else (weight,))
+        self.stamp = _stamp(weight, sources)
 
 
 class _OptimizerSteps:
@@ -249,12 +249,14 @@ class _OptimizerSteps:
         cls.count += 1
 
 
-def _stamp(weight: torch.Tensor, sources: Sequence[torch.Tensor]) -> tuple:
-    """What identifies the state of the tensors ``weight`` is made of: in-place writes bump a
-    tensor's version (an inference tensor, made under ``torch.inference_mode``, keeps none),
-    a replaced parameter is another object, new data (``param.data = ...``, a conversion) lies
-    at another address, an optimizer step is counted (:class:`_OptimizerSteps`), and the
-    weight's dtype is the one the GEMMs read (``torch.autocast``'s)."""
+def _stamp(weight: torch.Tensor, sources: Sequence[torch.Tensor] | None) -> tuple:
+    """What identifies the state of the tensors ``weight`` is made of (``sources``, default
+    ``weight`` itself): in-place writes bump a tensor's version (an inference tensor, made
+    under ``torch.inference_mode``, keeps none), a replaced parameter is another object, new
+    data (``param.data = ...``, a conversion) lies at another address, an optimizer step is
+    counted (:class:`_OptimizerSteps`), and the weight's dtype is the one the GEMMs read
+    (``torch.autocast``'s)."""
+    sources = (weight,) if sources is None else sources
     try:
         versions = tuple(t._version for t in sources)
     except RuntimeError:  # an inference tensor among them
